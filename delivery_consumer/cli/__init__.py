@@ -1,0 +1,46 @@
+"""The ``delivery-consumer`` command: a thin click layer over the library.
+
+Each command module is imported only when its command runs, so that
+``replay`` and the inspect commands never pay for importing pika.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import click
+
+from .. import __version__
+
+# command name -> "module:attribute" (relative to this package)
+COMMANDS: dict[str, str] = {
+    "init": "replay:init",
+    "replay": "replay:replay",
+}
+
+
+class LazyGroup(click.Group):
+    """A group whose subcommands are imported on first use."""
+
+    def __init__(self, *args: Any, lazy: dict[str, str] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lazy = dict(lazy or {})
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | set(self.lazy))
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in self.lazy:
+            module_name, attr = self.lazy[cmd_name].split(":")
+            module = importlib.import_module(f"{__name__}.{module_name}")
+            command: click.Command = getattr(module, attr)
+            return command
+        return super().get_command(ctx, cmd_name)
+
+
+@click.group(cls=LazyGroup, lazy=COMMANDS, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="delivery-consumer")
+def main() -> None:
+    """RabbitMQ consumers with a per-consumer SQLite inbox: every event is
+    applied once, acknowledged only after its commit, and never lost."""

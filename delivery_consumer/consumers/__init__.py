@@ -1,0 +1,119 @@
+"""The registry of consumers: one module per domain effect.
+
+A consumer is a :class:`ConsumerSpec`: a name, the forward-only migrations
+that create its effect tables, the AMQP binding keys of its queue, and an
+``apply`` function. ``apply`` receives an open connection *inside* the
+store's transaction and the validated envelope, changes its own tables and
+returns a result string (``updated``, ``recorded``, ...). It never commits,
+rolls back or opens a transaction: the store owns the boundary. It raises
+:class:`~delivery_consumer.errors.Rejection` for a permanent refusal and
+:class:`~delivery_consumer.errors.TransientError` to ask for a retry.
+
+Adding a consumer is one module plus its registration, in one of three ways:
+
+* a built-in: a line in ``_BUILTINS`` below;
+* an installed plugin: an entry point in the group
+  ``delivery_consumer.consumers`` whose value is the module (or the spec);
+* ad hoc: ``DELIVERY_PLUGINS=my.module,other.module`` (each module calls
+  :func:`register` on import), or :func:`register` from Python.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sqlite3
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+
+from ..envelope import Envelope
+from ..errors import ConfigError
+
+ApplyFn = Callable[[sqlite3.Connection, Envelope], str]
+
+ENTRY_POINT_GROUP = "delivery_consumer.consumers"
+PLUGINS_ENV = "DELIVERY_PLUGINS"
+
+
+@dataclass(frozen=True)
+class ConsumerSpec:
+    """Everything the store and the broker need to know about one consumer."""
+
+    name: str
+    apply: ApplyFn
+    #: Forward-only SQL scripts creating and evolving the effect tables; the
+    #: store runs the ones a database has not seen yet, in order. Never edit
+    #: or remove a published entry: append a new one.
+    migrations: Sequence[str]
+    #: Topic-exchange binding keys of the consumer's queue.
+    binding_keys: Sequence[str] = ("#",)
+    description: str = ""
+    #: Effect tables that read-only commands may list (``<name> list``).
+    tables: Sequence[str] = field(default_factory=tuple)
+
+
+_BUILTINS: dict[str, str] = {
+    "catalog": "delivery_consumer.consumers.catalog",
+    "audit": "delivery_consumer.consumers.audit",
+}
+_REGISTRY: dict[str, ConsumerSpec] = {}
+_plugins_loaded = False
+
+
+def register(spec: ConsumerSpec, *, replace: bool = False) -> ConsumerSpec:
+    """Make *spec* available by its name; refuses to shadow another spec."""
+    existing = _REGISTRY.get(spec.name)
+    if existing is not None and existing is not spec and not replace:
+        raise ConfigError(f"consumer {spec.name!r} is already registered")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def unregister(name: str) -> None:
+    """Forget a consumer registered at run time (for tests)."""
+    _REGISTRY.pop(name, None)
+
+
+def _load_plugins() -> None:
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True
+    for module in filter(None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(","))):
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise ConfigError(f"{PLUGINS_ENV}: cannot import {module!r}: {exc}") from None
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in _REGISTRY:
+            continue
+        loaded = ep.load()
+        spec = loaded if isinstance(loaded, ConsumerSpec) else getattr(loaded, "SPEC", None)
+        if isinstance(spec, ConsumerSpec):
+            register(spec)
+
+
+def get(name: str) -> ConsumerSpec:
+    """The consumer called *name*, or ConfigError listing the known ones."""
+    spec = _REGISTRY.get(name)
+    if spec is not None:
+        return spec
+    if name in _BUILTINS:
+        module = importlib.import_module(_BUILTINS[name])
+        spec = module.SPEC
+        return register(spec)
+    _load_plugins()
+    spec = _REGISTRY.get(name)
+    if spec is None:
+        raise ConfigError(f"unknown consumer {name!r} (known: {', '.join(names())})")
+    return spec
+
+
+def names() -> list[str]:
+    """Names of every consumer that can be used, built-in and registered."""
+    _load_plugins()
+    return sorted(set(_BUILTINS) | set(_REGISTRY))
+
+
+__all__ = ["ApplyFn", "ConsumerSpec", "get", "names", "register", "unregister"]

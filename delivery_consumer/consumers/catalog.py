@@ -1,0 +1,92 @@
+"""The catalog projection: the latest revision of each material.
+
+Ordering is by ``revision``, never by arrival or ``occurredAt``:
+
+* no row, or a higher revision than stored -> write it, ``updated``
+  (``material.withdrawn`` writes ``published = 0`` and keeps the title and
+  url of its own revision);
+* a lower revision -> nothing changes, ``stale``;
+* the same revision -> compare the fingerprint of the domain state
+  (articleId, title, url, published): equal -> ``same-state``, different ->
+  rejection ``revision-conflict`` (two facts claim the same version).
+
+Because the outcome depends only on the highest revision seen, any order and
+any duplication of a set of events converges to the same table
+(``tests/test_properties.py`` checks it).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+
+from ..envelope import Envelope, fingerprint
+from ..errors import REVISION_CONFLICT, Rejection
+from . import ConsumerSpec
+
+PUBLISHED = "material.published"
+WITHDRAWN = "material.withdrawn"
+
+MIGRATIONS = (
+    """
+    CREATE TABLE catalog (
+        article_id  TEXT PRIMARY KEY,
+        revision    INTEGER NOT NULL CHECK (revision >= 1),
+        title       TEXT NOT NULL,
+        url         TEXT NOT NULL,
+        published   INTEGER NOT NULL CHECK (published IN (0, 1)),
+        event_id    TEXT NOT NULL,
+        occurred_at TEXT NOT NULL
+    ) STRICT;
+    """,
+)
+
+_SELECT = "SELECT revision, title, url, published FROM catalog WHERE article_id = ?"
+_UPSERT = """
+INSERT INTO catalog (article_id, revision, title, url, published, event_id, occurred_at)
+VALUES (?, ?, ?, ?, ?, ?, ?)
+ON CONFLICT (article_id) DO UPDATE SET
+    revision = excluded.revision, title = excluded.title, url = excluded.url,
+    published = excluded.published, event_id = excluded.event_id,
+    occurred_at = excluded.occurred_at
+"""
+
+
+def state_fingerprint(article_id: str, title: str, url: str, published: bool) -> str:
+    """Fingerprint of the domain state of one material at one revision."""
+    return fingerprint(
+        {"articleId": article_id, "title": title, "url": url, "published": bool(published)}
+    )
+
+
+def apply(conn: sqlite3.Connection, env: Envelope) -> str:
+    """Apply one material event to the projection; see the module docstring."""
+    published = env.type == PUBLISHED
+    title, url = env.title, env.url
+    row = conn.execute(_SELECT, (env.article_id,)).fetchone()
+    if row is None or env.revision > row[0]:
+        conn.execute(
+            _UPSERT,
+            (env.article_id, env.revision, title, url, int(published), env.event_id, env.occurred_at),
+        )
+        return "updated"
+    if env.revision < row[0]:
+        return "stale"
+    stored = state_fingerprint(env.article_id, row[1], row[2], bool(row[3]))
+    if stored == state_fingerprint(env.article_id, title, url, published):
+        return "same-state"
+    raise Rejection(
+        REVISION_CONFLICT,
+        f"revision {env.revision} of article is already stored with another state",
+        event_id=env.event_id,
+        fingerprint=env.fingerprint,
+    )
+
+
+SPEC = ConsumerSpec(
+    name="catalog",
+    apply=apply,
+    migrations=MIGRATIONS,
+    binding_keys=("material.*",),
+    description="projection of the latest revision of each material",
+    tables=("catalog",),
+)

@@ -1,0 +1,95 @@
+"""The exception tree of delivery-consumer.
+
+Every failure that reaches an event carries a *code*, so that the CLI, the
+broker loop and the ``rejected`` table speak the same vocabulary:
+
+* :class:`Rejection` -- permanent: retrying the same bytes can never succeed.
+  The event is recorded in ``rejected`` (and, with a broker, dead-lettered).
+* :class:`TransientError` -- the same bytes may succeed later (database busy
+  past its timeout, disk full, an endpoint that timed out). With a broker the
+  delivery goes to a retry tier; ``replay`` reports it and exits non-zero.
+* :class:`DatabaseError` -- the consumer's database cannot be used at all
+  (missing, corrupt, of another consumer, newer schema). Not about one event:
+  the command stops with one clear line.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Final
+
+# Rejection codes (exact strings; part of the public contract).
+MALFORMED_JSON: Final = "malformed-json"
+INVALID_ENVELOPE: Final = "invalid-envelope"
+UNKNOWN_TYPE: Final = "unknown-type"
+EVENT_ID_REUSED: Final = "event-id-reused"
+REVISION_CONFLICT: Final = "revision-conflict"
+RETRIES_EXHAUSTED: Final = "retries-exhausted"
+
+REJECTION_CODES: Final = (
+    MALFORMED_JSON,
+    INVALID_ENVELOPE,
+    UNKNOWN_TYPE,
+    EVENT_ID_REUSED,
+    REVISION_CONFLICT,
+)
+
+#: Reasons end up in logs, AMQP headers and the ``rejected`` table: keep them
+#: short and free of control characters, whatever the payload contained.
+MAX_REASON_CHARS: Final = 200
+_UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def safe_reason(text: str, limit: int = MAX_REASON_CHARS) -> str:
+    """Return *text* as one short printable line, safe to log."""
+    text = _UNSAFE.sub(" ", text).strip()
+    if len(text) > limit:
+        text = text[: limit - 1] + "…"
+    return text
+
+
+class DeliveryError(Exception):
+    """Base class of every error raised by delivery-consumer."""
+
+
+class Rejection(DeliveryError):
+    """A permanent refusal of one event, with a rejection code.
+
+    ``event_id`` and ``fingerprint`` are filled in when they are known (a body
+    that is not JSON has neither).
+    """
+
+    def __init__(
+        self,
+        code: str,
+        reason: str,
+        *,
+        event_id: str | None = None,
+        fingerprint: str | None = None,
+    ) -> None:
+        self.code = code
+        self.reason = safe_reason(reason)
+        self.event_id = event_id
+        self.fingerprint = fingerprint
+        super().__init__(f"{code}: {self.reason}")
+
+
+class TransientError(DeliveryError):
+    """A failure that may go away by itself; the event should be retried.
+
+    Consumer effects raise it (or a subclass) to ask for a retry instead of a
+    rejection. ``code`` names the cause in logs and headers.
+    """
+
+    def __init__(self, reason: str, *, code: str = "transient") -> None:
+        self.code = code
+        self.reason = safe_reason(reason)
+        super().__init__(f"{code}: {self.reason}")
+
+
+class DatabaseError(DeliveryError):
+    """The consumer database cannot be opened or used (not about one event)."""
+
+
+class ConfigError(DeliveryError):
+    """A configuration or usage error (unknown consumer, bad option value)."""

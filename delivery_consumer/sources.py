@@ -1,0 +1,105 @@
+"""Where envelopes come from on the command line: files, directories, stdin.
+
+A SOURCE is a ``.json`` file holding one envelope, a ``.ndjson`` / ``.jsonl``
+file with one envelope per line, a directory (its such files, in name order,
+not recursive), or ``-`` for NDJSON on standard input. Each item keeps its
+location (``file:line``) so that a rejection can point at it.
+
+Nothing here trusts the input's size: a line or file longer than the body
+limit is cut at ``limit + 1`` bytes (enough for the envelope check to reject
+it as too large) and the rest is skipped without being held in memory.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from .envelope import MAX_BODY_BYTES
+from .errors import ConfigError
+
+SINGLE_SUFFIXES = (".json",)
+LINE_SUFFIXES = (".ndjson", ".jsonl")
+SUFFIXES = SINGLE_SUFFIXES + LINE_SUFFIXES
+_CHUNK = 1 << 16
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """One body read from a source, with where it came from."""
+
+    location: str
+    body: bytes
+
+
+def expand(sources: Sequence[str]) -> list[str]:
+    """Resolve SOURCE arguments to files (or ``-``), checking they exist.
+
+    Raises ConfigError naming the first source that cannot be read, before
+    anything is applied.
+    """
+    files: list[str] = []
+    for source in sources:
+        if source == "-":
+            files.append(source)
+            continue
+        path = Path(source)
+        if path.is_dir():
+            found = sorted(
+                p for p in path.iterdir() if p.is_file() and p.suffix.lower() in SUFFIXES
+            )
+            files.extend(str(p) for p in found)
+        elif path.is_file():
+            if path.suffix.lower() not in SUFFIXES:
+                raise ConfigError(f"{source}: unsupported file type (use .json, .ndjson or .jsonl)")
+            if not os.access(path, os.R_OK):
+                raise ConfigError(f"{source}: not readable")
+            files.append(str(path))
+        else:
+            raise ConfigError(f"{source}: no such file or directory")
+    return files
+
+
+def total_size(files: Sequence[str]) -> int:
+    """Bytes in the listed files (stdin counts as 0)."""
+    return sum(os.path.getsize(f) for f in files if f != "-")
+
+
+def _bounded_lines(stream: BinaryIO, limit: int) -> Iterator[bytes]:
+    """Lines of *stream* without their end, each cut at ``limit + 1`` bytes."""
+    while True:
+        line = stream.readline(limit + 2)
+        if not line:
+            return
+        if len(line) > limit + 1 and not line.endswith(b"\n"):
+            # Too long: keep limit + 1 bytes, drop the rest of the line.
+            rest = line
+            while rest and not rest.endswith(b"\n"):
+                rest = stream.readline(_CHUNK)
+            yield line[: limit + 1]
+            continue
+        yield line.rstrip(b"\r\n")
+
+
+def read(files: Sequence[str], *, limit: int = MAX_BODY_BYTES, stdin: BinaryIO | None = None) -> Iterator[Item]:
+    """Every envelope body in *files* (as returned by :func:`expand`), in order."""
+    for name in files:
+        if name == "-":
+            stream = stdin if stdin is not None else sys.stdin.buffer
+            yield from _lines("-", stream, limit)
+            continue
+        with open(name, "rb") as handle:
+            if name.lower().endswith(SINGLE_SUFFIXES):
+                yield Item(name, handle.read(limit + 1))
+            else:
+                yield from _lines(name, handle, limit)
+
+
+def _lines(name: str, stream: BinaryIO, limit: int) -> Iterator[Item]:
+    for number, line in enumerate(_bounded_lines(stream, limit), start=1):
+        if line.strip():
+            yield Item(f"{name}:{number}", line)

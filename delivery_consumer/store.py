@@ -1,0 +1,561 @@
+"""The consumer's SQLite database and the transaction boundary of an event.
+
+One database per consumer. For every event, one write transaction
+(``BEGIN IMMEDIATE``) reads the inbox receipt, runs the consumer's effect,
+writes the receipt and commits; only then may a delivery be acknowledged.
+
+* same eventId, same fingerprint -> ``duplicate:<stored result>``, nothing
+  else changes;
+* same eventId, another fingerprint -> rejection ``event-id-reused``;
+* otherwise the consumer's ``apply`` decides the result.
+
+A batch is one transaction with a SAVEPOINT per event, so a rejected event
+never undoes its neighbours and one fsync covers the whole batch. Rejections
+are written to ``rejected`` in the same transaction, after the event's own
+changes were rolled back to its savepoint.
+
+Connections: made in the thread that uses them, never shared (Python's
+``check_same_thread``), in autocommit mode (``isolation_level=None``) with
+explicit BEGIN IMMEDIATE / COMMIT: on Python 3.11 the default mode issues a
+*deferred* BEGIN only before the first write, so the inbox SELECT would run
+outside the transaction, and a deferred read->write upgrade in WAL fails at
+once with SQLITE_BUSY without waiting (https://sqlite.org/lang_transaction.html).
+Durability: WAL with ``synchronous=FULL``: the WAL is synced at every commit,
+so an acknowledged event survives power loss; NORMAL would not
+(https://sqlite.org/pragma.html#pragma_synchronous).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import quote
+
+from . import __version__, consumers
+from .consumers import ConsumerSpec
+from .envelope import Envelope
+from .errors import (
+    EVENT_ID_REUSED,
+    DatabaseError,
+    Rejection,
+    TransientError,
+    safe_reason,
+)
+
+#: How long a writer waits for another writer before giving up (ms). Kept well
+#: below the AMQP heartbeat (60 s) so that waiting never costs the connection.
+DEFAULT_BUSY_TIMEOUT_MS = 5000
+
+#: Forward-only migrations of the store's own tables. ``PRAGMA user_version``
+#: is the number of entries applied. Never edit an entry: append one.
+CORE_MIGRATIONS: tuple[str, ...] = (
+    """
+    CREATE TABLE meta (
+        key   TEXT PRIMARY KEY,
+        value TEXT NOT NULL
+    ) STRICT;
+    CREATE TABLE inbox (
+        event_id    TEXT PRIMARY KEY,
+        fingerprint TEXT NOT NULL,
+        result      TEXT NOT NULL,
+        event_type  TEXT NOT NULL,
+        received_at TEXT NOT NULL
+    ) STRICT, WITHOUT ROWID;
+    CREATE INDEX inbox_received_at ON inbox (received_at);
+    CREATE TABLE rejected (
+        id          INTEGER PRIMARY KEY,
+        code        TEXT NOT NULL,
+        reason      TEXT NOT NULL,
+        event_id    TEXT,
+        fingerprint TEXT,
+        body_sha256 TEXT,
+        source      TEXT,
+        attempts    INTEGER NOT NULL DEFAULT 0,
+        dead_letter TEXT,
+        rejected_at TEXT NOT NULL,
+        resolved_at TEXT
+    ) STRICT;
+    CREATE INDEX rejected_event_id ON rejected (event_id);
+    CREATE INDEX rejected_at ON rejected (rejected_at);
+    CREATE TABLE deliveries (
+        key          TEXT PRIMARY KEY,
+        event_id     TEXT,
+        deliveries   INTEGER NOT NULL,
+        redeliveries INTEGER NOT NULL,
+        attempts     INTEGER NOT NULL,
+        first_at     TEXT NOT NULL,
+        last_at      TEXT NOT NULL,
+        last_outcome TEXT
+    ) STRICT, WITHOUT ROWID;
+    CREATE INDEX deliveries_last_at ON deliveries (last_at);
+    """,
+)
+STORE_VERSION = len(CORE_MIGRATIONS)
+_CONSUMER_VERSION_KEY = "consumer_schema_version"
+
+# SQLite primary result codes (https://sqlite.org/rescode.html).
+_TRANSIENT_CODES = {5: "database-busy", 6: "database-busy", 10: "io-error", 13: "disk-full"}
+
+
+def now_iso(when: float | None = None) -> str:
+    """UTC time as ``YYYY-MM-DDTHH:MM:SS.mmmZ`` (sorts as text)."""
+    when = time.time() if when is None else when
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(when)) + f".{int(when % 1 * 1000):03d}Z"
+
+
+def default_db_path(consumer: str) -> Path:
+    """Where a consumer's database lives unless told otherwise."""
+    return Path("state") / consumer / "inbox.db"
+
+
+def translate(exc: sqlite3.Error, path: Path | str) -> DatabaseError | TransientError:
+    """Map an sqlite3 error to the project's own: transient or fatal."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None and code & 0xFF in _TRANSIENT_CODES:
+        return TransientError(f"{path}: {exc}", code=_TRANSIENT_CODES[code & 0xFF])
+    return DatabaseError(f"{path}: {exc}")
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What happened to one event in a transaction."""
+
+    event_id: str | None
+    result: str | None = None
+    rejection: Rejection | None = None
+    transient: TransientError | None = None
+
+    @property
+    def status(self) -> str:
+        """The result, the rejection code, or ``transient:<code>``."""
+        if self.result is not None:
+            return self.result
+        if self.rejection is not None:
+            return self.rejection.code
+        assert self.transient is not None
+        return f"transient:{self.transient.code}"
+
+
+def _statements(script: str) -> Iterator[str]:
+    """Split an SQL script into statements (executescript would COMMIT)."""
+    buffer = ""
+    for line in script.splitlines(keepends=True):
+        buffer += line
+        if sqlite3.complete_statement(buffer):
+            yield buffer.strip()
+            buffer = ""
+    if buffer.strip():
+        raise ValueError(f"incomplete SQL statement in migration: {buffer.strip()[:60]!r}")
+
+
+class ConsumerDB:
+    """An open consumer database: its connection, path and consumer spec.
+
+    Use :meth:`open`; one instance per thread. Read-only instances (for the
+    inspect commands) open the file with ``mode=ro`` and autocommit, so they
+    never hold a write lock nor a long read snapshot.
+    """
+
+    def __init__(self, conn: sqlite3.Connection, path: Path, spec: ConsumerSpec, readonly: bool):
+        self.conn = conn
+        self.path = path
+        self.spec = spec
+        self.readonly = readonly
+
+    # -- opening ---------------------------------------------------------------
+
+    @classmethod
+    def open(
+        cls,
+        path: Path | str | None = None,
+        consumer: str | None = None,
+        *,
+        create: bool = False,
+        readonly: bool = False,
+        busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS,
+    ) -> ConsumerDB:
+        """Open (and with ``create`` make) the database of *consumer*.
+
+        Either argument may be omitted: the path defaults to
+        ``state/<consumer>/inbox.db``; the consumer defaults to the one the
+        database records. Raises :class:`DatabaseError` for a missing,
+        foreign, corrupt, newer or other consumer's database.
+        """
+        if path is None:
+            if consumer is None:
+                raise DatabaseError("give a consumer name or a database path")
+            path = default_db_path(consumer)
+        path = Path(path)
+        if path.is_dir():
+            raise DatabaseError(f"{path}: is a directory, not a database file")
+        exists = path.exists()
+        if not exists and (readonly or not create):
+            hint = f" (create it with: delivery-consumer init --consumer {consumer or 'NAME'} --db {path})"
+            raise DatabaseError(f"{path}: no such database{hint}")
+        if not exists:
+            if consumer is None:
+                raise DatabaseError(f"{path}: no such database; give --consumer to create it")
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise DatabaseError(f"{path}: cannot create its directory: {exc.strerror or exc}") from None
+        spec = consumers.get(consumer) if consumer is not None else None
+        conn = cls._connect(path, readonly, busy_timeout_ms)
+        try:
+            if readonly:
+                stored = cls._check_readable(conn, path)
+            else:
+                stored = cls._prepare_writable(conn, path, consumer, spec)
+            if consumer is not None and stored != consumer:
+                raise DatabaseError(
+                    f"{path}: this database belongs to consumer {stored!r}, not {consumer!r}"
+                )
+            spec = spec or consumers.get(stored)
+            if readonly:
+                cls._check_consumer_version(conn, path, spec)
+        except sqlite3.Error as exc:
+            conn.close()
+            raise DatabaseError(f"{path}: cannot use this database: {exc}") from None
+        except BaseException:
+            conn.close()
+            raise
+        return cls(conn, path, spec, readonly)
+
+    @staticmethod
+    def _connect(path: Path, readonly: bool, busy_timeout_ms: int) -> sqlite3.Connection:
+        try:
+            if readonly:
+                uri = f"file:{quote(str(path.resolve()))}?mode=ro"
+                conn = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=busy_timeout_ms / 1000)
+            else:
+                conn = sqlite3.connect(path, isolation_level=None, timeout=busy_timeout_ms / 1000)
+                # Persistent; a no-op when the file is already in WAL mode.
+                mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+                if mode != "wal":
+                    raise DatabaseError(f"{path}: cannot switch to WAL mode (got {mode!r})")
+                conn.execute("PRAGMA synchronous = FULL")
+            conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
+            return conn
+        except sqlite3.Error as exc:
+            raise DatabaseError(f"{path}: cannot open database: {exc}") from None
+
+    @staticmethod
+    def _stored_consumer(conn: sqlite3.Connection, path: Path) -> str | None:
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        if version > STORE_VERSION:
+            raise DatabaseError(
+                f"{path}: database schema version {version} is newer than this "
+                f"delivery-consumer ({__version__}) understands ({STORE_VERSION}); upgrade it"
+            )
+        if version == 0:
+            tables = conn.execute("SELECT count(*) FROM sqlite_schema").fetchone()[0]
+            if tables:
+                raise DatabaseError(f"{path}: not a delivery-consumer database")
+            return None
+        row = conn.execute("SELECT value FROM meta WHERE key = 'consumer'").fetchone()
+        if row is None:
+            raise DatabaseError(f"{path}: not a delivery-consumer database (no consumer recorded)")
+        return str(row[0])
+
+    @classmethod
+    def _check_readable(cls, conn: sqlite3.Connection, path: Path) -> str:
+        stored = cls._stored_consumer(conn, path)
+        if stored is None:
+            raise DatabaseError(f"{path}: empty database; run delivery-consumer init first")
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        if version < STORE_VERSION:
+            raise DatabaseError(f"{path}: schema version {version} is old; run init to upgrade it")
+        return stored
+
+    @staticmethod
+    def _check_consumer_version(conn: sqlite3.Connection, path: Path, spec: ConsumerSpec) -> None:
+        row = conn.execute("SELECT value FROM meta WHERE key = ?", (_CONSUMER_VERSION_KEY,)).fetchone()
+        version = int(row[0]) if row else 0
+        if version != len(spec.migrations):
+            state = "newer" if version > len(spec.migrations) else "older"
+            raise DatabaseError(
+                f"{path}: the {spec.name} tables are at version {version}, {state} than this "
+                f"delivery-consumer's {len(spec.migrations)}"
+                + ("; run init to upgrade them" if state == "older" else "")
+            )
+
+    @classmethod
+    def _prepare_writable(
+        cls, conn: sqlite3.Connection, path: Path, consumer: str | None, spec: ConsumerSpec | None
+    ) -> str:
+        """Check identity and run pending migrations, all under one write lock."""
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            stored = cls._stored_consumer(conn, path)
+            if stored is None:
+                if consumer is None or spec is None:
+                    raise DatabaseError(f"{path}: empty database; give --consumer to initialise it")
+                stored = consumer
+            elif consumer is not None and stored != consumer:
+                raise DatabaseError(
+                    f"{path}: this database belongs to consumer {stored!r}, not {consumer!r}"
+                )
+            spec = spec or consumers.get(stored)
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            for script in CORE_MIGRATIONS[version:]:
+                for statement in _statements(script):
+                    conn.execute(statement)
+            if version == 0:
+                conn.executemany(
+                    "INSERT INTO meta (key, value) VALUES (?, ?)",
+                    [
+                        ("consumer", stored),
+                        ("created_at", now_iso()),
+                        ("created_by", f"delivery-consumer {__version__}"),
+                        (_CONSUMER_VERSION_KEY, "0"),
+                    ],
+                )
+            conn.execute(f"PRAGMA user_version = {STORE_VERSION}")
+            row = conn.execute(
+                "SELECT value FROM meta WHERE key = ?", (_CONSUMER_VERSION_KEY,)
+            ).fetchone()
+            applied = int(row[0]) if row else 0
+            if applied > len(spec.migrations):
+                raise DatabaseError(
+                    f"{path}: the {spec.name} tables are at version {applied}, newer than "
+                    f"this delivery-consumer's {len(spec.migrations)}; upgrade it"
+                )
+            for script in spec.migrations[applied:]:
+                for statement in _statements(script):
+                    conn.execute(statement)
+            conn.execute(
+                "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
+                (_CONSUMER_VERSION_KEY, str(len(spec.migrations))),
+            )
+            conn.execute("COMMIT")
+            return stored
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+
+    # -- use -------------------------------------------------------------------
+
+    @property
+    def consumer(self) -> str:
+        return self.spec.name
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self) -> ConsumerDB:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[Transaction]:
+        """One write transaction: BEGIN IMMEDIATE ... COMMIT, or ROLLBACK.
+
+        sqlite3 errors leave as :class:`TransientError` (busy past the
+        timeout, disk full, I/O error: the caller may retry the whole batch)
+        or :class:`DatabaseError` (the database is unusable).
+        """
+        if self.readonly:
+            raise DatabaseError(f"{self.path}: opened read-only")
+        conn = self.conn
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            tx = Transaction(self, now_iso())
+            yield tx
+            conn.execute("COMMIT")
+        except sqlite3.Error as exc:
+            self._rollback()
+            raise translate(exc, self.path) from None
+        except BaseException:
+            self._rollback()
+            raise
+
+    def _rollback(self) -> None:
+        if self.conn.in_transaction:
+            # SQLite may already have rolled back by itself (e.g. SQLITE_FULL).
+            with suppress(sqlite3.Error):
+                self.conn.execute("ROLLBACK")
+
+    def meta(self) -> dict[str, str]:
+        """The database's identity and versions."""
+        return dict(self.conn.execute("SELECT key, value FROM meta").fetchall())
+
+
+class Transaction:
+    """The open write transaction of a :meth:`ConsumerDB.transaction` block."""
+
+    __slots__ = ("conn", "db", "now", "spec")
+
+    def __init__(self, db: ConsumerDB, now: str):
+        self.db = db
+        self.conn = db.conn
+        self.spec = db.spec
+        self.now = now
+
+    def apply(self, env: Envelope) -> Outcome:
+        """Apply one event under its own savepoint; never raises for the event.
+
+        A rejection or a transient failure rolls the event's changes back to
+        its savepoint and is returned in the :class:`Outcome`; the rest of the
+        transaction goes on. sqlite3 errors propagate: they concern the whole
+        transaction.
+        """
+        conn = self.conn
+        conn.execute("SAVEPOINT event")
+        try:
+            result = self._apply(env)
+        except Rejection as rej:
+            self._undo()
+            return Outcome(env.event_id, rejection=rej)
+        except sqlite3.Error:
+            raise
+        except TransientError as exc:
+            self._undo()
+            return Outcome(env.event_id, transient=exc)
+        except Exception as exc:  # a bug in an effect: retried, then dead-lettered
+            self._undo()
+            reason = f"{type(exc).__name__} in {self.spec.name} effect: {exc}"
+            return Outcome(env.event_id, transient=TransientError(reason, code="handler-error"))
+        conn.execute("RELEASE event")
+        return Outcome(env.event_id, result=result)
+
+    def _undo(self) -> None:
+        self.conn.execute("ROLLBACK TO event")
+        self.conn.execute("RELEASE event")
+
+    def _apply(self, env: Envelope) -> str:
+        conn = self.conn
+        row = conn.execute(
+            "SELECT fingerprint, result FROM inbox WHERE event_id = ?", (env.event_id,)
+        ).fetchone()
+        if row is not None:
+            if row[0] == env.fingerprint:
+                return "duplicate:" + str(row[1])
+            raise Rejection(
+                EVENT_ID_REUSED,
+                f"eventId was first received with fingerprint {row[0][:12]}…, this body differs",
+                event_id=env.event_id,
+                fingerprint=env.fingerprint,
+            )
+        result = self.spec.apply(conn, env)
+        conn.execute(
+            "INSERT INTO inbox (event_id, fingerprint, result, event_type, received_at)"
+            " VALUES (?, ?, ?, ?, ?)",
+            (env.event_id, env.fingerprint, result, env.type, self.now),
+        )
+        return result
+
+    def record_rejection(
+        self,
+        rejection: Rejection,
+        *,
+        source: str | None = None,
+        body_sha256: str | None = None,
+        attempts: int = 0,
+        dead_letter: str | None = None,
+    ) -> int:
+        """Write one row to ``rejected``; returns its id."""
+        cur = self.conn.execute(
+            "INSERT INTO rejected (code, reason, event_id, fingerprint, body_sha256, source,"
+            " attempts, dead_letter, rejected_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                rejection.code,
+                rejection.reason,
+                rejection.event_id,
+                rejection.fingerprint,
+                body_sha256,
+                safe_reason(source) if source else None,
+                attempts,
+                dead_letter,
+                self.now,
+            ),
+        )
+        assert cur.lastrowid is not None
+        return cur.lastrowid
+
+    def record_delivery(
+        self, key: str, event_id: str | None, *, redelivered: bool, attempt: int, outcome: str
+    ) -> tuple[int, int]:
+        """Count one broker delivery of *key* durably; returns (deliveries, attempts).
+
+        *attempt* is the attempt number the delivery carries (1 for the first
+        publication, 2 after one retry tier, ...); the stored value never
+        decreases, so a crash or a lost header cannot reset it.
+        """
+        row = self.conn.execute(
+            "INSERT INTO deliveries (key, event_id, deliveries, redeliveries, attempts,"
+            " first_at, last_at, last_outcome) VALUES (?, ?, 1, ?, ?, ?, ?, ?)"
+            " ON CONFLICT (key) DO UPDATE SET deliveries = deliveries + 1,"
+            " redeliveries = redeliveries + excluded.redeliveries,"
+            " attempts = max(attempts, excluded.attempts), last_at = excluded.last_at,"
+            " last_outcome = excluded.last_outcome"
+            " RETURNING deliveries, attempts",
+            (key, event_id, int(redelivered), attempt, self.now, self.now, outcome),
+        ).fetchone()
+        return int(row[0]), int(row[1])
+
+
+def apply_event(db: ConsumerDB, env: Envelope, *, source: str | None = None) -> str:
+    """Apply one envelope in its own transaction and return its result.
+
+    Raises :class:`Rejection` (already recorded in ``rejected`` and
+    committed) or :class:`TransientError` (nothing committed).
+    """
+    with db.transaction() as tx:
+        outcome = tx.apply(env)
+        if outcome.rejection is not None:
+            tx.record_rejection(outcome.rejection, source=source)
+    if outcome.rejection is not None:
+        raise outcome.rejection
+    if outcome.transient is not None:
+        raise outcome.transient
+    assert outcome.result is not None
+    return outcome.result
+
+
+def apply_batch(
+    db: ConsumerDB,
+    items: Sequence[Envelope | Rejection],
+    *,
+    sources: Sequence[str | None] | None = None,
+    body_digests: Sequence[str | None] | None = None,
+) -> list[Outcome]:
+    """Apply a batch in one transaction (a savepoint each) and return outcomes.
+
+    *items* may contain rejections found before the store (a body that did
+    not parse): they are recorded in ``rejected`` with the others, with the
+    matching entry of *sources* and *body_digests*. The outcomes are in the
+    order of *items*; the transaction commits once.
+    """
+    outcomes: list[Outcome] = []
+    with db.transaction() as tx:
+        for i, item in enumerate(items):
+            if isinstance(item, Rejection):
+                outcome = Outcome(item.event_id, rejection=item)
+            else:
+                outcome = tx.apply(item)
+            if outcome.rejection is not None:
+                tx.record_rejection(
+                    outcome.rejection,
+                    source=sources[i] if sources is not None else None,
+                    body_sha256=body_digests[i] if body_digests is not None else None,
+                )
+            outcomes.append(outcome)
+    return outcomes
+
+
+__all__ = [
+    "ConsumerDB",
+    "Outcome",
+    "Transaction",
+    "apply_batch",
+    "apply_event",
+    "default_db_path",
+    "now_iso",
+]
