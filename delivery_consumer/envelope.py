@@ -131,7 +131,9 @@ def is_rfc3339(value: Any) -> bool:
 
 
 @lru_cache(maxsize=1)
-def _validator() -> Callable[[Any], Any]:
+def validator() -> Callable[[Any], Any]:
+    """The envelope schema compiled by fastjsonschema (once per process);
+    raises ``fastjsonschema.JsonSchemaValueException`` on a violation."""
     return fastjsonschema.compile(load_schema(), formats={"date-time": is_rfc3339})
 
 
@@ -231,7 +233,7 @@ def from_mapping(obj: Mapping[str, Any]) -> Envelope:
             fingerprint=digest,
         )
     try:
-        _validator()(obj)
+        validator()(obj)
     except fastjsonschema.JsonSchemaValueException as exc:
         raise Rejection(
             INVALID_ENVELOPE, _schema_reason(exc), event_id=event_id, fingerprint=digest
@@ -276,4 +278,5 @@ __all__ = [
     "parse",
     "safe_reason",
     "schema_dir",
+    "validator",
 ]
