@@ -201,6 +201,8 @@ class ConsumerDB:
                 raise DatabaseError(f"{path}: no such database; give --consumer to create it")
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
+            except FileExistsError:  # mkdir's own message would be "File exists"
+                raise DatabaseError(f"{path}: cannot create its directory: {path.parent} is not a directory") from None
             except OSError as exc:
                 raise DatabaseError(f"{path}: cannot create its directory: {exc.strerror or exc}") from None
         spec = consumers.get(consumer) if consumer is not None else None
@@ -233,6 +235,13 @@ class ConsumerDB:
                 conn = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=busy_timeout_ms / 1000)
             else:
                 conn = sqlite3.connect(path, isolation_level=None, timeout=busy_timeout_ms / 1000)
+                # Refuse a foreign, newer or corrupt file before the switch to
+                # WAL below, which is persistent: refusing must not modify it.
+                try:
+                    ConsumerDB._stored_consumer(conn, path)
+                except BaseException:
+                    conn.close()
+                    raise
                 # Persistent; a no-op when the file is already in WAL mode.
                 mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
                 if mode != "wal":
