@@ -1,0 +1,66 @@
+"""Fixtures: consumer databases in tmp_path, and the test-only consumers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from support import OpenDB
+
+from delivery_consumer import consumers
+from delivery_consumer.consumers import ConsumerSpec
+from delivery_consumer.store import ConsumerDB
+
+
+@pytest.fixture
+def open_db(tmp_path: Path) -> Iterator[OpenDB]:
+    """Open (creating) a consumer database in tmp_path; closed at teardown."""
+    opened: list[ConsumerDB] = []
+
+    def _open(consumer: str = "catalog", name: str | None = None, **kwargs: object) -> ConsumerDB:
+        path = tmp_path / (name or f"{consumer}.db")
+        kwargs.setdefault("create", True)
+        db = ConsumerDB.open(path, consumer, **kwargs)  # type: ignore[arg-type]
+        opened.append(db)
+        return db
+
+    yield _open
+    for db in opened:
+        db.close()
+
+
+@pytest.fixture
+def catalog_db(open_db: OpenDB) -> ConsumerDB:
+    """A fresh catalog database."""
+    return open_db("catalog")
+
+
+@pytest.fixture
+def audit_db(open_db: OpenDB) -> ConsumerDB:
+    """A fresh audit database."""
+    return open_db("audit")
+
+
+@pytest.fixture
+def counter() -> Iterator[ConsumerSpec]:
+    """The test-only ``counter`` consumer, registered for one test."""
+    import counter_consumer  # registers itself on first import
+
+    spec = consumers.register(counter_consumer.SPEC, replace=True)
+    yield spec
+    consumers.unregister(spec.name)
+
+
+@pytest.fixture
+def register() -> Iterator[Callable[[ConsumerSpec], ConsumerSpec]]:
+    """Register ad-hoc consumer specs for one test; unregistered afterwards."""
+    names: list[str] = []
+
+    def _register(spec: ConsumerSpec) -> ConsumerSpec:
+        names.append(spec.name)
+        return consumers.register(spec, replace=True)
+
+    yield _register
+    for name in names:
+        consumers.unregister(name)

@@ -1,0 +1,51 @@
+"""A third consumer that exists only in the tests: events counted per article.
+
+It proves that adding a consumer is one module plus its registration, with no
+change to the store: this module is all there is. Importing it registers the
+consumer, which is how ``DELIVERY_PLUGINS=counter_consumer`` loads it in
+another process (with ``tests/`` on ``PYTHONPATH``).
+
+Counting is the kind of effect that is *not* idempotent by itself (unlike the
+catalog's revision check), so it shows the inbox absorbing every duplicate.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+
+from delivery_consumer.consumers import ConsumerSpec, register
+from delivery_consumer.envelope import Envelope
+
+RESULT = "counted"
+
+MIGRATIONS = (
+    """
+    CREATE TABLE counter (
+        article_id    TEXT PRIMARY KEY,
+        events        INTEGER NOT NULL,
+        last_event_id TEXT NOT NULL
+    ) STRICT;
+    """,
+)
+
+
+def apply(conn: sqlite3.Connection, env: Envelope) -> str:
+    """Add one to the article's count."""
+    conn.execute(
+        "INSERT INTO counter (article_id, events, last_event_id) VALUES (?, 1, ?)"
+        " ON CONFLICT (article_id) DO UPDATE SET events = events + 1,"
+        " last_event_id = excluded.last_event_id",
+        (env.article_id, env.event_id),
+    )
+    return RESULT
+
+
+SPEC = ConsumerSpec(
+    name="counter",
+    apply=apply,
+    migrations=MIGRATIONS,
+    description="test-only: number of distinct events per article",
+    tables=("counter",),
+)
+
+register(SPEC, replace=True)

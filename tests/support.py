@@ -1,0 +1,134 @@
+"""Helpers shared by the tests: envelopes, table snapshots, the CLI.
+
+A plain module (not a conftest) so that tests can import it by name: pytest
+puts ``tests/`` on ``sys.path`` (rootdir-relative "prepend" import mode).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sqlite3
+import sys
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+from click.testing import CliRunner, Result
+
+from delivery_consumer.cli import main
+from delivery_consumer.envelope import Envelope, from_mapping
+from delivery_consumer.store import ConsumerDB
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+SAMPLES = REPO / "sample_events"
+
+#: The lesson's example event.
+EVENT_ID = "0b1e9c1e-4a53-4f0e-9d2a-6f1f3f7b2c11"
+TITLE = "Доставка без потерь"
+URL = "https://example.org/a/42"
+PUBLISHED = "material.published"
+WITHDRAWN = "material.withdrawn"
+
+#: The ``open_db`` fixture: ``open_db(consumer="catalog", name=None, **open_kwargs)``.
+OpenDB = Callable[..., ConsumerDB]
+
+
+def make_envelope(
+    *,
+    event_id: str | None = EVENT_ID,
+    type: str = PUBLISHED,
+    article_id: str = "article-42",
+    revision: Any = 1,
+    occurred_at: str = "2026-11-29T10:00:00Z",
+    title: str = TITLE,
+    url: str = URL,
+    **extra: Any,
+) -> dict[str, Any]:
+    """A fresh envelope dict; ``event_id=None`` draws a new UUID."""
+    env: dict[str, Any] = {
+        "eventId": event_id if event_id is not None else str(uuid.uuid4()),
+        "type": type,
+        "articleId": article_id,
+        "revision": revision,
+        "occurredAt": occurred_at,
+        "data": {"title": title, "url": url},
+    }
+    env.update(extra)
+    return env
+
+
+def new_event(**kwargs: Any) -> dict[str, Any]:
+    """Like :func:`make_envelope` but with a new eventId unless one is given."""
+    kwargs.setdefault("event_id", None)
+    return make_envelope(**kwargs)
+
+
+def env(**kwargs: Any) -> Envelope:
+    """A validated Envelope of :func:`make_envelope` (same keywords)."""
+    return from_mapping(make_envelope(**kwargs))
+
+
+def body(obj: Any) -> bytes:
+    """The JSON bytes of *obj*, in its own key order."""
+    return orjson.dumps(obj)
+
+
+def ndjson(objs: Sequence[Any]) -> bytes:
+    """NDJSON text of *objs* (bytes are taken as already-encoded lines)."""
+    lines = [o if isinstance(o, bytes) else orjson.dumps(o) for o in objs]
+    return b"".join(line + b"\n" for line in lines)
+
+
+def rows(conn: sqlite3.Connection | ConsumerDB, table: str, columns: str = "*") -> list[tuple[Any, ...]]:
+    """Every row of *table*, sorted, through a connection or a ConsumerDB."""
+    if isinstance(conn, ConsumerDB):
+        conn = conn.conn
+    return sorted(conn.execute(f"SELECT {columns} FROM {table}").fetchall())
+
+
+def effect_and_inbox(db: ConsumerDB) -> dict[str, list[tuple[Any, ...]]]:
+    """A snapshot of the inbox and of the consumer's effect tables."""
+    return {table: rows(db, table) for table in ("inbox", *db.spec.tables)}
+
+
+def read_rows(path: Path, table: str, columns: str = "*") -> list[tuple[Any, ...]]:
+    """Rows of *table* through a fresh, independent connection (what another
+    process would see: only committed data)."""
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        return rows(conn, table, columns)
+    finally:
+        conn.close()
+
+
+def cli(args: Sequence[str], *, input: bytes | str | None = None, env: dict[str, str] | None = None) -> Result:
+    """Run ``delivery-consumer ARGS`` in-process and return click's Result."""
+    runner = CliRunner(env=env)
+    return runner.invoke(main, list(args), input=input, catch_exceptions=False)
+
+
+def json_lines(text: str) -> list[dict[str, Any]]:
+    """Parse one JSON object per non-empty line."""
+    return [orjson.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def console_script() -> str:
+    """The installed ``delivery-consumer`` script of the running interpreter."""
+    beside = Path(sys.executable).parent / "delivery-consumer"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("delivery-consumer")
+    assert found is not None, "the delivery-consumer console script is not installed"
+    return found
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """The environment for a child process: ours, without options that would
+    change what the CLI does, plus *extra*."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("DELIVERY_")}
+    environ.update(extra)
+    return environ
