@@ -87,6 +87,7 @@ CORE_MIGRATIONS: tuple[str, ...] = (
         deliveries   INTEGER NOT NULL,
         redeliveries INTEGER NOT NULL,
         attempts     INTEGER NOT NULL,
+        crashes      INTEGER NOT NULL DEFAULT 0,
         first_at     TEXT NOT NULL,
         last_at      TEXT NOT NULL,
         last_outcome TEXT
@@ -489,25 +490,50 @@ class Transaction:
         return cur.lastrowid
 
     def record_delivery(
-        self, key: str, event_id: str | None, *, redelivered: bool, attempt: int, outcome: str
-    ) -> tuple[int, int]:
-        """Count one broker delivery of *key* durably; returns (deliveries, attempts).
+        self,
+        key: str,
+        event_id: str | None,
+        *,
+        redelivered: bool,
+        attempt: int,
+        outcome: str,
+        count: bool = True,
+        delivered_hint: int = 0,
+    ) -> DeliveryCount:
+        """Count one broker delivery of *key* durably and store its outcome.
 
-        *attempt* is the attempt number the delivery carries (1 for the first
-        publication, 2 after one retry tier, ...); the stored value never
-        decreases, so a crash or a lost header cannot reset it.
+        *attempt* is the try number the delivery carries (1 for the first
+        publication, 2 after one retry tier, ...); stored counts never
+        decrease, so a crash or a lost header cannot reset them.
+        *delivered_hint* is what the broker says (``x-delivery-count + 1``).
+        ``count=False`` only updates the outcome of a delivery counted
+        earlier. A delivery counted with outcome ``in-flight`` whose next
+        delivery finds it still ``in-flight`` crashed the process: that is
+        what ``crashes`` counts (poison-message detection).
         """
         row = self.conn.execute(
-            "INSERT INTO deliveries (key, event_id, deliveries, redeliveries, attempts,"
-            " first_at, last_at, last_outcome) VALUES (?, ?, 1, ?, ?, ?, ?, ?)"
-            " ON CONFLICT (key) DO UPDATE SET deliveries = deliveries + 1,"
-            " redeliveries = redeliveries + excluded.redeliveries,"
-            " attempts = max(attempts, excluded.attempts), last_at = excluded.last_at,"
-            " last_outcome = excluded.last_outcome"
-            " RETURNING deliveries, attempts",
-            (key, event_id, int(redelivered), attempt, self.now, self.now, outcome),
+            "INSERT INTO deliveries (key, event_id, deliveries, redeliveries, attempts, crashes,"
+            " first_at, last_at, last_outcome) VALUES (?1, ?2, max(1, ?3), ?4, ?5, 0, ?6, ?6, ?7)"
+            " ON CONFLICT (key) DO UPDATE SET"
+            " deliveries = max(deliveries + ?8, ?3),"
+            " redeliveries = redeliveries + ?4 * ?8,"
+            " crashes = crashes + (?8 AND last_outcome = 'in-flight'),"
+            " attempts = max(attempts, excluded.attempts),"
+            " event_id = coalesce(excluded.event_id, event_id),"
+            " last_at = excluded.last_at, last_outcome = excluded.last_outcome"
+            " RETURNING deliveries, attempts, crashes",
+            (key, event_id, delivered_hint, int(redelivered), attempt, self.now, outcome, int(count)),
         ).fetchone()
-        return int(row[0]), int(row[1])
+        return DeliveryCount(int(row[0]), int(row[1]), int(row[2]))
+
+
+@dataclass(frozen=True, slots=True)
+class DeliveryCount:
+    """Durable counters of one message key after a delivery was recorded."""
+
+    deliveries: int
+    attempts: int
+    crashes: int
 
 
 def apply_event(db: ConsumerDB, env: Envelope, *, source: str | None = None) -> str:

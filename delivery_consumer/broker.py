@@ -1,0 +1,713 @@
+"""RabbitMQ transport: the only module that imports pika.
+
+It hands the rest of the code plain objects (:class:`Delivery`,
+:class:`OutMessage`, :class:`PublishResult`) and the project's own errors:
+:class:`BrokerUnavailable` (try again later) and :class:`BrokerFatal` (bad
+credentials, missing vhost, a queue declared with other arguments: retrying
+cannot help).
+
+Two pieces, both on pika's ``SelectConnection`` (an I/O loop with callbacks),
+because it services heartbeats whatever the application does and lets
+publisher confirms be pipelined -- ``BlockingChannel.basic_publish`` waits
+for each confirm in turn:
+
+* :class:`Publisher` -- a synchronous facade for commands (``publish``, the
+  outbox dispatcher, dead-letter requeue): publish many persistent, mandatory
+  messages with a window of unconfirmed ones, and learn the fate of each.
+* :class:`ConsumerIO` -- the connection side of ``run``: owns the loop in the
+  calling thread, reconnects with backoff and jitter, hands deliveries to a
+  callback, and takes acks and copy publications from the worker thread only
+  through ``add_callback_threadsafe`` (pika is not thread-safe:
+  https://github.com/pika/pika/blob/1.4.4/docs/faq.rst). Delivery tags belong
+  to one channel: each channel gets a *generation* number and an ack for an
+  older generation is dropped, never sent (the broker redelivers those
+  messages and the inbox absorbs them).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import pika
+import pika.exceptions as pex
+from pika import spec
+from pika.adapters.select_connection import IOLoop
+
+from .errors import DeliveryError
+from .retry import reconnect_delay_s
+from .topology import Topology
+
+log = logging.getLogger("delivery_consumer.broker")
+
+DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
+PERSISTENT = 2
+
+# AMQP reply codes (https://www.rabbitmq.com/amqp-0-9-1-reference#constants).
+_FATAL_REPLY_CODES = {
+    403: "access refused",
+    404: "not found",
+    406: "precondition failed",
+    530: "not allowed (missing vhost or no permission)",
+}
+
+
+class BrokerError(DeliveryError):
+    """Something went wrong talking to RabbitMQ."""
+
+
+class BrokerUnavailable(BrokerError):
+    """The broker cannot be reached or dropped us; retrying later may work."""
+
+
+class BrokerFatal(BrokerError):
+    """Retrying cannot help: credentials, vhost, permissions, queue arguments."""
+
+
+@dataclass(slots=True)
+class OutMessage:
+    """A message to publish: persistent, mandatory, with a message_id."""
+
+    routing_key: str
+    body: bytes
+    exchange: str = ""
+    message_id: str | None = None
+    headers: dict[str, Any] | None = None
+    content_type: str = "application/json"
+
+    def properties(self) -> pika.BasicProperties:
+        return pika.BasicProperties(
+            delivery_mode=PERSISTENT,
+            content_type=self.content_type,
+            message_id=self.message_id,
+            headers=self.headers or None,
+        )
+
+
+@dataclass(slots=True)
+class PublishResult:
+    """The fate of one published message."""
+
+    status: str  # "confirmed" | "returned" | "nacked" | "unconfirmed"
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "confirmed"
+
+
+@dataclass(slots=True)
+class Delivery:
+    """One message received by ``run``, with its channel generation."""
+
+    generation: int
+    tag: int
+    body: bytes
+    routing_key: str
+    redelivered: bool
+    message_id: str | None
+    headers: dict[str, Any]
+    content_type: str | None = None
+    exchange: str = ""
+
+
+def parameters(url: str, *, name: str) -> pika.URLParameters:
+    """Connection parameters from an AMQP URL, named for the management UI."""
+    try:
+        params = pika.URLParameters(url)
+    except Exception as exc:  # pika raises assorted errors for a bad URL
+        raise BrokerFatal(f"invalid AMQP URL: {exc}") from None
+    params.client_properties = {"connection_name": name, "product": "delivery-consumer"}
+    if params.blocked_connection_timeout is None:
+        # A broker under a resource alarm blocks publishers; do not hang forever.
+        params.blocked_connection_timeout = 60
+    return params
+
+
+def redact(url: str) -> str:
+    """The URL without its password, for messages."""
+    try:
+        params = pika.URLParameters(url)
+    except Exception:
+        return "<invalid url>"
+    vhost = params.virtual_host
+    user = getattr(params.credentials, "username", "?")
+    return f"amqp://{user}@{params.host}:{params.port}/{vhost}"
+
+
+def classify(exc: BaseException | None, *, url: str = "") -> BrokerError:
+    """Map a pika failure to BrokerFatal or BrokerUnavailable, with one clear line."""
+    where = f" ({redact(url)})" if url else ""
+    if isinstance(exc, BrokerError):
+        return exc
+    if isinstance(exc, (pex.ProbableAuthenticationError, pex.AuthenticationError)):
+        return BrokerFatal(f"authentication failed{where}: check the user and password")
+    if isinstance(exc, pex.ProbableAccessDeniedError):
+        return BrokerFatal(f"access denied{where}: the vhost does not exist or the user may not use it")
+    if isinstance(exc, pex.IncompatibleProtocolError):
+        return BrokerFatal(f"not an AMQP 0-9-1 server{where}")
+    if isinstance(exc, (pex.ConnectionClosedByBroker, pex.ChannelClosedByBroker)):
+        code, text = exc.reply_code, exc.reply_text
+        if code in _FATAL_REPLY_CODES:
+            return BrokerFatal(f"broker refused{where}: {code} {_FATAL_REPLY_CODES[code]}: {text}")
+        return BrokerUnavailable(f"broker closed the connection{where}: {code} {text}")
+    if exc is None:
+        return BrokerUnavailable(f"connection lost{where}")
+    text = str(exc) or type(exc).__name__
+    return BrokerUnavailable(f"broker unreachable{where}: {text}")
+
+
+# -- topology ------------------------------------------------------------------
+
+
+Step = Callable[[Callable[[Any], None]], None]
+
+
+class _Steps:
+    """Run asynchronous channel operations one after another."""
+
+    def __init__(self, steps: list[Step], done: Callable[[], None]):
+        self._steps = steps
+        self._done = done
+
+    def start(self) -> None:
+        self._next(None)
+
+    def _next(self, _frame: Any) -> None:
+        if not self._steps:
+            self._done()
+            return
+        step = self._steps.pop(0)
+        step(self._next)
+
+
+def declare_steps(channel: Any, topologies: Sequence[Topology], exchanges: Sequence[str] = ()) -> list[Step]:
+    """The declare operations for *topologies* (idempotent; a mismatch of
+    arguments closes the channel with 406, which is reported as fatal)."""
+
+    def exchange_step(name: str) -> Step:
+        return lambda cb: channel.exchange_declare(name, exchange_type="topic", durable=True, callback=cb)
+
+    def queue_step(name: str, args: dict[str, Any]) -> Step:
+        return lambda cb: channel.queue_declare(name, durable=True, arguments=args, callback=cb)
+
+    def bind_step(topo: Topology, key: str) -> Step:
+        return lambda cb: channel.queue_bind(topo.queue, topo.exchange, routing_key=key, callback=cb)
+
+    steps: list[Step] = [exchange_step(ex) for ex in dict.fromkeys([*exchanges, *(t.exchange for t in topologies)])]
+    for topo in topologies:
+        steps.extend(queue_step(q, a) for q, a in topo.queues())
+        steps.extend(bind_step(topo, key) for key in topo.binding_keys)
+    return steps
+
+
+# -- publisher -------------------------------------------------------------------
+
+
+class Publisher:
+    """Publish with pipelined confirms from ordinary synchronous code.
+
+    The I/O loop runs only inside this object's methods; between calls the
+    connection is idle (keep gaps below the heartbeat, or call :meth:`idle`).
+    """
+
+    def __init__(
+        self,
+        url: str = DEFAULT_URL,
+        *,
+        topologies: Sequence[Topology] = (),
+        exchanges: Sequence[str] = (),
+        name: str = "delivery-consumer publisher",
+        timeout_s: float = 30.0,
+        window: int = 1000,
+    ) -> None:
+        self.url = url
+        self._params = parameters(url, name=name)
+        self._topologies = list(topologies)
+        self._exchanges = list(exchanges)
+        self._timeout_s = timeout_s
+        self.window = window
+        self._ioloop = IOLoop()
+        self._conn: pika.SelectConnection | None = None
+        self._channel: Any = None
+        self._ready = False
+        self._error: BrokerError | None = None
+        self._waiting: Callable[[], bool] | None = None
+        self._seq = 0
+        self._pending: dict[int, int] = {}
+        self._results: list[PublishResult | None] = []
+        self._batch: Sequence[OutMessage] = ()
+        self._next = 0
+
+    # loop driving
+    def _check(self) -> None:
+        if self._waiting is not None and (self._error is not None or self._waiting()):
+            self._waiting = None
+            self._ioloop.stop()
+
+    def _run_until(self, done: Callable[[], bool], what: str) -> None:
+        if self._error is None and done():
+            return
+        self._waiting = done
+        handle = self._ioloop.call_later(self._timeout_s, lambda: self._fail(BrokerUnavailable(
+            f"timed out after {self._timeout_s:g}s waiting for the broker to {what}")))
+        try:
+            self._ioloop.start()
+        finally:
+            self._ioloop.remove_timeout(handle)
+
+    def _fail(self, error: BrokerError) -> None:
+        if self._error is None:
+            self._error = error
+        self._waiting = self._waiting or (lambda: True)
+        self._check()
+
+    # connection
+    def connect(self) -> None:
+        """Open the connection and a confirm-mode channel, declare topology."""
+        if self._ready:
+            return
+        self._error = None
+        self._conn = pika.SelectConnection(
+            self._params,
+            on_open_callback=self._on_open,
+            on_open_error_callback=lambda _c, exc: self._fail(classify(exc, url=self.url)),
+            on_close_callback=self._on_closed,
+            custom_ioloop=self._ioloop,
+        )
+        self._run_until(lambda: self._ready, "open the connection")
+        if self._error is not None:
+            error, self._error = self._error, None
+            self._abort()
+            raise error
+
+    def _on_open(self, conn: pika.SelectConnection) -> None:
+        conn.channel(on_open_callback=self._on_channel)
+
+    def _on_channel(self, channel: Any) -> None:
+        self._channel = channel
+        channel.add_on_close_callback(self._on_channel_closed)
+        channel.add_on_return_callback(self._on_return)
+
+        def confirmed(_frame: Any) -> None:
+            self._seq = 0
+            _Steps(declare_steps(channel, self._topologies, self._exchanges), self._on_ready).start()
+
+        channel.confirm_delivery(ack_nack_callback=self._on_confirm, callback=confirmed)
+
+    def _on_ready(self) -> None:
+        self._ready = True
+        self._check()
+
+    def _on_channel_closed(self, _channel: Any, reason: BaseException) -> None:
+        self._ready = False
+        self._lose_pending(reason)
+        self._fail(classify(reason, url=self.url))
+        if self._conn is not None and self._conn.is_open:
+            self._conn.close()
+
+    def _on_closed(self, _conn: Any, reason: BaseException) -> None:
+        self._ready = False
+        self._conn = None
+        self._lose_pending(reason)
+        if not isinstance(reason, pex.ConnectionClosedByClient):
+            self._fail(classify(reason, url=self.url))
+        else:
+            self._check()
+
+    def _lose_pending(self, reason: BaseException) -> None:
+        text = str(classify(reason, url=self.url))
+        for index in self._pending.values():
+            self._results[index] = PublishResult("unconfirmed", text)
+        self._pending.clear()
+
+    def _abort(self) -> None:
+        conn = self._conn
+        if conn is not None and not (conn.is_closed or conn.is_closing):
+            conn.close()
+            self._run_until(lambda: self._conn is None, "close the connection")
+        self._conn = None
+        self._ready = False
+
+    # confirms and returns
+    def _on_confirm(self, frame: Any) -> None:
+        method = frame.method
+        ack = isinstance(method, spec.Basic.Ack)
+        tags = [t for t in self._pending if t <= method.delivery_tag] if method.multiple else [method.delivery_tag]
+        for tag in tags:
+            index = self._pending.pop(tag, None)
+            if index is None:
+                continue
+            previous = self._results[index]
+            if previous is None:  # not returned before its ack
+                self._results[index] = PublishResult("confirmed") if ack else PublishResult(
+                    "nacked", "the broker could not store the message")
+        self._pump()
+        self._check()
+
+    def _on_return(self, _channel: Any, method: Any, props: Any, _body: bytes) -> None:
+        # A basic.return precedes the ack of the same message; match it to the
+        # oldest unconfirmed message with the same routing key and message_id.
+        for tag in sorted(self._pending):
+            index = self._pending[tag]
+            msg = self._batch[index]
+            if (msg.routing_key == method.routing_key and msg.message_id == props.message_id
+                    and self._results[index] is None):
+                self._results[index] = PublishResult(
+                    "returned", f"unroutable: {method.reply_code} {method.reply_text}")
+                break
+
+    def _pump(self) -> None:
+        channel = self._channel
+        while self._next < len(self._batch) and len(self._pending) < self.window and self._ready:
+            msg = self._batch[self._next]
+            channel.basic_publish(msg.exchange, msg.routing_key, msg.body, msg.properties(), mandatory=True)
+            self._seq += 1
+            self._pending[self._seq] = self._next
+            self._next += 1
+
+    def publish(self, messages: Sequence[OutMessage]) -> list[PublishResult]:
+        """Publish *messages* in order; return one result per message.
+
+        Connection loss is not raised: the affected messages come back
+        ``unconfirmed`` (they may or may not have reached the queue), so the
+        caller can retry them -- a duplicate is absorbed by the consumer's
+        inbox, a loss would not be.
+        """
+        if not messages:
+            return []
+        try:
+            self.connect()
+        except BrokerUnavailable as exc:
+            return [PublishResult("unconfirmed", str(exc)) for _ in messages]
+        self._batch = messages
+        self._results = [None] * len(messages)
+        self._next = 0
+        self._pump()
+        self._run_until(lambda: self._next >= len(self._batch) and not self._pending, "confirm messages")
+        if self._error is not None:
+            if isinstance(self._error, BrokerFatal):
+                error, self._error = self._error, None
+                self._abort()
+                raise error
+            self._error = None
+            self._abort()
+        reason = "not sent: the connection was lost first"
+        results = [r if r is not None else PublishResult("unconfirmed", reason) for r in self._results]
+        self._batch, self._results = (), []
+        return results
+
+    def idle(self, seconds: float) -> None:
+        """Let the connection service heartbeats for *seconds*."""
+        if self._conn is None:
+            return
+        deadline = [False]
+
+        def wake() -> None:
+            deadline[0] = True
+            self._check()
+
+        self._ioloop.call_later(seconds, wake)
+        self._run_until(lambda: deadline[0], "idle")
+        self._error = None
+
+    def close(self) -> None:
+        self._error = None
+        try:
+            self._abort()
+        finally:
+            self._ioloop.close()
+
+    def __enter__(self) -> Publisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def declare(url: str, topologies: Sequence[Topology], *, exchanges: Sequence[str] = ()) -> None:
+    """Declare exchanges and queues idempotently, then disconnect."""
+    with Publisher(url, topologies=topologies, exchanges=exchanges, name="delivery-consumer topology") as pub:
+        pub.connect()
+
+
+# -- consumer connection -------------------------------------------------------------
+
+
+@dataclass
+class _PendingCopies:
+    future: Future[None]
+    remaining: set[int] = field(default_factory=set)
+    failure: str | None = None
+
+
+class ConsumerIO:
+    """The connection side of ``run``; :meth:`run` owns the calling thread.
+
+    *on_delivery* is called in the loop thread for each message and must not
+    block (it hands the delivery to the worker). *on_channel* is told the new
+    generation after every (re)connect, *on_lost* the generation that died.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        topology: Topology,
+        *,
+        prefetch: int,
+        on_delivery: Callable[[Delivery], None],
+        on_channel: Callable[[int], None] = lambda gen: None,
+        on_lost: Callable[[int, str], None] = lambda gen, why: None,
+        name: str = "delivery-consumer run",
+    ) -> None:
+        self.url = url
+        self.topology = topology
+        self.prefetch = prefetch
+        self._params = parameters(url, name=name)
+        self._on_delivery = on_delivery
+        self._on_channel_cb = on_channel
+        self._on_lost = on_lost
+        self.ioloop = IOLoop()
+        self._conn: pika.SelectConnection | None = None
+        self._channel: Any = None  # consuming channel (acks go here)
+        self._pub: Any = None  # confirm-mode channel for retry / dead copies
+        self._pub_seq = 0
+        self._pub_pending: dict[int, _PendingCopies] = {}
+        self._consumer_tag: str | None = None
+        self.generation = 0
+        self._live_generation = 0  # 0 while no channel is consuming
+        self._stopping = False
+        self._failures = 0
+        self.fatal: BrokerError | None = None
+        self.connected = threading.Event()
+
+    # -- lifecycle (loop thread) --
+    def run(self) -> None:
+        """Connect and consume until :meth:`shutdown`; raises BrokerFatal."""
+        self._connect()
+        self.ioloop.start()
+        self.ioloop.close()
+        if self.fatal is not None:
+            raise self.fatal
+
+    def _connect(self) -> None:
+        if self._stopping:
+            self.ioloop.stop()
+            return
+        self._conn = pika.SelectConnection(
+            self._params,
+            on_open_callback=self._on_open,
+            on_open_error_callback=self._on_open_error,
+            on_close_callback=self._on_closed,
+            custom_ioloop=self.ioloop,
+        )
+
+    def _retry_later(self, why: BrokerError) -> None:
+        if isinstance(why, BrokerFatal):
+            self.fatal = why
+            self._stopping = True
+            self.ioloop.stop()
+            return
+        if self._stopping:
+            self.ioloop.stop()
+            return
+        self._failures += 1
+        delay = reconnect_delay_s(self._failures)
+        log.warning("%s; reconnecting in %.1fs (attempt %d)", why, delay, self._failures)
+        self.ioloop.call_later(delay, self._connect)
+
+    def _on_open_error(self, _conn: Any, exc: BaseException) -> None:
+        self._conn = None
+        self._retry_later(classify(exc, url=self.url))
+
+    def _on_open(self, conn: pika.SelectConnection) -> None:
+        conn.channel(on_open_callback=self._on_consume_channel)
+
+    def _on_consume_channel(self, channel: Any) -> None:
+        self._channel = channel
+        channel.add_on_close_callback(self._on_channel_closed)
+        channel.add_on_cancel_callback(lambda _f: self._reconnect("the broker cancelled the consumer"))
+        _Steps(
+            declare_steps(channel, [self.topology]),
+            lambda: self._conn.channel(on_open_callback=self._on_pub_channel) if self._conn else None,
+        ).start()
+
+    def _on_pub_channel(self, channel: Any) -> None:
+        self._pub = channel
+        channel.add_on_close_callback(self._on_channel_closed)
+        channel.add_on_return_callback(self._on_return)
+
+        def confirmed(_frame: Any) -> None:
+            self._pub_seq = 0
+            self._channel.basic_qos(prefetch_count=self.prefetch, callback=self._on_qos)
+
+        channel.confirm_delivery(ack_nack_callback=self._on_confirm, callback=confirmed)
+
+    def _on_qos(self, _frame: Any) -> None:
+        if self._stopping:
+            self._close()
+            return
+        self.generation += 1
+        gen = self.generation
+        self._on_channel_cb(gen)
+        self._live_generation = gen
+        self._consumer_tag = self._channel.basic_consume(
+            self.topology.queue,
+            lambda _ch, method, props, body: self._deliver(gen, method, props, body),
+            auto_ack=False,
+        )
+        self._failures = 0
+        self.connected.set()
+        log.info("consuming %s (prefetch %d, channel generation %d)", self.topology.queue, self.prefetch, gen)
+
+    def _deliver(self, gen: int, method: Any, props: Any, body: bytes) -> None:
+        self._on_delivery(
+            Delivery(
+                generation=gen,
+                tag=method.delivery_tag,
+                body=body,
+                routing_key=method.routing_key,
+                redelivered=method.redelivered,
+                message_id=props.message_id,
+                headers=props.headers or {},
+                content_type=props.content_type,
+                exchange=method.exchange,
+            )
+        )
+
+    def _on_channel_closed(self, _channel: Any, reason: BaseException) -> None:
+        if self._stopping and isinstance(reason, pex.ChannelClosedByClient):
+            return
+        error = classify(reason, url=self.url)
+        if self._live_generation == 0 and isinstance(error, BrokerFatal):
+            # Failed while declaring: the topology is incompatible; retrying cannot help.
+            self.fatal = error
+            self._stopping = True
+        else:
+            log.error("channel closed: %s", error)
+        self._close()
+
+    def _on_closed(self, _conn: Any, reason: BaseException) -> None:
+        gen, self._live_generation = self._live_generation, 0
+        self.connected.clear()
+        self._conn = self._channel = self._pub = None
+        self._consumer_tag = None
+        why = str(classify(reason, url=self.url))
+        for pending in list(self._pub_pending.values()):
+            self._settle(pending, f"connection lost before the confirm: {why}")
+        self._pub_pending.clear()
+        if gen:
+            self._on_lost(gen, why)
+        if self._stopping:
+            self.ioloop.stop()
+        elif isinstance(reason, pex.ConnectionClosedByClient):
+            self._retry_later(BrokerUnavailable("reconnecting after a channel error"))
+        else:
+            self._retry_later(classify(reason, url=self.url))
+
+    def _close(self) -> None:
+        conn = self._conn
+        if conn is not None and not (conn.is_closing or conn.is_closed):
+            conn.close()
+        elif conn is None and self._stopping:
+            self.ioloop.stop()
+
+    def _reconnect(self, why: str) -> None:
+        log.warning("%s; reconnecting", why)
+        self._close()
+
+    # -- thread-safe API (called from the worker) --
+    def ack(self, generation: int, tag: int, *, multiple: bool = True) -> None:
+        """Acknowledge up to *tag* on channel *generation*, if it still lives."""
+        self.ioloop.add_callback_threadsafe(lambda: self._ack(generation, tag, multiple))
+
+    def publish_copies(self, generation: int, messages: Sequence[OutMessage]) -> Future[None]:
+        """Publish *messages* on the confirm channel; the future resolves when
+        every one is confirmed, or fails (BrokerUnavailable) if any was
+        returned, nacked or lost -- or if *generation* is no longer live."""
+        future: Future[None] = Future()
+        self.ioloop.add_callback_threadsafe(lambda: self._publish(generation, list(messages), future))
+        return future
+
+    def reconnect(self, why: str) -> None:
+        """Drop the connection (unacked deliveries return to the queue)."""
+        self.ioloop.add_callback_threadsafe(lambda: self._reconnect(why))
+
+    def shutdown(self) -> None:
+        """Stop consuming, close the connection and end :meth:`run`."""
+        self.ioloop.add_callback_threadsafe(self._shutdown)
+
+    def cancel(self) -> None:
+        """Stop receiving new deliveries (the connection stays for acks)."""
+        self.ioloop.add_callback_threadsafe(self._cancel)
+
+    # -- loop-thread halves --
+    def _ack(self, generation: int, tag: int, multiple: bool) -> None:
+        channel = self._channel
+        if generation != self._live_generation or channel is None or not channel.is_open:
+            log.info("dropping ack of tag %d from channel generation %d (channel gone)", tag, generation)
+            return
+        channel.basic_ack(tag, multiple=multiple)
+
+    def _publish(self, generation: int, messages: list[OutMessage], future: Future[None]) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        pub = self._pub
+        if generation != self._live_generation or pub is None or not pub.is_open:
+            future.set_exception(BrokerUnavailable("the channel of these deliveries is gone"))
+            return
+        pending = _PendingCopies(future)
+        for msg in messages:
+            pub.basic_publish(msg.exchange, msg.routing_key, msg.body, msg.properties(), mandatory=True)
+            self._pub_seq += 1
+            pending.remaining.add(self._pub_seq)
+            self._pub_pending[self._pub_seq] = pending
+
+    def _on_return(self, _channel: Any, method: Any, _props: Any, _body: bytes) -> None:
+        # The return precedes the ack of the same message; the oldest pending
+        # group is the one it belongs to (copies are confirmed in order).
+        if self._pub_pending:
+            first = self._pub_pending[min(self._pub_pending)]
+            first.failure = f"copy to {method.routing_key} unroutable: {method.reply_code} {method.reply_text}"
+
+    def _on_confirm(self, frame: Any) -> None:
+        method = frame.method
+        ack = isinstance(method, spec.Basic.Ack)
+        tags = [t for t in self._pub_pending if t <= method.delivery_tag] if method.multiple else [
+            method.delivery_tag]
+        for tag in tags:
+            pending = self._pub_pending.pop(tag, None)
+            if pending is None:
+                continue
+            pending.remaining.discard(tag)
+            if not ack:
+                pending.failure = pending.failure or "the broker nacked a copy"
+            if not pending.remaining:
+                self._settle(pending, pending.failure)
+
+    @staticmethod
+    def _settle(pending: _PendingCopies, failure: str | None) -> None:
+        if pending.future.done():
+            return
+        if failure:
+            pending.future.set_exception(BrokerUnavailable(failure))
+        else:
+            pending.future.set_result(None)
+
+    def _cancel(self) -> None:
+        channel = self._channel
+        if channel is not None and channel.is_open and self._consumer_tag is not None:
+            channel.basic_cancel(self._consumer_tag)
+            self._consumer_tag = None
+
+    def _shutdown(self) -> None:
+        self._stopping = True
+        self._cancel()
+        if self._conn is None:
+            self.ioloop.stop()
+        else:
+            self._close()

@@ -1,0 +1,228 @@
+"""``run``, ``publish`` and ``topology declare``: the commands that need RabbitMQ.
+
+pika is imported inside the commands (through the library), never at the
+top of this module, so that ``--help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from .. import consumers
+from .. import sources as sources_lib
+from ..envelope import MAX_BODY_BYTES, parse
+from ..errors import ConfigError, Rejection
+from ..topology import (
+    DEFAULT_DELIVERY_LIMIT,
+    DEFAULT_EXCHANGE,
+    DEFAULT_PREFIX,
+    Topology,
+    parse_delays,
+)
+from ._common import EXIT_OK, EXIT_REJECTED, Fatal, consumer_option, db_option, emit_json, handle_errors
+
+F = TypeVar("F", bound=Callable[..., Any])
+DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
+
+
+def amqp_options(fn: F) -> F:
+    """--amqp-url, --exchange and --queue-prefix, shared by every broker command."""
+    fn = click.option("--queue-prefix", default=DEFAULT_PREFIX, show_default=True, envvar="DELIVERY_QUEUE_PREFIX",
+                      help="Queues are <prefix>.<consumer>[.dead|.retry.<delay>].")(fn)
+    fn = click.option("--exchange", default=DEFAULT_EXCHANGE, show_default=True, envvar="DELIVERY_EXCHANGE",
+                      help="Topic exchange the events are published to.")(fn)
+    fn = click.option("--amqp-url", default=DEFAULT_URL, envvar="DELIVERY_AMQP_URL", show_envvar=True,
+                      help="Broker URL (default: guest on 127.0.0.1:5672, vhost /).")(fn)
+    return fn
+
+
+def _topology(consumer: str, exchange: str, prefix: str, **extra: Any) -> Topology:
+    spec = consumers.get(consumer)
+    return Topology(consumer=consumer, binding_keys=tuple(spec.binding_keys), exchange=exchange,
+                    prefix=prefix, **extra)
+
+
+def _delays(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[int, ...]:
+    try:
+        return parse_delays(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    logging.getLogger("pika").setLevel(logging.CRITICAL)  # we report its errors ourselves
+
+
+@click.command()
+@consumer_option(required=True)
+@db_option
+@amqp_options
+@click.option("--prefetch", default=200, show_default=True, type=click.IntRange(1, 65535),
+              help="Unacknowledged deliveries the broker may send ahead.")
+@click.option("--batch", default=100, show_default=True, type=click.IntRange(1, 10_000),
+              help="Deliveries per transaction (1 = one commit per delivery).")
+@click.option("--batch-wait", "batch_wait_ms", default=10, show_default=True, type=click.IntRange(0, 60_000),
+              help="Milliseconds to wait for a batch to fill before committing what there is.")
+@click.option("--max-attempts", default=3, show_default=True, type=click.IntRange(1, 1000),
+              help="Tries of an event that fails transiently before it is dead-lettered retries-exhausted.")
+@click.option("--retry-delays", default="1s,10s,60s", show_default=True, callback=_delays,
+              help="Delays of the retry tiers (the last repeats), e.g. 500ms,5s,1m.")
+@click.option("--delivery-limit", default=DEFAULT_DELIVERY_LIMIT, show_default=True, type=click.IntRange(1),
+              help="Broker-side x-delivery-limit of the queue (the backstop for poison messages).")
+@click.option("--max-crashes", default=3, show_default=True, type=click.IntRange(1),
+              help="Dead-letter a message (delivery-limit) after it killed the process this many times.")
+@click.option("--exit-when-idle", "exit_when_idle", type=click.FloatRange(0, min_open=True),
+              help="Exit 0 after no delivery arrived for this many seconds.")
+@click.option("--max-bytes", default=MAX_BODY_BYTES, show_default=True, type=click.IntRange(1),
+              help="Largest body accepted; larger ones are dead-lettered invalid-envelope.")
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["debug", "info", "warning", "error"]))
+@handle_errors
+def run(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue_prefix: str, prefetch: int,
+        batch: int, batch_wait_ms: int, max_attempts: int, retry_delays: tuple[int, ...], delivery_limit: int,
+        max_crashes: int, exit_when_idle: float | None, max_bytes: int, log_level: str) -> None:
+    """Consume a consumer's queue: apply, commit, then acknowledge.
+
+    Runs until SIGTERM/SIGINT (finishes and acks the current batch, exit 0)
+    or --exit-when-idle. Bad credentials, a missing vhost, an incompatible
+    queue or an unusable database: one line on stderr, exit 2.
+    """
+    from ..broker import BrokerError
+    from ..runner import RunConfig
+    from ..runner import run as run_consumer
+
+    _setup_logging(log_level)
+    consumers.get(consumer)  # unknown consumer: one line, exit 2
+    if batch > prefetch:
+        raise click.BadParameter(f"--batch {batch} cannot fill with --prefetch {prefetch}; raise --prefetch",
+                                 param_hint="--batch")
+    config = RunConfig(
+        consumer=consumer, url=amqp_url, db_path=db_path, exchange=exchange, prefix=queue_prefix,
+        prefetch=prefetch, batch=batch, batch_wait_ms=batch_wait_ms, max_attempts=max_attempts,
+        retry_delays_ms=retry_delays, delivery_limit=delivery_limit, max_crashes=max_crashes,
+        exit_when_idle_s=exit_when_idle, max_bytes=max_bytes,
+    )
+    try:
+        code = run_consumer(config)
+    except BrokerError as exc:
+        raise Fatal(str(exc)) from None
+    sys.exit(code)
+
+
+@click.command()
+@amqp_options
+@click.option("--consumer", "-c", "declare_for", multiple=True,
+              help="Also declare this consumer's queues, so that messages wait for it (repeatable).")
+@click.option("--max-bytes", default=MAX_BODY_BYTES, show_default=True, type=click.IntRange(1))
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per event on stdout.")
+@click.option("--attempts", default=3, show_default=True, type=click.IntRange(1, 100),
+              help="Times an unconfirmed message is published again after a reconnect.")
+@click.argument("sources", nargs=-1, required=True)
+@handle_errors
+def publish(amqp_url: str, exchange: str, queue_prefix: str, declare_for: tuple[str, ...], max_bytes: int,
+            as_json: bool, attempts: int, sources: tuple[str, ...]) -> None:
+    """Validate envelopes from SOURCES and publish them to the exchange.
+
+    Persistent, mandatory, message_id = eventId, routing key = type, with
+    pipelined publisher confirms. Invalid envelopes are reported with their
+    rejection code and not sent. Exit 0 when every message was confirmed,
+    1 when any was invalid, unroutable, nacked or unconfirmed (named on
+    stderr), 2 for usage or broker errors.
+    """
+    from ..broker import BrokerFatal, OutMessage, Publisher
+
+    try:
+        files = sources_lib.expand(sources)
+        topologies = [_topology(c, exchange, queue_prefix) for c in declare_for]
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc)) from None
+    counts: Counter[str] = Counter()
+    messages: list[OutMessage] = []
+    for item in sources_lib.read(files, limit=max_bytes):
+        try:
+            env = parse(item.body, max_bytes=max_bytes)
+        except Rejection as rej:
+            counts["invalid"] += 1
+            _report(as_json, {"eventId": rej.event_id, "rejected": rej.code, "reason": rej.reason,
+                              "source": item.location})
+            continue
+        messages.append(OutMessage(routing_key=env.type, body=item.body, exchange=exchange,
+                                   message_id=env.event_id))
+    try:
+        with Publisher(amqp_url, topologies=topologies, exchanges=[exchange],
+                       name="delivery-consumer publish") as publisher:
+            todo = list(range(len(messages)))
+            final: dict[int, Any] = {}
+            for _ in range(attempts):
+                results = publisher.publish([messages[i] for i in todo])
+                retry = []
+                for i, result in zip(todo, results, strict=True):
+                    final[i] = result
+                    if result.status == "unconfirmed":
+                        retry.append(i)
+                todo = retry
+                if not todo:
+                    break
+    except BrokerFatal as exc:
+        raise Fatal(str(exc)) from None
+    for i, msg in enumerate(messages):
+        result = final[i]
+        counts[result.status] += 1
+        if as_json:
+            emit_json({"eventId": msg.message_id, "published": result.status, "routingKey": msg.routing_key,
+                       **({"reason": result.reason} if result.reason else {})})
+        elif not result.ok:
+            click.echo(f"{msg.message_id} {result.status}: {result.reason}", err=True)
+    summary = ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "nothing to publish"
+    click.echo(f"{len(messages)} published to {exchange}: {summary}", err=True)
+    sys.exit(EXIT_OK if counts["confirmed"] == sum(counts.values()) else EXIT_REJECTED)
+
+
+def _report(as_json: bool, obj: dict[str, Any]) -> None:
+    if as_json:
+        emit_json(obj)
+    else:
+        click.echo(f"{obj['eventId'] or '-'} rejected {obj['rejected']}: {obj['reason']} ({obj['source']}), "
+                   "not sent", err=True)
+
+
+@click.group()
+def topology() -> None:
+    """Broker topology of the consumers."""
+
+
+@topology.command("declare")
+@click.option("--consumer", "-c", "names", multiple=True, required=True, help="Consumer (repeatable).")
+@amqp_options
+@click.option("--retry-delays", default="1s,10s,60s", show_default=True, callback=_delays)
+@click.option("--delivery-limit", default=DEFAULT_DELIVERY_LIMIT, show_default=True, type=click.IntRange(1))
+@handle_errors
+def declare_cmd(names: tuple[str, ...], amqp_url: str, exchange: str, queue_prefix: str,
+                retry_delays: tuple[int, ...], delivery_limit: int) -> None:
+    """Declare the exchange and a consumer's queues (idempotent)."""
+    from ..broker import BrokerError, declare
+
+    topologies = [_topology(n, exchange, queue_prefix, retry_delays_ms=retry_delays,
+                            delivery_limit=delivery_limit) for n in names]
+    try:
+        declare(amqp_url, topologies)
+    except BrokerError as exc:
+        raise Fatal(str(exc)) from None
+    for topo in topologies:
+        queues = ", ".join(q for q, _ in topo.queues())
+        click.echo(f"{topo.consumer}: {exchange} -[{' '.join(topo.binding_keys)}]-> {queues}")
+
+
+__all__ = ["publish", "run", "topology"]

@@ -1,0 +1,44 @@
+"""Crash points: kill the process with SIGKILL at a named boundary.
+
+A test harness shipped with the library, so that anyone can check what a
+crash at each step of the delivery protocol does to *their* consumer::
+
+    DELIVERY_CRASH_AT=after-commit delivery-consumer run --consumer catalog
+    DELIVERY_CRASH_AT=after-commit:3   # on the third time the point is reached
+
+Points in ``run`` (see runner.py): ``before-commit``, ``after-commit``
+(committed, not acked), ``after-retry-confirm`` and ``after-dead-confirm``
+(the copy is confirmed by the broker, the original not acked yet).
+With the variable unset, :func:`crashpoint` is a dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+ENV = "DELIVERY_CRASH_AT"
+
+
+def _parse(text: str) -> dict[str, int]:
+    points: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, nth = part.partition(":")
+        points[name] = int(nth) if nth else 1
+    return points
+
+
+_POINTS = _parse(os.environ.get(ENV, ""))
+_SEEN: dict[str, int] = {}
+
+
+def crashpoint(name: str) -> None:
+    """SIGKILL this process if DELIVERY_CRASH_AT names *name* (and its count is reached)."""
+    if name not in _POINTS:
+        return
+    _SEEN[name] = _SEEN.get(name, 0) + 1
+    if _SEEN[name] >= _POINTS[name]:
+        sys.stderr.write(f"delivery-consumer: crash point {name} reached, SIGKILL\n")
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,85 @@
+"""Pure retry policy: what to do with a failed attempt, and reconnect backoff.
+
+No I/O here, so every rule is unit-tested (and property-tested) without a
+broker. Units are in the names: ``_ms`` milliseconds, ``_s`` seconds.
+
+Attempts count *tries*: the first delivery is attempt 1. A transient failure
+of attempt ``n`` goes to retry tier ``n - 1`` (delays 1 s, 10 s, 60 s by
+default, the last one repeating) unless ``n`` reached ``max_attempts``, in
+which case the event is dead-lettered with ``retries-exhausted``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import RETRIES_EXHAUSTED
+from .topology import DEFAULT_RETRY_DELAYS_MS, H_ATTEMPTS
+
+DEFAULT_MAX_ATTEMPTS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Retry:
+    """Send a copy to retry tier ``tier`` carrying ``attempts`` done so far."""
+
+    tier: int
+    delay_ms: int
+    attempts: int
+
+
+@dataclass(frozen=True, slots=True)
+class GiveUp:
+    """Dead-letter the event: it failed ``attempts`` times."""
+
+    attempts: int
+    code: str = RETRIES_EXHAUSTED
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    delays_ms: tuple[int, ...] = DEFAULT_RETRY_DELAYS_MS
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError("max_attempts must be >= 1")
+        if not self.delays_ms or min(self.delays_ms) < 1:
+            raise ValueError("retry delays must be positive")
+
+    def after_failure(self, attempt: int) -> Retry | GiveUp:
+        """Decide what follows the transient failure of try number *attempt*."""
+        attempt = max(1, attempt)
+        if attempt >= self.max_attempts:
+            return GiveUp(attempts=attempt)
+        tier = attempt - 1
+        delay = self.delays_ms[min(tier, len(self.delays_ms) - 1)]
+        return Retry(tier=tier, delay_ms=delay, attempts=attempt)
+
+
+def attempts_done(headers: Mapping[str, Any] | None) -> int:
+    """Failed tries recorded on a message (``x-attempts``); 0 when absent or garbled."""
+    if not headers:
+        return 0
+    value = headers.get(H_ATTEMPTS)
+    if isinstance(value, bool) or not isinstance(value, int):
+        try:
+            value = int(value) if isinstance(value, (str, bytes)) else 0
+        except ValueError:
+            return 0
+    return max(0, min(int(value), 1_000_000))
+
+
+def reconnect_delay_s(failures: int, *, base_s: float = 0.5, cap_s: float = 30.0,
+                      rng: random.Random | None = None) -> float:
+    """Exponential backoff with jitter for the *failures*-th failed connect.
+
+    Grows ``base * 2**(failures-1)`` up to ``cap``, then takes a uniformly
+    random value in its upper half, so that many consumers restarting
+    together do not reconnect in lockstep.
+    """
+    ceiling = min(cap_s, base_s * 2 ** max(0, min(failures - 1, 32)))
+    return float(ceiling * (0.5 + 0.5 * (rng or random).random()))

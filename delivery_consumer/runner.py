@@ -1,0 +1,501 @@
+"""``run``: a consumer as a RabbitMQ service, ack only after commit.
+
+Two threads, each owning its own connection:
+
+* the **loop thread** (the caller's) runs :class:`broker.ConsumerIO`: pika's
+  I/O loop, heartbeats, deliveries in, acks and copies out;
+* the **worker thread** owns the SQLite connection: it collects deliveries
+  into batches, applies a batch in one transaction (a savepoint each),
+  commits, gets any retry / dead-letter copies confirmed, and only then asks
+  the loop thread to ``basic_ack(last_tag, multiple=True)``.
+
+While the worker waits for an fsync the loop thread keeps receiving, so the
+commit overlaps the network. Batches are settled strictly in delivery-tag
+order and each ack is posted after the batch before it, so a ``multiple``
+ack never covers a tag whose effect is not committed or whose copy is not
+confirmed. If a copy cannot be confirmed, the channel's generation is given
+up: nothing more is acked on it and the connection is recycled, so the
+broker redelivers and the inbox absorbs what was already applied.
+
+Redelivered messages are processed one at a time, after their delivery has
+been counted in a transaction of its own: a message that kills the process
+leaves that count behind, and after ``max_crashes`` it is dead-lettered with
+``delivery-limit`` without being applied again, while its neighbours go on.
+The queue's ``x-delivery-limit`` remains the broker-side backstop.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from . import consumers
+from .broker import BrokerError, BrokerUnavailable, ConsumerIO, Delivery, OutMessage
+from .envelope import MAX_BODY_BYTES, Envelope, body_digest, parse
+from .errors import RETRIES_EXHAUSTED, DatabaseError, DeliveryError, Rejection, TransientError
+from .faults import crashpoint
+from .retry import GiveUp, RetryPolicy, attempts_done
+from .store import ConsumerDB, Outcome, now_iso
+from .topology import (
+    DEFAULT_DELIVERY_LIMIT,
+    DEFAULT_EXCHANGE,
+    DEFAULT_PREFIX,
+    DEFAULT_RETRY_DELAYS_MS,
+    H_ATTEMPTS,
+    H_CONSUMER,
+    H_DELIVERY_COUNT,
+    H_ERROR_CODE,
+    H_ERROR_REASON,
+    H_FAILED_AT,
+    H_ROUTING_KEY,
+    Topology,
+)
+
+log = logging.getLogger("delivery_consumer.run")
+
+DELIVERY_LIMIT_CODE = "delivery-limit"
+#: Headers the broker owns; a copy must not carry them back.
+_BROKER_HEADERS = ("x-death", "x-first-death-exchange", "x-first-death-queue", "x-first-death-reason",
+                   "x-last-death-exchange", "x-last-death-queue", "x-last-death-reason", H_DELIVERY_COUNT)
+
+
+@dataclass
+class RunConfig:
+    consumer: str
+    url: str
+    db_path: Path | None = None
+    exchange: str = DEFAULT_EXCHANGE
+    prefix: str = DEFAULT_PREFIX
+    prefetch: int = 200
+    batch: int = 100
+    batch_wait_ms: int = 10
+    max_attempts: int = 3
+    retry_delays_ms: tuple[int, ...] = DEFAULT_RETRY_DELAYS_MS
+    delivery_limit: int = DEFAULT_DELIVERY_LIMIT
+    max_crashes: int = 3
+    exit_when_idle_s: float | None = None
+    max_bytes: int = MAX_BODY_BYTES
+    #: How long to wait for the broker to confirm a retry / dead copy.
+    confirm_timeout_s: float = 30.0
+
+    def topology(self) -> Topology:
+        spec = consumers.get(self.consumer)
+        return Topology(
+            consumer=self.consumer,
+            binding_keys=tuple(spec.binding_keys),
+            exchange=self.exchange,
+            prefix=self.prefix,
+            retry_delays_ms=self.retry_delays_ms,
+            delivery_limit=self.delivery_limit,
+        )
+
+
+@dataclass
+class Stats:
+    """Running totals, read by the metrics endpoint and the final log line."""
+
+    results: Counter[str] = field(default_factory=Counter)
+    rejected: Counter[str] = field(default_factory=Counter)
+    retried: int = 0
+    dead_lettered: Counter[str] = field(default_factory=Counter)
+    batches: int = 0
+    last_commit: float = 0.0
+
+
+class Observer:
+    """Hooks for metrics; the default does nothing."""
+
+    def batch_committed(self, outcomes: Sequence[Outcome], seconds: float) -> None: ...
+
+    def copy_published(self, kind: str, code: str) -> None: ...
+
+    def connection_state(self, connected: bool) -> None: ...
+
+
+@dataclass(slots=True)
+class _Copy:
+    kind: str  # "retry" | "dead"
+    delivery: Delivery
+    message: OutMessage
+    rejection: Rejection | None  # what to record in `rejected` (dead copies)
+    attempts: int
+
+
+def delivery_key(d: Delivery) -> str:
+    """The key of a message in ``deliveries``: its message_id, or its body's hash."""
+    if d.message_id and len(d.message_id) <= 128:
+        return d.message_id
+    return "sha256:" + body_digest(d.body)
+
+
+def _int_header(headers: dict[str, Any], name: str) -> int:
+    value = headers.get(name)
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+class Worker(threading.Thread):
+    """Owns the database; turns deliveries into commits, copies and acks."""
+
+    def __init__(self, config: RunConfig, observer: Observer | None = None) -> None:
+        super().__init__(name=f"delivery-worker-{config.consumer}", daemon=True)
+        self.config = config
+        self.topology = config.topology()
+        self.policy = RetryPolicy(config.max_attempts, config.retry_delays_ms)
+        self.observer = observer or Observer()
+        self.stats = Stats()
+        self.io: ConsumerIO | None = None
+        self.inbox: queue.SimpleQueue[Delivery] = queue.SimpleQueue()
+        self.ready = threading.Event()
+        self.stop_requested = threading.Event()
+        self.error: BaseException | None = None
+        self.live_generation = 0
+        self._given_up: set[int] = set()
+        self._held: Delivery | None = None
+        self._last_activity = time.monotonic()
+        self.db: ConsumerDB | None = None
+
+    # -- called from the loop thread --
+    def deliver(self, delivery: Delivery) -> None:
+        self.inbox.put(delivery)
+
+    def channel_opened(self, generation: int) -> None:
+        self.live_generation = generation
+        self._last_activity = time.monotonic()
+        self.observer.connection_state(True)
+
+    def channel_lost(self, generation: int, why: str) -> None:
+        if self.live_generation == generation:
+            self.live_generation = 0
+        self.observer.connection_state(False)
+        if not self.stop_requested.is_set():
+            log.warning("connection lost (%s); unacked deliveries of channel %d will be redelivered", why, generation)
+
+    # -- the thread --
+    def run(self) -> None:
+        try:
+            self.db = ConsumerDB.open(self.config.db_path, self.config.consumer, create=True)
+        except DeliveryError as exc:
+            self.error = exc
+            self.ready.set()
+            return
+        self.ready.set()
+        try:
+            self._loop()
+        except BaseException as exc:  # a fatal database error or a bug: stop the service
+            self.error = exc
+            log.error("worker stopped: %s: %s", type(exc).__name__, exc)
+        finally:
+            self.stop_requested.set()
+            self.db.close()
+            if self.io is not None:
+                self.io.shutdown()
+
+    def _loop(self) -> None:
+        assert self.io is not None
+        while not self.stop_requested.is_set():
+            batch = self._collect()
+            if batch:
+                self._last_activity = time.monotonic()
+                self._process(batch)
+            elif self._idle_expired():
+                log.info("no delivery for %.1fs; exiting", self.config.exit_when_idle_s or 0)
+                return
+
+    def _idle_expired(self) -> bool:
+        limit = self.config.exit_when_idle_s
+        if limit is None or not self.live_generation:
+            return False
+        return time.monotonic() - self._last_activity >= limit
+
+    @staticmethod
+    def _suspicious(d: Delivery) -> bool:
+        return d.redelivered or _int_header(d.headers, H_DELIVERY_COUNT) > 0
+
+    def _take(self, timeout: float | None) -> Delivery | None:
+        """The next delivery of the live channel, or None after *timeout*."""
+        if self._held is not None:
+            held, self._held = self._held, None
+            return held
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                if deadline is None:
+                    d = self.inbox.get_nowait()
+                else:
+                    d = self.inbox.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return None
+            if d.generation == self.live_generation and d.generation not in self._given_up:
+                return d
+            # A delivery of a channel that is gone: the broker redelivers it.
+
+    def _collect(self) -> list[Delivery]:
+        first = self._take(0.2)
+        if first is None:
+            return []
+        if self._suspicious(first):
+            return [first]
+        batch = [first]
+        deadline = time.monotonic() + self.config.batch_wait_ms / 1000
+        while len(batch) < self.config.batch:
+            d = self._take(None)
+            if d is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                d = self._take(remaining)
+                if d is None:
+                    break
+            if self._suspicious(d) or d.generation != first.generation:
+                self._held = d  # processed next, on its own
+                break
+            batch.append(d)
+        return batch
+
+    # -- one batch --
+    def _parse(self, d: Delivery) -> Envelope | Rejection:
+        try:
+            return parse(d.body, max_bytes=self.config.max_bytes)
+        except Rejection as rej:
+            return rej
+
+    def _process(self, items: list[Delivery]) -> None:
+        db = self.db
+        assert db is not None
+        started = time.perf_counter()
+        gen = items[0].generation
+        isolated = len(items) == 1 and self._suspicious(items[0])
+        if isolated and self._poisoned(items[0]):
+            return
+        parsed = [self._parse(d) for d in items]
+        outcomes: list[Outcome] = []
+        try:
+            with db.transaction() as tx:
+                for d, env in zip(items, parsed, strict=True):
+                    if isinstance(env, Rejection):
+                        outcome = Outcome(env.event_id, rejection=env)
+                    else:
+                        outcome = tx.apply(env)
+                    tx.record_delivery(
+                        delivery_key(d),
+                        outcome.event_id,
+                        redelivered=d.redelivered,
+                        attempt=attempts_done(d.headers) + 1,
+                        outcome=outcome.status,
+                        count=not isolated,
+                        delivered_hint=_int_header(d.headers, H_DELIVERY_COUNT) + 1,
+                    )
+                    outcomes.append(outcome)
+                crashpoint("before-commit")
+        except TransientError as exc:
+            # The database itself is in trouble (busy past its timeout, disk
+            # full, I/O error): nothing was committed; every event retries.
+            log.warning("batch of %d not committed: %s", len(items), exc)
+            outcomes = [Outcome(getattr(env, "event_id", None), transient=exc) for env in parsed]
+        else:
+            self.stats.last_commit = time.time()
+            crashpoint("after-commit")
+        self.observer.batch_committed(outcomes, time.perf_counter() - started)
+        copies = [c for c in (self._copy_for(d, o) for d, o in zip(items, outcomes, strict=True)) if c]
+        if copies and not self._publish_copies(gen, copies):
+            return
+        self._settle(gen, items, outcomes)
+
+    def _settle(self, gen: int, items: list[Delivery], outcomes: list[Outcome]) -> None:
+        assert self.io is not None
+        self.io.ack(gen, items[-1].tag, multiple=True)
+        self.stats.batches += 1
+        for outcome in outcomes:
+            if outcome.result is not None:
+                self.stats.results[outcome.result] += 1
+        self._log_batch(items, outcomes)
+
+    def _log_batch(self, items: list[Delivery], outcomes: list[Outcome]) -> None:
+        counts = Counter(o.status for o in outcomes)
+        summary = ", ".join(f"{n} {status}" for status, n in counts.most_common())
+        ids = [o.event_id or "-" for o in outcomes]
+        shown = " ".join(ids[:5]) + (f" …+{len(ids) - 5}" if len(ids) > 5 else "")
+        log.info("batch %d-%d acked: %s [%s]", items[0].tag, items[-1].tag, summary, shown)
+
+    def _poisoned(self, d: Delivery) -> bool:
+        """Count a redelivery in its own commit; dead-letter it if it keeps
+        killing the process. Returns True when the delivery was settled."""
+        db = self.db
+        assert db is not None
+        try:
+            with db.transaction() as tx:
+                count = tx.record_delivery(
+                    delivery_key(d), None, redelivered=True, attempt=attempts_done(d.headers) + 1,
+                    outcome="in-flight", delivered_hint=_int_header(d.headers, H_DELIVERY_COUNT) + 1,
+                )
+        except TransientError as exc:
+            log.warning("could not count redelivery of tag %d: %s", d.tag, exc)
+            return False
+        if count.crashes < self.config.max_crashes:
+            return False
+        parsed = self._parse(d)
+        event_id = parsed.event_id
+        fingerprint = parsed.fingerprint
+        rejection = Rejection(
+            DELIVERY_LIMIT_CODE,
+            f"the process died {count.crashes} times while handling this message",
+            event_id=event_id,
+            fingerprint=fingerprint,
+        )
+        copy = self._dead_copy(d, rejection, attempts_done(d.headers) + 1)
+        if self._publish_copies(d.generation, [copy]):
+            self._settle(d.generation, [d], [Outcome(event_id, rejection=rejection)])
+        return True
+
+    # -- copies --
+    def _copy_for(self, d: Delivery, outcome: Outcome) -> _Copy | None:
+        attempt = attempts_done(d.headers) + 1
+        if outcome.rejection is not None:
+            return self._dead_copy(d, outcome.rejection, attempt)
+        if outcome.transient is None:
+            return None
+        decision = self.policy.after_failure(attempt)
+        if isinstance(decision, GiveUp):
+            rejection = Rejection(
+                RETRIES_EXHAUSTED,
+                f"{outcome.transient.code} after {attempt} attempts: {outcome.transient.reason}",
+                event_id=outcome.event_id,
+            )
+            return self._dead_copy(d, rejection, attempt)
+        headers = self._headers(d)
+        headers[H_ATTEMPTS] = decision.attempts
+        headers["x-last-error"] = outcome.transient.reason
+        message = OutMessage(
+            routing_key=self.topology.retry_queue(decision.tier),
+            body=d.body,
+            message_id=d.message_id,
+            headers=headers,
+            content_type=d.content_type or "application/json",
+        )
+        return _Copy("retry", d, message, None, attempt)
+
+    def _headers(self, d: Delivery) -> dict[str, Any]:
+        headers = {k: v for k, v in d.headers.items() if k not in _BROKER_HEADERS}
+        headers.setdefault(H_ROUTING_KEY, d.routing_key)
+        headers[H_CONSUMER] = self.config.consumer
+        return headers
+
+    def _dead_copy(self, d: Delivery, rejection: Rejection, attempt: int) -> _Copy:
+        headers = self._headers(d)
+        headers.update({
+            H_ERROR_CODE: rejection.code,
+            H_ERROR_REASON: rejection.reason,
+            H_ATTEMPTS: attempt,
+            H_FAILED_AT: now_iso(),
+        })
+        message = OutMessage(
+            routing_key=self.topology.dead_queue,
+            body=d.body,
+            message_id=d.message_id or rejection.event_id,
+            headers=headers,
+            content_type=d.content_type or "application/octet-stream",
+        )
+        return _Copy("dead", d, message, rejection, attempt)
+
+    def _publish_copies(self, gen: int, copies: list[_Copy]) -> bool:
+        """Publish and confirm *copies*, then record the dead ones in ``rejected``.
+
+        False when a copy could not be confirmed: the channel is given up
+        (nothing more is acked on it) and the connection recycled.
+        """
+        assert self.io is not None and self.db is not None
+        try:
+            self.io.publish_copies(gen, [c.message for c in copies]).result(self.config.confirm_timeout_s)
+        except Exception as exc:  # BrokerUnavailable, or a timeout waiting for the confirm
+            why = str(exc) or type(exc).__name__
+            log.error("could not confirm %d retry/dead copies (%s); giving up channel %d", len(copies), why, gen)
+            self._given_up.add(gen)
+            self.io.reconnect("a copy was not confirmed")
+            return False
+        dead = [c for c in copies if c.kind == "dead"]
+        crashpoint("after-dead-confirm" if dead else "after-retry-confirm")
+        for c in copies:
+            self.observer.copy_published(c.kind, c.rejection.code if c.rejection else "retry")
+            if c.kind == "retry":
+                self.stats.retried += 1
+                log.warning("event %s attempt %d failed transiently; retry copy sent to %s",
+                            c.message.message_id or "-", c.attempts, c.message.routing_key)
+            else:
+                assert c.rejection is not None
+                self.stats.dead_lettered[c.rejection.code] += 1
+                self.stats.rejected[c.rejection.code] += 1
+                log.warning("event %s rejected %s: %s; dead-lettered to %s", c.rejection.event_id or "-",
+                            c.rejection.code, c.rejection.reason, c.message.routing_key)
+        if dead:
+            try:
+                with self.db.transaction() as tx:
+                    for c in dead:
+                        assert c.rejection is not None
+                        tx.record_rejection(
+                            c.rejection,
+                            source=f"amqp:{self.topology.queue}",
+                            body_sha256=body_digest(c.delivery.body),
+                            attempts=c.attempts,
+                            dead_letter=c.message.routing_key,
+                        )
+            except TransientError as exc:
+                # The copy is safe in the dead queue; only the local record is missing.
+                log.error("dead-lettered %d events but could not record them in rejected: %s", len(dead), exc)
+        return True
+
+
+def run(config: RunConfig, observer: Observer | None = None) -> int:
+    """Run the consumer until SIGTERM/SIGINT or idle; returns the exit code.
+
+    Raises DatabaseError or BrokerError (fatal) for the CLI to report.
+    """
+    worker = Worker(config, observer)
+    io = ConsumerIO(
+        config.url,
+        worker.topology,
+        prefetch=config.prefetch,
+        on_delivery=worker.deliver,
+        on_channel=worker.channel_opened,
+        on_lost=worker.channel_lost,
+        name=f"delivery-consumer run {config.consumer}",
+    )
+    worker.io = io
+    worker.start()
+    worker.ready.wait()
+    if worker.error is not None:
+        raise worker.error
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        log.info("%s received: finishing the current batch", signal.Signals(signum).name)
+        worker.stop_requested.set()
+        io.cancel()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        io.run()
+    except BrokerError:
+        worker.stop_requested.set()
+        worker.join(10)
+        raise
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    worker.stop_requested.set()
+    worker.join()
+    if isinstance(worker.error, (DatabaseError, BrokerError)):
+        raise worker.error
+    if worker.error is not None:
+        raise DatabaseError(f"worker failed: {type(worker.error).__name__}: {worker.error}")
+    return 0
+
+
+__all__ = ["BrokerUnavailable", "Observer", "RunConfig", "Stats", "Worker", "run"]

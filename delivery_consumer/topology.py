@@ -1,0 +1,118 @@
+"""Names and arguments of the RabbitMQ objects of a consumer (no pika here).
+
+::
+
+    delivery.events (topic, durable) --<binding keys>--> delivery.<consumer>   (quorum)
+        delivery.<consumer>               x-delivery-limit, dead-letters to .dead
+        delivery.<consumer>.retry.<ms>ms  TTL tiers; expired messages go back to
+                                          delivery.<consumer> (at-least-once)
+        delivery.<consumer>.dead          where permanent failures wait for a person
+
+Retry tiers are named after their delay, so that changing ``--retry-delays``
+declares new queues instead of failing on the old ones' arguments; an old
+tier keeps draining into the main queue. Every queue is a quorum queue
+(replicated, fsynced before the publisher confirm, TTL dead-lettering that
+does not wait for the head of the queue) and every dead-lettering hop uses
+the at-least-once strategy (``overflow=reject-publish``), so a broker restart
+mid-hop cannot drop a message (https://www.rabbitmq.com/docs/quorum-queues).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_EXCHANGE = "delivery.events"
+DEFAULT_PREFIX = "delivery"
+#: Retry delays in milliseconds (1 s, 10 s, 60 s).
+DEFAULT_RETRY_DELAYS_MS: tuple[int, ...] = (1_000, 10_000, 60_000)
+#: The broker's backstop for a message that kills the process before any code
+#: can count it (our own durable count normally stops it much earlier).
+DEFAULT_DELIVERY_LIMIT = 20
+
+# Headers we set on copies (retry tiers, dead letters, requeues).
+H_ATTEMPTS = "x-attempts"
+H_ERROR_CODE = "x-error-code"
+H_ERROR_REASON = "x-error-reason"
+H_CONSUMER = "x-consumer"
+H_FAILED_AT = "x-failed-at"
+H_ROUTING_KEY = "x-original-routing-key"
+H_DELIVERY_COUNT = "x-delivery-count"  # set by quorum queues on redelivery
+
+
+def parse_delays(text: str) -> tuple[int, ...]:
+    """``"1s,10s,60s"`` or ``"500ms,2s"`` or ``"1,10,60"`` (seconds) -> ms."""
+    delays: list[int] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        if part.endswith("ms"):
+            value = float(part[:-2])
+        elif part.endswith("s"):
+            value = float(part[:-1]) * 1000
+        elif part.endswith("m"):
+            value = float(part[:-1]) * 60_000
+        else:
+            value = float(part) * 1000
+        if not 1 <= value <= 7 * 24 * 3600 * 1000:
+            raise ValueError(f"retry delay {part!r} is out of range (1 ms .. 7 days)")
+        delays.append(int(value))
+    if not delays:
+        raise ValueError("give at least one retry delay")
+    return tuple(delays)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The exchange and queues of one consumer."""
+
+    consumer: str
+    binding_keys: tuple[str, ...] = ("#",)
+    exchange: str = DEFAULT_EXCHANGE
+    prefix: str = DEFAULT_PREFIX
+    retry_delays_ms: tuple[int, ...] = DEFAULT_RETRY_DELAYS_MS
+    delivery_limit: int = DEFAULT_DELIVERY_LIMIT
+    extra_queue_args: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def queue(self) -> str:
+        return f"{self.prefix}.{self.consumer}"
+
+    @property
+    def dead_queue(self) -> str:
+        return f"{self.queue}.dead"
+
+    def retry_queue(self, tier: int) -> str:
+        """The queue of retry tier *tier* (0-based; the last tier repeats)."""
+        delay = self.retry_delays_ms[min(tier, len(self.retry_delays_ms) - 1)]
+        return f"{self.queue}.retry.{delay}ms"
+
+    def retry_delay_ms(self, tier: int) -> int:
+        return self.retry_delays_ms[min(tier, len(self.retry_delays_ms) - 1)]
+
+    def queues(self) -> list[tuple[str, dict[str, Any]]]:
+        """Every queue with its declare arguments, the dead queue first (it
+        must exist before anything can dead-letter into it)."""
+        quorum: dict[str, Any] = {"x-queue-type": "quorum"}
+        at_least_once = {"x-dead-letter-strategy": "at-least-once", "x-overflow": "reject-publish"}
+        main = {
+            **quorum,
+            "x-delivery-limit": self.delivery_limit,
+            "x-dead-letter-exchange": "",
+            "x-dead-letter-routing-key": self.dead_queue,
+            **at_least_once,
+            **self.extra_queue_args,
+        }
+        result: list[tuple[str, dict[str, Any]]] = [(self.dead_queue, dict(quorum)), (self.queue, main)]
+        for delay in dict.fromkeys(self.retry_delays_ms):
+            result.append(
+                (
+                    f"{self.queue}.retry.{delay}ms",
+                    {
+                        **quorum,
+                        "x-message-ttl": delay,
+                        "x-dead-letter-exchange": "",
+                        "x-dead-letter-routing-key": self.queue,
+                        **at_least_once,
+                    },
+                )
+            )
+        return result
