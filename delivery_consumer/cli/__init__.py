@@ -17,6 +17,11 @@ from .. import __version__
 COMMANDS: dict[str, str] = {
     "init": "replay:init",
     "replay": "replay:replay",
+    "inbox": "inspect:inbox",
+    "catalog": "inspect:catalog",
+    "audit": "inspect:audit",
+    "rejected": "inspect:rejected",
+    "query": "inspect:query",
 }
 
 

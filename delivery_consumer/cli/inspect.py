@@ -1,0 +1,308 @@
+"""Read-only inspect commands: ``inbox``, ``catalog``, ``audit``, ``rejected``, ``query``.
+
+Each command opens the database read-only (``mode=ro``), calls one function
+of :mod:`delivery_consumer.queries`, closes the database and prints: aligned
+columns for a list, ``key: value`` for one record, or JSON with ``--json``
+(an array for a list, an object otherwise). A running consumer keeps
+committing meanwhile: nothing here takes a write lock or keeps a snapshot.
+
+Exit codes: 0, 1 when the record asked for does not exist, 2 when the
+database cannot be used or the SQL is refused.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import click
+
+from .. import queries
+from ..store import ConsumerDB, default_db_path
+from . import LazyGroup
+from ._common import EXIT_REJECTED, F, Fatal, consumer_option, emit_json, handle_errors, json_option, open_db
+from ._output import echo_record, echo_table
+
+
+class Missing(Fatal):
+    """The eventId or articleId asked for is not in the database: exit 1."""
+
+    exit_code = EXIT_REJECTED
+
+
+def _db_option(fn: F) -> F:
+    # Like _common.db_option, but a directory reaches ConsumerDB.open, which
+    # answers in one line, instead of click's multi-line usage error.
+    return click.option(
+        "--db",
+        "db_path",
+        envvar="DELIVERY_DB",
+        show_envvar=True,
+        type=click.Path(path_type=Path),
+        help="Database file, opened read-only (default: state/<consumer>/inbox.db).",
+    )(fn)
+
+
+def read_options(consumer: str | None = None) -> Callable[[F], F]:
+    """``--consumer``, ``--db`` and ``--json``, shared by every read command."""
+
+    def decorate(fn: F) -> F:
+        return consumer_option(default=consumer)(_db_option(json_option(fn)))
+
+    return decorate
+
+
+def limit_option(fn: F) -> F:
+    return click.option(
+        "--limit", "-n", default=50, show_default=True, type=click.IntRange(0), help="At most N rows; 0 for all."
+    )(fn)
+
+
+def _open_readonly(consumer: str | None, db_path: Path | None) -> ConsumerDB:
+    try:
+        return open_db(consumer, db_path, readonly=True)
+    except Fatal as exc:
+        path = db_path if db_path is not None else default_db_path(consumer) if consumer else None
+        if "readonly" not in exc.message or path is None or not path.is_file():
+            raise
+        directory = path.resolve().parent
+        shm = path.with_name(path.name + "-shm")
+        if shm.exists() or os.access(directory, os.W_OK):
+            raise
+        # A WAL database can only be read with its -shm file, which SQLite
+        # creates next to it (https://sqlite.org/wal.html#readonly); SQLite's
+        # own words for this ("attempt to write a readonly database") mislead.
+        raise Fatal(
+            f"{path}: cannot read it here: reading a WAL database needs the file {shm.name} beside it, "
+            f"and the directory {directory} is not writable; copy the database to a writable directory"
+        ) from None
+
+
+@contextmanager
+def reading(consumer: str | None, db_path: Path | None) -> Iterator[ConsumerDB]:
+    """The database opened read-only for the block; a NotFound exits 1."""
+    with _open_readonly(consumer, db_path) as db:
+        try:
+            yield db
+        except queries.NotFound as exc:
+            raise Missing(str(exc)) from None
+
+
+def _columns(rows: list[dict[str, Any]], keys: list[str]) -> list[list[Any]]:
+    return [[row[key] for key in keys] for row in rows]
+
+
+# -- inbox -----------------------------------------------------------------------
+
+#: ``inbox`` subcommands, imported on first use; a new one is one line here.
+INBOX_COMMANDS: dict[str, str] = {
+    "list": "inspect:inbox_list",
+    "show": "inspect:inbox_show",
+    "stats": "inspect:inbox_stats",
+}
+
+inbox = LazyGroup(
+    name="inbox",
+    lazy=INBOX_COMMANDS,
+    help="The inbox: one receipt per applied eventId, with its result.",
+)
+
+
+@click.command("list")
+@read_options()
+@click.option("--result", "-r", help="Only receipts with this result (updated, stale, same-state, recorded...).")
+@limit_option
+@handle_errors
+def inbox_list(consumer: str | None, db_path: Path | None, as_json: bool, result: str | None, limit: int) -> None:
+    """Receipts, newest first."""
+    with reading(consumer, db_path) as db:
+        rows = queries.inbox_list(db, result=result, limit=limit)
+    if as_json:
+        emit_json(rows)
+        return
+    keys = ["receivedAt", "eventId", "type", "result"]
+    echo_table(keys, _columns(rows, keys), empty="no receipts")
+
+
+@click.command("show")
+@read_options()
+@click.argument("event_id")
+@handle_errors
+def inbox_show(consumer: str | None, db_path: Path | None, as_json: bool, event_id: str) -> None:
+    """The receipt of EVENT_ID, with its rejections and recorded deliveries."""
+    with reading(consumer, db_path) as db:
+        shown = queries.inbox_show(db, event_id)
+    if as_json:
+        emit_json(shown)
+        return
+    receipt = shown["receipt"] or {}
+    echo_record(
+        [
+            ("eventId", shown["eventId"]),
+            ("result", receipt.get("result", "(no receipt: never applied)")),
+            ("type", receipt.get("type")),
+            ("receivedAt", receipt.get("receivedAt")),
+            ("fingerprint", receipt.get("fingerprint")),
+            ("rejected", len(shown["rejected"])),
+            ("deliveries", len(shown["deliveries"])),
+        ]
+    )
+    for rejection in shown["rejected"]:
+        click.echo(f"rejection {rejection['id']}:")
+        echo_record([(k, v) for k, v in rejection.items() if k not in ("id", "eventId")], indent="  ")
+    for delivery in shown["deliveries"]:
+        click.echo(f"delivery {delivery['key']}:")
+        echo_record([(k, v) for k, v in delivery.items() if k not in ("key", "eventId")], indent="  ")
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = max(0, int(seconds))
+    for unit, size, sub, sub_size in (("d", 86400, "h", 3600), ("h", 3600, "m", 60), ("m", 60, "s", 1)):
+        if seconds >= size:
+            return f"{seconds // size}{unit} {seconds % size // sub_size}{sub}"
+    return f"{seconds}s"
+
+
+@click.command("stats")
+@read_options()
+@handle_errors
+def inbox_stats(consumer: str | None, db_path: Path | None, as_json: bool) -> None:
+    """Receipts by result (all, last hour, last day), oldest receipt, rejections by code."""
+    with reading(consumer, db_path) as db:
+        stats = queries.inbox_stats(db)
+    if as_json:
+        emit_json(stats)
+        return
+    oldest = stats["oldestReceivedAt"]
+    echo_record(
+        [
+            ("consumer", stats["consumer"]),
+            ("database", stats["database"]),
+            ("receipts", stats["receipts"]),
+            ("oldest", f"{oldest} ({_age(stats['oldestAgeSeconds'])} ago)" if oldest else None),
+            ("newest", stats["newestReceivedAt"]),
+            ("rejected", stats["rejected"]),
+        ]
+    )
+    if stats["byResult"]:
+        click.echo()
+        echo_table(
+            ["result", "total", "last hour", "last day"],
+            [[r, n, stats["lastHour"][r], stats["lastDay"][r]] for r, n in stats["byResult"].items()],
+        )
+    if stats["rejectedByCode"]:
+        click.echo()
+        echo_table(
+            ["rejection", "total", "unresolved"],
+            [[c, n, stats["unresolvedByCode"][c]] for c, n in stats["rejectedByCode"].items()],
+        )
+
+
+# -- rejected --------------------------------------------------------------------
+
+
+@click.group()
+def rejected() -> None:
+    """Events refused with a rejection code (kept locally for the operator)."""
+
+
+@rejected.command("list")
+@read_options()
+@click.option("--code", help="Only this rejection code (malformed-json, invalid-envelope, ...).")
+@limit_option
+@handle_errors
+def rejected_list(consumer: str | None, db_path: Path | None, as_json: bool, code: str | None, limit: int) -> None:
+    """Rejections, newest first."""
+    with reading(consumer, db_path) as db:
+        rows = queries.rejected_list(db, code=code, limit=limit)
+    if as_json:
+        emit_json(rows)
+        return
+    keys = ["id", "rejectedAt", "code", "eventId", "source", "reason"]
+    echo_table(keys, _columns(rows, keys), empty="no rejections")
+
+
+# -- catalog ---------------------------------------------------------------------
+
+
+@click.group()
+def catalog() -> None:
+    """The catalog projection: the latest revision of each material."""
+
+
+@catalog.command("list")
+@read_options("catalog")
+@handle_errors
+def catalog_list(consumer: str, db_path: Path | None, as_json: bool) -> None:
+    """Every material, by articleId."""
+    with reading(consumer, db_path) as db:
+        rows = queries.catalog_list(db)
+    if as_json:
+        emit_json(rows)
+        return
+    keys = ["articleId", "revision", "published", "title", "url"]
+    echo_table(keys, _columns(rows, keys), empty="the catalog is empty")
+
+
+@catalog.command("show")
+@read_options("catalog")
+@click.argument("article_id")
+@handle_errors
+def catalog_show(consumer: str, db_path: Path | None, as_json: bool, article_id: str) -> None:
+    """The stored revision of ARTICLE_ID."""
+    with reading(consumer, db_path) as db:
+        article = queries.catalog_show(db, article_id)
+    if as_json:
+        emit_json(article)
+        return
+    echo_record(list(article.items()))
+
+
+# -- audit -----------------------------------------------------------------------
+
+
+@click.group()
+def audit() -> None:
+    """The audit log: every distinct envelope, stored once."""
+
+
+@audit.command("list")
+@read_options("audit")
+@limit_option
+@handle_errors
+def audit_list(consumer: str, db_path: Path | None, as_json: bool, limit: int) -> None:
+    """Recorded envelopes, newest first (--json includes each envelope)."""
+    with reading(consumer, db_path) as db:
+        rows = queries.audit_list(db, limit=limit)
+    if as_json:
+        emit_json(rows)
+        return
+    keys = ["eventId", "type", "articleId", "revision", "occurredAt"]
+    echo_table(keys, _columns(rows, keys), empty="the audit log is empty")
+
+
+# -- query -----------------------------------------------------------------------
+
+
+@click.command()
+@read_options()
+@click.argument("sql")
+@handle_errors
+def query(consumer: str | None, db_path: Path | None, as_json: bool, sql: str) -> None:
+    """Run one read-only SQL statement (SELECT, WITH, EXPLAIN, reading PRAGMAs).
+
+    The database is opened read-only with query_only set; writes, ATTACH,
+    transactions and several statements are refused (exit 2). --json gives
+    {"columns": [...], "rows": [[...], ...]}; BLOBs appear as X'..' literals.
+    """
+    with reading(consumer, db_path) as db:
+        result = queries.query(db, sql)
+    if as_json:
+        emit_json(result)
+    elif result["columns"]:
+        echo_table(result["columns"], result["rows"], null="NULL")

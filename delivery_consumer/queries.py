@@ -1,0 +1,398 @@
+"""Read-only queries behind the inspect commands.
+
+Every function takes an open :class:`~delivery_consumer.store.ConsumerDB`
+(the inspect commands open it with ``readonly=True``, i.e. ``mode=ro``) and
+returns plain dicts and lists, ready for ``orjson.dumps``: keys are the
+envelope's camelCase names, times the store's ISO-8601 UTC text.
+
+Reads are kept short so that a running consumer is never held up: the
+connection is in autocommit mode, every statement is read to the end with ``fetchall`` (an
+unfinished SELECT keeps its WAL snapshot open and stops checkpoints), and
+the functions that need several statements to agree run them in one
+deferred read transaction that ends before they return.
+
+Errors: :class:`NotFound` for an unknown key, :class:`QueryError` for SQL
+that ``query`` refuses or that fails, :class:`~delivery_consumer.errors.DatabaseError`
+when the file itself is unusable (corrupt, of a consumer without the table).
+"""
+
+from __future__ import annotations
+
+import functools
+import sqlite3
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Any, Final, ParamSpec, TypeVar
+
+import orjson
+
+from .errors import DatabaseError, DeliveryError
+from .store import ConsumerDB, now_iso, translate
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+#: Windows of ``inbox_stats``, in seconds.
+HOUR_S = 3600
+DAY_S = 86400
+
+#: Pragmas that take an argument and still only read (a table or index name,
+#: or a row limit); any other pragma with an argument sets something.
+READ_PRAGMAS_WITH_ARGUMENT = frozenset(
+    {
+        "table_info",
+        "table_xinfo",
+        "table_list",
+        "index_list",
+        "index_info",
+        "index_xinfo",
+        "foreign_key_list",
+        "foreign_key_check",
+        "integrity_check",
+        "quick_check",
+    }
+)
+
+#: Pragmas that write (or try to) even without an argument.
+WRITING_PRAGMAS = frozenset({"wal_checkpoint", "optimize", "incremental_vacuum"})
+
+Row = dict[str, Any]
+
+
+class NotFound(DeliveryError):
+    """No record with the key asked for (the CLI exits 1, not 2)."""
+
+
+class QueryError(DeliveryError):
+    """Ad-hoc SQL was refused (a write, several statements) or failed."""
+
+
+def _reads(fn: Callable[P, T]) -> Callable[P, T]:
+    """Map sqlite3 errors met while reading to the project's own errors.
+
+    A file can pass the checks of ``ConsumerDB.open`` and still have damaged
+    pages, which only a read discovers.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return fn(*args, **kwargs)
+        except sqlite3.Error as exc:
+            db = args[0]
+            path = db.path if isinstance(db, ConsumerDB) else "database"
+            raise translate(exc, path) from None
+
+    return wrapper
+
+
+@contextmanager
+def _snapshot(conn: sqlite3.Connection) -> Iterator[None]:
+    """One short read transaction, so that several SELECTs see one state."""
+    conn.execute("BEGIN DEFERRED")
+    try:
+        yield
+    finally:
+        if conn.in_transaction:  # SQLite may have ended it after an error
+            conn.execute("ROLLBACK")  # nothing was written; ends the snapshot
+
+
+def _require_table(db: ConsumerDB, table: str) -> None:
+    if table not in db.spec.tables:
+        raise DatabaseError(f"{db.path}: consumer {db.consumer!r} has no {table} table")
+
+
+def _limit(limit: int | None) -> int:
+    """SQLite's LIMIT value: None or 0 mean no limit."""
+    return limit if limit else -1
+
+
+# -- inbox ---------------------------------------------------------------------
+
+_RECEIPT = "SELECT event_id, event_type, result, received_at, fingerprint FROM inbox"
+
+
+def _receipt(row: tuple[Any, ...]) -> Row:
+    return {
+        "eventId": row[0],
+        "type": row[1],
+        "result": row[2],
+        "receivedAt": row[3],
+        "fingerprint": row[4],
+    }
+
+
+@_reads
+def inbox_list(db: ConsumerDB, *, result: str | None = None, limit: int | None = 50) -> list[Row]:
+    """Receipts, newest first, optionally only those with *result*.
+
+    Events of one batch share one ``receivedAt``; among them the order is by
+    eventId. ``limit`` None or 0 lists them all.
+    """
+    where, params = ("WHERE result = ?", [result]) if result is not None else ("", [])
+    rows = db.conn.execute(
+        f"{_RECEIPT} {where} ORDER BY received_at DESC, event_id DESC LIMIT ?",
+        [*params, _limit(limit)],
+    ).fetchall()
+    return [_receipt(row) for row in rows]
+
+
+def _receipt_of(conn: sqlite3.Connection, event_id: str) -> Row | None:
+    rows = conn.execute(f"{_RECEIPT} WHERE event_id = ?", (event_id,)).fetchall()
+    return _receipt(rows[0]) if rows else None
+
+
+def _camel(column: str) -> str:
+    head, *rest = column.split("_")
+    return head + "".join(part.capitalize() for part in rest)
+
+
+def _records(cursor: sqlite3.Cursor) -> list[Row]:
+    """All rows of *cursor* as dicts keyed by camelCase column names.
+
+    For the store's bookkeeping tables (``rejected``, ``deliveries``), whose
+    columns grow with later issues: a new column shows up without a change here.
+    """
+    names = [_camel(column[0]) for column in cursor.description]
+    return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+
+
+@_reads
+def inbox_show(db: ConsumerDB, event_id: str) -> Row:
+    """Everything the database knows about one eventId.
+
+    ``receipt`` is None when the event was only ever rejected; NotFound when
+    the eventId appears nowhere (receipt, rejections, deliveries).
+    """
+    conn = db.conn
+    with _snapshot(conn):
+        receipt = _receipt_of(conn, event_id)
+        rejected = _records(conn.execute("SELECT * FROM rejected WHERE event_id = ? ORDER BY id", (event_id,)))
+        deliveries = _records(
+            conn.execute("SELECT * FROM deliveries WHERE event_id = ? ORDER BY first_at, key", (event_id,))
+        )
+    if receipt is None and not rejected and not deliveries:
+        raise NotFound(f"eventId {event_id} not found in {db.path}")
+    return {
+        "eventId": event_id,
+        "receipt": receipt,
+        "rejected": rejected,
+        "deliveries": deliveries,
+    }
+
+
+def _age_seconds(stamp: str | None, now: float) -> float | None:
+    if stamp is None:
+        return None
+    return round(now - datetime.fromisoformat(stamp).timestamp(), 3)
+
+
+@_reads
+def inbox_stats(db: ConsumerDB, *, now: float | None = None) -> Row:
+    """Receipts by result (overall, last hour, last day), their age, rejections by code.
+
+    *now* (a Unix time) fixes the clock for the windows and the age.
+    """
+    now = time.time() if now is None else now
+    conn = db.conn
+    with _snapshot(conn):
+        by_result = conn.execute(
+            "SELECT result, count(*), sum(received_at >= ?), sum(received_at >= ?)"
+            " FROM inbox GROUP BY result ORDER BY result",
+            (now_iso(now - HOUR_S), now_iso(now - DAY_S)),
+        ).fetchall()
+        ((oldest, newest),) = conn.execute("SELECT min(received_at), max(received_at) FROM inbox").fetchall()
+        by_code = conn.execute(
+            "SELECT code, count(*), count(*) - count(resolved_at) FROM rejected GROUP BY code ORDER BY code"
+        ).fetchall()
+    return {
+        "consumer": db.consumer,
+        "database": str(db.path),
+        "now": now_iso(now),
+        "receipts": sum(row[1] for row in by_result),
+        "byResult": {row[0]: row[1] for row in by_result},
+        "lastHour": {row[0]: row[2] for row in by_result},
+        "lastDay": {row[0]: row[3] for row in by_result},
+        "oldestReceivedAt": oldest,
+        "oldestAgeSeconds": _age_seconds(oldest, now),
+        "newestReceivedAt": newest,
+        "rejected": sum(row[1] for row in by_code),
+        "rejectedByCode": {row[0]: row[1] for row in by_code},
+        "unresolvedByCode": {row[0]: row[2] for row in by_code},
+    }
+
+
+# -- rejected ------------------------------------------------------------------
+
+
+@_reads
+def rejected_list(db: ConsumerDB, *, code: str | None = None, limit: int | None = 50) -> list[Row]:
+    """Rejections, newest first, optionally only those with *code*."""
+    where, params = ("WHERE code = ?", [code]) if code is not None else ("", [])
+    return _records(
+        db.conn.execute(f"SELECT * FROM rejected {where} ORDER BY id DESC LIMIT ?", [*params, _limit(limit)])
+    )
+
+
+# -- catalog -------------------------------------------------------------------
+
+_CATALOG = "SELECT article_id, revision, published, title, url, event_id, occurred_at FROM catalog"
+
+
+def _article(row: tuple[Any, ...]) -> Row:
+    return {
+        "articleId": row[0],
+        "revision": row[1],
+        "published": bool(row[2]),
+        "title": row[3],
+        "url": row[4],
+        "eventId": row[5],
+        "occurredAt": row[6],
+    }
+
+
+@_reads
+def catalog_list(db: ConsumerDB) -> list[Row]:
+    """Every material of the catalog projection, by articleId."""
+    _require_table(db, "catalog")
+    return [_article(row) for row in db.conn.execute(f"{_CATALOG} ORDER BY article_id").fetchall()]
+
+
+@_reads
+def catalog_show(db: ConsumerDB, article_id: str) -> Row:
+    """The stored revision of one material, or NotFound."""
+    _require_table(db, "catalog")
+    rows = db.conn.execute(f"{_CATALOG} WHERE article_id = ?", (article_id,)).fetchall()
+    if not rows:
+        raise NotFound(f"articleId {article_id} not found in {db.path}")
+    return _article(rows[0])
+
+
+# -- audit ---------------------------------------------------------------------
+
+
+@_reads
+def audit_list(db: ConsumerDB, *, limit: int | None = 50) -> list[Row]:
+    """Recorded envelopes, newest first; ``envelope`` is the parsed canonical JSON."""
+    _require_table(db, "audit")
+    rows = db.conn.execute(
+        "SELECT event_id, event_type, article_id, revision, occurred_at, fingerprint, envelope"
+        " FROM audit ORDER BY rowid DESC LIMIT ?",
+        (_limit(limit),),
+    ).fetchall()
+    return [
+        {
+            "eventId": row[0],
+            "type": row[1],
+            "articleId": row[2],
+            "revision": row[3],
+            "occurredAt": row[4],
+            "fingerprint": row[5],
+            "envelope": orjson.loads(row[6]),
+        }
+        for row in rows
+    ]
+
+
+# -- ad-hoc SQL ----------------------------------------------------------------
+
+
+def _json_value(value: Any) -> Any:
+    """BLOBs as SQL hex literals (JSON has no bytes); the rest as they are."""
+    if isinstance(value, bytes):
+        return f"X'{value.hex().upper()}'"
+    return value
+
+
+#: Authorizer actions refused in ad-hoc SQL, with the name the user is shown.
+_DENIED_ACTIONS: Final[Mapping[int, str]] = {
+    sqlite3.SQLITE_ATTACH: "ATTACH (and VACUUM INTO)",
+    sqlite3.SQLITE_DETACH: "DETACH",
+    sqlite3.SQLITE_TRANSACTION: "BEGIN/COMMIT/ROLLBACK",
+    sqlite3.SQLITE_SAVEPOINT: "SAVEPOINT",
+}
+
+
+class _ReadOnlyAuthorizer:
+    """SQLite authorizer for ad-hoc SQL: refuses what ``mode=ro`` lets through.
+
+    A read-only connection still accepts ATTACH (and so ``VACUUM INTO``, which
+    attaches its target: it would write a new file), BEGIN (a snapshot left
+    open would stop checkpoints) and pragmas that change the connection, such
+    as ``query_only = OFF``. Writes to the database itself are refused by
+    SQLite (``mode=ro`` and ``query_only``). https://sqlite.org/c3ref/set_authorizer.html
+    """
+
+    def __init__(self) -> None:
+        self.denied: str | None = None
+
+    def __call__(self, action: int, arg1: str | None, arg2: str | None, _db: str | None, _src: str | None) -> int:
+        what = _DENIED_ACTIONS.get(action)
+        if action == sqlite3.SQLITE_PRAGMA:
+            if arg1 in WRITING_PRAGMAS:
+                what = f"PRAGMA {arg1}"
+            elif arg2 is not None and arg1 not in READ_PRAGMAS_WITH_ARGUMENT:
+                what = f"PRAGMA {arg1} with a value"
+        if what is None:
+            return sqlite3.SQLITE_OK
+        self.denied = self.denied or what
+        return sqlite3.SQLITE_DENY
+
+
+def _query_error(exc: Exception, auth: _ReadOnlyAuthorizer) -> QueryError:
+    message = str(exc)
+    if auth.denied is not None:
+        return QueryError(f"query refused: {auth.denied} is not allowed, the query may only read")
+    if "one statement" in message:
+        return QueryError("query refused: give exactly one SQL statement")
+    if "readonly" in message or "query_only" in message:
+        return QueryError(f"query refused: the query may only read ({message})")
+    return QueryError(f"query failed: {message}")
+
+
+@_reads
+def query(db: ConsumerDB, sql: str) -> Row:
+    """Run one read-only SQL statement; ``{"columns": [...], "rows": [[...], ...]}``.
+
+    Needs a database opened read-only. Refuses several statements, writes,
+    ATTACH, transactions and pragmas that set a value (:class:`QueryError`).
+    """
+    if not db.readonly:
+        raise QueryError("query needs a database opened read-only")
+    if not sql.strip():
+        raise QueryError("query refused: the SQL is empty")
+    conn = db.conn
+    conn.execute("PRAGMA query_only = ON")
+    auth = _ReadOnlyAuthorizer()
+    conn.set_authorizer(auth)
+    cursor: sqlite3.Cursor | None = None
+    try:
+        cursor = conn.execute(sql)
+        columns = [column[0] for column in cursor.description or ()]
+        rows = [[_json_value(value) for value in row] for row in cursor.fetchall()]
+    except sqlite3.DatabaseError as exc:
+        # A denial by the authorizer is SQLITE_AUTH, a plain DatabaseError.
+        if auth.denied is not None or isinstance(exc, sqlite3.OperationalError | sqlite3.ProgrammingError):
+            raise _query_error(exc, auth) from None
+        raise  # a damaged page and the like: the file, not the query (see _reads)
+    finally:
+        if cursor is not None:
+            cursor.close()  # resets the statement: no read snapshot stays open
+        conn.set_authorizer(None)
+    return {"columns": columns, "rows": rows}
+
+
+__all__ = [
+    "NotFound",
+    "QueryError",
+    "audit_list",
+    "catalog_list",
+    "catalog_show",
+    "inbox_list",
+    "inbox_show",
+    "inbox_stats",
+    "query",
+    "rejected_list",
+]
