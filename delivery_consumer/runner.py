@@ -108,7 +108,18 @@ class Stats:
     retried: int = 0
     dead_lettered: Counter[str] = field(default_factory=Counter)
     batches: int = 0
+    acked: int = 0
     last_commit: float = 0.0
+    #: perf_counter() of the first delivery handed over and of the last ack posted.
+    first_delivery: float = 0.0
+    last_ack: float = 0.0
+
+    def line(self) -> str:
+        done = ", ".join(f"{n} {k}" for k, n in self.results.most_common()) or "nothing applied"
+        span = self.last_ack - self.first_delivery if self.acked else 0.0
+        rate = f" ({self.acked / span:.0f}/s)" if span > 0 else ""
+        return (f"{self.acked} deliveries acked in {self.batches} batches: {done}; {self.retried} retried, "
+                f"{sum(self.dead_lettered.values())} dead-lettered; first delivery to last ack {span:.3f}s{rate}")
 
 
 class Observer:
@@ -165,6 +176,8 @@ class Worker(threading.Thread):
 
     # -- called from the loop thread --
     def deliver(self, delivery: Delivery) -> None:
+        if not self.stats.first_delivery:
+            self.stats.first_delivery = time.perf_counter()
         self.inbox.put(delivery)
 
     def channel_opened(self, generation: int) -> None:
@@ -313,6 +326,8 @@ class Worker(threading.Thread):
     def _settle(self, gen: int, items: list[Delivery], outcomes: list[Outcome]) -> None:
         assert self.io is not None
         self.io.ack(gen, items[-1].tag, multiple=True)
+        self.stats.last_ack = time.perf_counter()
+        self.stats.acked += len(items)
         self.stats.batches += 1
         for outcome in outcomes:
             if outcome.result is not None:
@@ -491,6 +506,7 @@ def run(config: RunConfig, observer: Observer | None = None) -> int:
             signal.signal(s, handler)
     worker.stop_requested.set()
     worker.join()
+    log.info("exiting: %s", worker.stats.line())
     if isinstance(worker.error, (DatabaseError, BrokerError)):
         raise worker.error
     if worker.error is not None:

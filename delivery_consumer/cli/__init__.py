@@ -22,6 +22,9 @@ COMMANDS: dict[str, str] = {
     "audit": "inspect:audit",
     "rejected": "inspect:rejected",
     "query": "inspect:query",
+    "run": "rabbit:run",
+    "publish": "rabbit:publish",
+    "topology": "rabbit:topology",
 }
 
 

@@ -60,7 +60,7 @@ def db_option(fn: F) -> F:
         "db_path",
         envvar="DELIVERY_DB",
         show_envvar=True,
-        type=click.Path(path_type=Path, dir_okay=False),
+        type=click.Path(path_type=Path),
         help="Database file (default: state/<consumer>/inbox.db).",
     )(fn)
 

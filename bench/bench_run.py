@@ -1,0 +1,162 @@
+"""Benchmark: ``delivery-consumer run`` against a bare pika consumer.
+
+In one run, on the same broker, the same quorum-queue type and the same
+prefetch, 20,000 messages each (seeded before the consumer starts):
+
+* bare pika consumers that only ack -- per message, and ``multiple=True``
+  every ``--batch`` messages (the transport's limit here);
+* ``run`` in batch mode (``--batch``, one transaction per batch);
+* ``run`` with one commit per delivery (``--batch 1``).
+
+Each figure is measured from the first delivery to the last ack, inside the
+consumer process (``run`` prints it in its exit line), best of ``--repeat``.
+The ratio is against the best bare consumer. Durability is the production
+one: WAL with synchronous=FULL.
+
+    python bench/bench_run.py [--messages 20000] [--prefetch 200] [--batch 100] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import textwrap
+import uuid
+from pathlib import Path
+
+import orjson
+
+from delivery_consumer.broker import DEFAULT_URL, OutMessage, Publisher
+from delivery_consumer.topology import Topology
+
+BARE = textwrap.dedent(
+    """
+    import sys, time, pika
+    url, queue, n, prefetch, every = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+    state = {"n": 0, "t0": 0.0}
+    def on_message(ch, method, props, body):
+        state["n"] += 1
+        if state["n"] == 1:
+            state["t0"] = time.perf_counter()
+        if every == 1:
+            ch.basic_ack(method.delivery_tag)
+        elif state["n"] % every == 0 or state["n"] == n:
+            ch.basic_ack(method.delivery_tag, multiple=True)
+        if state["n"] == n:
+            print(f"RATE {n / (time.perf_counter() - state['t0']):.1f}")
+            ch.connection.close()
+    def on_channel(ch):
+        ch.basic_qos(prefetch_count=prefetch, callback=lambda _f: ch.basic_consume(queue, on_message))
+    conn = pika.SelectConnection(pika.URLParameters(url), on_open_callback=lambda c: c.channel(on_open_callback=on_channel),
+                                 on_close_callback=lambda c, r: c.ioloop.stop())
+    conn.ioloop.start()
+    """
+)
+
+RUN_RATE = re.compile(r"first delivery to last ack [0-9.]+s \(([0-9]+)/s\)")
+
+
+def make_events(n: int) -> list[bytes]:
+    """Realistic bodies: several thousand articles, growing revisions."""
+    bodies = []
+    articles = max(1, n // 4)
+    for i in range(n):
+        article = i % articles
+        bodies.append(orjson.dumps({
+            "eventId": str(uuid.uuid4()),
+            "type": "material.published" if i % 7 else "material.withdrawn",
+            "articleId": f"article-{article}",
+            "revision": i // articles + 1,
+            "occurredAt": "2026-11-29T10:00:00Z",
+            "data": {"title": f"Доставка без потерь, выпуск {i}", "url": f"https://example.org/a/{article}"},
+        }))
+    return bodies
+
+
+def seed(url: str, topo: Topology, bodies: list[bytes]) -> None:
+    with Publisher(url, topologies=[topo], window=2000) as pub:
+        results = pub.publish([
+            OutMessage(routing_key=orjson.loads(b)["type"], body=b, exchange=topo.exchange,
+                       message_id=orjson.loads(b)["eventId"]) for b in bodies
+        ])
+    bad = [r for r in results if not r.ok]
+    if bad:
+        raise SystemExit(f"seeding failed: {len(bad)} messages not confirmed ({bad[0].reason})")
+
+
+def delete_queues(url: str, topo: Topology) -> None:
+    import pika
+
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    ch = conn.channel()
+    for queue, _args in topo.queues():
+        ch.queue_delete(queue)
+    ch.exchange_delete(topo.exchange)
+    conn.close()
+
+
+def bare(url: str, topo: Topology, n: int, prefetch: int, every: int) -> float:
+    out = subprocess.run([sys.executable, "-c", BARE, url, topo.queue, str(n), str(prefetch), str(every)],
+                         capture_output=True, text=True, timeout=600, check=True).stdout
+    return float(out.split("RATE ")[1])
+
+
+def ours(url: str, topo: Topology, prefetch: int, batch: int, workdir: Path) -> float:
+    db = workdir / f"bench-{uuid.uuid4().hex[:8]}.db"
+    proc = subprocess.run(
+        ["delivery-consumer", "run", "--consumer", "catalog", "--db", str(db), "--amqp-url", url,
+         "--exchange", topo.exchange, "--queue-prefix", topo.prefix, "--prefetch", str(prefetch),
+         "--batch", str(batch), "--exit-when-idle", "1", "--log-level", "info"],
+        capture_output=True, text=True, timeout=900,
+    )
+    match = RUN_RATE.search(proc.stderr)
+    if proc.returncode != 0 or match is None:
+        raise SystemExit(f"run failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+    return float(match.group(1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--messages", type=int, default=20_000)
+    parser.add_argument("--prefetch", type=int, default=200)
+    parser.add_argument("--batch", type=int, default=100)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--amqp-url", default=os.environ.get("DELIVERY_AMQP_URL", DEFAULT_URL))
+    args = parser.parse_args()
+    bodies = make_events(args.messages)
+    prefix = f"bench{uuid.uuid4().hex[:6]}"
+    topo = Topology(consumer="catalog", binding_keys=("material.*",), exchange=f"{prefix}.events", prefix=prefix)
+    modes = [
+        ("bare pika, ack per message", lambda w: bare(args.amqp_url, topo, args.messages, args.prefetch, 1)),
+        (f"bare pika, multiple ack every {args.batch}",
+         lambda w: bare(args.amqp_url, topo, args.messages, args.prefetch, args.batch)),
+        (f"run --batch {args.batch}", lambda w: ours(args.amqp_url, topo, args.prefetch, args.batch, w)),
+        ("run --batch 1", lambda w: ours(args.amqp_url, topo, args.prefetch, 1, w)),
+    ]
+    best: dict[str, float] = {}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for _ in range(args.repeat):
+                for name, fn in modes:
+                    delete_queues(args.amqp_url, topo)
+                    seed(args.amqp_url, topo, bodies)
+                    rate = fn(Path(tmp))
+                    best[name] = max(best.get(name, 0.0), rate)
+                    print(f"  {name:<40} {rate:>9.0f} msg/s", flush=True)
+    finally:
+        delete_queues(args.amqp_url, topo)
+    limit = max(best[modes[0][0]], best[modes[1][0]])
+    print(f"\n{dt.date.today()} · {os.cpu_count()} cores · {args.messages} messages · prefetch {args.prefetch} · "
+          f"quorum queue · WAL + synchronous=FULL · best of {args.repeat}")
+    print(f"{'mode':<40} {'msg/s':>9} {'ratio to bare limit':>20}")
+    for name, _ in modes:
+        print(f"{name:<40} {best[name]:>9.0f} {best[name] / limit:>20.2f}")
+
+
+if __name__ == "__main__":
+    main()

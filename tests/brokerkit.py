@@ -1,0 +1,230 @@
+"""Helpers for tests against the real RabbitMQ broker.
+
+Each test gets its own namespace (exchange ``<prefix>.events`` and queues
+``<prefix>.<consumer>...``) so tests never see each other's messages; the
+namespace is deleted afterwards. Tests that need the broker skip with a
+reason when it is unreachable, unless ``DELIVERY_REQUIRE_BROKER`` is set (as
+``.ci/run`` does), in which case they fail.
+
+Import the fixtures into a test module with
+``from brokerkit import amqp_url, ns  # noqa: F401``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import orjson
+import pika
+import pytest
+
+from delivery_consumer import consumers
+from delivery_consumer.broker import OutMessage, Publisher
+from delivery_consumer.topology import Topology
+
+DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+def broker_url() -> str:
+    return os.environ.get("DELIVERY_AMQP_URL", DEFAULT_URL)
+
+
+def broker_reachable(url: str) -> bool:
+    parsed = urlparse(url)
+    try:
+        with socket.create_connection((parsed.hostname or "127.0.0.1", parsed.port or 5672), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def amqp_url() -> str:
+    """The broker URL; skips (or fails under DELIVERY_REQUIRE_BROKER) when it is down."""
+    url = broker_url()
+    if not broker_reachable(url):
+        if os.environ.get("DELIVERY_REQUIRE_BROKER"):
+            pytest.fail(f"RabbitMQ is required (DELIVERY_REQUIRE_BROKER) but unreachable at {url}")
+        pytest.skip(f"RabbitMQ unreachable at {url}; set DELIVERY_REQUIRE_BROKER=1 to fail instead")
+    return url
+
+
+@dataclass
+class Namespace:
+    """An isolated exchange + queue prefix on the shared broker."""
+
+    url: str
+    prefix: str
+    workdir: Path
+
+    @property
+    def exchange(self) -> str:
+        return f"{self.prefix}.events"
+
+    def topology(self, consumer: str, **kwargs: Any) -> Topology:
+        spec = consumers.get(consumer)
+        return Topology(consumer=consumer, binding_keys=tuple(spec.binding_keys), exchange=self.exchange,
+                        prefix=self.prefix, **kwargs)
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """Environment for a CLI subprocess bound to this namespace."""
+        env = dict(os.environ)
+        env.update({
+            "DELIVERY_AMQP_URL": self.url,
+            "DELIVERY_EXCHANGE": self.exchange,
+            "DELIVERY_QUEUE_PREFIX": self.prefix,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS_DIR), env.get("PYTHONPATH", "")])),
+        })
+        env.pop("DELIVERY_CRASH_AT", None)
+        env.update(extra)
+        return env
+
+    def db(self, consumer: str) -> Path:
+        return self.workdir / consumer / "inbox.db"
+
+    # -- talking to the broker directly --
+    def channel(self) -> Any:
+        conn = pika.BlockingConnection(pika.URLParameters(self.url))
+        return conn, conn.channel()
+
+    def publish(self, bodies: Sequence[bytes], *, routing_key: str | None = None,
+                message_ids: Sequence[str | None] | None = None, declare: Sequence[str] = ()) -> None:
+        """Publish raw bodies (valid or not) with confirms; routing key = type when parseable."""
+        messages = []
+        for i, body in enumerate(bodies):
+            key = routing_key
+            mid = message_ids[i] if message_ids is not None else None
+            if key is None or mid is None:
+                try:
+                    obj = orjson.loads(body)
+                except orjson.JSONDecodeError:
+                    obj = {}
+                obj = obj if isinstance(obj, dict) else {}
+                key = key or str(obj.get("type") or "material.published")
+                if message_ids is None:
+                    mid = obj.get("eventId") if isinstance(obj.get("eventId"), str) else None
+            messages.append(OutMessage(routing_key=key, body=body, exchange=self.exchange, message_id=mid))
+        with Publisher(self.url, topologies=[self.topology(c) for c in declare], exchanges=[self.exchange]) as pub:
+            results = pub.publish(messages)
+        bad = [r for r in results if not r.ok]
+        assert not bad, f"test publish failed: {bad[:3]}"
+
+    def count(self, queue: str) -> int:
+        """Ready messages in *queue* (0 when it does not exist)."""
+        conn, ch = self.channel()
+        try:
+            return int(ch.queue_declare(queue, passive=True).method.message_count)
+        except pika.exceptions.ChannelClosedByBroker:
+            return 0
+        finally:
+            if conn.is_open:
+                conn.close()
+
+    def drain(self, queue: str, *, timeout: float = 5.0) -> list[tuple[Any, bytes]]:
+        """Take every message from *queue* (acking them): (properties, body) pairs, in order."""
+        out: list[tuple[Any, bytes]] = []
+        conn, ch = self.channel()
+        try:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                method, props, body = ch.basic_get(queue, auto_ack=False)
+                if method is None:
+                    if self.count(queue) == 0:
+                        break
+                    time.sleep(0.05)
+                    continue
+                out.append((props, body))
+                ch.basic_ack(method.delivery_tag)
+        finally:
+            if conn.is_open:
+                conn.close()
+        return out
+
+    def peek(self, queue: str) -> list[tuple[Any, bytes]]:
+        """Read every message of *queue* without removing it (nack with requeue)."""
+        out: list[tuple[Any, bytes]] = []
+        conn, ch = self.channel()
+        try:
+            tags = []
+            while True:
+                method, props, body = ch.basic_get(queue, auto_ack=False)
+                if method is None:
+                    break
+                out.append((props, body))
+                tags.append(method.delivery_tag)
+            if tags:
+                ch.basic_nack(tags[-1], multiple=True, requeue=True)
+        finally:
+            if conn.is_open:
+                conn.close()
+        return out
+
+    def delete(self) -> None:
+        conn, ch = self.channel()
+        try:
+            for consumer in ("catalog", "audit", *consumers.names()):
+                for queue, _ in self.topology(consumer).queues():
+                    ch.queue_delete(queue)
+            for extra in ("1ms", "50ms", "100ms", "200ms", "300ms", "500ms"):
+                for consumer in consumers.names():
+                    ch.queue_delete(f"{self.prefix}.{consumer}.retry.{extra}")
+            ch.exchange_delete(self.exchange)
+        finally:
+            if conn.is_open:
+                conn.close()
+
+    # -- the CLI as a real process --
+    def cli(self, *args: str, env: dict[str, str] | None = None, timeout: float = 120,
+            input: bytes | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "delivery_consumer", *args], cwd=self.workdir, env=env or self.env(),
+            capture_output=True, text=True, timeout=timeout, input=input.decode() if input else None,
+        )
+
+    def start_run(self, consumer: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+        """Start ``delivery-consumer run`` as a real process (its own session, for SIGKILL)."""
+        cmd = [sys.executable, "-m", "delivery_consumer", "run", "--consumer", consumer,
+               "--db", str(self.db(consumer)), *args]
+        return subprocess.Popen(cmd, cwd=self.workdir, env=env or self.env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+    def run_until_idle(self, consumer: str, *args: str, idle: float = 1.5, timeout: float = 120,
+                       env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        """``run`` until no delivery arrived for *idle* seconds; the process's result."""
+        proc = self.start_run(consumer, "--exit-when-idle", str(idle), *args, env=env)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            raise AssertionError(f"run did not go idle within {timeout}s:\n{err[-3000:]}") from None
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.fixture
+def ns(amqp_url: str, tmp_path: Path) -> Iterator[Namespace]:
+    """A fresh broker namespace and working directory, deleted afterwards."""
+    space = Namespace(amqp_url, f"t{uuid.uuid4().hex[:10]}", tmp_path)
+    yield space
+    space.delete()
+
+
+def kill(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL a process started by :meth:`Namespace.start_run` and reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.communicate()
