@@ -52,7 +52,8 @@ BARE = textwrap.dedent(
             ch.connection.close()
     def on_channel(ch):
         ch.basic_qos(prefetch_count=prefetch, callback=lambda _f: ch.basic_consume(queue, on_message))
-    conn = pika.SelectConnection(pika.URLParameters(url), on_open_callback=lambda c: c.channel(on_open_callback=on_channel),
+    conn = pika.SelectConnection(pika.URLParameters(url),
+                                 on_open_callback=lambda c: c.channel(on_open_callback=on_channel),
                                  on_close_callback=lambda c, r: c.ioloop.stop())
     conn.ioloop.start()
     """

@@ -6,12 +6,13 @@ namespace is deleted afterwards. Tests that need the broker skip with a
 reason when it is unreachable, unless ``DELIVERY_REQUIRE_BROKER`` is set (as
 ``.ci/run`` does), in which case they fail.
 
-Import the fixtures into a test module with
-``from brokerkit import amqp_url, ns  # noqa: F401``.
+``tests/conftest.py`` loads this module as a plugin, so the fixtures
+``amqp_url`` and ``ns`` are available to every test.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -223,8 +224,6 @@ def ns(amqp_url: str, tmp_path: Path) -> Iterator[Namespace]:
 
 def kill(proc: subprocess.Popen[str]) -> None:
     """SIGKILL a process started by :meth:`Namespace.start_run` and reap it."""
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     proc.communicate()

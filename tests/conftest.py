@@ -12,6 +12,9 @@ from delivery_consumer import consumers
 from delivery_consumer.consumers import ConsumerSpec
 from delivery_consumer.store import ConsumerDB
 
+# Broker fixtures (amqp_url, ns) for the tests that need RabbitMQ.
+pytest_plugins = ["brokerkit"]
+
 
 @pytest.fixture
 def open_db(tmp_path: Path) -> Iterator[OpenDB]:

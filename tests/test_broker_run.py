@@ -5,7 +5,7 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-from brokerkit import Namespace, amqp_url, ns  # noqa: F401
+from brokerkit import Namespace
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLES = REPO / "sample_events"
