@@ -227,3 +227,29 @@ def kill(proc: subprocess.Popen[str]) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.communicate()
+
+
+def wait_for_broker(url: str, timeout: float = 60.0) -> None:
+    """Block until the broker accepts an AMQP connection."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            pika.BlockingConnection(pika.URLParameters(url)).close()
+            return
+        except pika.exceptions.AMQPError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.25)
+
+
+def restart_broker(url: str, *, down_for: float = 1.0) -> None:
+    """Stop the RabbitMQ application and start it again (a broker restart
+    without killing the Erlang VM), then wait until it answers.
+
+    Every connection to the broker drops, so tests that call this must not
+    run in parallel with other broker tests (CI runs tests one at a time).
+    """
+    subprocess.run(["rabbitmqctl", "stop_app"], check=True, capture_output=True, timeout=120)
+    time.sleep(down_for)
+    subprocess.run(["rabbitmqctl", "start_app"], check=True, capture_output=True, timeout=120)
+    wait_for_broker(url)
