@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from support import WITHDRAWN, cli, json_lines, make_envelope, ndjson, new_event, read_rows
+from support import WITHDRAWN, cli, json_lines, make_envelope, ndjson, new_event, read_rows, subprocess_env
 
 from delivery_consumer.store import ConsumerDB
 
@@ -138,3 +141,48 @@ def test_replaying_twice_gives_only_duplicates(tmp_path: Path) -> None:
     second = json_lines(cli(args).stdout)
 
     assert [{**line, "result": "duplicate:" + line["result"]} for line in first] == second
+
+
+PROGRESS_REPLAY = """
+import sys
+import delivery_consumer.cli.replay as replay_cmd
+replay_cmd.PROGRESS_MIN_BYTES = int(sys.argv.pop(1))  # "large" made small, to keep the test fast
+from delivery_consumer.cli import main
+main(prog_name="delivery-consumer")
+"""
+
+
+def _replay_with_stderr_on_a_terminal(tmp_path: Path, min_bytes: int) -> str:
+    """Run replay with stderr on a pseudo-terminal; return what the terminal showed."""
+    (tmp_path / "e.ndjson").write_bytes(ndjson([A, B, C]))
+    master, slave = os.openpty()
+    try:
+        child = subprocess.Popen(
+            [sys.executable, "-c", PROGRESS_REPLAY, str(min_bytes), "replay", "--consumer", "catalog",
+             "--db", str(tmp_path / f"{min_bytes}.db"), "--json", str(tmp_path / "e.ndjson")],
+            stdout=subprocess.DEVNULL, stderr=slave, env=subprocess_env(),
+        )
+        os.close(slave)
+        shown = b""
+        while True:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not chunk:
+                break
+            shown += chunk
+        assert 0 == child.wait(timeout=60)
+    finally:
+        os.close(master)
+    return shown.decode(errors="replace")
+
+
+def test_progress_bar_only_on_a_terminal_and_for_large_input(tmp_path: Path) -> None:
+    """On a terminal, large input shows a progress bar on stderr; small input shows only the summary."""
+    large = _replay_with_stderr_on_a_terminal(tmp_path, min_bytes=1)
+    small = _replay_with_stderr_on_a_terminal(tmp_path, min_bytes=1 << 30)
+
+    assert "replaying" in large
+    assert "replaying" not in small
+    assert "3 events: 1 stale, 2 updated" in small
