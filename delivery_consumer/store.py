@@ -414,7 +414,7 @@ class Transaction:
         A rejection or a transient failure rolls the event's changes back to
         its savepoint and is returned in the :class:`Outcome`; the rest of the
         transaction goes on. sqlite3 errors propagate: they concern the whole
-        transaction.
+        transaction (except a constraint failing on the event's own writes).
         """
         conn = self.conn
         conn.execute("SAVEPOINT event")
@@ -423,12 +423,15 @@ class Transaction:
         except Rejection as rej:
             self._undo()
             return Outcome(env.event_id, rejection=rej)
-        except sqlite3.Error:
-            raise
         except TransientError as exc:
             self._undo()
             return Outcome(env.event_id, transient=exc)
         except Exception as exc:  # a bug in an effect: retried, then dead-lettered
+            # A constraint failing on the event's own writes (IntegrityError)
+            # aborted only that statement: it is this event's bug. Other
+            # sqlite3 errors (busy, disk full, I/O) concern the transaction.
+            if isinstance(exc, sqlite3.Error) and not isinstance(exc, sqlite3.IntegrityError):
+                raise
             self._undo()
             reason = f"{type(exc).__name__} in {self.spec.name} effect: {exc}"
             return Outcome(env.event_id, transient=TransientError(reason, code="handler-error"))

@@ -270,6 +270,10 @@ def flaky_apply(conn: sqlite3.Connection, envelope: Envelope) -> str:
         raise KeyError("a bug in the effect")
     if envelope.title == "refuse":
         raise Rejection("flaky-refused", "refused by the effect", event_id=envelope.event_id)
+    if envelope.title == "constraint":  # a bug that breaks a constraint of the effect's own table
+        conn.execute("INSERT INTO effects VALUES (?, ?)", (envelope.event_id, "again"))
+    if envelope.title == "no-result":  # a bug: the receipt cannot be written without a result
+        return None  # type: ignore[return-value]
     return "done"
 
 
@@ -282,10 +286,17 @@ def flaky_db(open_db: OpenDB, register: Callable[[ConsumerSpec], ConsumerSpec]) 
 
 @pytest.mark.parametrize(
     ("title", "status"),
-    [("transient", "transient:transient"), ("bug", "transient:handler-error"), ("refuse", "flaky-refused")],
+    [
+        ("transient", "transient:transient"),
+        ("bug", "transient:handler-error"),
+        ("constraint", "transient:handler-error"),
+        ("no-result", "transient:handler-error"),
+        ("refuse", "flaky-refused"),
+    ],
 )
 def test_failing_effect_rolls_back_only_its_event(flaky_db: ConsumerDB, title: str, status: str) -> None:
-    """An effect raising TransientError, any exception or a Rejection loses its own writes only."""
+    """An effect raising TransientError, any exception (a broken constraint too) or a Rejection
+    loses its own writes only; the events around it in the batch are committed."""
     ok_before, failing, ok_after = new_event(), new_event(title=title), new_event(article_id="article-7")
 
     outcomes = apply_batch(flaky_db, [from_mapping(e) for e in (ok_before, failing, ok_after)])
