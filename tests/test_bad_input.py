@@ -260,3 +260,19 @@ def test_rejected_rows_keep_a_digest_not_the_body(tmp_path: Path) -> None:
     assert secret not in reason
     assert 64 == len(body_sha256)
     assert orjson.dumps(secret).decode().strip('"') not in reason
+
+
+def test_the_body_limit_is_exact_on_ndjson_lines(tmp_path: Path) -> None:
+    """With --max-bytes N, an NDJSON line of N bytes applies (CRLF not counted), one of N + 1 is rejected."""
+    exact = body(A)
+    one_more = body(B) + b" " * (len(exact) + 1 - len(body(B)))
+    assert (len(exact) + 1, len(exact)) == (len(one_more), len(body(A)))
+    source = tmp_path / "limit.ndjson"
+    source.write_bytes(exact + b"\r\n" + one_more + b"\n" + body(C))
+
+    result = cli(["replay", "--consumer", "catalog", "--db", str(tmp_path / "c.db"), "--max-bytes", str(len(exact)),
+                  "--json", str(source)])
+
+    assert ["updated", "invalid-envelope", "updated"] == [
+        line.get("result", line.get("rejected")) for line in json_lines(result.stdout)
+    ]
