@@ -139,11 +139,32 @@ def redact(url: str) -> str:
     return f"amqp://{user}@{params.host}:{params.port}/{vhost}"
 
 
+def _innermost(exc: BaseException) -> BaseException:
+    """pika wraps a refused socket in two or three layers; find the cause."""
+    for _ in range(5):
+        inner: BaseException | None = None
+        failures = getattr(exc, "exceptions", None)
+        wrapped = getattr(exc, "exception", None)  # a connector phase error
+        if failures:
+            inner = failures[-1]
+        elif isinstance(wrapped, BaseException):
+            inner = wrapped
+        elif exc.args and isinstance(exc.args[0], BaseException):
+            inner = exc.args[0]
+        if inner is None or isinstance(exc, (pex.ProbableAuthenticationError, pex.AuthenticationError,
+                                              pex.ProbableAccessDeniedError)):
+            return exc
+        exc = inner
+    return exc
+
+
 def classify(exc: BaseException | None, *, url: str = "") -> BrokerError:
     """Map a pika failure to BrokerFatal or BrokerUnavailable, with one clear line."""
     where = f" ({redact(url)})" if url else ""
     if isinstance(exc, BrokerError):
         return exc
+    if exc is not None:
+        exc = _innermost(exc)
     if isinstance(exc, (pex.ProbableAuthenticationError, pex.AuthenticationError)):
         return BrokerFatal(f"authentication failed{where}: check the user and password")
     if isinstance(exc, pex.ProbableAccessDeniedError):
@@ -157,7 +178,10 @@ def classify(exc: BaseException | None, *, url: str = "") -> BrokerError:
         return BrokerUnavailable(f"broker closed the connection{where}: {code} {text}")
     if exc is None:
         return BrokerUnavailable(f"connection lost{where}")
-    text = str(exc) or type(exc).__name__
+    if isinstance(exc, OSError) and exc.strerror:
+        text = exc.strerror
+    else:
+        text = str(exc) or type(exc).__name__
     return BrokerUnavailable(f"broker unreachable{where}: {text}")
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -141,7 +142,7 @@ def publish(amqp_url: str, exchange: str, queue_prefix: str, declare_for: tuple[
     1 when any was invalid, unroutable, nacked or unconfirmed (named on
     stderr), 2 for usage or broker errors.
     """
-    from ..broker import BrokerFatal, OutMessage, Publisher
+    from ..broker import BrokerError, OutMessage, Publisher
 
     try:
         files = sources_lib.expand(sources)
@@ -163,6 +164,7 @@ def publish(amqp_url: str, exchange: str, queue_prefix: str, declare_for: tuple[
     try:
         with Publisher(amqp_url, topologies=topologies, exchanges=[exchange],
                        name="delivery-consumer publish") as publisher:
+            _connect(publisher, attempts)
             todo = list(range(len(messages)))
             final: dict[int, Any] = {}
             for _ in range(attempts):
@@ -175,7 +177,7 @@ def publish(amqp_url: str, exchange: str, queue_prefix: str, declare_for: tuple[
                 todo = retry
                 if not todo:
                     break
-    except BrokerFatal as exc:
+    except BrokerError as exc:
         raise Fatal(str(exc)) from None
     for i, msg in enumerate(messages):
         result = final[i]
@@ -188,6 +190,22 @@ def publish(amqp_url: str, exchange: str, queue_prefix: str, declare_for: tuple[
     summary = ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "nothing to publish"
     click.echo(f"{len(messages)} published to {exchange}: {summary}", err=True)
     sys.exit(EXIT_OK if counts["confirmed"] == sum(counts.values()) else EXIT_REJECTED)
+
+
+def _connect(publisher: Any, attempts: int) -> None:
+    """Connect, retrying an unreachable broker a few times with backoff; a
+    broker still down after that is an error (exit 2), not a hang."""
+    from ..broker import BrokerUnavailable
+    from ..retry import reconnect_delay_s
+
+    for attempt in range(1, attempts + 1):
+        try:
+            publisher.connect()
+            return
+        except BrokerUnavailable:
+            if attempt == attempts:
+                raise
+            time.sleep(reconnect_delay_s(attempt))
 
 
 def _report(as_json: bool, obj: dict[str, Any]) -> None:

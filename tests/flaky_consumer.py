@@ -1,0 +1,71 @@
+"""A test-only consumer whose effect fails on demand, to drive ``run``'s
+failure paths with real processes (loaded with ``DELIVERY_PLUGINS=flaky_consumer``).
+
+It records envelopes like ``audit`` (table ``flaky``) but looks at the title:
+
+* ``transient:N`` -- raise TransientError on the first N tries of that
+  event. Tries are counted in a file per eventId under ``$FLAKY_DIR``
+  (outside the database, so a rollback cannot undo the count);
+* ``poison`` -- SIGKILL the process, every time (a message that crashes the
+  consumer before any code can count it).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+from pathlib import Path
+
+from delivery_consumer.consumers import ConsumerSpec, register
+from delivery_consumer.envelope import Envelope
+from delivery_consumer.errors import TransientError
+
+MIGRATIONS = (
+    """
+    CREATE TABLE flaky (
+        event_id    TEXT PRIMARY KEY,
+        article_id  TEXT NOT NULL,
+        revision    INTEGER NOT NULL,
+        title       TEXT NOT NULL
+    ) STRICT;
+    """,
+)
+
+
+def _tries(event_id: str) -> int:
+    directory = Path(os.environ.get("FLAKY_DIR", "."))
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{event_id}.tries"
+    tries = int(path.read_text()) + 1 if path.exists() else 1
+    path.write_text(str(tries))
+    return tries
+
+
+def apply(conn: sqlite3.Connection, env: Envelope) -> str:
+    """Record the envelope, or fail as its title asks."""
+    title = env.title
+    if title == "poison":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if title.startswith("transient:"):
+        failures = int(title.split(":", 1)[1])
+        tries = _tries(env.event_id)
+        if tries <= failures:
+            raise TransientError(f"flaky dependency unavailable (try {tries})", code="dependency-down")
+    conn.execute(
+        "INSERT INTO flaky (event_id, article_id, revision, title) VALUES (?, ?, ?, ?)",
+        (env.event_id, env.article_id, env.revision, title),
+    )
+    return "recorded"
+
+
+SPEC = register(
+    ConsumerSpec(
+        name="flaky",
+        apply=apply,
+        migrations=MIGRATIONS,
+        binding_keys=("#",),
+        description="test-only: fails on demand (transient:N, poison)",
+        tables=("flaky",),
+    )
+)

@@ -1,0 +1,269 @@
+"""Failure paths of ``run`` and ``publish`` against the real broker: bad bodies,
+transient errors and retries, poison messages, signals, broker restarts, and
+the errors that must stop the process with one clear line."""
+
+from __future__ import annotations
+
+import signal
+import sqlite3
+import time
+from pathlib import Path
+
+import flaky_consumer  # noqa: F401  (registers the "flaky" consumer in this process too)
+import orjson
+import pytest
+from brokerkit import Namespace, kill, restart_broker
+from support import new_event
+
+FAST_RETRY = ("--retry-delays", "100ms,200ms,300ms")
+
+
+def query(db: Path, sql: str) -> list[tuple[object, ...]]:
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        return conn.execute(sql).fetchall()
+    finally:
+        conn.close()
+
+
+def flaky_env(ns: Namespace) -> dict[str, str]:
+    return ns.env(DELIVERY_PLUGINS="flaky_consumer", FLAKY_DIR=str(ns.workdir / "flaky"))
+
+
+def test_malformed_bodies_are_dead_lettered_while_consumer_keeps_running(ns: Namespace) -> None:
+    """Not JSON, not UTF-8 and over-size bodies go to the dead queue with their
+    code and a safe reason; the valid events around them are applied."""
+    good = [orjson.dumps(new_event(article_id=f"a-{i}")) for i in range(4)]
+    huge = orjson.dumps(new_event(article_id="huge", title="x" * 3000))
+    bodies = [good[0], b"\xff\xfe not utf-8", good[1], b"{not json", good[2], huge, b"[1, 2]", good[3]]
+    ns.publish(bodies, declare=["audit"])
+    done = ns.run_until_idle("audit", "--max-bytes", "2048")
+    assert 0 == done.returncode, done.stderr
+    db = ns.db("audit")
+    assert 4 == len(query(db, "SELECT * FROM audit"))
+    dead = ns.drain(ns.topology("audit").dead_queue)
+    codes = sorted(props.headers["x-error-code"] for props, _ in dead)
+    assert ["invalid-envelope", "malformed-json", "malformed-json", "malformed-json"] == codes
+    for props, body in dead:
+        assert "audit" == props.headers["x-consumer"]
+        assert 1 == props.headers["x-attempts"]
+        assert props.headers["x-failed-at"].endswith("Z")
+        assert body[:20].decode("utf-8", "replace") not in props.headers["x-error-reason"]
+    assert 4 == len(query(db, "SELECT * FROM rejected WHERE dead_letter IS NOT NULL"))
+
+
+def test_transient_failure_retries_through_tiers_then_succeeds(ns: Namespace) -> None:
+    """A handler that fails twice transiently is retried via the TTL tiers and
+    applied once on the third try; the attempts are counted durably."""
+    event = new_event(article_id="retry-me", title="transient:2")
+    ns.publish([orjson.dumps(event)], declare=["flaky"])
+    done = ns.run_until_idle("flaky", *FAST_RETRY, env=flaky_env(ns), idle=3)
+    assert 0 == done.returncode, done.stderr
+    db = ns.db("flaky")
+    assert [("recorded",)] == query(db, "SELECT result FROM inbox")
+    assert [(1,)] == query(db, "SELECT count(*) FROM flaky")
+    assert [(3, "recorded")] == query(db, "SELECT attempts, last_outcome FROM deliveries")
+    assert "retry copy sent" in done.stderr
+
+
+def test_transient_failure_exhausts_retries_into_dead_queue(ns: Namespace) -> None:
+    """After --max-attempts transient failures the event is dead-lettered
+    retries-exhausted with its attempt count, never retried forever."""
+    event = new_event(article_id="never", title="transient:99")
+    ns.publish([orjson.dumps(event)], declare=["flaky"])
+    done = ns.run_until_idle("flaky", *FAST_RETRY, "--max-attempts", "3", env=flaky_env(ns), idle=3)
+    assert 0 == done.returncode, done.stderr
+    (props, body), = ns.drain(ns.topology("flaky").dead_queue)
+    assert orjson.loads(body) == event
+    assert "retries-exhausted" == props.headers["x-error-code"]
+    assert 3 == props.headers["x-attempts"]
+    assert "dependency-down" in props.headers["x-error-reason"]
+    assert 3 == int((ns.workdir / "flaky" / f"{event['eventId']}.tries").read_text())
+    db = ns.db("flaky")
+    assert [] == query(db, "SELECT * FROM inbox")
+    assert [("retries-exhausted", 3)] == query(db, "SELECT code, attempts FROM rejected")
+
+
+def test_poison_message_reaches_dead_queue_and_does_not_stall(ns: Namespace) -> None:
+    """A message that kills the process every time ends in the dead queue
+    (delivery-limit) after a few crashes; every other message is applied once."""
+    before = [orjson.dumps(new_event(article_id=f"a-{i}")) for i in range(5)]
+    poison = orjson.dumps(new_event(article_id="p", title="poison"))
+    after = [orjson.dumps(new_event(article_id=f"b-{i}")) for i in range(5)]
+    ns.publish([*before, poison, *after], declare=["flaky"])
+    env = flaky_env(ns)
+    deaths = 0
+    for _ in range(10):
+        done = ns.run_until_idle("flaky", "--max-crashes", "2", env=env, idle=2)
+        if done.returncode == 0:
+            break
+        assert -signal.SIGKILL == done.returncode, done.stderr
+        deaths += 1
+    assert 0 == done.returncode, done.stderr
+    assert 2 <= deaths <= 5
+    db = ns.db("flaky")
+    assert [(10,)] == query(db, "SELECT count(*) FROM flaky")
+    (props, body), = ns.drain(ns.topology("flaky").dead_queue)
+    assert poison == body
+    assert "delivery-limit" == props.headers["x-error-code"]
+    assert 0 == ns.count(ns.topology("flaky").queue)
+
+
+def test_sigterm_finishes_batch_and_exits_zero(ns: Namespace) -> None:
+    """SIGTERM while consuming: the process acks what it committed and exits 0;
+    a restart applies the rest, each event once."""
+    ns.publish([orjson.dumps(new_event(article_id=f"a-{i}")) for i in range(2000)], declare=["audit"])
+    proc = ns.start_run("audit", "--batch", "50", "--prefetch", "100")
+    db = ns.db("audit")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if db.exists() and query(db, "SELECT count(*) FROM inbox")[0][0] > 100:
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert 0 == proc.returncode, err
+    assert "SIGTERM received" in err
+    done = ns.run_until_idle("audit")
+    assert 0 == done.returncode, done.stderr
+    assert [(2000, 2000)] == query(db, "SELECT count(*), count(DISTINCT event_id) FROM audit")
+    assert [(2000,)] == query(db, "SELECT count(*) FROM inbox")
+
+
+@pytest.mark.slow
+def test_broker_restart_mid_consumption(ns: Namespace) -> None:
+    """A broker restart while consuming: run reconnects with backoff and every
+    event is applied exactly once."""
+    ns.publish([orjson.dumps(new_event(article_id=f"a-{i}")) for i in range(3000)], declare=["audit"])
+    proc = ns.start_run("audit", "--batch", "20", "--prefetch", "40", "--exit-when-idle", "3")
+    db = ns.db("audit")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if db.exists() and query(db, "SELECT count(*) FROM inbox")[0][0] > 200:
+            break
+        time.sleep(0.02)
+    restart_broker(ns.url)
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.returncode is None:
+            kill(proc)
+    assert 0 == proc.returncode, err
+    assert "reconnecting" in err
+    assert [(3000, 3000)] == query(db, "SELECT count(*), count(DISTINCT event_id) FROM audit")
+    assert [(3000,)] == query(db, "SELECT count(*) FROM inbox")
+
+
+def test_bad_credentials_exit_2_with_one_line(ns: Namespace) -> None:
+    """Wrong password: run and publish stop with one clear line, exit 2, no retry loop."""
+    bad = ns.url.replace("guest:guest", "guest:wrong")
+    env = ns.env(DELIVERY_AMQP_URL=bad)
+    started = time.monotonic()
+    done = ns.cli("run", "--consumer", "catalog", "--db", str(ns.db("catalog")), env=env, timeout=60)
+    assert 2 == done.returncode
+    assert "authentication failed" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert time.monotonic() - started < 30
+    published = ns.cli("publish", str(Path(__file__).parent.parent / "sample_events"), env=env)
+    assert 2 == published.returncode
+    assert "authentication failed" in published.stderr
+
+
+def test_missing_vhost_exits_2(ns: Namespace) -> None:
+    """A vhost that does not exist is reported as such, exit 2."""
+    env = ns.env(DELIVERY_AMQP_URL=ns.url.rsplit("/", 1)[0] + "/no-such-vhost")
+    done = ns.cli("run", "--consumer", "catalog", "--db", str(ns.db("catalog")), env=env, timeout=60)
+    assert 2 == done.returncode
+    assert "vhost" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_unusable_database_exits_2_before_consuming(ns: Namespace) -> None:
+    """A database of another consumer (or a corrupt file) stops run at once, exit 2."""
+    other = ns.cli("init", "--consumer", "audit", "--db", str(ns.workdir / "audit.db"))
+    assert 0 == other.returncode, other.stderr
+    done = ns.cli("run", "--consumer", "catalog", "--db", str(ns.workdir / "audit.db"), timeout=60)
+    assert 2 == done.returncode
+    assert "belongs to consumer 'audit'" in done.stderr
+    corrupt = ns.workdir / "corrupt.db"
+    corrupt.write_bytes(b"this is not sqlite" * 100)
+    done = ns.cli("run", "--consumer", "catalog", "--db", str(corrupt), timeout=60)
+    assert 2 == done.returncode
+    assert "Traceback" not in done.stderr
+
+
+def test_broker_down_run_keeps_retrying_and_stops_on_sigterm(ns: Namespace) -> None:
+    """With nothing listening, run retries with growing delays (a line each)
+    and SIGTERM still stops it cleanly."""
+    env = ns.env(DELIVERY_AMQP_URL="amqp://guest:guest@127.0.0.1:1/%2F")
+    proc = ns.start_run("catalog", env=env)
+    time.sleep(3)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert 0 == proc.returncode, err
+    assert err.count("reconnecting in") >= 2
+
+
+def test_broker_down_publish_exits_2(ns: Namespace) -> None:
+    """publish with the broker unreachable: one line naming the broker, exit 2."""
+    env = ns.env(DELIVERY_AMQP_URL="amqp://guest:guest@127.0.0.1:1/%2F")
+    done = ns.cli("publish", str(Path(__file__).parent.parent / "sample_events"), env=env)
+    assert 2 == done.returncode
+    assert "unreachable" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_publish_reports_invalid_and_unroutable(ns: Namespace) -> None:
+    """Invalid envelopes are not sent; with no queue bound every message is
+    unroutable, named, and the exit code is 1."""
+    src = ns.workdir / "events.ndjson"
+    valid = [new_event(article_id=f"a-{i}") for i in range(3)]
+    src.write_bytes(b"\n".join([*(orjson.dumps(e) for e in valid), b"{oops"]) + b"\n")
+    done = ns.cli("publish", "--json", str(src))
+    assert 1 == done.returncode
+    lines = [orjson.loads(line) for line in done.stdout.splitlines()]
+    assert ["malformed-json"] == [x["rejected"] for x in lines if "rejected" in x]
+    assert {e["eventId"] for e in valid} == {x["eventId"] for x in lines if x.get("published") == "returned"}
+
+
+def test_publish_confirms_and_consumer_sees_all(ns: Namespace) -> None:
+    """publish with --consumer declares the queue; every message is confirmed (exit 0) and delivered."""
+    src = ns.workdir / "events.ndjson"
+    events = [new_event(article_id=f"a-{i % 50}", revision=i // 50 + 1) for i in range(500)]
+    src.write_bytes(b"".join(orjson.dumps(e) + b"\n" for e in events))
+    done = ns.cli("publish", "--consumer", "catalog", str(src))
+    assert 0 == done.returncode, done.stderr
+    assert "500 confirmed" in done.stderr
+    assert 500 == ns.count(ns.topology("catalog").queue)
+
+
+def test_ack_after_commit_is_visible_to_the_broker(ns: Namespace) -> None:
+    """While run holds deliveries it has not committed, the broker still owns them:
+    a SIGKILL returns them all to the queue."""
+    ns.publish([orjson.dumps(new_event(article_id=f"a-{i}")) for i in range(50)], declare=["audit"])
+    env = ns.env(DELIVERY_CRASH_AT="before-commit")
+    done = ns.run_until_idle("audit", env=env, idle=5)
+    assert -signal.SIGKILL == done.returncode
+    assert 50 == ns.count(ns.topology("audit").queue)
+    assert [(0,)] == query(ns.db("audit"), "SELECT count(*) FROM inbox")
+
+
+def test_topology_declare_is_idempotent(ns: Namespace) -> None:
+    """topology declare twice succeeds and names the queues."""
+    for _ in range(2):
+        done = ns.cli("topology", "declare", "--consumer", "catalog", "--consumer", "audit")
+        assert 0 == done.returncode, done.stderr
+    assert f"{ns.prefix}.catalog.dead" in done.stdout
+    assert f"{ns.prefix}.audit.retry.60000ms" in done.stdout
+    mismatch = ns.cli("topology", "declare", "--consumer", "catalog", "--delivery-limit", "7")
+    assert 2 == mismatch.returncode
+    assert "precondition failed" in mismatch.stderr
+
+
+def test_run_rejects_batch_larger_than_prefetch(ns: Namespace) -> None:
+    """--batch larger than --prefetch can never fill: refused as a usage error."""
+    done = ns.cli("run", "--consumer", "catalog", "--batch", "500", "--prefetch", "100")
+    assert 2 == done.returncode
+    assert "--prefetch" in done.stderr
+
+
