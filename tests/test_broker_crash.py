@@ -72,7 +72,7 @@ def test_crash_after_commit_before_ack_applies_once(ns: Namespace) -> None:
 def test_crash_after_retry_copy_confirmed_applies_once(ns: Namespace) -> None:
     """SIGKILL after the retry copy is confirmed but before the original's ack:
     the original and the copy both come back, the effect happens once."""
-    bodies = events(5) + [orjson.dumps(new_event(article_id="flaky-1", title="transient:1"))]
+    bodies = [*events(5), orjson.dumps(new_event(article_id="flaky-1", title="transient:1"))]
     ns.publish(bodies, declare=["flaky"])
     crash_then_recover(ns, "flaky", "after-retry-confirm", *FAST_RETRY)
     db = ns.db("flaky")
