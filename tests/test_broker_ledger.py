@@ -1,0 +1,102 @@
+"""The ledger test, in the spirit of a chaos rig: thousands of events with
+duplicates and out-of-order revisions go through the real broker to two real
+``run`` processes (catalog and audit) that are SIGKILLed at random moments
+and restarted, then drained. The ledger must balance exactly."""
+
+from __future__ import annotations
+
+import os
+import random
+import sqlite3
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+from brokerkit import Namespace, kill
+from support import new_event
+
+ARTICLES = 300
+REVISIONS = 10  # 3000 distinct events
+KILLS = 4
+
+
+def query(db: Path, sql: str) -> list[tuple[object, ...]]:
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        return conn.execute(sql).fetchall()
+    finally:
+        conn.close()
+
+
+def make_stream(rng: random.Random) -> tuple[list[dict[str, object]], list[bytes], list[bytes]]:
+    """Distinct events, the shuffled stream with duplicates, and the bad bodies."""
+    events = []
+    for a in range(ARTICLES):
+        for r in range(1, REVISIONS + 1):
+            kind = "material.withdrawn" if rng.random() < 0.2 else "material.published"
+            events.append(new_event(article_id=f"article-{a}", revision=r, type=kind,
+                                    title=f"Статья {a}, редакция {r}", url=f"https://example.org/a/{a}/{r}"))
+    bad = [b"{broken json %d" % i for i in range(10)]
+    bad += [orjson.dumps({**new_event(), "revision": 0, "articleId": f"bad-{i}"}) for i in range(5)]
+    bad += [b"\xff\xfe\x00 not utf-8 %d" % i for i in range(5)]
+    stream = [orjson.dumps(e) for e in events]
+    stream += [orjson.dumps(e) for e in rng.sample(events, len(events) // 5)]  # redeliveries by the producer
+    stream += bad
+    rng.shuffle(stream)  # out-of-order revisions
+    return events, stream, bad
+
+
+def expected_catalog(events: list[dict[str, object]]) -> list[tuple[object, ...]]:
+    latest: dict[str, dict[str, object]] = {}
+    for e in events:
+        current = latest.get(str(e["articleId"]))
+        if current is None or int(e["revision"]) > int(current["revision"]):  # type: ignore[call-overload]
+            latest[str(e["articleId"])] = e
+    return sorted(
+        (a, e["revision"], e["data"]["title"], e["data"]["url"],  # type: ignore[index]
+         int(e["type"] == "material.published"), e["eventId"])
+        for a, e in latest.items()
+    )
+
+
+@pytest.mark.slow
+def test_ledger_balances_after_random_kills(ns: Namespace) -> None:
+    """Every distinct eventId has one receipt, audit holds exactly the distinct
+    events, the catalog equals the expected final state and the dead queues
+    hold exactly the deliberately bad messages, despite random SIGKILLs."""
+    rng = random.Random(int(os.environ.get("LEDGER_SEED", "20261130")))
+    events, stream, bad = make_stream(rng)
+    ns.publish(stream, declare=["catalog", "audit"])
+    args = {"catalog": ("--batch", "50", "--prefetch", "100"), "audit": ("--batch", "20", "--prefetch", "60")}
+    kills = {"catalog": 0, "audit": 0}
+    for _round in range(KILLS):
+        procs = {c: ns.start_run(c, *a) for c, a in args.items()}
+        time.sleep(rng.uniform(0.3, 1.2))
+        for consumer, proc in procs.items():
+            if proc.poll() is None:
+                kill(proc)
+                kills[consumer] += 1
+            else:  # it may only have died from the kill of an earlier round's straggler
+                proc.communicate()
+    for consumer, a in args.items():
+        done = ns.run_until_idle(consumer, *a, idle=2, timeout=300)
+        assert 0 == done.returncode, done.stderr
+    assert kills["catalog"] >= 2 and kills["audit"] >= 2, kills
+
+    distinct = {str(e["eventId"]) for e in events}
+    catalog_db, audit_db = ns.db("catalog"), ns.db("audit")
+    for db in (catalog_db, audit_db):
+        assert [(len(distinct), len(distinct))] == query(db, "SELECT count(*), count(DISTINCT event_id) FROM inbox")
+        assert distinct == {row[0] for row in query(db, "SELECT event_id FROM inbox")}
+    assert [(len(distinct),)] == query(audit_db, "SELECT count(*) FROM audit")
+    assert distinct == {row[0] for row in query(audit_db, "SELECT event_id FROM audit")}
+    assert expected_catalog(events) == query(
+        catalog_db, "SELECT article_id, revision, title, url, published, event_id FROM catalog ORDER BY article_id")
+    for consumer in ("catalog", "audit"):
+        topo = ns.topology(consumer)
+        assert 0 == ns.count(topo.queue)
+        dead = ns.drain(topo.dead_queue)
+        assert set(bad) == {body for _, body in dead}
+        # a duplicate dead copy is possible only for a kill between its confirm and the ack
+        assert len(bad) <= len(dead) <= len(bad) + kills[consumer]
