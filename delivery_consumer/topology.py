@@ -6,15 +6,25 @@
         delivery.<consumer>               x-delivery-limit, dead-letters to .dead
         delivery.<consumer>.retry.<ms>ms  TTL tiers; expired messages go back to
                                           delivery.<consumer> (at-least-once)
-        delivery.<consumer>.dead          where permanent failures wait for a person
+        delivery.<consumer>.dead          (classic) where permanent failures wait for a person
 
 Retry tiers are named after their delay, so that changing ``--retry-delays``
 declares new queues instead of failing on the old ones' arguments; an old
-tier keeps draining into the main queue. Every queue is a quorum queue
-(replicated, fsynced before the publisher confirm, TTL dead-lettering that
-does not wait for the head of the queue) and every dead-lettering hop uses
-the at-least-once strategy (``overflow=reject-publish``), so a broker restart
-mid-hop cannot drop a message (https://www.rabbitmq.com/docs/quorum-queues).
+tier keeps draining into the main queue. The main queue and the retry tiers
+are quorum queues (replicated, fsynced before the publisher confirm, TTL
+dead-lettering that does not wait for the head of the queue) and every
+dead-lettering hop uses the at-least-once strategy (``overflow=reject-publish``),
+so a broker restart mid-hop cannot drop a message
+(https://www.rabbitmq.com/docs/quorum-queues).
+
+The dead queue is a durable *classic* queue, because ``dead list`` and
+``dead requeue`` read it by taking every message unacknowledged and giving
+back the ones they leave. A classic queue puts a returned message back in its
+original position and counts nothing; a quorum queue (checked on RabbitMQ
+3.10.8) puts a nacked message at the back when it has no delivery limit,
+behind dead letters that arrived meanwhile, and counts every return in
+``x-delivery-count``, which a delivery limit (RabbitMQ 4.0 sets 20 by default)
+turns into a drop after enough listings.
 """
 
 from __future__ import annotations
@@ -101,7 +111,8 @@ class Topology:
             **at_least_once,
             **self.extra_queue_args,
         }
-        result: list[tuple[str, dict[str, Any]]] = [(self.dead_queue, dict(quorum)), (self.queue, main)]
+        dead: dict[str, Any] = {"x-queue-type": "classic"}  # see the module docstring
+        result: list[tuple[str, dict[str, Any]]] = [(self.dead_queue, dead), (self.queue, main)]
         for delay in dict.fromkeys(self.retry_delays_ms):
             result.append(
                 (
