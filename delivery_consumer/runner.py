@@ -282,33 +282,14 @@ class Worker(threading.Thread):
             return rej
 
     def _process(self, items: list[Delivery]) -> None:
-        db = self.db
-        assert db is not None
         started = time.perf_counter()
         gen = items[0].generation
         isolated = len(items) == 1 and self._suspicious(items[0])
         if isolated and self._poisoned(items[0]):
             return
         parsed = [self._parse(d) for d in items]
-        outcomes: list[Outcome] = []
         try:
-            with db.transaction() as tx:
-                for d, env in zip(items, parsed, strict=True):
-                    if isinstance(env, Rejection):
-                        outcome = Outcome(env.event_id, rejection=env)
-                    else:
-                        outcome = tx.apply(env)
-                    tx.record_delivery(
-                        delivery_key(d),
-                        outcome.event_id,
-                        redelivered=d.redelivered,
-                        attempt=attempts_done(d.headers) + 1,
-                        outcome=outcome.status,
-                        count=not isolated,
-                        delivered_hint=_int_header(d.headers, H_DELIVERY_COUNT) + 1,
-                    )
-                    outcomes.append(outcome)
-                crashpoint("before-commit")
+            outcomes = self._apply(items, parsed, isolated)
         except TransientError as exc:
             # The database itself is in trouble (busy past its timeout, disk
             # full, I/O error): nothing was committed; every event retries.
@@ -322,6 +303,33 @@ class Worker(threading.Thread):
         if copies and not self._publish_copies(gen, copies):
             return
         self._settle(gen, items, outcomes)
+
+    def _apply(self, items: list[Delivery], parsed: list[Envelope | Rejection], isolated: bool) -> list[Outcome]:
+        """Apply a batch in one transaction and count its deliveries durably.
+
+        Raises TransientError when the transaction as a whole failed.
+        """
+        db = self.db
+        assert db is not None
+        outcomes: list[Outcome] = []
+        with db.transaction() as tx:
+            for d, env in zip(items, parsed, strict=True):
+                if isinstance(env, Rejection):
+                    outcome = Outcome(env.event_id, rejection=env)
+                else:
+                    outcome = tx.apply(env)
+                tx.record_delivery(
+                    delivery_key(d),
+                    outcome.event_id,
+                    redelivered=d.redelivered,
+                    attempt=attempts_done(d.headers) + 1,
+                    outcome=outcome.status,
+                    count=not isolated,
+                    delivered_hint=_int_header(d.headers, H_DELIVERY_COUNT) + 1,
+                )
+                outcomes.append(outcome)
+            crashpoint("before-commit")
+        return outcomes
 
     def _settle(self, gen: int, items: list[Delivery], outcomes: list[Outcome]) -> None:
         assert self.io is not None
