@@ -86,6 +86,8 @@ class RunConfig:
     max_bytes: int = MAX_BODY_BYTES
     #: How long to wait for the broker to confirm a retry / dead copy.
     confirm_timeout_s: float = 30.0
+    #: Log one line per event (JSON logs) instead of one per batch.
+    log_each_event: bool = False
 
     def topology(self) -> Topology:
         spec = consumers.get(self.consumer)
@@ -125,11 +127,14 @@ class Stats:
 class Observer:
     """Hooks for metrics; the default does nothing."""
 
-    def batch_committed(self, outcomes: Sequence[Outcome], seconds: float) -> None: ...
+    def batch_committed(self, outcomes: Sequence[Outcome], seconds: float, committed_at: float = 0.0) -> None:
+        """A batch was applied (*committed_at* is its Unix commit time, 0 if it failed)."""
 
-    def copy_published(self, kind: str, code: str) -> None: ...
+    def copy_published(self, kind: str, code: str) -> None:
+        """A retry or dead-letter copy was confirmed by the broker."""
 
-    def connection_state(self, connected: bool) -> None: ...
+    def connection_state(self, connected: bool) -> None:
+        """The consumer started or stopped consuming."""
 
 
 @dataclass(slots=True)
@@ -298,7 +303,8 @@ class Worker(threading.Thread):
         else:
             self.stats.last_commit = time.time()
             crashpoint("after-commit")
-        self.observer.batch_committed(outcomes, time.perf_counter() - started)
+        committed_at = self.stats.last_commit if outcomes and outcomes[0].transient is None else 0.0
+        self.observer.batch_committed(outcomes, time.perf_counter() - started, committed_at)
         copies = [c for c in (self._copy_for(d, o) for d, o in zip(items, outcomes, strict=True)) if c]
         if copies and not self._publish_copies(gen, copies):
             return
@@ -343,11 +349,18 @@ class Worker(threading.Thread):
         self._log_batch(items, outcomes)
 
     def _log_batch(self, items: list[Delivery], outcomes: list[Outcome]) -> None:
+        if self.config.log_each_event:
+            for d, o in zip(items, outcomes, strict=True):
+                log.info("%s %s", o.event_id or "-", o.status, extra={
+                    "eventId": o.event_id, "outcome": o.status, "deliveryTag": d.tag,
+                    "batch": f"{items[0].tag}-{items[-1].tag}"})
+            return
         counts = Counter(o.status for o in outcomes)
         summary = ", ".join(f"{n} {status}" for status, n in counts.most_common())
         ids = [o.event_id or "-" for o in outcomes]
         shown = " ".join(ids[:5]) + (f" …+{len(ids) - 5}" if len(ids) > 5 else "")
-        log.info("batch %d-%d acked: %s [%s]", items[0].tag, items[-1].tag, summary, shown)
+        log.info("batch %d-%d acked: %s [%s]", items[0].tag, items[-1].tag, summary, shown,
+                 extra={"batch": f"{items[0].tag}-{items[-1].tag}", "deliveryTag": items[-1].tag})
 
     def _poisoned(self, d: Delivery) -> bool:
         """Count a redelivery in its own commit; dead-letter it if it keeps
@@ -451,13 +464,19 @@ class Worker(threading.Thread):
             if c.kind == "retry":
                 self.stats.retried += 1
                 log.warning("event %s attempt %d failed transiently; retry copy sent to %s",
-                            c.message.message_id or "-", c.attempts, c.message.routing_key)
+                            c.message.message_id or "-", c.attempts, c.message.routing_key,
+                            extra={"eventId": c.message.message_id, "outcome": "retry", "attempts": c.attempts,
+                                   "deliveryTag": c.delivery.tag, "queue": c.message.routing_key})
             else:
                 assert c.rejection is not None
                 self.stats.dead_lettered[c.rejection.code] += 1
                 self.stats.rejected[c.rejection.code] += 1
                 log.warning("event %s rejected %s: %s; dead-lettered to %s", c.rejection.event_id or "-",
-                            c.rejection.code, c.rejection.reason, c.message.routing_key)
+                            c.rejection.code, c.rejection.reason, c.message.routing_key,
+                            extra={"eventId": c.rejection.event_id, "outcome": "dead-lettered",
+                                   "code": c.rejection.code, "reason": c.rejection.reason,
+                                   "attempts": c.attempts, "deliveryTag": c.delivery.tag,
+                                   "queue": c.message.routing_key})
         if dead:
             try:
                 with self.db.transaction() as tx:

@@ -57,13 +57,11 @@ def _delays(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[i
         raise click.BadParameter(str(exc)) from None
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    logging.getLogger("pika").setLevel(logging.CRITICAL)  # we report its errors ourselves
+def _setup_logging(level: str, fmt: str = "text", consumer: str | None = None) -> None:
+    """Logging for a long-running command (see :mod:`delivery_consumer.logs`)."""
+    from .. import logs
+
+    logs.setup(level, fmt, consumer)
 
 
 @click.command()
@@ -90,10 +88,16 @@ def _setup_logging(level: str) -> None:
               help="Largest body accepted; larger ones are dead-lettered invalid-envelope.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
+@click.option("--log-format", default="text", show_default=True, type=click.Choice(["text", "json"]),
+              help="text: one line per batch or problem; json: one object per event or problem.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535),
+              help="Expose Prometheus metrics on this port (/metrics).")
+@click.option("--metrics-host", default="127.0.0.1", show_default=True, help="Address the metrics listen on.")
 @handle_errors
 def run(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue_prefix: str, prefetch: int,
         batch: int, batch_wait_ms: int, max_attempts: int, retry_delays: tuple[int, ...], delivery_limit: int,
-        max_crashes: int, exit_when_idle: float | None, max_bytes: int, log_level: str) -> None:
+        max_crashes: int, exit_when_idle: float | None, max_bytes: int, log_level: str, log_format: str,
+        metrics_port: int | None, metrics_host: str) -> None:
     """Consume a consumer's queue: apply, commit, then acknowledge.
 
     Runs until SIGTERM/SIGINT (finishes and acks the current batch, exit 0)
@@ -104,7 +108,7 @@ def run(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue
     from ..runner import RunConfig
     from ..runner import run as run_consumer
 
-    _setup_logging(log_level)
+    _setup_logging(log_level, log_format, consumer)
     consumers.get(consumer)  # unknown consumer: one line, exit 2
     if batch > prefetch:
         raise click.BadParameter(f"--batch {batch} cannot fill with --prefetch {prefetch}; raise --prefetch",
@@ -113,10 +117,21 @@ def run(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue
         consumer=consumer, url=amqp_url, db_path=db_path, exchange=exchange, prefix=queue_prefix,
         prefetch=prefetch, batch=batch, batch_wait_ms=batch_wait_ms, max_attempts=max_attempts,
         retry_delays_ms=retry_delays, delivery_limit=delivery_limit, max_crashes=max_crashes,
-        exit_when_idle_s=exit_when_idle, max_bytes=max_bytes,
+        exit_when_idle_s=exit_when_idle, max_bytes=max_bytes, log_each_event=log_format == "json",
     )
+    observer = None
+    if metrics_port is not None:
+        from ..metrics import Metrics
+
+        observer = Metrics(consumer)
+        try:
+            observer.serve(metrics_port, metrics_host)
+        except OSError as exc:
+            raise Fatal(f"cannot listen for metrics on {metrics_host}:{metrics_port}: {exc.strerror}") from None
+        logging.getLogger("delivery_consumer.run").info("metrics on http://%s:%d/metrics", metrics_host,
+                                                        metrics_port)
     try:
-        code = run_consumer(config)
+        code = run_consumer(config, observer)
     except BrokerError as exc:
         raise Fatal(str(exc)) from None
     sys.exit(code)

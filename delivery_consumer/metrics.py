@@ -1,0 +1,80 @@
+"""Prometheus metrics of ``run`` (``--metrics-port``).
+
+Counters by consumer and outcome, by rejection code, retries and dead
+letters; histograms of the apply-and-commit latency of a batch and of batch
+sizes; gauges for the time of the last commit and the connection state.
+Each :class:`Metrics` has its own registry, so several consumers can run in
+one process (tests) without clashing, and nothing is global.
+"""
+
+from __future__ import annotations
+
+from collections import Counter as Tally
+from collections.abc import Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.exposition import generate_latest
+from prometheus_client.process_collector import ProcessCollector
+
+from .runner import Observer
+from .store import Outcome
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_BATCH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
+
+
+class Metrics(Observer):
+    """An :class:`runner.Observer` that keeps Prometheus metrics."""
+
+    def __init__(self, consumer: str) -> None:
+        self.consumer = consumer
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        r = self.registry
+        self.events = Counter("delivery_events", "Events handled, by outcome (a result, a rejection code, "
+                              "or transient:<code>).", ["consumer", "outcome"], registry=r)
+        self.rejections = Counter("delivery_rejections", "Events rejected permanently, by code.",
+                                  ["consumer", "code"], registry=r)
+        self.retries = Counter("delivery_retries", "Copies sent to a retry tier.", ["consumer"], registry=r)
+        self.dead_letters = Counter("delivery_dead_letters", "Copies sent to the dead-letter queue, by code.",
+                                    ["consumer", "code"], registry=r)
+        self.apply_seconds = Histogram("delivery_apply_seconds", "Time to apply and commit one batch.",
+                                       ["consumer"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.batch_size = Histogram("delivery_batch_size", "Deliveries per transaction.", ["consumer"],
+                                    buckets=_BATCH_BUCKETS, registry=r)
+        self.last_commit = Gauge("delivery_last_commit_timestamp_seconds", "Unix time of the last commit.",
+                                 ["consumer"], registry=r)
+        self.connected = Gauge("delivery_connected", "1 while consuming from the broker, else 0.",
+                               ["consumer"], registry=r)
+        self.connected.labels(consumer).set(0)
+        self.last_commit.labels(consumer).set(0)
+
+    def batch_committed(self, outcomes: Sequence[Outcome], seconds: float, committed_at: float = 0.0) -> None:
+        c = self.consumer
+        for status, n in Tally(o.status for o in outcomes).items():
+            self.events.labels(c, status).inc(n)
+        for o in outcomes:
+            if o.rejection is not None:
+                self.rejections.labels(c, o.rejection.code).inc()
+        self.apply_seconds.labels(c).observe(seconds)
+        self.batch_size.labels(c).observe(len(outcomes))
+        if committed_at:
+            self.last_commit.labels(c).set(committed_at)
+
+    def copy_published(self, kind: str, code: str) -> None:
+        if kind == "retry":
+            self.retries.labels(self.consumer).inc()
+        else:
+            self.dead_letters.labels(self.consumer, code).inc()
+
+    def connection_state(self, connected: bool) -> None:
+        self.connected.labels(self.consumer).set(1 if connected else 0)
+
+    def serve(self, port: int, addr: str = "127.0.0.1") -> Any:
+        """Expose ``/metrics`` on *addr*:*port* from a daemon thread."""
+        return start_http_server(port, addr=addr, registry=self.registry)
+
+    def text(self) -> str:
+        """The exposition text (what a scrape returns)."""
+        return generate_latest(self.registry).decode("utf-8")
