@@ -25,6 +25,9 @@ COMMANDS: dict[str, str] = {
     "run": "rabbit:run",
     "publish": "rabbit:publish",
     "topology": "rabbit:topology",
+    "dispatch": "outbox:dispatch",
+    "outbox": "outbox:outbox",
+    "produce": "outbox:produce",
 }
 
 
