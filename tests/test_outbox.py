@@ -1,0 +1,505 @@
+"""The outbox and its dispatcher on real SQLite files, with a scripted publisher.
+
+The broker side is a fake with the interface of ``broker.Publisher``
+(connect / publish / idle) whose verdict per message is scripted, and the
+clock and sleep are the test's: every lease, backoff and outage decision is
+checked exactly, without a broker and without waiting.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from click.testing import CliRunner
+
+from delivery_consumer import outbox, producer
+from delivery_consumer.broker import BrokerFatal, BrokerUnavailable, OutMessage, PublishResult
+from delivery_consumer.cli import main
+from delivery_consumer.envelope import parse
+from delivery_consumer.errors import ConfigError, DatabaseError, Rejection
+from delivery_consumer.queries import NotFound
+from delivery_consumer.store import ConsumerDB, now_iso
+
+
+def envelope(article: str = "article-1", revision: int = 1, **extra: Any) -> dict[str, Any]:
+    return {
+        "eventId": str(uuid.uuid4()),
+        "type": "material.published",
+        "articleId": article,
+        "revision": revision,
+        "occurredAt": "2026-11-29T10:00:00Z",
+        "data": {"title": f"{article} r{revision}", "url": f"https://example.org/{article}"},
+        **extra,
+    }
+
+
+class Clock:
+    """Wall clock and sleep under the test's control."""
+
+    def __init__(self) -> None:
+        import time
+
+        self.now = time.time()
+        self.slept: list[float] = []
+
+    def time(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+class FakePublisher:
+    """broker.Publisher's interface; verdicts scripted per eventId."""
+
+    def __init__(self) -> None:
+        self.down = 0  # connect() fails this many more times
+        self.connects = 0
+        self.verdicts: dict[str, str] = {}  # eventId -> status other than confirmed
+        self.sent: list[OutMessage] = []
+        self.raise_on_publish: BaseException | None = None
+        self.idled: list[float] = []
+
+    def connect(self) -> None:
+        self.connects += 1
+        if self.down:
+            self.down -= 1
+            raise BrokerUnavailable("broker unreachable: connection refused")
+
+    def publish(self, messages: Sequence[OutMessage]) -> list[PublishResult]:
+        if self.raise_on_publish is not None:
+            raise self.raise_on_publish
+        self.sent.extend(messages)
+        results = []
+        for msg in messages:
+            status = self.verdicts.get(msg.message_id or "", "confirmed")
+            reason = {"returned": "unroutable: 312 NO_ROUTE", "nacked": "the broker could not store the message",
+                      "unconfirmed": "connection lost"}.get(status, "")
+            results.append(PublishResult(status, reason))
+        return results
+
+    def idle(self, seconds: float) -> None:
+        self.idled.append(seconds)
+
+
+@pytest.fixture
+def db_path(tmp_path: Path) -> Path:
+    return tmp_path / "producer.db"
+
+
+@pytest.fixture
+def conns(db_path: Path) -> Iterator[Callable[[], sqlite3.Connection]]:
+    """Open connections to the producer database (each like a separate process)."""
+    opened: list[sqlite3.Connection] = []
+
+    def _open() -> sqlite3.Connection:
+        conn = outbox.connect(db_path)
+        opened.append(conn)
+        return conn
+
+    yield _open
+    for conn in opened:
+        conn.close()
+
+
+@pytest.fixture
+def conn(conns: Callable[[], sqlite3.Connection]) -> sqlite3.Connection:
+    return conns()
+
+
+def add(conn: sqlite3.Connection, *envs: dict[str, Any]) -> list[str]:
+    with outbox.transaction(conn):
+        for env in envs:
+            outbox.enqueue(conn, env)
+    return [env["eventId"] for env in envs]
+
+
+def row(conn: sqlite3.Connection, event_id: str) -> dict[str, Any]:
+    return outbox.show(conn, event_id)
+
+
+def dispatcher(conn: sqlite3.Connection, pub: FakePublisher, clock: Clock, **config: Any) -> outbox.Dispatcher:
+    config.setdefault("exchange", "test.events")
+    return outbox.Dispatcher(conn, pub, outbox.DispatchConfig(**config), clock=clock.time, sleep=clock.sleep)
+
+
+# -- install and enqueue -----------------------------------------------------------------
+
+
+def test_install_is_idempotent_strict_and_leaves_user_version_alone(conn: sqlite3.Connection) -> None:
+    """install() twice is a no-op; the tables are STRICT; the producer's user_version stays 0."""
+    assert outbox.VERSION == outbox.install(conn)
+    assert outbox.VERSION == outbox.installed_version(conn)
+    strict = dict(conn.execute("SELECT name, strict FROM pragma_table_list WHERE name LIKE 'outbox%'").fetchall())
+    assert {"outbox": 1, "outbox_meta": 1} == strict
+    assert 0 == conn.execute("PRAGMA user_version").fetchone()[0]
+    assert "wal" == conn.execute("PRAGMA journal_mode").fetchone()[0]
+    assert 2 == conn.execute("PRAGMA synchronous").fetchone()[0]  # FULL
+
+
+def test_install_inside_the_callers_transaction_rolls_back_with_it(tmp_path: Path) -> None:
+    """install() in an open transaction is part of it: a rollback removes the tables."""
+    conn = sqlite3.connect(tmp_path / "p.db", isolation_level=None)
+    conn.execute("BEGIN IMMEDIATE")
+    outbox.install(conn)
+    conn.execute("ROLLBACK")
+    assert 0 == outbox.installed_version(conn)
+    conn.close()
+
+
+def test_a_newer_outbox_is_refused(conn: sqlite3.Connection, db_path: Path) -> None:
+    """A database whose outbox is newer than the code is refused, not downgraded."""
+    conn.execute("UPDATE outbox_meta SET value = '99' WHERE key = 'version'")
+    with pytest.raises(DatabaseError, match="newer"):
+        outbox.connect(db_path)
+    with pytest.raises(DatabaseError, match="newer"):
+        outbox.connect(db_path, readonly=True)
+
+
+def test_a_consumer_inbox_is_not_a_producer_database(tmp_path: Path) -> None:
+    """Pointing --db at a consumer's inbox database is refused without changing it."""
+    path = tmp_path / "catalog.db"
+    ConsumerDB.open(path, "catalog", create=True).close()
+    with pytest.raises(DatabaseError, match="inbox database"):
+        outbox.connect(path)
+
+
+def test_enqueue_commits_or_rolls_back_with_the_producers_change(conn: sqlite3.Connection) -> None:
+    """The producer's row and the outbox row commit together or not at all."""
+    conn.execute("CREATE TABLE things (id INTEGER PRIMARY KEY, name TEXT NOT NULL) STRICT")
+    kept, lost = envelope("kept"), envelope("lost")
+    with outbox.transaction(conn):
+        conn.execute("INSERT INTO things (name) VALUES ('kept')")
+        assert outbox.enqueue(conn, kept)
+    with pytest.raises(RuntimeError), outbox.transaction(conn):
+        conn.execute("INSERT INTO things (name) VALUES ('lost')")
+        outbox.enqueue(conn, lost)
+        raise RuntimeError("the producer fails after enqueue")
+    assert [("kept",)] == conn.execute("SELECT name FROM things").fetchall()
+    assert [kept["eventId"]] == [r[0] for r in conn.execute("SELECT event_id FROM outbox")]
+
+
+def test_enqueue_outside_a_transaction_is_refused(conn: sqlite3.Connection) -> None:
+    """enqueue() without the caller's open transaction raises and writes nothing."""
+    with pytest.raises(outbox.OutboxError, match="transaction"):
+        outbox.enqueue(conn, envelope())
+    assert 0 == outbox.unpublished(conn)
+
+
+def test_same_event_id_same_body_is_a_no_op_other_body_is_event_id_reused(conn: sqlite3.Connection) -> None:
+    """Re-enqueueing an identical event does nothing; another body under its eventId is event-id-reused."""
+    env = envelope()
+    with outbox.transaction(conn):
+        assert outbox.enqueue(conn, env) is True
+        assert outbox.enqueue(conn, dict(reversed(list(env.items())))) is False  # key order is not a difference
+    changed = {**env, "revision": 2}
+    with pytest.raises(Rejection) as caught, outbox.transaction(conn):
+        outbox.enqueue(conn, changed)
+    assert "event-id-reused" == caught.value.code
+    assert 1 == outbox.unpublished(conn)
+
+
+def test_an_invalid_envelope_is_rejected_and_nothing_is_written(conn: sqlite3.Connection) -> None:
+    """enqueue() validates against the schema: a bad envelope raises its rejection code."""
+    bad = envelope()
+    del bad["occurredAt"]
+    with pytest.raises(Rejection) as caught, outbox.transaction(conn):
+        outbox.enqueue(conn, bad)
+    assert "invalid-envelope" == caught.value.code
+    with pytest.raises(Rejection) as caught, outbox.transaction(conn):
+        outbox.enqueue(conn, b"{not json")
+    assert "malformed-json" == caught.value.code
+    assert 0 == outbox.unpublished(conn)
+
+
+def test_the_stored_body_is_canonical_and_keeps_the_fingerprint(conn: sqlite3.Connection) -> None:
+    """The row holds the canonical bytes; parsing them gives the fingerprint stored beside them."""
+    env = envelope()
+    raw = orjson.dumps(env, option=orjson.OPT_INDENT_2)
+    with outbox.transaction(conn):
+        outbox.enqueue(conn, raw)
+    body, fp, key, ordering = conn.execute(
+        "SELECT body, fingerprint, routing_key, ordering_key FROM outbox").fetchone()
+    assert parse(raw).canonical == body
+    assert parse(body).fingerprint == fp
+    assert ("material.published", "article-1") == (key, ordering)
+
+
+# -- the dispatcher ------------------------------------------------------------------------
+
+
+def test_rows_go_out_in_creation_order_and_only_confirmed_ones_are_marked(conn: sqlite3.Connection) -> None:
+    """Publication follows creation order; published_at only for confirmed rows, the others get attempts and error."""
+    ids = add(conn, *(envelope(f"a{i}") for i in range(6)))
+    pub, clock = FakePublisher(), Clock()
+    pub.verdicts = {ids[1]: "returned", ids[4]: "nacked"}
+    assert 6 == dispatcher(conn, pub, clock).step()
+    assert ids == [m.message_id for m in pub.sent]
+    assert all(m.exchange == "test.events" and m.routing_key == "material.published" for m in pub.sent)
+    for i, event_id in enumerate(ids):
+        r = row(conn, event_id)
+        assert 1 == r["attempts"]
+        assert r["leaseOwner"] is None
+        if i in (1, 4):
+            assert r["publishedAt"] is None
+            assert r["nextAttemptAt"] > now_iso(clock.now)
+            assert r["lastError"].startswith("returned: unroutable" if i == 1 else "nacked")
+        else:
+            assert now_iso(clock.now) == r["publishedAt"]
+            assert r["lastError"] is None
+
+
+def test_a_failing_row_holds_back_its_article_but_not_the_others(conn: sqlite3.Connection) -> None:
+    """While a row waits for its backoff, later rows of its article wait too; other articles go on."""
+    first = add(conn, envelope("a", 1))[0]
+    pub, clock = FakePublisher(), Clock()
+    d = dispatcher(conn, pub, clock, retry_base_s=10)
+    pub.verdicts[first] = "returned"
+    d.step()
+    later_a, other = add(conn, envelope("a", 2), envelope("b", 1))
+    pub.sent.clear()
+    d.step()
+    assert [other] == [m.message_id for m in pub.sent]  # a/2 waits behind a/1
+    assert row(conn, later_a)["attempts"] == 0
+    del pub.verdicts[first]
+    clock.now += 10.01  # past the first backoff (at most retry_base_s)
+    pub.sent.clear()
+    d.step()
+    assert [first, later_a] == [m.message_id for m in pub.sent]
+    assert 0 == outbox.unpublished(conn)
+
+
+def test_a_row_backoff_grows_with_its_attempts(conn: sqlite3.Connection) -> None:
+    """An unroutable row is retried after base*2^(n-1) (jittered into its upper half), capped."""
+    event_id = add(conn, envelope())[0]
+    pub, clock = FakePublisher(), Clock()
+    pub.verdicts[event_id] = "returned"
+    d = dispatcher(conn, pub, clock, retry_base_s=1, retry_cap_s=4)
+    for attempt, ceiling in enumerate([1, 2, 4, 4, 4], start=1):
+        assert 1 == d.step()
+        assert 0 == d.step()  # not before its time
+        due = row(conn, event_id)["nextAttemptAt"]
+        assert now_iso(clock.now + ceiling / 2 - 0.002) <= due <= now_iso(clock.now + ceiling)
+        assert attempt == row(conn, event_id)["attempts"]
+        clock.now += ceiling + 0.01
+    assert row(conn, event_id)["publishedAt"] is None
+
+
+def test_a_broker_outage_is_waited_out_with_backoff_and_touches_no_row(conn: sqlite3.Connection) -> None:
+    """While the broker is down nothing is claimed; the waits grow; afterwards every row goes out."""
+    ids = add(conn, envelope("a"), envelope("b"))
+    pub, clock = FakePublisher(), Clock()
+    pub.down = 5
+    d = dispatcher(conn, pub, clock)
+    for _ in range(5):
+        assert 0 == d.step()
+        assert all(row(conn, i)["attempts"] == 0 and row(conn, i)["leaseOwner"] is None for i in ids)
+    assert 5 == len(clock.slept)
+    for n, waited in enumerate(clock.slept, start=1):
+        ceiling = min(30.0, 0.5 * 2 ** (n - 1))
+        assert ceiling / 2 <= waited <= ceiling
+    assert 2 == d.step()
+    assert 0 == outbox.unpublished(conn)
+    assert 5 == d.stats.outages
+
+
+def test_unconfirmed_rows_are_released_and_the_dispatcher_backs_off(conn: sqlite3.Connection) -> None:
+    """A connection lost mid-batch: no published_at, lease released, no per-row backoff, a pause before reconnecting."""
+    ids = add(conn, envelope("a"), envelope("b"))
+    pub, clock = FakePublisher(), Clock()
+    pub.verdicts = {ids[0]: "unconfirmed", ids[1]: "unconfirmed"}
+    d = dispatcher(conn, pub, clock)
+    d.step()
+    for event_id in ids:
+        r = row(conn, event_id)
+        assert (None, None, None, 1) == (r["publishedAt"], r["leaseOwner"], r["nextAttemptAt"], r["attempts"])
+        assert r["lastError"].startswith("unconfirmed")
+    assert 1 == len(clock.slept)
+    pub.verdicts.clear()
+    assert 2 == d.step()
+    assert 2 == pub.connects  # it reconnected before claiming again
+    assert 0 == outbox.unpublished(conn)
+
+
+def test_two_dispatchers_never_claim_the_same_row_nor_the_same_article(
+    conns: Callable[[], sqlite3.Connection],
+) -> None:
+    """Leases split the rows between dispatchers; an article leased by one is skipped by the other."""
+    first, second = conns(), conns()
+    add(first, *(envelope(f"a{i % 4}", i) for i in range(1, 13)))
+    clock = Clock()
+    d1 = dispatcher(first, FakePublisher(), clock, batch=3, owner="d1")
+    d2 = dispatcher(second, FakePublisher(), clock, batch=100, owner="d2")
+    one, two = d1.claim(), d2.claim()
+    assert [1, 2, 3] == [r.seq for r in one]
+    assert [4, 8, 12] == [r.seq for r in two]  # only article a0 (seq 4, 8, 12) is free
+    assert not {r.seq for r in one} & {r.seq for r in two}
+    owners = dict(first.execute("SELECT seq, lease_owner FROM outbox").fetchall())
+    assert {"d1"} == {owners[s] for s in (1, 2, 3)}
+    assert {"d2"} == {owners[s] for s in (4, 8, 12)}
+    assert [] == d2.claim()
+
+
+def test_a_dead_dispatchers_lease_expires_and_another_takes_its_rows(
+    conns: Callable[[], sqlite3.Connection],
+) -> None:
+    """Rows leased by a dispatcher that died wait for the lease to end, then are claimed again, with a note."""
+    first, second = conns(), conns()
+    event_id = add(first, envelope())[0]
+    clock = Clock()
+    dead = dispatcher(first, FakePublisher(), clock, lease_s=30, owner="dead")
+    assert 1 == len(dead.claim())  # ... and it dies here
+    alive = dispatcher(second, FakePublisher(), clock, lease_s=30, owner="alive")
+    assert 0 == alive.step()
+    clock.now += 29.9
+    assert 0 == alive.step()
+    clock.now += 0.2
+    assert 1 == alive.step()
+    r = row(second, event_id)
+    assert r["publishedAt"] is not None
+    assert "lease of dead expired" in r["lastError"]
+
+
+def test_late_marks_of_a_stalled_dispatcher_never_undo_the_others(conns: Callable[[], sqlite3.Connection]) -> None:
+    """A dispatcher that outlived its lease cannot unpublish a row nor overwrite its published_at."""
+    first, second = conns(), conns()
+    a, b = add(first, envelope("a"), envelope("b"))
+    clock = Clock()
+    stalled = dispatcher(first, FakePublisher(), clock, lease_s=10, owner="stalled")
+    claimed = stalled.claim()
+    clock.now += 11
+    taker = dispatcher(second, FakePublisher(), clock, lease_s=10, owner="taker")
+    assert 2 == taker.step()
+    published = {i: row(second, i)["publishedAt"] for i in (a, b)}
+    clock.now += 5
+    stalled.mark(claimed, [PublishResult("returned", "unroutable"), PublishResult("confirmed")])
+    for event_id in (a, b):
+        r = row(second, event_id)
+        assert published[event_id] == r["publishedAt"]
+        assert r["nextAttemptAt"] is None
+    assert 2 == row(second, b)["attempts"]  # its publication was still an attempt
+
+
+def test_a_fatal_broker_error_releases_the_leases(conn: sqlite3.Connection) -> None:
+    """BrokerFatal while publishing propagates, and the claimed rows are free for the next dispatcher."""
+    event_id = add(conn, envelope())[0]
+    pub, clock = FakePublisher(), Clock()
+    pub.raise_on_publish = BrokerFatal("access refused")
+    with pytest.raises(BrokerFatal):
+        dispatcher(conn, pub, clock).step()
+    r = row(conn, event_id)
+    assert (None, None, 0) == (r["leaseOwner"], r["publishedAt"], r["attempts"])
+
+
+def test_run_publishes_everything_in_batches_and_exits_when_idle(conn: sqlite3.Connection) -> None:
+    """run() with exit_when_idle_s drains the outbox batch by batch, keeps the connection alive, then returns."""
+    add(conn, *(envelope(f"a{i}") for i in range(25)))
+    pub, clock = FakePublisher(), Clock()
+    stats = dispatcher(conn, pub, clock, batch=10, exit_when_idle_s=0.05, poll_s=0.01).run()
+    assert (25, 3) == (stats.published, stats.batches)
+    assert 0 == outbox.unpublished(conn)
+    assert pub.idled  # idle waits service the connection instead of sleeping blind
+    assert "25 published in 3 batches" in stats.line()
+
+
+# -- list / stats / show / prune --------------------------------------------------------------
+
+
+def test_list_stats_show_and_prune(conn: sqlite3.Connection) -> None:
+    """The read queries classify rows by state; prune deletes only old published rows."""
+    ids = add(conn, *(envelope(f"a{i}") for i in range(4)))
+    pub, clock = FakePublisher(), Clock()
+    pub.verdicts[ids[2]] = "returned"
+    d = dispatcher(conn, pub, clock, batch=3)
+    d.step()  # a0, a1 published, a2 returned; a3 untouched
+    states = {r["eventId"]: r["state"] for r in outbox.list_rows(conn, now=clock.now)}
+    assert {ids[0]: "published", ids[1]: "published", ids[2]: "retrying", ids[3]: "pending"} == states
+    assert [ids[2], ids[3]] == [r["eventId"] for r in outbox.list_rows(conn, state="unpublished")]
+    assert [ids[2]] == [r["eventId"] for r in outbox.list_rows(conn, state="failed")]
+    assert [ids[1], ids[0]] == [r["eventId"] for r in outbox.list_rows(conn, state="published")]
+    assert 1 == len(outbox.list_rows(conn, limit=1))
+    stats = outbox.stats(conn, now=clock.now)
+    assert (4, 2, 2, 1, 0) == (stats["rows"], stats["published"], stats["unpublished"], stats["failed"],
+                               stats["leased"])
+    assert {"returned: unroutable: 312 NO_ROUTE": 1} == stats["errors"]
+    shown = outbox.show(conn, ids[0])
+    assert ids[0] == shown["body"]["eventId"]
+    with pytest.raises(NotFound):
+        outbox.show(conn, str(uuid.uuid4()))
+    assert 0 == outbox.prune(conn, older_than_s=3600, now=clock.now)
+    assert 2 == outbox.prune(conn, older_than_s=3600, now=clock.now + 7200)
+    assert {ids[2], ids[3]} == {r["eventId"] for r in outbox.list_rows(conn)}
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("7d", 604800), ("12h", 43200), ("30m", 1800), ("45s", 45),
+                                               ("500ms", 0.5), ("2.5", 2.5)])
+def test_durations(text: str, seconds: float) -> None:
+    """--older-than, --lease and friends accept d, h, m, s, ms or plain seconds."""
+    assert seconds == pytest.approx(outbox.parse_duration_s(text))
+
+
+def test_a_bad_duration_is_refused() -> None:
+    """A duration that is not a non-negative number with a unit is a ValueError."""
+    for text in ("", "soon", "-1s", "nan"):
+        with pytest.raises(ValueError):
+            outbox.parse_duration_s(text)
+
+
+# -- the demo producer ---------------------------------------------------------------------------
+
+
+def test_produce_writes_the_next_revision_and_its_event_together(tmp_path: Path) -> None:
+    """Each produce is the next revision, in material and in the outbox; withdraw keeps title and url."""
+    conn = producer.open_db(tmp_path / "p.db")
+    first = producer.produce(conn, "a", title="T", url="https://e/a").envelope
+    second = producer.produce(conn, "a", title="T2", url="https://e/a2").envelope
+    gone = producer.produce(conn, "a", withdraw=True).envelope
+    assert [1, 2, 3] == [first.revision, second.revision, gone.revision]
+    assert ("material.withdrawn", "T2", "https://e/a2") == (gone.type, gone.title, gone.url)
+    assert [("a", 3, "T2", "https://e/a2", 0, gone.event_id)] == conn.execute(
+        "SELECT article_id, revision, title, url, published, event_id FROM material").fetchall()
+    assert [first.event_id, second.event_id, gone.event_id] == [
+        r["eventId"] for r in outbox.list_rows(conn, state="unpublished")]
+    with pytest.raises(ConfigError):
+        producer.produce(conn, "new")
+    conn.close()
+
+
+def test_produce_changes_nothing_when_the_event_cannot_be_enqueued(tmp_path: Path) -> None:
+    """An event refused by the outbox rolls the material change back with it."""
+    conn = producer.open_db(tmp_path / "p.db")
+    done = producer.produce(conn, "a", title="T", url="https://e/a")
+    with pytest.raises(Rejection, match="event-id-reused"):
+        producer.produce(conn, "a", title="T2", url="https://e/a", event_id=done.envelope.event_id)
+    assert [(1, "T")] == conn.execute("SELECT revision, title FROM material").fetchall()
+    assert 1 == outbox.unpublished(conn)
+    conn.close()
+
+
+def test_cli_produce_and_outbox_read_commands(tmp_path: Path) -> None:
+    """produce --json, outbox list/stats/show --json and prune through the CLI; an unknown eventId exits 1."""
+    runner = CliRunner()
+    db = str(tmp_path / "p.db")
+    made = runner.invoke(main, ["produce", "--db", db, "--article", "a", "--title", "T", "--url", "u", "--json"])
+    assert 0 == made.exit_code, made.output
+    event_id = orjson.loads(made.output)["eventId"]
+    listed = runner.invoke(main, ["outbox", "list", "--db", db, "--json"])
+    assert [event_id] == [r["eventId"] for r in orjson.loads(listed.output)]
+    stats = orjson.loads(runner.invoke(main, ["outbox", "stats", "--db", db, "--json"]).output)
+    assert (1, 1) == (stats["rows"], stats["unpublished"])
+    shown = orjson.loads(runner.invoke(main, ["outbox", "show", "--db", db, event_id, "--json"]).output)
+    assert "a" == shown["body"]["articleId"]
+    assert 1 == runner.invoke(main, ["outbox", "show", "--db", db, str(uuid.uuid4())]).exit_code
+    pruned = runner.invoke(main, ["outbox", "prune", "--db", db, "--older-than", "0s", "--json"])
+    assert {"deleted": 0, "unpublished": 1} == orjson.loads(pruned.output)
+    text = runner.invoke(main, ["outbox", "list", "--db", db])
+    assert event_id in text.output and "pending" in text.output
+    missing = runner.invoke(main, ["outbox", "list", "--db", str(tmp_path / "none.db")])
+    assert 2 == missing.exit_code

@@ -1,0 +1,290 @@
+"""The dispatcher against the real broker: real processes, SIGKILL, a broker restart.
+
+Each test writes a producer database in-process (``producer.produce``: the
+material row and its event in one transaction), runs ``delivery-consumer
+dispatch`` as a subprocess in its own broker namespace, and checks the queue,
+the outbox and, where it matters, what ``run --consumer catalog`` makes of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+from brokerkit import Namespace, kill, restart_broker
+
+from delivery_consumer import outbox, producer
+
+CRASHED = -signal.SIGKILL
+
+
+def make_events(db: Path, count: int, *, articles: int = 40, seed: int = 1) -> list[str]:
+    """*count* events over *articles* materials (revisions, some withdrawals); their eventIds in order."""
+    rng = random.Random(seed)
+    conn = producer.open_db(db)
+    ids = []
+    try:
+        for i in range(count):
+            article = f"article-{rng.randrange(articles)}"
+            known = conn.execute("SELECT 1 FROM material WHERE article_id = ?", (article,)).fetchone()
+            withdraw = known is not None and rng.random() < 0.15
+            done = producer.produce(conn, article, title=f"{article} #{i}", url=f"https://example.org/{article}/{i}",
+                                    withdraw=withdraw)
+            ids.append(done.envelope.event_id)
+    finally:
+        conn.close()
+    return ids
+
+
+def sql(db: Path, query: str) -> list[tuple[object, ...]]:
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        return conn.execute(query).fetchall()
+    finally:
+        conn.close()
+
+
+def published(db: Path) -> int:
+    return int(sql(db, "SELECT count(*) FROM outbox WHERE published_at IS NOT NULL")[0][0])
+
+
+def dispatch(ns: Namespace, db: Path, *args: str, crash_at: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = ns.env(**({"DELIVERY_CRASH_AT": crash_at} if crash_at else {}))
+    return ns.cli("dispatch", "--db", str(db), "--consumer", "catalog", *args, env=env, timeout=120)
+
+
+def start_dispatch(ns: Namespace, db: Path, *args: str) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "delivery_consumer", "dispatch", "--db", str(db), "--consumer", "catalog", *args]
+    return subprocess.Popen(cmd, cwd=ns.workdir, env=ns.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def queued_ids(ns: Namespace) -> Counter[str]:
+    """message_id -> copies waiting in the catalog queue (left in place, but a peek is a
+    delivery for a quorum queue: do not run the consumer afterwards)."""
+    return Counter(props.message_id for props, _ in ns.peek(ns.topology("catalog").queue))
+
+
+def consume(ns: Namespace, db: Path, ids: list[str]) -> Counter[str]:
+    """run catalog until idle; check the catalog equals the producer's material table and every
+    event has exactly one receipt; return the deliveries the consumer counted per eventId."""
+    queued = ns.count(ns.topology("catalog").queue)
+    done = ns.run_until_idle("catalog", idle=1.0)
+    assert 0 == done.returncode, done.stderr[-2000:]
+    inbox = ns.db("catalog")
+    columns = "article_id, revision, title, url, published"
+    ours, theirs = (sql(path, f"SELECT {columns} FROM {table} ORDER BY 1")
+                    for path, table in ((db, "material"), (inbox, "catalog")))
+    assert ours == theirs
+    assert sorted(ids) == [r[0] for r in sql(inbox, "SELECT event_id FROM inbox ORDER BY 1")]
+    # A receipt is one delivery; ``deliveries`` counts the keys delivered more
+    # often (the runner may skip the row of a first delivery applied fresh).
+    counted = dict(sql(inbox, "SELECT key, deliveries FROM deliveries"))
+    assert set(counted) <= set(ids)
+    deliveries = Counter({i: int(counted.get(i, 1)) for i in ids})  # type: ignore[call-overload]
+    assert queued == sum(deliveries.values())  # every copy was delivered; the extra ones were absorbed
+    return deliveries
+
+
+def test_crash_before_publishing_sends_nothing_and_loses_nothing(ns: Namespace) -> None:
+    """SIGKILL after the claim, before publishing: nothing reaches the broker; after the lease every row goes once."""
+    db = ns.workdir / "producer.db"
+    ids = make_events(db, 300)
+    crashed = dispatch(ns, db, "--batch", "100", "--lease", "1s", crash_at="dispatch-before-publish")
+    assert CRASHED == crashed.returncode, crashed.stderr[-2000:]
+    assert 0 == published(db)
+    assert [(100,)] == sql(db, "SELECT count(*) FROM outbox WHERE lease_owner IS NOT NULL")
+    assert 0 == ns.count(ns.topology("catalog").queue)
+    done = dispatch(ns, db, "--batch", "100", "--lease", "1s", "--exit-when-idle", "1500ms", "--poll", "100ms")
+    assert 0 == done.returncode, done.stderr[-2000:]
+    assert 300 == published(db)
+    assert Counter(dict.fromkeys(ids, 1)) == queued_ids(ns)
+    assert [(1,)] == sql(db, "SELECT DISTINCT attempts FROM outbox")
+    assert [(100,)] == sql(db, "SELECT count(*) FROM outbox WHERE last_error LIKE 'lease of % expired%'")
+
+
+def test_crash_after_confirm_before_marking_gives_one_duplicate_absorbed_by_the_inbox(ns: Namespace) -> None:
+    """SIGKILL between the confirms and the mark: that batch is published twice and applied once."""
+    db = ns.workdir / "producer.db"
+    ids = make_events(db, 300)
+    crashed = dispatch(ns, db, "--batch", "100", "--lease", "1s", crash_at="dispatch-after-confirm")
+    assert CRASHED == crashed.returncode, crashed.stderr[-2000:]
+    assert 0 == published(db)
+    assert 100 == ns.count(ns.topology("catalog").queue)
+    done = dispatch(ns, db, "--batch", "100", "--lease", "1s", "--exit-when-idle", "1500ms", "--poll", "100ms")
+    assert 0 == done.returncode, done.stderr[-2000:]
+    assert 300 == published(db)
+    assert 400 == ns.count(ns.topology("catalog").queue)
+    deliveries = consume(ns, db, ids)
+    assert Counter({2: 100, 1: 200}) == Counter(deliveries.values())
+    assert set(ids[:100]) == {i for i, n in deliveries.items() if n == 2}  # the first batch, in creation order
+
+
+def test_crash_in_the_middle_of_marking_a_batch_leaves_none_of_it_marked(ns: Namespace) -> None:
+    """SIGKILL halfway through marking the second batch: the first stays marked, the second is not half-marked."""
+    db = ns.workdir / "producer.db"
+    ids = make_events(db, 300)
+    crashed = dispatch(ns, db, "--batch", "100", "--lease", "1s", crash_at="dispatch-mid-batch:2")
+    assert CRASHED == crashed.returncode, crashed.stderr[-2000:]
+    assert {r[0] for r in sql(db, "SELECT event_id FROM outbox WHERE published_at IS NOT NULL")} == set(ids[:100])
+    assert 200 == ns.count(ns.topology("catalog").queue)
+    done = dispatch(ns, db, "--batch", "100", "--lease", "1s", "--exit-when-idle", "1500ms", "--poll", "100ms")
+    assert 0 == done.returncode, done.stderr[-2000:]
+    copies = queued_ids(ns)
+    assert set(ids[100:200]) == {i for i, n in copies.items() if n == 2}
+    assert 400 == sum(copies.values())
+
+
+def test_sigkill_at_random_moments_loses_nothing(ns: Namespace) -> None:
+    """Dispatchers SIGKILLed at random while publishing: every event reaches the catalog, applied once."""
+    db = ns.workdir / "producer.db"
+    ids = make_events(db, 2000, seed=7)
+    rng = random.Random(7)
+    kills = 0
+    for _ in range(3):
+        before = published(db)
+        proc = start_dispatch(ns, db, "--batch", "25", "--lease", "1s", "--poll", "100ms")
+        deadline = time.monotonic() + 30
+        while published(db) == before and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0, 0.08))
+        if proc.poll() is None:
+            kills += 1
+        kill(proc)
+    assert kills >= 2, "the dispatcher finished before it could be killed"
+    assert published(db) < len(ids)
+    done = dispatch(ns, db, "--lease", "1s", "--exit-when-idle", "1500ms", "--poll", "100ms")
+    assert 0 == done.returncode, done.stderr[-2000:]
+    assert len(ids) == published(db)
+    deliveries = consume(ns, db, ids)
+    assert sum(deliveries.values()) - len(ids) <= 3 * 25  # at most the batch each killed dispatcher had in flight
+
+
+def test_two_dispatchers_on_one_database_publish_each_row_once(ns: Namespace) -> None:
+    """Two dispatchers sharing the outbox split the rows by lease: every event is in the queue exactly once."""
+    db = ns.workdir / "producer.db"
+    ids = make_events(db, 2000, seed=3)
+    procs = [start_dispatch(ns, db, "--batch", "10", "--exit-when-idle", "700ms", "--poll", "50ms") for _ in range(2)]
+    outputs = [p.communicate(timeout=120) for p in procs]
+    assert [0, 0] == [p.returncode for p in procs], [err[-1000:] for _, err in outputs]
+    assert Counter(dict.fromkeys(ids, 1)) == queued_ids(ns)
+    assert [(1,)] == sql(db, "SELECT DISTINCT attempts FROM outbox")
+
+
+def test_an_unroutable_row_waits_with_its_article_while_the_others_go_on(ns: Namespace) -> None:
+    """A returned row keeps published_at empty with its error; its article's later rows wait, others are published."""
+    queue = f"{ns.prefix}.published-only"
+    conn, ch = ns.channel()
+    ch.exchange_declare(ns.exchange, exchange_type="topic", durable=True)
+    ch.queue_declare(queue, durable=True, arguments={"x-queue-type": "quorum"})
+    ch.queue_bind(queue, ns.exchange, routing_key="material.published")  # withdrawals are unroutable
+    conn.close()
+    try:
+        db = ns.workdir / "producer.db"
+        pconn = producer.open_db(db)
+        a1 = producer.produce(pconn, "a", title="A", url="u").envelope.event_id
+        a2 = producer.produce(pconn, "a", withdraw=True).envelope.event_id
+        a3 = producer.produce(pconn, "a", title="A again", url="u").envelope.event_id
+        b1 = producer.produce(pconn, "b", title="B", url="u").envelope.event_id
+        pconn.close()
+        done = ns.cli("dispatch", "--db", str(db), "--batch", "1", "--retry-base", "30s", "--exit-when-idle", "500ms",
+                      "--poll", "50ms")
+        assert 1 == done.returncode, done.stderr[-2000:]  # rows left unpublished
+        with contextlib.closing(outbox.connect(db, readonly=True)) as oconn:
+            state = {r["eventId"]: r for r in outbox.list_rows(oconn)}
+        assert (state[a1]["state"], state[b1]["state"]) == ("published", "published")
+        assert ("retrying", 1, "returned: unroutable: 312 NO_ROUTE") == (
+            state[a2]["state"], state[a2]["attempts"], state[a2]["lastError"])
+        assert state[a2]["publishedAt"] is None
+        assert ("pending", 0) == (state[a3]["state"], state[a3]["attempts"])
+        assert [a1, b1] == [props.message_id for props, _ in ns.drain(queue)]
+    finally:
+        conn, ch = ns.channel()
+        ch.queue_delete(queue)
+        conn.close()
+
+
+def test_a_broker_restart_while_dispatching_is_waited_out(ns: Namespace) -> None:
+    """The broker restarts under a running dispatcher: it backs off without spinning, resumes, and loses nothing."""
+    db = ns.workdir / "producer.db"
+    make_events(db, 1)
+    proc = start_dispatch(ns, db, "--batch", "20", "--lease", "5s", "--poll", "50ms")
+    stop = threading.Event()
+    ids: list[str] = []
+
+    def produce_steadily() -> None:
+        conn = producer.open_db(db)
+        try:
+            while not stop.is_set():
+                done = producer.produce(conn, f"article-{len(ids) % 30}", title=f"t{len(ids)}", url="u")
+                ids.append(done.envelope.event_id)
+                time.sleep(0.005)
+        finally:
+            conn.close()
+
+    writer = threading.Thread(target=produce_steadily)
+    try:
+        deadline = time.monotonic() + 30
+        while published(db) == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        writer.start()
+        time.sleep(0.3)
+        restart_broker(ns.url, down_for=1.0)
+        time.sleep(0.5)
+        stop.set()
+        writer.join()
+        deadline = time.monotonic() + 60
+        while published(db) < len(ids) + 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(ids) + 1 == published(db)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        stop.set()
+        if writer.is_alive():
+            writer.join()
+        if proc.poll() is None:
+            kill(proc)
+    assert 0 == proc.returncode, err[-2000:]
+    waits = [line for line in err.splitlines() if "retrying in" in line]
+    assert waits, err[-2000:]
+    assert len(waits) <= 12, err[-3000:]  # backoff, not a spin
+    copies = queued_ids(ns)
+    assert set(ids) <= set(copies)
+
+
+def test_end_to_end_catalog_equals_the_producers_table(ns: Namespace) -> None:
+    """produce -> dispatch -> broker -> run catalog: the catalog is the material table, each event applied once."""
+    db = ns.workdir / "producer.db"
+    made = [ns.cli("produce", "--db", str(db), "--article", "cli-1", "--title", "Первый", "--url", "https://e/1"),
+            ns.cli("produce", "--db", str(db), "--article", "cli-1", "--withdraw")]
+    assert [0, 0] == [m.returncode for m in made], [m.stderr for m in made]
+    ids = [m.stdout.split()[0] for m in made]
+    ids += make_events(db, 400, articles=60, seed=11)
+    done = dispatch(ns, db, "--exit-when-idle", "500ms", "--poll", "50ms")
+    assert 0 == done.returncode, done.stderr[-2000:]
+    assert "402 published" in done.stderr
+    assert Counter(dict.fromkeys(ids, 1)) == consume(ns, db, ids)
+    assert [(0, "Первый")] == sql(ns.db("catalog"), "SELECT published, title FROM catalog WHERE article_id = 'cli-1'")
+
+
+def test_dispatch_with_a_wrong_password_exits_2_with_one_line(ns: Namespace) -> None:
+    """Bad credentials are fatal: one line on stderr, exit 2, the rows stay unpublished and unleased."""
+    db = ns.workdir / "producer.db"
+    make_events(db, 3)
+    url = ns.url.replace("guest:guest@", "guest:wrong@")
+    env = ns.env(DELIVERY_AMQP_URL=url)
+    done = ns.cli("dispatch", "--db", str(db), "--exit-when-idle", "1s", env=env)
+    assert 2 == done.returncode, done.stderr
+    assert "authentication failed" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert [(3, 0)] == sql(db, "SELECT count(*), count(lease_owner) FROM outbox WHERE published_at IS NULL")
+
