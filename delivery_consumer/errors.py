@@ -25,6 +25,11 @@ UNKNOWN_TYPE: Final = "unknown-type"
 EVENT_ID_REUSED: Final = "event-id-reused"
 REVISION_CONFLICT: Final = "revision-conflict"
 RETRIES_EXHAUSTED: Final = "retries-exhausted"
+#: Effects outside the database (the webhook consumer, fence.py): the endpoint
+#: refused the request for good (a 4xx), or a call to an endpoint that is not
+#: idempotent may have had its effect and must not be repeated on a guess.
+ENDPOINT_REJECTED: Final = "endpoint-rejected"
+OUTCOME_UNKNOWN: Final = "outcome-unknown"
 
 REJECTION_CODES: Final = (
     MALFORMED_JSON,
@@ -79,11 +84,15 @@ class TransientError(DeliveryError):
 
     Consumer effects raise it (or a subclass) to ask for a retry instead of a
     rejection. ``code`` names the cause in logs and headers.
+    ``retry_after_s`` is how long the cause asked us to wait (an HTTP 429's
+    ``Retry-After``); ``run`` then picks the first retry tier at least that
+    long (:func:`delivery_consumer.retry.retry_after_tier`).
     """
 
-    def __init__(self, reason: str, *, code: str = "transient") -> None:
+    def __init__(self, reason: str, *, code: str = "transient", retry_after_s: float | None = None) -> None:
         self.code = code
         self.reason = safe_reason(reason)
+        self.retry_after_s = retry_after_s
         super().__init__(f"{code}: {self.reason}")
 
 

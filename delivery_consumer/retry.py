@@ -60,6 +60,23 @@ class RetryPolicy:
         return Retry(tier=tier, delay_ms=delay, attempts=attempt)
 
 
+def retry_after_tier(decision: Retry, delays_ms: tuple[int, ...], retry_after_s: float) -> Retry:
+    """Move *decision* to a tier that honours a ``Retry-After`` of *retry_after_s*.
+
+    The first tier whose delay is at least the wait asked for, but never a
+    shorter tier than the policy chose; when no tier is that long, the
+    longest one (the closest we can come). The attempt count is unchanged:
+    a throttled try is still a try.
+    """
+    wanted_ms = max(0.0, retry_after_s) * 1000
+    fitting = [i for i, delay in enumerate(delays_ms) if delay >= wanted_ms]
+    tier = fitting[0] if fitting else max(range(len(delays_ms)), key=lambda i: delays_ms[i])
+    tier = tier if delays_ms[tier] >= delays_ms[min(decision.tier, len(delays_ms) - 1)] else decision.tier
+    if tier == decision.tier:
+        return decision
+    return Retry(tier=tier, delay_ms=delays_ms[tier], attempts=decision.attempts)
+
+
 def attempts_done(headers: Mapping[str, Any] | None) -> int:
     """Failed tries recorded on a message (``x-attempts``); 0 when absent or garbled."""
     if not headers:

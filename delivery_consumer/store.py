@@ -588,12 +588,75 @@ def apply_batch(
     return outcomes
 
 
+# -- effects outside the database (fence.py) ---------------------------------------
+# An effect in another system (an HTTP call) cannot join the transaction, so
+# such a consumer is applied in several transactions around the call
+# (delivery_consumer/fence.py). These are the store's pieces it uses: the
+# receipt check and write of Transaction._apply, and the delivery counting of
+# run, taken apart.
+
+
+@dataclass(frozen=True, slots=True)
+class DeliveryMark:
+    """What :meth:`Transaction.record_delivery` needs to count one broker
+    delivery, read from the delivery before its batch is applied."""
+
+    key: str
+    redelivered: bool
+    attempt: int
+    #: False when the delivery was already counted (run's isolated redeliveries).
+    count: bool = True
+    delivered_hint: int = 0
+
+    def record(self, tx: Transaction, event_id: str | None, outcome: str, *, again: bool = False) -> DeliveryCount:
+        """Count the delivery with *outcome*; ``again`` only updates the outcome
+        of a delivery this batch counted already (``in-flight`` before a call)."""
+        return tx.record_delivery(
+            self.key, event_id, redelivered=self.redelivered, attempt=self.attempt, outcome=outcome,
+            count=self.count and not again, delivered_hint=self.delivered_hint,
+        )
+
+
+#: The status of a delivery whose effect is under way outside the database.
+IN_FLIGHT = "in-flight"
+
+
+def receipt_of(tx: Transaction, env: Envelope) -> str | None:
+    """``duplicate:<result>`` when *env* has a receipt, None when it has none.
+
+    Raises :class:`Rejection` ``event-id-reused`` when the receipt is of
+    another body (the same check as :meth:`Transaction.apply`).
+    """
+    row = tx.conn.execute("SELECT fingerprint, result FROM inbox WHERE event_id = ?", (env.event_id,)).fetchone()
+    if row is None:
+        return None
+    if row[0] == env.fingerprint:
+        return "duplicate:" + str(row[1])
+    raise Rejection(
+        EVENT_ID_REUSED,
+        f"eventId was first received with fingerprint {row[0][:12]}…, this body differs",
+        event_id=env.event_id,
+        fingerprint=env.fingerprint,
+    )
+
+
+def write_receipt(tx: Transaction, env: Envelope, result: str) -> None:
+    """Write the receipt of *env* (check :func:`receipt_of` first, in the same transaction)."""
+    tx.conn.execute(
+        "INSERT INTO inbox (event_id, fingerprint, result, event_type, received_at) VALUES (?, ?, ?, ?, ?)",
+        (env.event_id, env.fingerprint, result, env.type, tx.now),
+    )
+
+
 __all__ = [
     "ConsumerDB",
+    "DeliveryMark",
     "Outcome",
     "Transaction",
     "apply_batch",
     "apply_event",
     "default_db_path",
     "now_iso",
+    "receipt_of",
+    "write_receipt",
 ]
