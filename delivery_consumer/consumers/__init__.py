@@ -23,14 +23,28 @@ from __future__ import annotations
 import importlib
 import os
 import sqlite3
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 from importlib.metadata import entry_points
 
 from ..envelope import Envelope
 from ..errors import ConfigError
 
+if TYPE_CHECKING:
+    from ..errors import Rejection
+    from ..store import ConsumerDB, DeliveryMark, Outcome
+
 ApplyFn = Callable[[sqlite3.Connection, Envelope], str]
+#: Applies a batch whose effect lives outside the database (fence.py): the
+#: parsed deliveries (a Rejection for a body that did not parse) and their
+#: delivery marks in, one Outcome per delivery out.
+ExternalBatchFn = Callable[
+    ["ConsumerDB", Sequence["Envelope | Rejection"], Sequence["DeliveryMark"]], list["Outcome"]
+]
+#: Given the options of ``run`` (``RunConfig.consumer_options``), checks them
+#: (ConfigError) and returns the batch function.
+ExternalFactory = Callable[[Mapping[str, Any]], ExternalBatchFn]
 
 ENTRY_POINT_GROUP = "delivery_consumer.consumers"
 PLUGINS_ENV = "DELIVERY_PLUGINS"
@@ -51,11 +65,17 @@ class ConsumerSpec:
     description: str = ""
     #: Effect tables that read-only commands may list (``<name> list``).
     tables: Sequence[str] = field(default_factory=tuple)
+    #: For an effect outside the database (an HTTP call, see
+    #: ``consumers/webhook.py``): ``run`` applies its batches with this instead
+    #: of ``apply`` (the fence protocol of ``fence.py``). None for effects
+    #: that live inside the store's transaction.
+    external: ExternalFactory | None = None
 
 
 _BUILTINS: dict[str, str] = {
     "catalog": "delivery_consumer.consumers.catalog",
     "audit": "delivery_consumer.consumers.audit",
+    "webhook": "delivery_consumer.consumers.webhook",
 }
 _REGISTRY: dict[str, ConsumerSpec] = {}
 _plugins_loaded = False
@@ -116,4 +136,4 @@ def names() -> list[str]:
     return sorted(set(_BUILTINS) | set(_REGISTRY))
 
 
-__all__ = ["ApplyFn", "ConsumerSpec", "get", "names", "register", "unregister"]
+__all__ = ["ApplyFn", "ConsumerSpec", "ExternalBatchFn", "ExternalFactory", "get", "names", "register", "unregister"]

@@ -1,0 +1,526 @@
+"""Fence an effect outside the database: claim a stable key, call, complete.
+
+The inbox makes an effect exactly-once only when the effect is a write in the
+consumer's own database, committed with the receipt. A call to another
+system (an HTTP endpoint) cannot join that transaction, so a crash between
+the call and the commit would make the redelivery call again. The fence is
+the remedy (``../shared/seeds/003``, issue 6): a row with a *stable* key for
+the business step, written before the call, and the provider's response id
+stored next to it afterwards.
+
+Protocol, for a batch of deliveries (``apply_fenced``):
+
+1. **claim** -- one transaction: for each event, the inbox receipt check
+   (``duplicate:<result>``), then its fence row ``<articleId>:<revision>:<step>``
+   is looked up or inserted (``claimed``); commit. Events that need no call
+   are finished here (duplicates, ``stale``, a fence already ``done``).
+2. **call** -- outside any transaction: each claimed key is sent to the
+   endpoint with the key as its idempotency key.
+3. **complete** -- one transaction: the provider's id is stored, the fence
+   marked ``done`` and the inbox receipt written, for every call that
+   succeeded; failures are written next to the key; commit. Then ``run``
+   acks.
+
+Claiming and completing a whole batch in one transaction each costs two
+fsyncs per batch, not per event (bench/bench_webhook.py).
+
+A fence row is never deleted by the protocol:
+
+* ``claimed`` -- the step is under way or failed; ``calls`` counts the calls
+  started with the key, ``in_doubt`` says that the last of them may have
+  had its effect without our knowing (a crash after the call, a timeout);
+* ``done`` -- the effect happened; ``provider_id`` is the endpoint's id of it;
+* ``stale`` -- a newer revision of the article was claimed first; not sent.
+
+On a redelivery: a receipt -> ``duplicate:<result>``, no call; a ``done``
+fence without a receipt -> the receipt is written, no call; a ``claimed``
+fence -> called again with the *same* key when the endpoint is idempotent,
+and when it is not, called again only if no earlier call can have had its
+effect (``in_doubt`` = 0), otherwise rejected ``outcome-unknown`` for a
+person to resolve (``delivery-consumer fence resolve``): never twice on a
+guess. For an endpoint that is not idempotent the mark before each call is
+its own commit (one fsync per call): a crash in the middle of a batch must
+not leave the calls that were never made in doubt.
+
+Stale revisions are not sent: an event whose article already has a fence of
+a higher revision (claimed or done; a newer notification is under way) gets
+the receipt ``stale``. The same key with another payload is the rejection
+``revision-conflict``, as in the catalog.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import sqlite3
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from .envelope import Envelope
+from .errors import OUTCOME_UNKNOWN, REVISION_CONFLICT, DeliveryError, Rejection, TransientError
+from .faults import crashpoint
+from .store import (
+    IN_FLIGHT,
+    ConsumerDB,
+    DeliveryMark,
+    Outcome,
+    Transaction,
+    now_iso,
+    receipt_of,
+    write_receipt,
+)
+
+log = logging.getLogger("delivery_consumer.fence")
+
+#: The fence table; a consumer with an external effect puts this in its
+#: ``migrations`` (see consumers/webhook.py).
+MIGRATION = """
+CREATE TABLE fence (
+    key            TEXT PRIMARY KEY,
+    step           TEXT NOT NULL,
+    article_id     TEXT NOT NULL,
+    revision       INTEGER NOT NULL,
+    event_id       TEXT NOT NULL,
+    payload_sha256 TEXT NOT NULL,
+    state          TEXT NOT NULL CHECK (state IN ('claimed', 'done', 'stale')),
+    calls          INTEGER NOT NULL DEFAULT 0,
+    in_doubt       INTEGER NOT NULL DEFAULT 0 CHECK (in_doubt IN (0, 1)),
+    provider_id    TEXT,
+    http_status    INTEGER,
+    last_error     TEXT,
+    claimed_at     TEXT NOT NULL,
+    called_at      TEXT,
+    done_at        TEXT
+) STRICT, WITHOUT ROWID;
+CREATE INDEX fence_article ON fence (article_id, step, revision);
+CREATE INDEX fence_event ON fence (event_id);
+CREATE INDEX fence_claimed_at ON fence (claimed_at);
+"""
+
+STATES = ("claimed", "done", "stale")
+#: How often the completing transaction is tried before the batch is given up
+#: (the answers are then lost: the keys stay claimed, see the module docstring).
+COMPLETE_TRIES = 3
+
+
+class FenceError(DeliveryError):
+    """A fence cannot be changed as asked (unknown key, already done)."""
+
+
+def fence_key(article_id: str, revision: int, step: str) -> str:
+    """The stable key of a business step: never a random id."""
+    return f"{article_id}:{revision}:{step}"
+
+
+# -- the external step -------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One call to make: the fence key (the idempotency key) and the body."""
+
+    key: str
+    payload: bytes
+    env: Envelope
+
+
+@dataclass(frozen=True, slots=True)
+class CallResult:
+    """What a call came back with; a call never raises for the endpoint's failures."""
+
+    provider_id: str | None = None
+    status: int | None = None
+    #: None: the effect happened. A Rejection: refused for good. A TransientError: try later.
+    failure: Rejection | TransientError | None = None
+    #: The call may have had its effect although it failed (a timeout, a cut connection).
+    ambiguous: bool = False
+    #: The endpoint as a whole is failing (down, throttling): no more calls in this batch.
+    stop: bool = False
+
+
+class ExternalStep(Protocol):
+    """The effect the fence guards (consumers/webhook.py is one)."""
+
+    #: The step's name, the last part of the key (``notify``).
+    name: str
+    #: Whether calling twice with one key has one effect (then a call in doubt is repeated).
+    idempotent: bool
+    #: The receipt of a completed step (``notified``).
+    result: str
+
+    def payload(self, env: Envelope) -> bytes:
+        """The request body of *env* (deterministic: its hash is kept in the fence)."""
+        ...
+
+    def call(self, call: Call) -> CallResult:
+        """Make the call; never raises for the endpoint's failures."""
+        ...
+
+
+# -- the protocol ------------------------------------------------------------------
+
+
+@dataclass(slots=True, eq=False)
+class _Plan:
+    """A claimed key of the batch and what the call needs."""
+
+    index: int
+    env: Envelope
+    key: str
+    payload: bytes
+    sha: str
+    prior: tuple[int, int] = (0, 0)  # calls, in_doubt before this batch
+    marked: bool = False  # calls/in_doubt were raised in the claim transaction
+    leader: _Plan | None = None  # another delivery of this batch with the same key
+    result: CallResult | None = None
+    not_called: TransientError | None = None  # skipped: the endpoint failed on an earlier key
+    recheck: bool = False  # another process marked the key first: read it again
+    followers: list[_Plan] = field(default_factory=list)
+
+
+def apply_fenced(
+    db: ConsumerDB, parsed: Sequence[Envelope | Rejection], marks: Sequence[DeliveryMark], step: ExternalStep
+) -> list[Outcome]:
+    """Apply a batch with the fence protocol; one Outcome per delivery, in order.
+
+    Deliveries are counted in ``deliveries`` as ``run`` counts them
+    (``in-flight`` while their call is under way). Raises TransientError
+    when a transaction as a whole failed (the caller retries the batch).
+    """
+    outcomes: list[Outcome | None] = [None] * len(parsed)
+    plans: list[_Plan] = []
+    with db.transaction() as tx:  # (1) claim
+        leaders: dict[str, _Plan] = {}
+        for i, (item, mark) in enumerate(zip(parsed, marks, strict=True)):
+            done: Outcome | _Plan
+            if isinstance(item, Rejection):
+                done = Outcome(item.event_id, rejection=item)
+            else:
+                try:
+                    done = _claim(tx, i, item, step, leaders)
+                except Rejection as rej:
+                    done = Outcome(item.event_id, rejection=rej)
+            if isinstance(done, _Plan):
+                plans.append(done)
+                mark.record(tx, done.env.event_id, IN_FLIGHT)
+            else:
+                outcomes[i] = done
+                mark.record(tx, done.event_id, done.status)
+    if not plans:
+        return [o for o in outcomes if o is not None]
+    crashpoint("webhook-after-claim")
+    _call_all(db, [p for p in plans if p.leader is None], step)  # (2) call, outside any transaction
+    for attempt in range(1, COMPLETE_TRIES + 1):  # (3) complete
+        try:
+            with db.transaction() as tx:
+                for plan in plans:
+                    outcome = _follow(tx, plan, outcomes, step) if plan.leader else _complete(tx, plan, step)
+                    outcomes[plan.index] = outcome
+                    marks[plan.index].record(tx, plan.env.event_id, outcome.status, again=True)
+            break
+        except TransientError as exc:
+            if attempt == COMPLETE_TRIES:
+                log.error("the answers of %d calls could not be committed (%s); their keys stay claimed",
+                          len(plans), exc)
+                raise
+            time.sleep(0.05 * attempt)
+    return [o for o in outcomes if o is not None]
+
+
+def _claim(
+    tx: Transaction, index: int, env: Envelope, step: ExternalStep, leaders: dict[str, _Plan]
+) -> Outcome | _Plan:
+    """Step (1) for one event: an Outcome when no call is needed, else its plan."""
+    conn = tx.conn
+    duplicate = receipt_of(tx, env)
+    if duplicate is not None:
+        return Outcome(env.event_id, result=duplicate)
+    key = fence_key(env.article_id, env.revision, step.name)
+    payload = step.payload(env)
+    sha = hashlib.sha256(payload).hexdigest()
+    leader = leaders.get(key)
+    if leader is not None:  # the same key earlier in this batch: follow its call
+        if leader.sha != sha:
+            raise _conflict(env, key)
+        plan = _Plan(index, env, key, payload, sha, leader=leader)
+        leader.followers.append(plan)
+        return plan
+    row = conn.execute(
+        "SELECT state, payload_sha256, event_id, calls, in_doubt FROM fence WHERE key = ?", (key,)
+    ).fetchone()
+    if row is not None and row[1] != sha:
+        raise _conflict(env, key)
+    if row is not None and row[0] == "done":
+        result = step.result if row[2] == env.event_id else f"already-{step.result}"
+        write_receipt(tx, env, result)
+        return Outcome(env.event_id, result=result)
+    newer = conn.execute(
+        "SELECT max(revision) FROM fence WHERE article_id = ? AND step = ? AND revision > ? AND state != 'stale'",
+        (env.article_id, step.name, env.revision),
+    ).fetchone()[0]
+    if newer is not None:
+        if row is not None:
+            conn.execute("UPDATE fence SET state = 'stale', last_error = ? WHERE key = ?",
+                         (f"revision {newer} was claimed first", key))
+        write_receipt(tx, env, "stale")
+        return Outcome(env.event_id, result="stale")
+    if row is None:
+        conn.execute(
+            "INSERT INTO fence (key, step, article_id, revision, event_id, payload_sha256, state, claimed_at)"
+            " VALUES (?, ?, ?, ?, ?, ?, 'claimed', ?)",
+            (key, step.name, env.article_id, env.revision, env.event_id, sha, tx.now),
+        )
+        prior = (0, 0)
+    else:
+        prior = (int(row[3]), int(row[4]))
+        if prior[1] and not step.idempotent:
+            raise _unknown(env, key, "an earlier call may have had its effect")
+    plan = _Plan(index, env, key, payload, sha, prior=prior)
+    if step.idempotent:
+        # Calling again is harmless, so the mark before the call is batched
+        # here; for a non-idempotent endpoint it is a commit per call (_mark_call).
+        conn.execute("UPDATE fence SET calls = calls + 1, in_doubt = 1, called_at = ? WHERE key = ?", (tx.now, key))
+        plan.marked = True
+    leaders[key] = plan
+    return plan
+
+
+def _call_all(db: ConsumerDB, plans: list[_Plan], step: ExternalStep) -> None:
+    """Step (2): call each key in turn; after a failure of the endpoint as a
+    whole (down, throttling) the rest are not called (no retry storm)."""
+    stopped: TransientError | None = None
+    for plan in plans:
+        if stopped is not None:
+            plan.not_called = TransientError(
+                f"not called: {stopped.code} on an earlier call of the batch", code=stopped.code,
+                retry_after_s=stopped.retry_after_s,
+            )
+            continue
+        if not step.idempotent:
+            try:
+                if not _mark_call(db, plan.key):
+                    plan.recheck = True
+                    continue
+            except TransientError as exc:
+                stopped = plan.not_called = exc
+                continue
+        plan.result = step.call(Call(plan.key, plan.payload, plan.env))
+        crashpoint("webhook-after-call")
+        failure = plan.result.failure
+        if plan.result.stop and isinstance(failure, TransientError):
+            stopped = failure
+
+
+def _mark_call(db: ConsumerDB, key: str) -> bool:
+    """Record, durably, that a call with *key* is about to be made; False when
+    the key is no longer ours to call (another process marked or finished it)."""
+    with db.transaction() as tx:
+        cur = tx.conn.execute(
+            "UPDATE fence SET calls = calls + 1, in_doubt = 1, called_at = ?"
+            " WHERE key = ? AND state = 'claimed' AND in_doubt = 0",
+            (tx.now, key),
+        )
+        return cur.rowcount == 1
+
+
+def _complete(tx: Transaction, plan: _Plan, step: ExternalStep) -> Outcome:
+    """Step (3) for one called (or skipped) key."""
+    conn, env = tx.conn, plan.env
+    if plan.not_called is not None:
+        if plan.marked:  # the call was never made: undo its mark
+            conn.execute("UPDATE fence SET calls = ?, in_doubt = ? WHERE key = ?", (*plan.prior, plan.key))
+        return Outcome(env.event_id, transient=plan.not_called)
+    result = plan.result
+    if plan.recheck or result is None:
+        state = conn.execute("SELECT state FROM fence WHERE key = ?", (plan.key,)).fetchone()
+        if state is not None and state[0] == "done":
+            return _receipt(tx, env, step.result)
+        return Outcome(env.event_id, rejection=_unknown(env, plan.key, "another process called with this key"))
+    if result.failure is None:
+        conn.execute(
+            "UPDATE fence SET state = 'done', provider_id = ?, http_status = ?, in_doubt = 0, last_error = NULL,"
+            " done_at = ? WHERE key = ?",
+            (result.provider_id, result.status, tx.now, plan.key),
+        )
+        return _receipt(tx, env, step.result)
+    failure = result.failure
+    conn.execute(
+        "UPDATE fence SET http_status = ?, last_error = ?, in_doubt = ? WHERE key = ?",
+        (result.status, f"{failure.code}: {failure.reason}", int(result.ambiguous), plan.key),
+    )
+    if isinstance(failure, Rejection):
+        return Outcome(env.event_id, rejection=failure)
+    if result.ambiguous and not step.idempotent:
+        return Outcome(env.event_id, rejection=_unknown(env, plan.key, failure.reason))
+    return Outcome(env.event_id, transient=failure)
+
+
+def _follow(tx: Transaction, plan: _Plan, outcomes: list[Outcome | None], step: ExternalStep) -> Outcome:
+    """Step (3) for a delivery whose key an earlier delivery of the batch called."""
+    env = plan.env
+    assert plan.leader is not None
+    try:
+        duplicate = receipt_of(tx, env)  # the same event twice in the batch
+    except Rejection as rej:
+        return Outcome(env.event_id, rejection=rej)
+    if duplicate is not None:
+        return Outcome(env.event_id, result=duplicate)
+    leader = outcomes[plan.leader.index]
+    assert leader is not None
+    if leader.result is not None:
+        row = tx.conn.execute("SELECT state FROM fence WHERE key = ?", (plan.key,)).fetchone()
+        if row is not None and row[0] == "done":
+            return _receipt(tx, env, f"already-{step.result}")
+    if leader.rejection is not None:
+        first = leader.rejection
+        return Outcome(env.event_id, rejection=Rejection(first.code, first.reason, event_id=env.event_id,
+                                                         fingerprint=env.fingerprint))
+    return Outcome(env.event_id, transient=leader.transient or TransientError("the key was not completed"))
+
+
+def _receipt(tx: Transaction, env: Envelope, result: str) -> Outcome:
+    """Write the receipt unless another process wrote it meanwhile."""
+    try:
+        duplicate = receipt_of(tx, env)
+    except Rejection as rej:
+        return Outcome(env.event_id, rejection=rej)
+    if duplicate is not None:
+        return Outcome(env.event_id, result=duplicate)
+    write_receipt(tx, env, result)
+    return Outcome(env.event_id, result=result)
+
+
+def _conflict(env: Envelope, key: str) -> Rejection:
+    return Rejection(REVISION_CONFLICT, f"fence {key} was claimed with another payload",
+                     event_id=env.event_id, fingerprint=env.fingerprint)
+
+
+def _unknown(env: Envelope, key: str, why: str) -> Rejection:
+    return Rejection(
+        OUTCOME_UNKNOWN,
+        f"the endpoint is not idempotent and {why} (fence {key}); not called again: check with the provider, "
+        "then: delivery-consumer fence resolve",
+        event_id=env.event_id,
+        fingerprint=env.fingerprint,
+    )
+
+
+# -- reading and resolving fences --------------------------------------------------
+
+_COLUMNS = (
+    "key, step, article_id, revision, event_id, state, calls, in_doubt, provider_id, http_status, last_error,"
+    " claimed_at, called_at, done_at, payload_sha256"
+)
+
+
+def _row(row: Sequence[Any]) -> dict[str, Any]:
+    return {
+        "key": row[0],
+        "step": row[1],
+        "articleId": row[2],
+        "revision": row[3],
+        "eventId": row[4],
+        "state": row[5],
+        "calls": row[6],
+        "inDoubt": bool(row[7]),
+        "providerId": row[8],
+        "httpStatus": row[9],
+        "lastError": row[10],
+        "claimedAt": row[11],
+        "calledAt": row[12],
+        "doneAt": row[13],
+        "payloadSha256": row[14],
+    }
+
+
+def has_fence(conn: sqlite3.Connection) -> bool:
+    """Whether the database has a fence table (only consumers with an external effect do)."""
+    found = conn.execute("SELECT 1 FROM sqlite_schema WHERE type = 'table' AND name = 'fence'").fetchall()
+    return bool(found)
+
+
+def fence_list(
+    conn: sqlite3.Connection, *, state: str | None = None, in_doubt: bool | None = None, limit: int | None = 50
+) -> list[dict[str, Any]]:
+    """Fence rows, newest claim first; optionally of one state, or only those in doubt."""
+    if not has_fence(conn):
+        return []
+    where, params = [], []
+    if state is not None:
+        where.append("state = ?")
+        params.append(state)
+    if in_doubt is not None:
+        where.append("in_doubt = ?")
+        params.append(str(int(in_doubt)))
+    sql = f"SELECT {_COLUMNS} FROM fence {'WHERE ' + ' AND '.join(where) if where else ''}"
+    rows = conn.execute(f"{sql} ORDER BY claimed_at DESC, key LIMIT ?", [*params, limit or -1]).fetchall()
+    return [_row(r) for r in rows]
+
+
+def fence_show(conn: sqlite3.Connection, key: str) -> dict[str, Any] | None:
+    """The fence row of *key*, or None."""
+    if not has_fence(conn):
+        return None
+    rows = conn.execute(f"SELECT {_COLUMNS} FROM fence WHERE key = ?", (key,)).fetchall()
+    return _row(rows[0]) if rows else None
+
+
+def fence_for_event(conn: sqlite3.Connection, event_id: str) -> dict[str, Any] | None:
+    """The fence an event claimed (for ``trace``), or None: no fence table in
+    this database, or the event claimed none (a duplicate, stale, a rejection,
+    or another event with the same key claimed it first)."""
+    if not has_fence(conn):
+        return None
+    rows = conn.execute(
+        f"SELECT {_COLUMNS} FROM fence WHERE event_id = ? ORDER BY claimed_at DESC LIMIT 1", (event_id,)
+    ).fetchall()
+    return _row(rows[0]) if rows else None
+
+
+def resolve(db: ConsumerDB, key: str, *, provider_id: str | None = None, not_sent: bool = False) -> dict[str, Any]:
+    """A person's verdict on a claimed fence, typically after ``outcome-unknown``.
+
+    ``provider_id``: the provider did it -- the fence becomes ``done`` and the
+    next delivery (``dead requeue``) writes the receipt without calling.
+    ``not_sent``: it did not -- the doubt is cleared and the next delivery
+    calls again with the same key. Returns the row as it is now.
+    """
+    if (provider_id is None) == (not not_sent):
+        raise FenceError("give either a provider id (the effect happened) or not-sent")
+    with db.transaction() as tx:
+        row = tx.conn.execute("SELECT state FROM fence WHERE key = ?", (key,)).fetchone()
+        if row is None:
+            raise FenceError(f"no fence with key {key!r}")
+        if row[0] != "claimed":
+            raise FenceError(f"fence {key} is {row[0]}, not claimed: nothing to resolve")
+        if provider_id is not None:
+            tx.conn.execute(
+                "UPDATE fence SET state = 'done', provider_id = ?, in_doubt = 0, done_at = ?,"
+                " last_error = 'resolved by hand: sent' WHERE key = ?",
+                (provider_id, now_iso(), key),
+            )
+        else:
+            tx.conn.execute(
+                "UPDATE fence SET in_doubt = 0, last_error = 'resolved by hand: not sent' WHERE key = ?", (key,)
+            )
+    shown = fence_show(db.conn, key)
+    assert shown is not None
+    return shown
+
+
+__all__ = [
+    "MIGRATION",
+    "Call",
+    "CallResult",
+    "ExternalStep",
+    "FenceError",
+    "apply_fenced",
+    "fence_for_event",
+    "fence_key",
+    "fence_list",
+    "fence_show",
+    "has_fence",
+    "resolve",
+]
