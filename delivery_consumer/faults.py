@@ -9,6 +9,9 @@ crash at each step of the delivery protocol does to *their* consumer::
 Points in ``run`` (see runner.py): ``before-commit``, ``after-commit``
 (committed, not acked), ``after-retry-confirm`` and ``after-dead-confirm``
 (the copy is confirmed by the broker, the original not acked yet).
+Points of the fence protocol (fence.py, the webhook consumer):
+``webhook-after-claim`` (the keys are claimed, nothing called) and
+``webhook-after-call`` (the endpoint answered, nothing recorded yet).
 With the variable unset, :func:`crashpoint` is a dictionary lookup.
 """
 

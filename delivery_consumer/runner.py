@@ -43,8 +43,8 @@ from .broker import BrokerError, BrokerUnavailable, ConsumerIO, Delivery, OutMes
 from .envelope import MAX_BODY_BYTES, Envelope, body_digest, parse
 from .errors import RETRIES_EXHAUSTED, DatabaseError, DeliveryError, Rejection, TransientError
 from .faults import crashpoint
-from .retry import GiveUp, RetryPolicy, attempts_done
-from .store import ConsumerDB, Outcome, now_iso
+from .retry import GiveUp, RetryPolicy, attempts_done, retry_after_tier
+from .store import ConsumerDB, DeliveryMark, Outcome, now_iso
 from .topology import (
     DEFAULT_DELIVERY_LIMIT,
     DEFAULT_EXCHANGE,
@@ -86,6 +86,9 @@ class RunConfig:
     max_bytes: int = MAX_BODY_BYTES
     #: How long to wait for the broker to confirm a retry / dead copy.
     confirm_timeout_s: float = 30.0
+    #: Options of a consumer whose effect is outside the database (webhook:
+    #: webhook_url, endpoint_idempotent, timeouts); see ConsumerSpec.external.
+    consumer_options: dict[str, Any] = field(default_factory=dict)
     #: Log one line per event (JSON logs) instead of one per batch.
     log_each_event: bool = False
 
@@ -317,6 +320,10 @@ class Worker(threading.Thread):
         """
         db = self.db
         assert db is not None
+        if db.spec.external is not None:  # an effect outside the database: the fence protocol (fence.py)
+            marks = [DeliveryMark(delivery_key(d), d.redelivered, attempts_done(d.headers) + 1, not isolated,
+                                  _int_header(d.headers, H_DELIVERY_COUNT) + 1) for d in items]
+            return db.spec.external(self.config.consumer_options)(db, parsed, marks)
         outcomes: list[Outcome] = []
         with db.transaction() as tx:
             for d, env in zip(items, parsed, strict=True):
@@ -425,6 +432,8 @@ class Worker(threading.Thread):
                 event_id=outcome.event_id,
             )
             return self._dead_copy(d, rejection, attempt)
+        if outcome.transient.retry_after_s is not None:  # e.g. an HTTP 429's Retry-After (webhook)
+            decision = retry_after_tier(decision, self.topology.retry_delays_ms, outcome.transient.retry_after_s)
         headers = self._headers(d)
         headers[H_ATTEMPTS] = decision.attempts
         headers["x-last-error"] = outcome.transient.reason

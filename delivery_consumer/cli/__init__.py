@@ -25,6 +25,7 @@ COMMANDS: dict[str, str] = {
     "run": "rabbit:run",
     "publish": "rabbit:publish",
     "topology": "rabbit:topology",
+    "fence": "fence:fence",
     "dispatch": "outbox:dispatch",
     "outbox": "outbox:outbox",
     "produce": "outbox:produce",

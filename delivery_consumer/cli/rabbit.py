@@ -6,6 +6,7 @@ top of this module, so that ``--help`` stays fast.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import time
@@ -57,6 +58,40 @@ def _delays(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[i
         raise click.BadParameter(str(exc)) from None
 
 
+def external_options(fn: F) -> F:
+    """Options of a consumer whose effect is outside the database (webhook),
+    gathered into one ``consumer_options`` dict for ``RunConfig``."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, webhook_url: str | None, endpoint_idempotent: bool, webhook_connect_timeout: float | None,
+                webhook_read_timeout: float | None, **kwargs: Any) -> Any:
+        kwargs["consumer_options"] = {
+            "webhook_url": webhook_url,
+            "endpoint_idempotent": endpoint_idempotent,
+            "connect_timeout_s": webhook_connect_timeout,
+            "read_timeout_s": webhook_read_timeout,
+            "first_retry_delay_ms": kwargs["retry_delays"][0],
+        }
+        return fn(*args, **kwargs)
+
+    seconds = click.FloatRange(0, min_open=True)
+    wrapped: Any = wrapper
+    for option in reversed([
+        click.option("--webhook-url", envvar="DELIVERY_WEBHOOK_URL", show_envvar=True,
+                     help="webhook consumer: the endpoint each notification is POSTed to."),
+        click.option("--endpoint-idempotent/--no-endpoint-idempotent", default=True, show_default=True,
+                     help="webhook consumer: whether the endpoint honours Idempotency-Key. If not, a call whose "
+                          "outcome is unknown is never repeated (dead-lettered outcome-unknown)."),
+        click.option("--webhook-connect-timeout", type=seconds,
+                     help="webhook consumer: seconds to connect (default: the read timeout, at most 2)."),
+        click.option("--webhook-read-timeout", type=seconds,
+                     help="webhook consumer: seconds to wait for the answer; shorter than the first retry delay "
+                          "(default: 80% of it, at most 10)."),
+    ]):
+        wrapped = option(wrapped)
+    return wrapped  # type: ignore[no-any-return]
+
+
 def _setup_logging(level: str, fmt: str = "text", consumer: str | None = None) -> None:
     """Logging for a long-running command (see :mod:`delivery_consumer.logs`)."""
     from .. import logs
@@ -93,11 +128,12 @@ def _setup_logging(level: str, fmt: str = "text", consumer: str | None = None) -
 @click.option("--metrics-port", type=click.IntRange(0, 65535),
               help="Expose Prometheus metrics on this port (/metrics).")
 @click.option("--metrics-host", default="127.0.0.1", show_default=True, help="Address the metrics listen on.")
+@external_options
 @handle_errors
 def run(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue_prefix: str, prefetch: int,
         batch: int, batch_wait_ms: int, max_attempts: int, retry_delays: tuple[int, ...], delivery_limit: int,
         max_crashes: int, exit_when_idle: float | None, max_bytes: int, log_level: str, log_format: str,
-        metrics_port: int | None, metrics_host: str) -> None:
+        metrics_port: int | None, metrics_host: str, consumer_options: dict[str, Any]) -> None:
     """Consume a consumer's queue: apply, commit, then acknowledge.
 
     Runs until SIGTERM/SIGINT (finishes and acks the current batch, exit 0)
@@ -109,7 +145,9 @@ def run(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue
     from ..runner import run as run_consumer
 
     _setup_logging(log_level, log_format, consumer)
-    consumers.get(consumer)  # unknown consumer: one line, exit 2
+    spec = consumers.get(consumer)  # unknown consumer: one line, exit 2
+    if spec.external is not None:
+        spec.external(consumer_options)  # e.g. no --webhook-url: one line, exit 2
     if batch > prefetch:
         raise click.BadParameter(f"--batch {batch} cannot fill with --prefetch {prefetch}; raise --prefetch",
                                  param_hint="--batch")
@@ -118,6 +156,7 @@ def run(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue
         prefetch=prefetch, batch=batch, batch_wait_ms=batch_wait_ms, max_attempts=max_attempts,
         retry_delays_ms=retry_delays, delivery_limit=delivery_limit, max_crashes=max_crashes,
         exit_when_idle_s=exit_when_idle, max_bytes=max_bytes, log_each_event=log_format == "json",
+        consumer_options=consumer_options,
     )
     observer = None
     if metrics_port is not None:
