@@ -93,9 +93,16 @@ EFFECTS: dict[str, Callable[[sqlite3.Connection, dict[str, Any], bytes, str], st
 }
 
 
+_last_second: tuple[int, str] = (-1, "")
+
+
 def now_iso() -> str:
+    """The receipt time, formatted as the store does (once per second)."""
+    global _last_second
     when = time.time()
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(when)) + f".{int(when % 1 * 1000):03d}Z"
+    if int(when) != _last_second[0]:
+        _last_second = (int(when), time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(when)))
+    return _last_second[1] + f".{int(when % 1 * 1000):03d}Z"
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import sqlite3
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
@@ -104,8 +104,20 @@ _TRANSIENT_CODES = {5: "database-busy", 6: "database-busy", 10: "io-error", 13: 
 
 def now_iso(when: float | None = None) -> str:
     """UTC time as ``YYYY-MM-DDTHH:MM:SS.mmmZ`` (sorts as text)."""
+    global _last_second
     when = time.time() if when is None else when
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(when)) + f".{int(when % 1 * 1000):03d}Z"
+    second = int(when)
+    # Every transaction stamps its receipts: format the date and time once
+    # per second, not once per transaction (bench/bench_replay.py).
+    cached = _last_second
+    if second != cached[0] or when < 0:
+        cached = (second, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(when)))
+        if when >= 0:
+            _last_second = cached
+    return cached[1] + f".{int(when % 1 * 1000):03d}Z"
+
+
+_last_second: tuple[int, str] = (-1, "")
 
 
 def default_db_path(consumer: str) -> Path:
@@ -363,9 +375,9 @@ class ConsumerDB:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    @contextmanager
-    def transaction(self) -> Iterator[Transaction]:
-        """One write transaction: BEGIN IMMEDIATE ... COMMIT, or ROLLBACK.
+    def transaction(self) -> Transaction:
+        """One write transaction: ``with db.transaction() as tx:`` runs
+        BEGIN IMMEDIATE ... COMMIT, or ROLLBACK when the block raises.
 
         sqlite3 errors leave as :class:`TransientError` (busy past the
         timeout, disk full, I/O error: the caller may retry the whole batch)
@@ -373,18 +385,7 @@ class ConsumerDB:
         """
         if self.readonly:
             raise DatabaseError(f"{self.path}: opened read-only")
-        conn = self.conn
-        try:
-            conn.execute("BEGIN IMMEDIATE")
-            tx = Transaction(self, now_iso())
-            yield tx
-            conn.execute("COMMIT")
-        except sqlite3.Error as exc:
-            self._rollback()
-            raise translate(exc, self.path) from None
-        except BaseException:
-            self._rollback()
-            raise
+        return Transaction(self)
 
     def _rollback(self) -> None:
         if self.conn.in_transaction:
@@ -398,15 +399,47 @@ class ConsumerDB:
 
 
 class Transaction:
-    """The open write transaction of a :meth:`ConsumerDB.transaction` block."""
+    """The write transaction of a :meth:`ConsumerDB.transaction` block.
+
+    A plain class rather than a ``@contextmanager`` generator: at
+    ``--batch 1`` it is entered once per event, and the generator machinery
+    showed in the profile (bench/bench_replay.py).
+    """
 
     __slots__ = ("conn", "db", "now", "spec")
 
-    def __init__(self, db: ConsumerDB, now: str):
+    def __init__(self, db: ConsumerDB, now: str = ""):
         self.db = db
         self.conn = db.conn
         self.spec = db.spec
         self.now = now
+
+    def __enter__(self) -> Transaction:
+        try:
+            self.conn.execute("BEGIN IMMEDIATE")
+            self.now = now_iso()
+        except sqlite3.Error as exc:
+            self.db._rollback()
+            raise translate(exc, self.db.path) from None
+        except BaseException:
+            self.db._rollback()
+            raise
+        return self
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if exc is None:
+            try:
+                self.conn.execute("COMMIT")
+                return
+            except sqlite3.Error as error:
+                exc = error
+            except BaseException:
+                self.db._rollback()
+                raise
+        self.db._rollback()
+        if isinstance(exc, sqlite3.Error):
+            raise translate(exc, self.db.path) from None
+        # Any other exception goes on as it is.
 
     def apply(self, env: Envelope) -> Outcome:
         """Apply one event under its own savepoint; never raises for the event.
