@@ -26,7 +26,6 @@ import sqlite3
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-from importlib.metadata import entry_points
 
 from ..envelope import Envelope
 from ..errors import ConfigError
@@ -105,6 +104,10 @@ def _load_plugins() -> None:
             importlib.import_module(module)
         except ImportError as exc:
             raise ConfigError(f"{PLUGINS_ENV}: cannot import {module!r}: {exc}") from None
+    # Imported here, not at the top: importlib.metadata costs ~20 ms of
+    # start-up, and the built-in consumers never need it (bench/bench_replay.py).
+    from importlib.metadata import entry_points
+
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name in _REGISTRY:
             continue
