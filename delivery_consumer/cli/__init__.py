@@ -22,6 +22,8 @@ COMMANDS: dict[str, str] = {
     "audit": "inspect:audit",
     "rejected": "inspect:rejected",
     "query": "inspect:query",
+    "trace": "ops:trace",
+    "dead": "ops:dead",
     "run": "rabbit:run",
     "publish": "rabbit:publish",
     "topology": "rabbit:topology",

@@ -102,6 +102,7 @@ INBOX_COMMANDS: dict[str, str] = {
     "list": "inspect:inbox_list",
     "show": "inspect:inbox_show",
     "stats": "inspect:inbox_stats",
+    "prune": "ops:inbox_prune",
 }
 
 inbox = LazyGroup(

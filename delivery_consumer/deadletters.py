@@ -1,0 +1,541 @@
+"""The dead queue of a consumer: list it, requeue from it, purge from it.
+
+Dead letters wait in ``<prefix>.<consumer>.dead`` for a person. They come
+from two places:
+
+* ``run`` copies a message there itself with ``x-error-code``,
+  ``x-error-reason``, ``x-attempts``, ``x-failed-at``, ``x-consumer`` and
+  ``x-original-routing-key``, and records it in the consumer's ``rejected``
+  table (``dead_letter`` = the dead queue);
+* the broker dead-letters a message past the main queue's ``x-delivery-limit``
+  (the backstop): no headers of ours, an ``x-death`` entry with reason
+  ``delivery_limit``, and no row in ``rejected``.
+
+Every command reads the queue through :class:`~delivery_consumer.broker.DeadQueue`:
+an exclusive consumer holds every message unacknowledged, and whatever is
+not acknowledged returns to its own place when the connection closes, also
+if the process is killed. Listing therefore never loses nor reorders a
+message.
+
+Requeue (``requeue``) of one message, in this order:
+
+1. the ``deliveries`` row of the message gets ``crashes = 0`` (a fresh
+   poison-message budget) -- harmless if nothing follows;
+2. a copy goes to the consumer's queue (default exchange, routing key = the
+   queue) without ``x-attempts`` / ``x-error-*`` (a fresh attempt count),
+   keeping ``x-original-routing-key`` and counting ``x-requeues``; the broker
+   confirms it;
+3. only then the dead message is acknowledged;
+4. its row in ``rejected`` gets ``resolved_at``.
+
+A kill between 2 and 3 leaves the message in both queues: a duplicate, which
+the inbox absorbs, and which the next requeue reports as already applied once
+the consumer has applied it. A kill between 3 and 4 leaves the rejection
+unresolved, which only makes ``inbox prune`` keep its receipt longer.
+
+A message whose eventId already has a receipt with the same fingerprint is
+*already applied*: it is not requeued (the inbox would only answer
+``duplicate``) and stays in the dead queue, reported, unless
+``drop_applied`` removes it. A receipt with another fingerprint is a
+*conflict* (the copy would be rejected ``event-id-reused`` again): it stays.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from .broker import DeadQueue, Delivery, HeldMessage, OutMessage, PublishResult
+from .envelope import body_digest, parse
+from .errors import Rejection
+from .faults import crashpoint
+from .runner import DELIVERY_LIMIT_CODE, delivery_key
+from .store import ConsumerDB, now_iso
+from .topology import (
+    H_ATTEMPTS,
+    H_CONSUMER,
+    H_DELIVERY_COUNT,
+    H_ERROR_CODE,
+    H_ERROR_REASON,
+    H_FAILED_AT,
+    H_ROUTING_KEY,
+    Topology,
+)
+
+#: Headers a requeued copy carries: when, and how many times it was requeued.
+H_REQUEUED_AT = "x-requeued-at"
+H_REQUEUES = "x-requeues"
+
+#: Headers a requeued copy must not carry: its failure (a fresh attempt count)
+#: and what the broker owns (``x-death`` from a client is ignored from 4.0 on).
+DROPPED_HEADERS = frozenset({
+    H_ATTEMPTS, H_ERROR_CODE, H_ERROR_REASON, H_FAILED_AT, H_CONSUMER, H_DELIVERY_COUNT, "x-last-error",
+    "x-death", "x-first-death-exchange", "x-first-death-queue", "x-first-death-reason",
+    "x-last-death-exchange", "x-last-death-queue", "x-last-death-reason",
+})
+
+#: Code of a dead letter that carries neither our headers nor ``x-death``.
+UNKNOWN_CODE = "unknown"
+
+#: Rows of ``rejected`` resolved per transaction.
+RESOLVE_BATCH = 200
+
+
+def _text(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return str(value)
+
+
+def _iso(value: Any) -> str | None:
+    if isinstance(value, dt.datetime):
+        stamp = value if value.tzinfo else value.replace(tzinfo=dt.UTC)
+        return now_iso(stamp.timestamp())
+    return _text(value)
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """What one dead message says about itself, plus its place in the queue."""
+
+    position: int  # 1 = the head of the queue
+    event_id: str | None
+    message_id: str | None
+    type: str | None
+    code: str
+    reason: str
+    attempts: int | None
+    failed_at: str | None
+    consumer: str | None
+    routing_key: str | None
+    requeues: int
+    fingerprint: str | None
+    body_sha256: str
+    size: int
+    #: True when ``event_id`` was read from the body (not guessed from message_id).
+    event_id_from_body: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "position": self.position,
+            "eventId": self.event_id,
+            "messageId": self.message_id,
+            "type": self.type,
+            "code": self.code,
+            "reason": self.reason,
+            "attempts": self.attempts,
+            "failedAt": self.failed_at,
+            "consumer": self.consumer,
+            "routingKey": self.routing_key,
+            "requeues": self.requeues,
+            "fingerprint": self.fingerprint,
+            "bodySha256": self.body_sha256,
+            "size": self.size,
+        }
+
+
+def describe(position: int, msg: HeldMessage) -> DeadLetter:
+    """Read a held dead message: its identity from the body, its failure from the headers."""
+    headers = msg.headers
+    event_id: str | None = None
+    fingerprint: str | None = None
+    event_type: str | None = None
+    try:
+        env = parse(msg.body, max_bytes=len(msg.body) + 1)  # identity only: size is not the question
+        event_id, fingerprint, event_type = env.event_id, env.fingerprint, env.type
+    except Rejection as rej:
+        event_id, fingerprint = rej.event_id, rej.fingerprint
+    deaths = headers.get("x-death")
+    death = deaths[0] if isinstance(deaths, list) and deaths and isinstance(deaths[0], dict) else None
+    code = _text(headers.get(H_ERROR_CODE))
+    reason = _text(headers.get(H_ERROR_REASON)) or ""
+    failed_at = _iso(headers.get(H_FAILED_AT))
+    routing_key = _text(headers.get(H_ROUTING_KEY))
+    if death is not None:
+        why = _text(death.get("reason")) or "?"
+        if code is None:
+            code = DELIVERY_LIMIT_CODE if why == "delivery_limit" else f"dead-lettered:{why}"
+            reason = (f"dead-lettered by the broker from {_text(death.get('queue'))} ({why}, "
+                      f"{death.get('count', 1)} time(s))")
+        failed_at = failed_at or _iso(death.get("time"))
+        keys = death.get("routing-keys")
+        if routing_key is None and isinstance(keys, list) and keys:
+            routing_key = _text(keys[0])
+    attempts = headers.get(H_ATTEMPTS)
+    requeues = headers.get(H_REQUEUES)
+    return DeadLetter(
+        position=position,
+        event_id=event_id or msg.message_id,
+        message_id=msg.message_id,
+        type=event_type,
+        code=code or UNKNOWN_CODE,
+        reason=reason,
+        attempts=attempts if isinstance(attempts, int) and not isinstance(attempts, bool) else None,
+        failed_at=failed_at,
+        consumer=_text(headers.get(H_CONSUMER)),
+        routing_key=routing_key,
+        requeues=requeues if isinstance(requeues, int) and not isinstance(requeues, bool) else 0,
+        fingerprint=fingerprint,
+        body_sha256=body_digest(msg.body),
+        size=len(msg.body),
+        event_id_from_body=event_id is not None,
+    )
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which dead letters a requeue or purge is about: eventIds, a code, or all."""
+
+    event_ids: frozenset[str] = frozenset()
+    code: str | None = None
+    everything: bool = False
+
+    def __post_init__(self) -> None:
+        chosen = sum((bool(self.event_ids), self.code is not None, self.everything))
+        if chosen != 1:
+            raise ValueError("choose the dead letters with exactly one of: event ids, a code, all")
+
+    def matches(self, letter: DeadLetter) -> bool:
+        if self.everything:
+            return True
+        if self.code is not None:
+            return letter.code == self.code
+        return letter.event_id in self.event_ids or letter.message_id in self.event_ids
+
+    def describe(self) -> str:
+        if self.everything:
+            return "every dead letter"
+        if self.code is not None:
+            return f"dead letters with code {self.code}"
+        return f"{len(self.event_ids)} eventId(s)"
+
+
+@dataclass
+class Snapshot:
+    """The dead queue as read, in order, with the messages still held."""
+
+    queue: str
+    letters: list[DeadLetter]
+    held: list[HeldMessage]
+    #: Ready messages the broker counted when the reader attached.
+    count_at_open: int
+    #: When the reader attached (Unix time), and whether every message present
+    #: then was read (see :meth:`DeadQueue.read`).
+    opened_at: float = 0.0
+    complete: bool = False
+
+    def by_code(self) -> dict[str, int]:
+        counts = Counter(letter.code for letter in self.letters)
+        return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
+
+    def select(self, selection: Selection) -> list[tuple[DeadLetter, HeldMessage]]:
+        return [(letter, msg) for letter, msg in zip(self.letters, self.held, strict=True)
+                if selection.matches(letter)]
+
+    def missing(self, selection: Selection) -> list[str]:
+        """EventIds asked for that are not in the queue."""
+        present = {x for letter in self.letters for x in (letter.event_id, letter.message_id) if x}
+        return sorted(selection.event_ids - present)
+
+
+@contextmanager
+def reading(url: str, topology: Topology, *, max_messages: int | None = None) -> Iterator[tuple[DeadQueue, Snapshot]]:
+    """Hold the dead queue of *topology* for the block; everything not acked returns at the end."""
+    with DeadQueue(url, topology.dead_queue, name=f"delivery-consumer dead {topology.consumer}") as dq:
+        dq.open(prefetch=max_messages if max_messages is not None and max_messages <= 65535 else 0)
+        held = dq.read(max_messages)
+        letters = [describe(i, msg) for i, msg in enumerate(held, 1)]
+        yield dq, Snapshot(topology.dead_queue, letters, held, dq.count_at_open, dq.opened_at, dq.complete)
+
+
+def list_dead(url: str, topology: Topology, *, max_messages: int | None = None) -> Snapshot:
+    """Read the dead queue and give every message back, in place."""
+    with reading(url, topology, max_messages=max_messages) as (_dq, snapshot):
+        return snapshot
+
+
+def event_ids(letters: Iterable[DeadLetter]) -> set[str]:
+    """Every eventId (and message_id) of *letters*."""
+    return {x for letter in letters for x in (letter.event_id, letter.message_id) if x}
+
+
+# -- requeue and purge -----------------------------------------------------------------
+
+APPLIED, CONFLICT, REQUEUE = "applied", "conflict", "requeue"
+
+
+@dataclass(slots=True)
+class Item:
+    """One selected dead letter and what happened to it."""
+
+    letter: DeadLetter
+    message: HeldMessage
+    plan: str  # APPLIED | CONFLICT | REQUEUE (requeue); "purge" (purge)
+    outcome: str = "pending"  # requeued | dropped | purged | left | failed | would-...
+    detail: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.letter.to_json(), "plan": self.plan, "outcome": self.outcome,
+                **({"detail": self.detail} if self.detail else {})}
+
+
+@dataclass
+class Report:
+    """What a requeue or purge did, message by message."""
+
+    queue: str
+    target: str | None
+    selection: str
+    items: list[Item] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    dry_run: bool = False
+    #: Rejections resolved because their copy had already left the dead queue.
+    reconciled: int = 0
+
+    def counts(self) -> dict[str, int]:
+        return dict(Counter(item.outcome for item in self.items))
+
+    @property
+    def left_behind(self) -> bool:
+        """True when a selected message (or eventId asked for) was not dealt with."""
+        return bool(self.missing) or any(item.outcome in ("left", "failed") for item in self.items)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"queue": self.queue, "target": self.target, "selection": self.selection, "dryRun": self.dry_run,
+                "counts": self.counts(), "missing": self.missing, "reconciled": self.reconciled,
+                "items": [i.to_json() for i in self.items]}
+
+
+def _receipt(db: ConsumerDB, event_id: str | None) -> tuple[str, str] | None:
+    if event_id is None:
+        return None
+    rows = db.conn.execute("SELECT fingerprint, result FROM inbox WHERE event_id = ?", (event_id,)).fetchall()
+    return (str(rows[0][0]), str(rows[0][1])) if rows else None
+
+
+def plan_requeue(db: ConsumerDB, chosen: Sequence[tuple[DeadLetter, HeldMessage]]) -> list[Item]:
+    """Sort selected dead letters into already applied, conflicting, and to requeue."""
+    items = []
+    for letter, msg in chosen:
+        receipt = _receipt(db, letter.event_id)
+        if receipt is None:
+            items.append(Item(letter, msg, REQUEUE))
+        elif receipt[0] == letter.fingerprint:
+            items.append(Item(letter, msg, APPLIED, detail=f"receipt exists: {receipt[1]}"))
+        else:
+            items.append(Item(letter, msg, CONFLICT,
+                              detail="eventId already applied with another body; requeued, it would be "
+                                     "rejected event-id-reused again"))
+    return items
+
+
+def requeue_copy(msg: HeldMessage, letter: DeadLetter, topology: Topology, now: str) -> OutMessage:
+    """The copy of a dead message for the consumer's queue, with a fresh attempt count."""
+    headers = {k: v for k, v in msg.headers.items() if k not in DROPPED_HEADERS}
+    if letter.routing_key is not None:
+        headers.setdefault(H_ROUTING_KEY, letter.routing_key)
+    headers[H_REQUEUED_AT] = now
+    headers[H_REQUEUES] = letter.requeues + 1
+    return OutMessage(routing_key=topology.queue, body=msg.body, exchange="", message_id=msg.message_id,
+                      headers=headers, content_type=msg.content_type or "application/json")
+
+
+def _delivery_key(msg: HeldMessage) -> str:
+    return delivery_key(Delivery(0, msg.tag, msg.body, msg.routing_key, msg.redelivered, msg.message_id, {}))
+
+
+def _reset_counts(db: ConsumerDB, items: Iterable[Item]) -> None:
+    """A fresh poison budget for messages about to be requeued (see the module docstring)."""
+    keys = [(_delivery_key(item.message),) for item in items]
+    if not keys:
+        return
+    with db.transaction() as tx:
+        tx.conn.executemany("UPDATE deliveries SET crashes = 0, last_outcome = 'requeued' WHERE key = ?", keys)
+
+
+def resolve(db: ConsumerDB, queue: str, letters: Sequence[DeadLetter]) -> int:
+    """Mark one unresolved ``rejected`` row per dead letter resolved; returns the count.
+
+    A row belongs to a dead letter when it names this dead queue and has the
+    same body digest (or, for an older row without one, the same eventId).
+    Broker dead letters (delivery limit) have no row: nothing to resolve.
+    A row written without an eventId (the body was refused before it was
+    read, e.g. over ``--max-bytes``) gets the one read from the body now, so
+    that ``trace`` finds it.
+    """
+    done = 0
+    for start in range(0, len(letters), RESOLVE_BATCH):
+        with db.transaction() as tx:
+            for letter in letters[start:start + RESOLVE_BATCH]:
+                cur = tx.conn.execute(
+                    "UPDATE rejected SET resolved_at = ?, event_id = coalesce(event_id, ?)"
+                    " WHERE id = (SELECT id FROM rejected"
+                    " WHERE dead_letter = ? AND resolved_at IS NULL"
+                    " AND (body_sha256 = ? OR (body_sha256 IS NULL AND event_id = ?)) ORDER BY id LIMIT 1)",
+                    (tx.now, letter.event_id if letter.event_id_from_body else None, queue, letter.body_sha256,
+                     letter.event_id),
+                )
+                done += cur.rowcount
+    return done
+
+
+#: A rejection must be this much older than the dead-queue read for
+#: :func:`reconcile` to consider it. ``run`` stamps the row after the copy's
+#: confirm, on the same host (the database is local), so any margin above the
+#: clock's resolution would do; one second also absorbs a clock step.
+RECONCILE_MARGIN_S = 1.0
+
+
+def reconcile(db: ConsumerDB, snapshot: Snapshot) -> int:
+    """Resolve unresolved rejections of this dead queue whose copy is no longer in it.
+
+    ``run`` records a rejection only after the broker confirmed its dead copy,
+    so a row older than the read whose body digest is absent from a complete
+    read names a copy that was removed -- by a requeue or purge killed before
+    it could resolve the row, or by hand. Resolving it lets ``inbox prune``
+    remove the receipt in due time; nothing can requeue that copy any more.
+    Returns the number of rows resolved; does nothing for an incomplete read.
+    """
+    if not snapshot.complete:
+        return 0
+    present = {letter.body_sha256 for letter in snapshot.letters}
+    before = now_iso(snapshot.opened_at - RECONCILE_MARGIN_S)
+    rows = db.conn.execute(
+        "SELECT id, body_sha256 FROM rejected WHERE dead_letter = ? AND resolved_at IS NULL"
+        " AND body_sha256 IS NOT NULL AND rejected_at < ?", (snapshot.queue, before)).fetchall()
+    gone = [(row[0],) for row in rows if row[1] not in present]
+    for start in range(0, len(gone), RESOLVE_BATCH):
+        with db.transaction() as tx:
+            tx.conn.executemany(
+                "UPDATE rejected SET resolved_at = ? WHERE id = ? AND resolved_at IS NULL",
+                [(tx.now, row_id) for (row_id,) in gone[start:start + RESOLVE_BATCH]])
+    return len(gone)
+
+
+def requeue(
+    db: ConsumerDB,
+    dq: DeadQueue,
+    snapshot: Snapshot,
+    topology: Topology,
+    selection: Selection,
+    *,
+    drop_applied: bool = False,
+    dry_run: bool = False,
+    progress: Callable[[Item], None] = lambda item: None,
+) -> Report:
+    """Requeue the selected dead letters of *snapshot* (held by *dq*) to the consumer's queue.
+
+    See the module docstring for the order of the steps and what a kill at
+    each one leaves behind. A copy that is not confirmed (returned, nacked)
+    leaves its dead message in place, ``failed``; a lost connection raises
+    BrokerUnavailable after the messages dealt with so far.
+    """
+    report = Report(snapshot.queue, topology.queue, selection.describe(), missing=snapshot.missing(selection),
+                    dry_run=dry_run)
+    report.items = plan_requeue(db, snapshot.select(selection))
+    if dry_run:
+        for item in report.items:
+            item.outcome = {REQUEUE: "would-requeue", APPLIED: "would-drop" if drop_applied else "left",
+                            CONFLICT: "left"}[item.plan]
+            progress(item)
+        return report
+    report.reconciled = reconcile(db, snapshot)
+    _reset_counts(db, (item for item in report.items if item.plan == REQUEUE))
+    settled: list[DeadLetter] = []
+    try:
+        for item in report.items:
+            if item.plan == REQUEUE:
+                result: PublishResult = dq.publish(requeue_copy(item.message, item.letter, topology, now_iso()))
+                if not result.ok:
+                    item.outcome, item.detail = "failed", f"copy {result.status}: {result.reason}"
+                    progress(item)
+                    continue
+                crashpoint("requeue-after-confirm")
+                dq.ack(item.message.tag)
+                crashpoint("requeue-after-ack")
+                item.outcome = "requeued"
+            elif item.plan == APPLIED and drop_applied:
+                dq.ack(item.message.tag)
+                item.outcome = "dropped"
+            else:
+                item.outcome = "left"
+                progress(item)
+                continue
+            settled.append(item.letter)
+            progress(item)
+            if len(settled) >= RESOLVE_BATCH:
+                resolve(db, snapshot.queue, settled)
+                settled = []
+        dq.flush()
+    finally:
+        if settled:
+            resolve(db, snapshot.queue, settled)
+    return report
+
+
+def purge(
+    db: ConsumerDB | None,
+    dq: DeadQueue,
+    snapshot: Snapshot,
+    selection: Selection,
+    *,
+    dry_run: bool = False,
+    progress: Callable[[Item], None] = lambda item: None,
+) -> Report:
+    """Remove the selected dead letters for good; resolve their rejections when *db* is given."""
+    report = Report(snapshot.queue, None, selection.describe(), missing=snapshot.missing(selection),
+                    dry_run=dry_run)
+    report.items = [Item(letter, msg, "purge") for letter, msg in snapshot.select(selection)]
+    if db is not None and not dry_run:
+        report.reconciled = reconcile(db, snapshot)
+    settled: list[DeadLetter] = []
+    try:
+        for item in report.items:
+            if dry_run:
+                item.outcome = "would-purge"
+            else:
+                dq.ack(item.message.tag)
+                crashpoint("purge-after-ack")
+                item.outcome = "purged"
+                settled.append(item.letter)
+            progress(item)
+            if db is not None and len(settled) >= RESOLVE_BATCH:
+                resolve(db, snapshot.queue, settled)
+                settled = []
+        if not dry_run:
+            dq.flush()
+    finally:
+        if settled and db is not None:
+            resolve(db, snapshot.queue, settled)
+    return report
+
+
+__all__ = [
+    "APPLIED",
+    "CONFLICT",
+    "DROPPED_HEADERS",
+    "H_REQUEUED_AT",
+    "H_REQUEUES",
+    "REQUEUE",
+    "DeadLetter",
+    "Item",
+    "Report",
+    "Selection",
+    "Snapshot",
+    "describe",
+    "event_ids",
+    "list_dead",
+    "plan_requeue",
+    "purge",
+    "reading",
+    "reconcile",
+    "requeue",
+    "requeue_copy",
+    "resolve",
+]

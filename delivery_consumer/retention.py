@@ -1,0 +1,216 @@
+"""``inbox prune``: bounded retention of receipts, delivery records and resolved rejections.
+
+A receipt is what turns a redelivery into ``duplicate``; once it is gone, the
+same message is new again. So a receipt may only go when no copy of its
+event can still arrive:
+
+* never younger than the **redelivery horizon** (default 7 days): the longest
+  a copy can plausibly take to come back -- a consumer stopped over a long
+  weekend, a retry tier, a publisher that re-sends after a lost confirm, a
+  restore. ``older_than`` below the horizon is refused;
+* never while its event is **in the dead queue** (a requeue would apply it a
+  second time), whatever its age: the caller reads the dead queue and passes
+  its eventIds (and keeps reading it while pruning, see ``refresh_keep``);
+* never while its event has an **unresolved rejection** (``rejected`` row
+  without ``resolved_at``): such a copy is in the dead queue or waits for a
+  decision; ``dead requeue`` and ``dead purge`` resolve it.
+
+Old ``deliveries`` rows go with the same rules (their ``last_at`` older than
+the cutoff), and so do ``rejected`` rows resolved before the cutoff. Unresolved
+rejections are never pruned.
+
+Deletes run in short transactions of ``batch`` rows (default 500, a few
+milliseconds each) with a pause after each one as long as the batch took, so a
+running consumer -- whose ``BEGIN IMMEDIATE`` waits in SQLite's busy handler --
+gets the write lock between batches and keeps committing.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import DeliveryError
+from .store import ConsumerDB, now_iso
+
+MINUTE_S, HOUR_S, DAY_S, WEEK_S = 60, 3600, 86400, 7 * 86400
+#: Default redelivery horizon: receipts younger than this are never pruned.
+DEFAULT_HORIZON_S = 7 * DAY_S
+#: Rows per delete transaction.
+DEFAULT_BATCH = 500
+
+_UNITS = {"s": 1, "m": MINUTE_S, "h": HOUR_S, "d": DAY_S, "w": WEEK_S}
+_DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*")
+
+
+class PruneRefused(DeliveryError):
+    """The prune would remove receipts that may still be needed."""
+
+
+def parse_duration(text: str) -> float:
+    """``90m``, ``12h``, ``30d``, ``2w``, ``45s`` (a unit is required) -> seconds."""
+    match = _DURATION.fullmatch(text)
+    if match is None:
+        raise ValueError(f"invalid duration {text!r}: give a number and a unit (s, m, h, d, w), e.g. 90m, 12h, 30d")
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+def format_duration(seconds: float) -> str:
+    """The largest whole unit up to days: 604800 -> ``7d``, 5400 -> ``90m``."""
+    for unit, size in (("d", DAY_S), ("h", HOUR_S), ("m", MINUTE_S)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds:g}s"
+
+
+def check_older_than(older_than_s: float, horizon_s: float) -> None:
+    """Refuse an age below the redelivery horizon, explaining why."""
+    if older_than_s < horizon_s:
+        raise PruneRefused(
+            f"--older-than {format_duration(older_than_s)} is shorter than the redelivery horizon "
+            f"{format_duration(horizon_s)}: a copy of an event can still arrive that late (a stopped consumer, "
+            "a retry, a publisher re-sending after a lost confirm), and without its receipt it would be "
+            "applied again. Prune older receipts only, or lower the horizon (--horizon) if you know "
+            "redeliveries cannot be that old"
+        )
+
+
+@dataclass
+class PruneReport:
+    """What a prune removed (or, with ``dry_run``, would remove)."""
+
+    consumer: str
+    database: str
+    cutoff: str
+    older_than_s: float
+    horizon_s: float
+    dry_run: bool
+    dead_queue: str | None  # None: the dead queue was not read (override)
+    receipts: int = 0
+    kept_in_dead_queue: int = 0
+    kept_unresolved: int = 0
+    deliveries: int = 0
+    rejections: int = 0
+    batches: int = 0
+    seconds: float = 0.0
+    dead_letters: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "consumer": self.consumer, "database": self.database, "cutoff": self.cutoff,
+            "olderThan": format_duration(self.older_than_s), "horizon": format_duration(self.horizon_s),
+            "dryRun": self.dry_run, "deadQueue": self.dead_queue, "deadLetters": self.dead_letters,
+            "receipts": self.receipts, "keptInDeadQueue": self.kept_in_dead_queue,
+            "keptUnresolved": self.kept_unresolved, "deliveries": self.deliveries, "rejections": self.rejections,
+            "batches": self.batches, "seconds": round(self.seconds, 3), "notes": self.notes,
+        }
+
+
+_UNRESOLVED = "EXISTS (SELECT 1 FROM rejected r WHERE r.event_id = {col} AND r.resolved_at IS NULL)"
+_KEPT = "{col} IN (SELECT event_id FROM temp.prune_keep)"
+
+_RECEIPTS = (
+    "SELECT event_id FROM inbox WHERE received_at < :cutoff"
+    f" AND NOT {_KEPT.format(col='inbox.event_id')} AND NOT {_UNRESOLVED.format(col='inbox.event_id')}"
+)
+_DELIVERIES = (
+    "SELECT key FROM deliveries WHERE last_at < :cutoff AND (deliveries.event_id IS NULL OR ("
+    f"NOT {_KEPT.format(col='deliveries.event_id')} AND NOT {_UNRESOLVED.format(col='deliveries.event_id')}))"
+)
+_REJECTIONS = "SELECT id FROM rejected WHERE resolved_at IS NOT NULL AND resolved_at < :cutoff"
+
+_DELETES = (
+    ("receipts", f"DELETE FROM inbox WHERE event_id IN ({_RECEIPTS} ORDER BY received_at LIMIT :batch)"),
+    ("deliveries", f"DELETE FROM deliveries WHERE key IN ({_DELIVERIES} ORDER BY last_at LIMIT :batch)"),
+    ("rejections", f"DELETE FROM rejected WHERE id IN ({_REJECTIONS} ORDER BY id LIMIT :batch)"),
+)
+
+
+def _set_keep(db: ConsumerDB, event_ids: Iterable[str]) -> None:
+    conn = db.conn
+    conn.execute("CREATE TEMP TABLE IF NOT EXISTS prune_keep (event_id TEXT PRIMARY KEY) WITHOUT ROWID")
+    conn.executemany("INSERT OR IGNORE INTO temp.prune_keep (event_id) VALUES (?)", ((e,) for e in event_ids))
+
+
+def _count(db: ConsumerDB, report: PruneReport, params: dict[str, Any]) -> None:
+    conn = db.conn
+    ((old, kept_dead, kept_unresolved),) = conn.execute(
+        f"SELECT count(*), coalesce(sum({_KEPT.format(col='event_id')}), 0),"
+        f" coalesce(sum(NOT {_KEPT.format(col='event_id')} AND {_UNRESOLVED.format(col='inbox.event_id')}), 0)"
+        " FROM inbox WHERE received_at < :cutoff", params).fetchall()
+    report.kept_in_dead_queue, report.kept_unresolved = kept_dead, kept_unresolved
+    if report.dry_run:
+        report.receipts = old - kept_dead - kept_unresolved
+        report.deliveries = conn.execute(f"SELECT count(*) FROM ({_DELIVERIES})", params).fetchall()[0][0]
+        report.rejections = conn.execute(f"SELECT count(*) FROM ({_REJECTIONS})", params).fetchall()[0][0]
+
+
+def prune(
+    db: ConsumerDB,
+    *,
+    older_than_s: float,
+    horizon_s: float = DEFAULT_HORIZON_S,
+    keep_event_ids: Iterable[str] | None,
+    refresh_keep: Callable[[], Iterable[str]] = lambda: (),
+    dead_queue: str | None = None,
+    batch: int = DEFAULT_BATCH,
+    dry_run: bool = False,
+    now: float | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> PruneReport:
+    """Delete receipts, delivery records and resolved rejections older than *older_than_s*.
+
+    *keep_event_ids*: the eventIds in the dead queue, or None when it could not
+    be read (the caller decided to go on: only unresolved rejections then
+    protect a receipt). *refresh_keep* is called before every batch and
+    returns eventIds that reached the dead queue meanwhile. Raises
+    PruneRefused for an age below the horizon.
+    """
+    check_older_than(older_than_s, horizon_s)
+    if batch < 1:
+        raise ValueError("batch must be >= 1")
+    started = time.monotonic()
+    now = time.time() if now is None else now
+    cutoff = now_iso(now - older_than_s)
+    report = PruneReport(db.consumer, str(db.path), cutoff, older_than_s, horizon_s, dry_run, dead_queue)
+    if keep_event_ids is None:
+        report.notes.append("the dead queue was not read: receipts of its events are protected only by "
+                            "their unresolved rejections (broker-side delivery-limit dead letters have none)")
+    _set_keep(db, keep_event_ids or ())
+    params: dict[str, Any] = {"cutoff": cutoff, "batch": batch}
+    try:
+        _count(db, report, params)
+        if dry_run:
+            return report
+        for name, statement in _DELETES:
+            while True:
+                _set_keep(db, refresh_keep())
+                began = time.monotonic()
+                with db.transaction() as tx:
+                    deleted = tx.conn.execute(statement, params).rowcount
+                report.batches += 1
+                setattr(report, name, getattr(report, name) + deleted)
+                if deleted < batch:
+                    break
+                # Leave the write lock free for as long as we held it.
+                sleep(max(0.005, time.monotonic() - began))
+        return report
+    finally:
+        db.conn.execute("DROP TABLE IF EXISTS temp.prune_keep")
+        report.seconds = time.monotonic() - started
+
+
+__all__ = [
+    "DEFAULT_BATCH",
+    "DEFAULT_HORIZON_S",
+    "PruneRefused",
+    "PruneReport",
+    "check_older_than",
+    "format_duration",
+    "parse_duration",
+    "prune",
+]

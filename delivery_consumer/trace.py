@@ -1,0 +1,173 @@
+"""``trace``: everything one consumer database knows about one eventId.
+
+Answers the operator's questions in one call: was it received (the receipt:
+result, fingerprint, first seen), how many times was it delivered (the
+``deliveries`` rows: deliveries, redeliveries, attempts, crashes, first and
+last time, last outcome), why did it stop (every rejection: code, reason,
+when, where the copy went, whether it was resolved) and, for ``catalog``, the
+current row of its article. Read-only and short, like :mod:`queries`.
+
+The catalog database does not keep the articleId of every event: the article
+is found when this event is its current revision (``catalog.event_id``), or
+when the caller names it (``article_id``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import REJECTION_CODES, RETRIES_EXHAUSTED
+from .queries import NotFound, _reads, _records, _snapshot
+from .store import ConsumerDB
+
+Row = dict[str, Any]
+
+#: runner.DELIVERY_LIMIT_CODE, spelled here so that trace does not import pika.
+DELIVERY_LIMIT_CODE = "delivery-limit"
+#: Outcomes of a delivery that are rejections, not results.
+_REJECTION_CODES = frozenset({*REJECTION_CODES, RETRIES_EXHAUSTED, DELIVERY_LIMIT_CODE})
+
+#: Summary statuses.
+APPLIED, REJECTED, RESOLVED, PENDING = "applied", "rejected", "resolved", "pending"
+
+
+def _event_id_tables(db: ConsumerDB) -> list[str]:
+    """The consumer's effect tables that have an ``event_id`` column."""
+    tables = []
+    for table in db.spec.tables:
+        columns = {row[1] for row in db.conn.execute(f'PRAGMA table_info("{table}")').fetchall()}
+        if "event_id" in columns:
+            tables.append(table)
+    return tables
+
+
+def _deliveries_summary(records: list[Row], receipt: Row | None) -> Row:
+    """Totals of the ``deliveries`` rows, completed by the receipt.
+
+    ``run`` writes no row for the common case -- a first delivery, first
+    attempt, applied -- because the receipt records it (one delivery at
+    ``received_at``). So a receipt newer than every row stands for one more
+    delivery, the one that applied the event (after a retry or a requeue the
+    copy may again be a "first" delivery); ``fromReceipt`` says so.
+    """
+    summary: Row = {"deliveries": 0, "redeliveries": 0, "attempts": 0, "crashes": 0, "firstAt": None,
+                    "lastAt": None, "lastOutcome": None, "fromReceipt": False, "records": records}
+    if records:
+        last = max(records, key=lambda r: r["lastAt"])
+        summary.update({
+            "deliveries": sum(r["deliveries"] for r in records),
+            "redeliveries": sum(r["redeliveries"] for r in records),
+            "attempts": max(r["attempts"] for r in records),
+            "crashes": sum(r["crashes"] for r in records),
+            "firstAt": min(r["firstAt"] for r in records),
+            "lastAt": last["lastAt"],
+            "lastOutcome": last["lastOutcome"],
+        })
+    if receipt is not None and (summary["lastAt"] is None or receipt["receivedAt"] > summary["lastAt"]):
+        summary.update({
+            "deliveries": summary["deliveries"] + 1,
+            "attempts": max(summary["attempts"], 1),
+            "firstAt": summary["firstAt"] or receipt["receivedAt"],
+            "lastAt": receipt["receivedAt"],
+            "lastOutcome": receipt["result"],
+            "fromReceipt": True,
+        })
+    return summary
+
+
+def _status(receipt: Row | None, rejections: list[Row], deliveries: Row) -> tuple[str, str]:
+    unresolved = [r for r in rejections if r["resolvedAt"] is None]
+    if receipt is not None:
+        summary = f"applied: {receipt['result']} at {receipt['receivedAt']}"
+        if deliveries["deliveries"] > 1:
+            summary += f" after {deliveries['deliveries']} deliveries"
+        if unresolved:
+            codes = ", ".join(sorted({r["code"] for r in unresolved}))
+            summary += f"; another copy was rejected ({codes}), unresolved"
+        return APPLIED, summary
+    if unresolved:
+        last = unresolved[-1]
+        where = (f"copy in {last['deadLetter']}" if last["deadLetter"]
+                 else f"no dead-letter copy (source {last['source'] or '-'})")
+        return REJECTED, f"rejected {last['code']} at {last['rejectedAt']}: {last['reason']}; {where}"
+    if rejections:
+        last = rejections[-1]
+        return RESOLVED, (f"rejected {last['code']} at {last['rejectedAt']}, resolved at {last['resolvedAt']} "
+                          "(requeued or purged); not applied since")
+    outcome = deliveries["lastOutcome"]
+    if outcome in _REJECTION_CODES:
+        # Refused before its eventId was read (e.g. a body over --max-bytes): the
+        # rejection row has no eventId, only the body's digest (see dead list).
+        return REJECTED, (f"rejected {outcome} at {deliveries['lastAt']} (its rejection row carries no eventId: "
+                          "the body was refused before it was read; see dead list / rejected list)")
+    if outcome == "in-flight":
+        why = "being handled, or the process died while handling it"
+    elif outcome == "requeued":
+        why = "requeued from the dead queue, not delivered since"
+    elif isinstance(outcome, str) and outcome.startswith("transient:"):
+        why = f"failed transiently ({outcome.partition(':')[2]}), waiting for a retry"
+    else:
+        why = f"last outcome {outcome}"
+    return PENDING, f"not applied: {why} (last delivery {deliveries['lastAt']})"
+
+
+def _article(db: ConsumerDB, event_id: str, article_id: str | None) -> tuple[Row | None, str | None]:
+    from .queries import catalog_show
+
+    if article_id is None:
+        rows = db.conn.execute("SELECT article_id FROM catalog WHERE event_id = ?", (event_id,)).fetchall()
+        if not rows:
+            return None, ("this event is not the current revision of any article, and the database keeps no "
+                          "articleId per event; give --article ID to show its article")
+        article_id = str(rows[0][0])
+    try:
+        article = catalog_show(db, article_id)
+    except NotFound:
+        return None, f"articleId {article_id} is not in the catalog"
+    article["currentEvent"] = article["eventId"] == event_id
+    return article, None
+
+
+@_reads
+def trace(db: ConsumerDB, event_id: str, *, article_id: str | None = None) -> Row:
+    """Receipt, deliveries, rejections and effect rows of *event_id*; NotFound if none."""
+    from .queries import _receipt_of
+
+    conn = db.conn
+    with _snapshot(conn):
+        receipt = _receipt_of(conn, event_id)
+        rejections = _records(conn.execute(
+            "SELECT id, code, reason, rejected_at, source, attempts, dead_letter, resolved_at, fingerprint,"
+            " body_sha256 FROM rejected WHERE event_id = ? ORDER BY id", (event_id,)))
+        deliveries = _deliveries_summary(_records(conn.execute(
+            "SELECT key, deliveries, redeliveries, attempts, crashes, first_at, last_at, last_outcome"
+            " FROM deliveries WHERE event_id = ? OR key = ? ORDER BY first_at, key", (event_id, event_id))), receipt)
+        effects = {table: _records(conn.execute(f'SELECT * FROM "{table}" WHERE event_id = ?', (event_id,)))
+                   for table in _event_id_tables(db)}
+        article, article_note = (_article(db, event_id, article_id) if "catalog" in db.spec.tables
+                                 else (None, None))
+    if receipt is None and not rejections and not deliveries["records"]:
+        raise NotFound(f"eventId {event_id} not found in {db.path} (no receipt, delivery or rejection)")
+    for rows in effects.values():
+        for row in rows:
+            row.pop("envelope", None)  # the payload stays out of the trace
+    status, summary = _status(receipt, rejections, deliveries)
+    result: Row = {
+        "eventId": event_id,
+        "consumer": db.consumer,
+        "database": str(db.path),
+        "status": status,
+        "summary": summary,
+        "receipt": receipt,
+        "deliveries": deliveries,
+        "rejections": rejections,
+        "effects": effects,
+    }
+    if "catalog" in db.spec.tables:
+        result["article"] = article
+        if article_note:
+            result["articleNote"] = article_note
+    return result
+
+
+__all__ = ["APPLIED", "PENDING", "REJECTED", "RESOLVED", "trace"]
