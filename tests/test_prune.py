@@ -1,0 +1,294 @@
+"""``inbox prune``: what goes, what is always kept, refusals, and a prune
+while ``run`` keeps committing -- real broker, real SQLite, real processes.
+
+Old receipts are written directly through SQL with an old ``received_at``.
+"""
+
+from __future__ import annotations
+
+import signal
+import sqlite3
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from brokerkit import Namespace, kill
+from support import env as envelope
+from support import new_event
+
+from delivery_consumer import retention
+from delivery_consumer.broker import DeadQueue, OutMessage, Publisher, declare
+from delivery_consumer.errors import Rejection
+from delivery_consumer.store import ConsumerDB, apply_event, now_iso
+
+DAY = 86400.0
+
+
+def ago(days: float) -> str:
+    return now_iso(time.time() - days * DAY)
+
+
+def sql(db: Path, statement: str, rows: list[tuple[Any, ...]] | None = None) -> list[tuple[Any, ...]]:
+    conn = sqlite3.connect(db, timeout=10, isolation_level=None)
+    try:
+        if rows is not None:
+            conn.execute("BEGIN")
+            conn.executemany(statement, rows)
+            conn.execute("COMMIT")
+            return []
+        return conn.execute(statement).fetchall()
+    finally:
+        conn.close()
+
+
+def add_receipts(db: Path, event_ids: list[str], days_old: float) -> None:
+    sql(db, "INSERT INTO inbox (event_id, fingerprint, result, event_type, received_at) VALUES (?, ?, ?, ?, ?)",
+        [(e, "f" * 64, "updated", "material.published", ago(days_old)) for e in event_ids])
+
+
+def add_deliveries(db: Path, event_ids: list[str], days_old: float) -> None:
+    sql(db, "INSERT INTO deliveries (key, event_id, deliveries, redeliveries, attempts, crashes, first_at, last_at,"
+            " last_outcome) VALUES (?, ?, 1, 0, 1, 0, ?, ?, 'updated')",
+        [(e, e, ago(days_old), ago(days_old)) for e in event_ids])
+
+
+def add_rejection(db: Path, event_id: str, *, days_old: float, resolved_days_old: float | None = None,
+                  dead_letter: str | None = None, body_sha256: str | None = None) -> None:
+    resolved = ago(resolved_days_old) if resolved_days_old is not None else None
+    sql(db, "INSERT INTO rejected (code, reason, event_id, body_sha256, attempts, dead_letter, rejected_at,"
+            " resolved_at) VALUES ('event-id-reused', 'test', ?, ?, 1, ?, ?, ?)",
+        [(event_id, body_sha256, dead_letter, ago(days_old), resolved)])
+
+
+def ids(n: int) -> list[str]:
+    return [str(uuid.uuid4()) for _ in range(n)]
+
+
+def new_db(ns: Namespace, consumer: str = "catalog") -> Path:
+    path = ns.db(consumer)
+    ConsumerDB.open(path, consumer, create=True).close()
+    return path
+
+
+def prune(ns: Namespace, *args: str, consumer: str = "catalog") -> subprocess.CompletedProcess[str]:
+    return ns.cli("inbox", "prune", "--db", str(ns.db(consumer)), *args)
+
+
+def remaining(db: Path, table: str, column: str = "event_id") -> set[Any]:
+    return {row[0] for row in sql(db, f"SELECT {column} FROM {table}")}
+
+
+def test_durations_need_a_unit() -> None:
+    """Durations are a number and a unit; a bare number or an unknown unit is refused."""
+    assert [90 * 60, 12 * 3600, 30 * DAY, 14 * DAY, 45] == [
+        retention.parse_duration(t) for t in ("90m", "12h", "30d", "2w", "45s")]
+    for bad in ("30", "3 days", "d", "-1d", ""):
+        with pytest.raises(ValueError, match="give a number and a unit"):
+            retention.parse_duration(bad)
+    assert "7d" == retention.format_duration(retention.DEFAULT_HORIZON_S)
+
+
+def test_prune_refuses_an_age_below_the_horizon(ns: Namespace) -> None:
+    """--older-than shorter than the horizon is refused with the reason, touching nothing;
+    a lower --horizon (or DELIVERY_REDELIVERY_HORIZON) allows it."""
+    db = new_db(ns)
+    declare(ns.url, [ns.topology("catalog")])
+    add_receipts(db, ids(3), days_old=4)
+    refused = prune(ns, "--older-than", "3d")
+    assert 2 == refused.returncode
+    assert "--older-than 3d is shorter than the redelivery horizon 7d" in refused.stderr
+    assert "applied again" in refused.stderr
+    assert 3 == len(remaining(db, "inbox"))
+    bad = prune(ns, "--older-than", "30")
+    assert 2 == bad.returncode
+    assert "give a number and a unit" in bad.stderr
+    lowered = prune(ns, "--older-than", "3d", "--horizon", "2d")
+    assert 0 == lowered.returncode, lowered.stderr
+    assert set() == remaining(db, "inbox")
+    add_receipts(db, ids(2), days_old=4)
+    by_env = ns.cli("inbox", "prune", "--db", str(db), "--older-than", "3d",
+                    env=ns.env(DELIVERY_REDELIVERY_HORIZON="3d"))
+    assert 0 == by_env.returncode, by_env.stderr
+    assert set() == remaining(db, "inbox")
+
+
+def test_prune_keeps_young_dead_and_unresolved_receipts_and_deletes_the_rest(ns: Namespace) -> None:
+    """Old receipts, delivery records and resolved rejections go in batches; receipts
+    younger than --older-than, of events in the dead queue, or with an unresolved
+    rejection stay; --dry-run counts the same and deletes nothing."""
+    db = new_db(ns)
+    topo = ns.topology("catalog")
+    declare(ns.url, [topo])
+    old, young, recent = ids(1200), ids(5), ids(4)
+    (in_dead,), (unresolved,), (resolved,) = ids(1), ids(1), ids(1)
+    add_receipts(db, [*old, in_dead, unresolved, resolved], days_old=40)
+    add_receipts(db, young, days_old=1)
+    add_receipts(db, recent, days_old=20)  # older than the horizon, younger than --older-than
+    add_deliveries(db, [*old[:700], in_dead, unresolved], days_old=40)
+    add_deliveries(db, young, days_old=1)
+    add_rejection(db, unresolved, days_old=40)
+    add_rejection(db, resolved, days_old=40, resolved_days_old=35)
+    add_rejection(db, young[0], days_old=3, resolved_days_old=1)
+    with Publisher(ns.url) as pub:  # a broker-side dead letter: no row in rejected
+        (result,) = pub.publish([OutMessage(topo.dead_queue, orjson.dumps(new_event(event_id=in_dead)),
+                                            message_id=in_dead)])
+        assert result.ok
+    dry = prune(ns, "--older-than", "30d", "--dry-run", "--json")
+    assert 0 == dry.returncode, dry.stderr
+    counted = orjson.loads(dry.stdout)
+    assert (1201, 1, 1, 700, 1) == (counted["receipts"], counted["keptInDeadQueue"], counted["keptUnresolved"],
+                                    counted["deliveries"], counted["rejections"])
+    assert 1212 == len(remaining(db, "inbox"))
+    done = prune(ns, "--older-than", "30d", "--batch", "500", "--json")
+    assert 0 == done.returncode, done.stderr
+    report = orjson.loads(done.stdout)
+    assert {k: counted[k] for k in ("receipts", "deliveries", "rejections")} == {
+        k: report[k] for k in ("receipts", "deliveries", "rejections")}
+    assert report["batches"] >= 3 + 2 + 1
+    assert {in_dead, unresolved, *young, *recent} == remaining(db, "inbox")
+    assert {in_dead, unresolved, *young} == remaining(db, "deliveries")
+    assert {unresolved, young[0]} == remaining(db, "rejected")
+    assert 1 == ns.count(topo.dead_queue)  # read, and given back
+    text = prune(ns, "--older-than", "30d")
+    assert 0 == text.returncode, text.stderr
+    assert "receipts:   0 deleted; kept: 1 in the dead queue, 1 with an unresolved rejection" in text.stdout
+
+
+def test_prune_refuses_when_the_dead_queue_cannot_be_read_unless_told(ns: Namespace) -> None:
+    """Broker unreachable, dead queue missing (wrong prefix) or held by another reader:
+    prune refuses and deletes nothing; --without-dead-queue goes on, saying so."""
+    db = new_db(ns)
+    topo = ns.topology("catalog")
+    add_receipts(db, ids(3), days_old=40)
+    missing = prune(ns, "--older-than", "30d")
+    assert 2 == missing.returncode
+    assert f"cannot read the dead queue {topo.dead_queue}" in missing.stderr
+    assert "does not exist" in missing.stderr
+    down = prune(ns, "--older-than", "30d", "--amqp-url", "amqp://guest:guest@127.0.0.1:1/%2F")
+    assert 2 == down.returncode
+    assert "--without-dead-queue" in down.stderr
+    declare(ns.url, [topo])
+    with DeadQueue(ns.url, topo.dead_queue) as holder:
+        holder.open()
+        busy = prune(ns, "--older-than", "30d")
+    assert 2 == busy.returncode
+    assert "in use by another reader" in busy.stderr
+    assert 3 == len(remaining(db, "inbox"))
+    forced = prune(ns, "--older-than", "30d", "--amqp-url", "amqp://guest:guest@127.0.0.1:1/%2F",
+                   "--without-dead-queue")
+    assert 0 == forced.returncode, forced.stderr
+    assert "the dead queue was not read" in forced.stdout
+    assert set() == remaining(db, "inbox")
+
+
+def test_prune_resolves_rejections_whose_dead_letter_is_gone(ns: Namespace) -> None:
+    """An unresolved rejection whose copy is no longer in the dead queue (a requeue killed
+    before it resolved it) is resolved by prune, which can then remove the receipt; one
+    whose copy is still there keeps protecting its receipt."""
+    db = new_db(ns)
+    topo = ns.topology("catalog")
+    declare(ns.url, [topo])
+    (gone, present) = ids(2)
+    present_body = orjson.dumps(new_event(event_id=present))
+    from delivery_consumer.envelope import body_digest
+
+    add_receipts(db, [gone, present], days_old=40)
+    add_rejection(db, gone, days_old=40, dead_letter=topo.dead_queue, body_sha256="0" * 64)
+    add_rejection(db, present, days_old=40, dead_letter=topo.dead_queue, body_sha256=body_digest(present_body))
+    with Publisher(ns.url) as pub:
+        assert pub.publish([OutMessage(topo.dead_queue, present_body, message_id=present)])[0].ok
+    done = prune(ns, "--older-than", "30d")
+    assert 0 == done.returncode, done.stderr
+    assert "1 rejections resolved first" in done.stdout
+    assert {present} == remaining(db, "inbox")
+    assert [(gone,)] == sql(db, "SELECT event_id FROM rejected WHERE resolved_at IS NOT NULL")
+
+
+def test_prune_while_run_commits(ns: Namespace) -> None:
+    """30 000 old receipts pruned in batches of 200 while run applies a steady stream:
+    run keeps committing throughout (no gap over 1 s, no lock error), every event is
+    applied once, and only the old receipts go."""
+    db = new_db(ns)
+    topo = ns.topology("catalog")
+    declare(ns.url, [topo])
+    old = ids(30_000)
+    add_receipts(db, old, days_old=40)
+    # Warnings only: nobody reads the pipe until the end, and a full pipe would block the logger.
+    proc = ns.start_run("catalog", "--batch", "10", "--batch-wait", "0", "--log-level", "warning")
+    stop = threading.Event()
+    published: list[str] = []
+
+    def publish_steadily() -> None:
+        with Publisher(ns.url, exchanges=[ns.exchange]) as pub:
+            while not stop.is_set():
+                events = [new_event(article_id=f"a-{len(published) + i}") for i in range(10)]
+                results = pub.publish([OutMessage(e["type"], orjson.dumps(e), exchange=ns.exchange,
+                                                  message_id=e["eventId"]) for e in events])
+                assert all(r.ok for r in results)
+                published.extend(e["eventId"] for e in events)
+                time.sleep(0.01)
+
+    thread = threading.Thread(target=publish_steadily)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while len(remaining(db, "inbox")) <= len(old) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        done = prune(ns, "--older-than", "30d", "--batch", "200", "--json")
+        finished = time.time()
+        time.sleep(0.3)
+    finally:
+        stop.set()
+        thread.join()
+    try:
+        assert 0 == done.returncode, done.stderr
+        report = orjson.loads(done.stdout)
+        assert len(old) == report["receipts"]
+        assert report["batches"] >= 150
+        deadline = time.monotonic() + 30
+        while len(remaining(db, "inbox")) < len(published) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            kill(proc)
+    assert 0 == proc.returncode, err
+    assert "locked" not in err and "not committed" not in err
+    missing = set(published) - remaining(db, "inbox")
+    assert not missing, f"{len(missing)} of {len(published)} not applied; queue {ns.count(topo.queue)}; {err[-2000:]}"
+    started = finished - report["seconds"]
+    window = sorted(row[0] for row in sql(
+        db, f"SELECT DISTINCT received_at FROM inbox WHERE received_at BETWEEN '{now_iso(started)}' "
+            f"AND '{now_iso(finished)}'"))
+    assert len(window) >= 5, f"run committed {len(window)} times during a {report['seconds']:.2f}s prune"
+    stamps = [time.mktime(time.strptime(w[:19], "%Y-%m-%dT%H:%M:%S")) + float(w[19:-1]) for w in window]
+    gaps = [b - a for a, b in zip([started - time.timezone, *stamps], [*stamps, finished - time.timezone],
+                                  strict=True)]
+    assert max(gaps) < 1.0, f"run stalled {max(gaps):.2f}s during the prune"
+
+
+def test_redelivery_after_the_receipt_was_pruned_changes_no_effect(open_db: Any) -> None:
+    """Past the horizon, without its receipt: catalog's revision check answers stale or
+    same-state and the row stays; audit's primary key answers recorded with still one
+    row, and a reused eventId is still refused."""
+    catalog, audit = open_db("catalog"), open_db("audit")
+    r1, r2 = envelope(event_id=str(uuid.uuid4())), envelope(event_id=str(uuid.uuid4()), revision=2, title="v2")
+    for db in (catalog, audit):
+        for env in (r1, r2):
+            apply_event(db, env)
+        db.conn.execute("UPDATE inbox SET received_at = ?", (ago(40),))
+        report = retention.prune(db, older_than_s=30 * DAY, keep_event_ids=set())
+        assert 2 == report.receipts
+    before = catalog.conn.execute("SELECT * FROM catalog").fetchall()
+    assert ["stale", "same-state"] == [apply_event(catalog, env) for env in (r1, r2)]
+    assert before == catalog.conn.execute("SELECT * FROM catalog").fetchall()
+    assert ["recorded", "recorded"] == [apply_event(audit, env) for env in (r1, r2)]
+    assert [(2,)] == audit.conn.execute("SELECT count(*) FROM audit").fetchall()
+    with pytest.raises(Rejection, match="event-id-reused"):
+        apply_event(audit, envelope(event_id=r1.event_id, title="another body"))
