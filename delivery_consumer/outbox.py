@@ -98,12 +98,12 @@ import socket
 import sqlite3
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, Protocol
 from urllib.parse import quote
 
 import orjson
@@ -361,9 +361,8 @@ class PublisherLike(Protocol):
     def idle(self, seconds: float) -> None: ...
 
 
-@dataclass(frozen=True, slots=True)
-class Claimed:
-    """One row leased by this dispatcher."""
+class Claimed(NamedTuple):
+    """One row leased by this dispatcher (a tuple: made once per row, cheaply)."""
 
     seq: int
     event_id: str
@@ -377,7 +376,10 @@ class DispatchConfig:
     """How the dispatcher works; every duration in seconds."""
 
     exchange: str
-    batch: int = 500
+    #: Rows per round. Each round ends with the pipeline drained (its last
+    #: confirm) and two commits, so small batches cost throughput
+    #: (bench/RESULTS_dispatch.md); a crash costs at most one batch of duplicates.
+    batch: int = 1000
     lease_s: float = 60.0
     poll_s: float = 0.5
     exit_when_idle_s: float | None = None
@@ -424,6 +426,15 @@ class DispatchStats:
         failed = ", ".join(f"{n} {k}" for k, n in sorted(self.results.items()) if k != "confirmed") or "0 failed"
         return (f"{self.published} published in {self.batches} batches, {failed}; "
                 f"{self.outages} broker outages; first claim to last mark {span:.3f}s{rate}")
+
+
+#: One UPDATE for a whole batch: the seqs travel as one JSON array, which
+#: costs a fraction of an ``executemany`` with a statement per row.
+_SEQS: Final = "(SELECT value FROM json_each(?))"
+
+
+def _seqs(seqs: Iterable[int]) -> str:
+    return "[" + ",".join(map(str, seqs)) + "]"
 
 
 class Dispatcher:
@@ -493,9 +504,9 @@ class Dispatcher:
                         break
             finally:
                 cur.close()
-            conn.executemany(
-                "UPDATE outbox SET lease_owner = ?, lease_until = ? WHERE seq = ?",
-                [(self.config.owner, until, row.seq) for row in taken],
+            conn.execute(
+                f"UPDATE outbox SET lease_owner = ?, lease_until = ? WHERE seq IN {_SEQS}",
+                (self.config.owner, until, _seqs(row.seq for row in taken)),
             )
             conn.executemany("UPDATE outbox SET last_error = ? WHERE seq = ?", expired)
         if expired:
@@ -512,11 +523,11 @@ class Dispatcher:
         """
         now = self.clock()
         now_s = now_iso(now)
-        published: list[tuple[str, int]] = []
+        published: list[int] = []
         failed: list[tuple[str, str | None, int, str]] = []
         for row, result in zip(rows, results, strict=True):
             if result.ok:
-                published.append((now_s, row.seq))
+                published.append(row.seq)
                 continue
             error = safe_reason(f"{result.status}: {result.reason}" if result.reason else result.status,
                                 MAX_ERROR_CHARS)
@@ -530,10 +541,10 @@ class Dispatcher:
         with transaction(self.conn) as conn:
             sql = ("UPDATE outbox SET published_at = coalesce(published_at, ?1), attempts = attempts + 1,"
                    " last_attempt_at = ?1, next_attempt_at = NULL, lease_owner = NULL, lease_until = NULL"
-                   " WHERE seq = ?2")
-            conn.executemany(sql, published[:half])
+                   f" WHERE seq IN {_SEQS.replace('?', '?2')}")
+            conn.execute(sql, (now_s, _seqs(published[:half])))
             crashpoint("dispatch-mid-batch")
-            conn.executemany(sql, published[half:])
+            conn.execute(sql, (now_s, _seqs(published[half:])))
             conn.executemany(
                 "UPDATE outbox SET attempts = attempts + 1, last_error = ?1, last_attempt_at = ?5,"
                 " next_attempt_at = ?2, lease_owner = NULL, lease_until = NULL"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import re
 import signal
 import sqlite3
 import subprocess
@@ -175,6 +176,8 @@ def test_two_dispatchers_on_one_database_publish_each_row_once(ns: Namespace) ->
     procs = [start_dispatch(ns, db, "--batch", "10", "--exit-when-idle", "700ms", "--poll", "50ms") for _ in range(2)]
     outputs = [p.communicate(timeout=120) for p in procs]
     assert [0, 0] == [p.returncode for p in procs], [err[-1000:] for _, err in outputs]
+    confirmed = [int(re.search(r"exiting: (\d+) published", err).group(1)) for _, err in outputs]  # type: ignore[union-attr]
+    assert 2000 == sum(confirmed)
     assert Counter(dict.fromkeys(ids, 1)) == queued_ids(ns)
     assert [(1,)] == sql(db, "SELECT DISTINCT attempts FROM outbox")
 

@@ -75,8 +75,8 @@ def reading(db_path: Path) -> Iterator[sqlite3.Connection]:
 @amqp_options
 @click.option("--consumer", "-c", "declare_for", multiple=True,
               help="Also declare this consumer's queues, so that messages wait for it (repeatable).")
-@click.option("--batch", default=500, show_default=True, type=click.IntRange(1, 10_000),
-              help="Rows claimed (leased) and published per round.")
+@click.option("--batch", default=1000, show_default=True, type=click.IntRange(1, 10_000),
+              help="Rows claimed (leased) and published per round; a crash duplicates at most one batch.")
 @click.option("--lease", "lease_s", default="60s", show_default=True, callback=_duration,
               help="How long a claim is held; a dispatcher killed holding one delays its rows this long.")
 @click.option("--poll", "poll_s", default="500ms", show_default=True, callback=_duration,
