@@ -109,7 +109,7 @@ from urllib.parse import quote
 import orjson
 
 from .envelope import Envelope, from_mapping, parse
-from .errors import EVENT_ID_REUSED, DatabaseError, DeliveryError, Rejection, safe_reason
+from .errors import EVENT_ID_REUSED, DatabaseError, DeliveryError, Rejection, TransientError, safe_reason
 from .faults import crashpoint
 from .queries import NotFound
 from .retry import reconnect_delay_s
@@ -453,16 +453,17 @@ class Dispatcher:
         config: DispatchConfig,
         *,
         clock: Callable[[], float] = time.time,
-        sleep: Callable[[float], None] = time.sleep,
+        sleep: Callable[[float], None] | None = None,
     ) -> None:
         self.conn = conn
         self.publisher = publisher
         self.config = config
         self.clock = clock
-        self.sleep = sleep
+        self.sleep = sleep or self._nap
         self.stats = DispatchStats()
         self.stopping = False
         self._failures = 0  # consecutive broker failures, for the backoff
+        self._db_failures = 0  # consecutive database-busy failures
         self._connected = False
 
     def stop(self) -> None:
@@ -482,6 +483,13 @@ class Dispatcher:
         now_s, until = now_iso(now), now_iso(now + self.config.lease_s)
         taken: list[Claimed] = []
         expired: list[tuple[str, int]] = []
+        # An idle poll only reads: the write lock (which the producer needs
+        # for its own transactions) is taken only when some row is due.
+        due = self.conn.execute(
+            "SELECT 1 FROM outbox WHERE published_at IS NULL AND coalesce(next_attempt_at, '') <= ?1"
+            " AND coalesce(lease_until, '') <= ?1 LIMIT 1", (now_s,)).fetchone()
+        if due is None:
+            return taken
         with transaction(self.conn) as conn:
             blocked: set[str] = set()
             cur = conn.execute(
@@ -616,20 +624,55 @@ class Dispatcher:
         self.sleep(delay)
 
     def _pause(self, seconds: float) -> None:
-        """Wait between passes, servicing the connection's heartbeats."""
+        """Wait between passes, servicing the connection's heartbeats.
+
+        ``Publisher.idle`` returns at once when the connection is gone: then
+        the rest is slept, and the next pass reconnects (never a spin).
+        """
         if self._connected:
+            started = time.monotonic()
             self.publisher.idle(seconds)
-        else:
-            self.sleep(seconds)
+            left = seconds - (time.monotonic() - started)
+            if left <= seconds / 10:
+                return
+            self._connected = False
+            seconds = left
+        self.sleep(seconds)
+
+    def _nap(self, seconds: float) -> None:
+        """time.sleep in slices, so that a SIGTERM during a long backoff
+        stops the dispatcher at once (the handler only sets a flag)."""
+        deadline = time.monotonic() + seconds
+        while not self.stopping:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(left, 0.2))
 
     def run(self) -> DispatchStats:
-        """Dispatch until :meth:`stop` or ``exit_when_idle_s`` without work."""
+        """Dispatch until :meth:`stop` or ``exit_when_idle_s`` without work.
+
+        Broker outages and a busy database are waited out with backoff;
+        BrokerFatal and DatabaseError propagate.
+        """
         idle_since: float | None = None
         while not self.stopping:
-            if self.step():
+            try:
+                claimed = self.step()
+            except TransientError as exc:
+                # The database is busy past its timeout, or the disk is full:
+                # wait and try again. Rows published but not marked stay
+                # leased; after the lease they go again (duplicates, no loss).
+                self._db_failures += 1
+                delay = reconnect_delay_s(self._db_failures)
+                log.warning("%s; retrying in %.1fs", exc, delay)
+                self.sleep(delay)
+                continue
+            self._db_failures = 0
+            if claimed:
                 idle_since = None
                 continue
-            now = time.monotonic()
+            now = self.clock()
             idle_since = now if idle_since is None else idle_since
             limit = self.config.exit_when_idle_s
             if limit is not None and now - idle_since >= limit:

@@ -409,6 +409,48 @@ def test_run_publishes_everything_in_batches_and_exits_when_idle(conn: sqlite3.C
     assert "25 published in 3 batches" in stats.line()
 
 
+def test_a_connection_lost_while_idle_is_not_spun_on(conn: sqlite3.Connection) -> None:
+    """When idle() returns at once (connection gone), the dispatcher sleeps the poll out and reconnects."""
+    pub, clock = FakePublisher(), Clock()  # its idle() returns at once, like a dead connection's
+    stats = dispatcher(conn, pub, clock, poll_s=0.5, exit_when_idle_s=5).run()
+    assert 0 == stats.batches
+    assert 5.0 == pytest.approx(sum(clock.slept), abs=0.1)
+    assert pub.connects <= 12  # about one reconnect per poll, not a busy loop
+
+
+def test_a_busy_database_is_waited_out(db_path: Path, conn: sqlite3.Connection) -> None:
+    """A write lock held past busy_timeout makes the dispatcher back off and retry, not exit."""
+    add(conn, envelope())
+    mine = outbox.connect(db_path, busy_timeout_ms=20)
+    conn.execute("BEGIN IMMEDIATE")  # the producer holds the write lock
+    clock = Clock()
+
+    def sleep(seconds: float) -> None:
+        clock.sleep(seconds)
+        if conn.in_transaction:
+            conn.execute("COMMIT")  # the producer finishes
+
+    try:
+        d = outbox.Dispatcher(mine, FakePublisher(), outbox.DispatchConfig(exchange="x", exit_when_idle_s=1),
+                              clock=clock.time, sleep=sleep)
+        assert 1 == d.run().published
+        assert 0.25 <= clock.slept[0] <= 0.5  # the first backoff of reconnect_delay_s
+    finally:
+        mine.close()
+
+
+def test_a_stop_interrupts_a_long_backoff(conn: sqlite3.Connection) -> None:
+    """stop() (what SIGTERM calls) ends a 30 s outage backoff within a fraction of a second."""
+    import threading
+    import time
+
+    d = outbox.Dispatcher(conn, FakePublisher(), outbox.DispatchConfig(exchange="x"))
+    threading.Timer(0.1, d.stop).start()
+    started = time.monotonic()
+    d.sleep(30)
+    assert time.monotonic() - started < 1
+
+
 # -- list / stats / show / prune --------------------------------------------------------------
 
 
