@@ -247,42 +247,47 @@ def _claim(
         plan = _Plan(index, env, key, payload, sha, leader=leader)
         leader.followers.append(plan)
         return plan
-    row = conn.execute(
-        "SELECT state, payload_sha256, event_id, calls, in_doubt FROM fence WHERE key = ?", (key,)
-    ).fetchone()
-    if row is not None and row[1] != sha:
+    # One probe of the article index finds both this key's row (the key is
+    # one-to-one with article, revision and step) and any newer revision.
+    rows = conn.execute(
+        "SELECT revision, state, payload_sha256, event_id, calls, in_doubt FROM fence"
+        " WHERE article_id = ? AND step = ? AND revision >= ?",
+        (env.article_id, step.name, env.revision),
+    ).fetchall()
+    row = next((r for r in rows if r[0] == env.revision), None)
+    if row is not None and row[2] != sha:
         raise _conflict(env, key)
-    if row is not None and row[0] == "done":
-        result = step.result if row[2] == env.event_id else f"already-{step.result}"
+    if row is not None and row[1] == "done":
+        result = step.result if row[3] == env.event_id else f"already-{step.result}"
         write_receipt(tx, env, result)
         return Outcome(env.event_id, result=result)
-    newer = conn.execute(
-        "SELECT max(revision) FROM fence WHERE article_id = ? AND step = ? AND revision > ? AND state != 'stale'",
-        (env.article_id, step.name, env.revision),
-    ).fetchone()[0]
+    newer = max((r[0] for r in rows if r[0] > env.revision and r[1] != "stale"), default=None)
     if newer is not None:
         if row is not None:
             conn.execute("UPDATE fence SET state = 'stale', last_error = ? WHERE key = ?",
                          (f"revision {newer} was claimed first", key))
         write_receipt(tx, env, "stale")
         return Outcome(env.event_id, result="stale")
+    # Calling an idempotent endpoint again is harmless, so the mark before the
+    # call (calls + 1, in doubt) is batched here; for a non-idempotent one it
+    # is a commit of its own just before each call (_mark_call).
+    mark = 1 if step.idempotent else 0
     if row is None:
         conn.execute(
-            "INSERT INTO fence (key, step, article_id, revision, event_id, payload_sha256, state, claimed_at)"
-            " VALUES (?, ?, ?, ?, ?, ?, 'claimed', ?)",
-            (key, step.name, env.article_id, env.revision, env.event_id, sha, tx.now),
+            "INSERT INTO fence (key, step, article_id, revision, event_id, payload_sha256, state, calls, in_doubt,"
+            " claimed_at, called_at) VALUES (?, ?, ?, ?, ?, ?, 'claimed', ?, ?, ?, ?)",
+            (key, step.name, env.article_id, env.revision, env.event_id, sha, mark, mark, tx.now,
+             tx.now if mark else None),
         )
         prior = (0, 0)
     else:
-        prior = (int(row[3]), int(row[4]))
+        prior = (int(row[4]), int(row[5]))
         if prior[1] and not step.idempotent:
             raise _unknown(env, key, "an earlier call may have had its effect")
-    plan = _Plan(index, env, key, payload, sha, prior=prior)
-    if step.idempotent:
-        # Calling again is harmless, so the mark before the call is batched
-        # here; for a non-idempotent endpoint it is a commit per call (_mark_call).
-        conn.execute("UPDATE fence SET calls = calls + 1, in_doubt = 1, called_at = ? WHERE key = ?", (tx.now, key))
-        plan.marked = True
+        if mark:
+            conn.execute("UPDATE fence SET calls = calls + 1, in_doubt = 1, called_at = ? WHERE key = ?",
+                         (tx.now, key))
+    plan = _Plan(index, env, key, payload, sha, prior=prior, marked=bool(mark))
     leaders[key] = plan
     return plan
 
@@ -382,14 +387,13 @@ def _follow(tx: Transaction, plan: _Plan, outcomes: list[Outcome | None], step: 
 
 def _receipt(tx: Transaction, env: Envelope, result: str) -> Outcome:
     """Write the receipt unless another process wrote it meanwhile."""
+    if write_receipt(tx, env, result):
+        return Outcome(env.event_id, result=result)
     try:
         duplicate = receipt_of(tx, env)
     except Rejection as rej:
         return Outcome(env.event_id, rejection=rej)
-    if duplicate is not None:
-        return Outcome(env.event_id, result=duplicate)
-    write_receipt(tx, env, result)
-    return Outcome(env.event_id, result=result)
+    return Outcome(env.event_id, result=duplicate or result)
 
 
 def _conflict(env: Envelope, key: str) -> Rejection:

@@ -673,12 +673,15 @@ def receipt_of(tx: Transaction, env: Envelope) -> str | None:
     )
 
 
-def write_receipt(tx: Transaction, env: Envelope, result: str) -> None:
-    """Write the receipt of *env* (check :func:`receipt_of` first, in the same transaction)."""
-    tx.conn.execute(
-        "INSERT INTO inbox (event_id, fingerprint, result, event_type, received_at) VALUES (?, ?, ?, ?, ?)",
+def write_receipt(tx: Transaction, env: Envelope, result: str) -> bool:
+    """Write the receipt of *env*; False when it already had one (written by
+    another process since :func:`receipt_of` looked), which is kept."""
+    cur = tx.conn.execute(
+        "INSERT INTO inbox (event_id, fingerprint, result, event_type, received_at) VALUES (?, ?, ?, ?, ?)"
+        " ON CONFLICT (event_id) DO NOTHING",
         (env.event_id, env.fingerprint, result, env.type, tx.now),
     )
+    return cur.rowcount == 1
 
 
 __all__ = [

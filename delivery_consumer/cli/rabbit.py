@@ -72,6 +72,9 @@ def external_options(fn: F) -> F:
             "read_timeout_s": webhook_read_timeout,
             "first_retry_delay_ms": kwargs["retry_delays"][0],
         }
+        # httpx logs every request at INFO; run logs one line per batch, and
+        # the webhook's failures reach the log through the retry/dead lines.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
         return fn(*args, **kwargs)
 
     seconds = click.FloatRange(0, min_open=True)
