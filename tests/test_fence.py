@@ -1,0 +1,432 @@
+"""The fence protocol in-process, against the local endpoint of webhook_server.py:
+claim, call, complete; every redelivery and failure path; the fence commands.
+
+A SIGKILL between the call and the local commit is simulated by a crash
+point that raises (the real SIGKILL is in test_webhook.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from support import cli, env, json_lines, read_rows
+from webhook_server import WebhookServer, free_port
+
+from delivery_consumer import consumers, fence
+from delivery_consumer.consumers.webhook import Notifier, WebhookConfig, idempotency_key_header, payload
+from delivery_consumer.envelope import Envelope
+from delivery_consumer.errors import ConfigError, TransientError
+from delivery_consumer.retry import Retry, retry_after_tier
+from delivery_consumer.store import ConsumerDB, DeliveryMark, Outcome
+
+Step = Callable[..., Notifier]
+
+
+class Killed(BaseException):
+    """Stands for the SIGKILL of a crash point."""
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Iterator[ConsumerDB]:
+    """A fresh webhook database."""
+    opened = ConsumerDB.open(tmp_path / "webhook.db", "webhook", create=True)
+    yield opened
+    opened.close()
+
+
+@pytest.fixture
+def server() -> Iterator[WebhookServer]:
+    """The local endpoint, idempotent."""
+    with WebhookServer() as endpoint:
+        yield endpoint
+
+
+@pytest.fixture
+def step(server: WebhookServer) -> Iterator[Step]:
+    """Notifiers for the endpoint (closed afterwards)."""
+    made: list[Notifier] = []
+
+    def _step(*, idempotent: bool = True, read_timeout_s: float = 0.5, url: str | None = None) -> Notifier:
+        notifier = Notifier(WebhookConfig(url or server.url, idempotent, 0.5, read_timeout_s))
+        made.append(notifier)
+        return notifier
+
+    yield _step
+    for notifier in made:
+        notifier.close()
+
+
+def apply(db: ConsumerDB, notifier: Notifier, *envs: Envelope) -> list[Outcome]:
+    marks = [DeliveryMark(f"{e.event_id}:{i}", redelivered=False, attempt=1) for i, e in enumerate(envs)]
+    return fence.apply_fenced(db, envs, marks, notifier)
+
+
+def statuses(outcomes: Sequence[Outcome]) -> list[str]:
+    return [o.status for o in outcomes]
+
+
+def row(db: ConsumerDB, key: str) -> dict[str, Any]:
+    shown = fence.fence_show(db.conn, key)
+    assert shown is not None
+    return shown
+
+
+def crash_after_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    def crashpoint(name: str) -> None:
+        if name == "webhook-after-call":
+            raise Killed(name)
+
+    monkeypatch.setattr(fence, "crashpoint", crashpoint)
+
+
+E1 = "11111111-1111-4111-8111-111111111111"
+E2 = "22222222-2222-4222-8222-222222222222"
+E3 = "33333333-3333-4333-8333-333333333333"
+
+
+# -- the protocol ----------------------------------------------------------------
+
+
+def test_a_notification_is_sent_once_with_its_key_and_the_provider_id_is_kept(
+    db: ConsumerDB, server: WebhookServer, step: Step
+) -> None:
+    """Claim, call, complete: receipt notified, fence done with the endpoint's id."""
+    event = env(event_id=E1, article_id="a-1", revision=3)
+
+    assert ["notified"] == statuses(apply(db, step(), event))
+
+    assert {"a-1:3:notify": 1} == server.effects()
+    assert {"articleId": "a-1", "revision": 3, "published": True, "title": event.title, "url": event.url} == (
+        server.requests[0].body
+    )
+    shown = row(db, "a-1:3:notify")
+    assert ("done", server.first_id("a-1:3:notify"), 200, 1, False, E1) == (
+        shown["state"], shown["providerId"], shown["httpStatus"], shown["calls"], shown["inDoubt"], shown["eventId"]
+    )
+    assert [(E1, "notified")] == read_rows(db.path, "inbox", "event_id, result")
+
+
+def test_a_redelivery_with_a_receipt_makes_no_call(db: ConsumerDB, server: WebhookServer, step: Step) -> None:
+    """The receipt answers a redelivery: duplicate:notified, no second request."""
+    event = env(event_id=E1)
+    apply(db, step(), event)
+
+    assert ["duplicate:notified"] == statuses(apply(db, step(), event))
+    assert 1 == len(server.requests)
+
+
+def test_a_done_fence_without_receipt_completes_without_calling(
+    db: ConsumerDB, server: WebhookServer, step: Step
+) -> None:
+    """A fence already done (its receipt lost) writes the receipt and calls nobody."""
+    event = env(event_id=E1)
+    apply(db, step(), event)
+    db.conn.execute("DELETE FROM inbox")
+
+    assert ["notified"] == statuses(apply(db, step(), event))
+    assert 1 == len(server.requests)
+
+
+def test_another_event_of_a_notified_revision_is_not_sent(db: ConsumerDB, server: WebhookServer, step: Step) -> None:
+    """The key is the business step: a second eventId with the same revision and state is already-notified."""
+    apply(db, step(), env(event_id=E1))
+
+    assert ["already-notified"] == statuses(apply(db, step(), env(event_id=E2)))
+    assert 1 == len(server.requests)
+
+
+def test_crash_after_the_call_calls_again_with_the_same_key_and_one_effect(
+    db: ConsumerDB, server: WebhookServer, step: Step, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killed after the 200 and before the commit: the redelivery calls an idempotent
+    endpoint with the same key, which answers the same id; one effect."""
+    event = env(event_id=E1)
+    with monkeypatch.context() as patch:
+        crash_after_call(patch)
+        with pytest.raises(Killed):
+            apply(db, step(), event)
+    claimed = row(db, "article-42:1:notify")
+    assert ("claimed", True, 1) == (claimed["state"], claimed["inDoubt"], claimed["calls"])
+
+    assert ["notified"] == statuses(apply(db, step(), event))
+
+    assert {"article-42:1:notify": 2} == server.calls()
+    assert {"article-42:1:notify": 1} == server.effects()
+    assert server.first_id("article-42:1:notify") == row(db, "article-42:1:notify")["providerId"]
+
+
+def test_crash_after_the_call_to_a_non_idempotent_endpoint_is_outcome_unknown(
+    db: ConsumerDB, step: Step, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without idempotency the redelivery never calls again on a guess: outcome-unknown."""
+    with WebhookServer(idempotent=False) as endpoint:
+        notifier = step(idempotent=False, url=endpoint.url)
+        event = env(event_id=E1)
+        with monkeypatch.context() as patch:
+            crash_after_call(patch)
+            with pytest.raises(Killed):
+                apply(db, notifier, event)
+
+        outcomes = apply(db, notifier, event)
+
+        assert ["outcome-unknown"] == statuses(outcomes)
+        assert "fence resolve" in (outcomes[0].rejection.reason if outcomes[0].rejection else "")
+        assert 1 == len(endpoint.requests)
+
+
+def test_a_crash_mid_batch_leaves_only_the_called_key_in_doubt_without_idempotency(
+    db: ConsumerDB, step: Step, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The mark before each call is its own commit for a non-idempotent endpoint, so
+    the calls never made are made after the restart, and the one made is not repeated."""
+    with WebhookServer(idempotent=False) as endpoint:
+        notifier = step(idempotent=False, url=endpoint.url)
+        batch = [env(event_id=e, article_id=f"a-{i}") for i, e in enumerate((E1, E2, E3))]
+        with monkeypatch.context() as patch:
+            crash_after_call(patch)
+            with pytest.raises(Killed):
+                apply(db, notifier, *batch)
+
+        assert ["outcome-unknown", "notified", "notified"] == statuses(apply(db, notifier, *batch))
+        assert {"a-0:1:notify": 1, "a-1:1:notify": 1, "a-2:1:notify": 1} == endpoint.calls()
+
+
+def test_a_stale_revision_is_not_sent(db: ConsumerDB, server: WebhookServer, step: Step) -> None:
+    """After revision 2 was notified, revision 1 gets the receipt stale and no call."""
+    apply(db, step(), env(event_id=E2, revision=2))
+
+    assert ["stale"] == statuses(apply(db, step(), env(event_id=E1, revision=1)))
+    assert ["article-42:2:notify"] == [r.key for r in server.requests]
+
+
+def test_in_one_batch_the_older_revision_after_the_newer_is_stale(
+    db: ConsumerDB, server: WebhookServer, step: Step
+) -> None:
+    """Revision 2 then 1 in one batch: 1 is stale; 1 then 2: both are sent, in order."""
+    newer_first = apply(db, step(), env(event_id=E2, revision=2), env(event_id=E1, revision=1))
+    assert ["notified", "stale"] == statuses(newer_first)
+    both = apply(db, step(), env(event_id=E3, article_id="b", revision=1),
+                 env(event_id="44444444-4444-4444-8444-444444444444", article_id="b", revision=2))
+    assert ["notified", "notified"] == statuses(both)
+    assert ["article-42:2:notify", "b:1:notify", "b:2:notify"] == [r.key for r in server.requests]
+
+
+def test_the_same_key_with_another_payload_is_a_revision_conflict(
+    db: ConsumerDB, server: WebhookServer, step: Step
+) -> None:
+    """Two facts claiming one revision: the second is rejected revision-conflict, not sent."""
+    apply(db, step(), env(event_id=E1, title="first"))
+
+    assert ["revision-conflict"] == statuses(apply(db, step(), env(event_id=E2, title="second")))
+    assert 1 == len(server.requests)
+
+
+def test_the_same_event_twice_in_a_batch_is_called_once(db: ConsumerDB, server: WebhookServer, step: Step) -> None:
+    """A key met twice in one batch is called once; the second delivery follows the first."""
+    event = env(event_id=E1)
+
+    assert ["notified", "duplicate:notified"] == statuses(apply(db, step(), event, event))
+    assert 1 == len(server.requests)
+
+
+# -- failures ----------------------------------------------------------------------
+
+
+def test_an_endpoint_rejection_keeps_the_fence_for_a_rerun(db: ConsumerDB, server: WebhookServer, step: Step) -> None:
+    """A 400 is endpoint-rejected after one call; after the fix the rerun uses the same key."""
+    event = env(event_id=E1, title="reject")
+
+    assert ["endpoint-rejected"] == statuses(apply(db, step(), event))
+    shown = row(db, "article-42:1:notify")
+    assert ("claimed", 400, False) == (shown["state"], shown["httpStatus"], shown["inDoubt"])
+    assert [] == read_rows(db.path, "inbox")
+
+    server.healed = True
+    assert ["notified"] == statuses(apply(db, step(), event))
+    assert {"article-42:1:notify": 2} == server.calls()
+    assert 2 == row(db, "article-42:1:notify")["calls"]
+
+
+def test_a_timeout_is_transient_for_an_idempotent_endpoint(db: ConsumerDB, server: WebhookServer, step: Step) -> None:
+    """A read timeout goes to the retry tiers (same key next time); the fence is in doubt."""
+    outcomes = apply(db, step(read_timeout_s=0.2), env(event_id=E1, title="slow:0.6"))
+
+    assert ["transient:endpoint-timeout"] == statuses(outcomes)
+    assert (True, 1) == (row(db, "article-42:1:notify")["inDoubt"], row(db, "article-42:1:notify")["calls"])
+
+
+def test_a_timeout_of_a_non_idempotent_endpoint_is_outcome_unknown_at_once(db: ConsumerDB, step: Step) -> None:
+    """Without idempotency a timed-out call is never repeated: outcome-unknown, one call."""
+    with WebhookServer(idempotent=False) as endpoint:
+        notifier = step(idempotent=False, read_timeout_s=0.2, url=endpoint.url)
+        event = env(event_id=E1, title="slow:0.6")
+
+        assert ["outcome-unknown"] == statuses(apply(db, notifier, event))
+        assert ["outcome-unknown"] == statuses(apply(db, notifier, event))
+        assert 1 == len(endpoint.requests)
+
+
+def test_an_unreachable_endpoint_stops_the_batch_and_undoes_the_marks(db: ConsumerDB, step: Step) -> None:
+    """Connection refused: every event is transient, only the first is tried
+    (the others' marks are undone), and no fence is in doubt (nothing was sent)."""
+    notifier = step(url=f"http://127.0.0.1:{free_port()}/notify")
+    batch = [env(event_id=e, article_id=f"a-{i}") for i, e in enumerate((E1, E2, E3))]
+
+    outcomes = apply(db, notifier, *batch)
+
+    assert ["transient:endpoint-unreachable"] * 3 == statuses(outcomes)
+    assert [False, True, True] == ["not called" in (o.transient.reason if o.transient else "") for o in outcomes]
+    assert [("a-0:1:notify", 1, 0), ("a-1:1:notify", 0, 0), ("a-2:1:notify", 0, 0)] == read_rows(
+        db.path, "fence", "key, calls, in_doubt"
+    )
+
+
+def test_a_throttled_answer_carries_retry_after_and_stops_the_batch(
+    db: ConsumerDB, server: WebhookServer, step: Step
+) -> None:
+    """A 429 is transient with the wait it asked for; the rest of the batch is not called."""
+    outcomes = apply(db, step(), env(event_id=E1, title="throttle:1"), env(event_id=E2, article_id="other"))
+
+    assert ["transient:endpoint-throttled"] * 2 == statuses(outcomes)
+    assert [1.0, 1.0] == [o.transient.retry_after_s for o in outcomes if o.transient]
+    assert 1 == len(server.requests)
+
+
+def test_a_503_answer_is_retried_and_counted_as_no_effect(db: ConsumerDB, server: WebhookServer, step: Step) -> None:
+    """503 is transient and not in doubt; the next try with the same key succeeds."""
+    event = env(event_id=E1, title="busy:1")
+
+    assert ["transient:endpoint-unavailable"] == statuses(apply(db, step(), event))
+    assert False is row(db, "article-42:1:notify")["inDoubt"]
+    assert ["notified"] == statuses(apply(db, step(), event))
+    assert {"article-42:1:notify": 1} == server.effects()
+
+
+def test_deliveries_are_counted_in_flight_then_with_their_outcome(
+    db: ConsumerDB, step: Step, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A delivery is in-flight during its call (a crash there counts as one), then its outcome."""
+    event = env(event_id=E1)
+    mark = DeliveryMark("m-1", redelivered=False, attempt=1)
+    with monkeypatch.context() as patch:
+        crash_after_call(patch)
+        with pytest.raises(Killed):
+            fence.apply_fenced(db, [event], [mark], step())
+    assert [("m-1", 1, "in-flight")] == read_rows(db.path, "deliveries", "key, deliveries, last_outcome")
+
+    fence.apply_fenced(db, [event], [DeliveryMark("m-1", redelivered=True, attempt=1)], step())
+    assert [("m-1", 2, 1, "notified")] == read_rows(db.path, "deliveries", "key, deliveries, crashes, last_outcome")
+
+
+# -- resolving by hand, reading, trace ------------------------------------------------
+
+
+def test_resolve_by_hand_after_outcome_unknown(db: ConsumerDB, step: Step) -> None:
+    """--provider-id completes the event without a call; --not-sent lets it call again."""
+    with WebhookServer(idempotent=False) as endpoint:
+        notifier = step(idempotent=False, read_timeout_s=0.2, url=endpoint.url)
+        sent, lost = env(event_id=E1, title="slow:0.4"), env(event_id=E2, article_id="b", title="slow:0.4")
+        assert ["outcome-unknown"] == statuses(apply(db, notifier, sent))
+        assert ["outcome-unknown"] == statuses(apply(db, notifier, lost))
+        endpoint.healed = True
+
+        assert "done" == fence.resolve(db, "article-42:1:notify", provider_id="ntf-by-hand")["state"]
+        assert False is fence.resolve(db, "b:1:notify", not_sent=True)["inDoubt"]
+
+        assert ["notified", "notified"] == statuses(apply(db, notifier, sent, lost))
+        assert {"article-42:1:notify": 1, "b:1:notify": 2} == endpoint.calls()
+        assert "ntf-by-hand" == row(db, "article-42:1:notify")["providerId"]
+        with pytest.raises(fence.FenceError, match="is done"):
+            fence.resolve(db, "b:1:notify", not_sent=True)
+
+
+def test_fence_commands_list_show_and_json(db: ConsumerDB, server: WebhookServer, step: Step) -> None:
+    """fence list/show print the rows (text and --json); an unknown key exits 1."""
+    apply(db, step(), env(event_id=E1), env(event_id=E2, article_id="b", title="reject"))
+    path = str(db.path)
+
+    listed = cli(["fence", "list", "--db", path, "--json"])
+    assert 0 == listed.exit_code, listed.output
+    assert {("article-42:1:notify", "done"), ("b:1:notify", "claimed")} == {
+        (r["key"], r["state"]) for r in orjson.loads(listed.output)
+    }
+    claimed = cli(["fence", "list", "--db", path, "--state", "claimed"])
+    assert "b:1:notify" in claimed.output and "article-42:1:notify" not in claimed.output
+    shown = cli(["fence", "show", "article-42:1:notify", "--db", path, "--json"])
+    assert server.first_id("article-42:1:notify") == json_lines(shown.output)[0]["providerId"]
+    assert "providerId:" in cli(["fence", "show", "article-42:1:notify", "--db", path]).output
+    assert 1 == cli(["fence", "show", "nope:1:notify", "--db", path]).exit_code
+
+
+def test_fence_resolve_command(db: ConsumerDB) -> None:
+    """fence resolve refuses an unknown key or a missing verdict with exit 2."""
+    path = str(db.path)
+    assert 2 == cli(["fence", "resolve", "nope:1:notify", "--db", path, "--not-sent"]).exit_code
+    assert 2 == cli(["fence", "resolve", "nope:1:notify", "--db", path]).exit_code
+
+
+def test_fence_for_event_is_what_trace_shows(db: ConsumerDB, step: Step, tmp_path: Path) -> None:
+    """fence_for_event gives the fence an event claimed; None for other events and other consumers."""
+    apply(db, step(), env(event_id=E1))
+
+    assert "article-42:1:notify" == (fence.fence_for_event(db.conn, E1) or {}).get("key")
+    assert None is fence.fence_for_event(db.conn, E2)
+    catalog = ConsumerDB.open(tmp_path / "catalog.db", "catalog", create=True)
+    try:
+        assert None is fence.fence_for_event(catalog.conn, E1)
+        assert [] == fence.fence_list(catalog.conn)
+    finally:
+        catalog.close()
+
+
+# -- configuration and pure pieces ---------------------------------------------------
+
+
+def test_the_webhook_options_are_checked() -> None:
+    """No URL, a read timeout not shorter than the first retry delay: ConfigError; defaults fit."""
+    external = consumers.get("webhook").external
+    assert external is not None
+    with pytest.raises(ConfigError, match="--webhook-url"):
+        external({})
+    with pytest.raises(ConfigError, match="shorter than the first retry delay"):
+        WebhookConfig.from_options({"webhook_url": "http://x/", "read_timeout_s": 1.0, "first_retry_delay_ms": 1000})
+    config = WebhookConfig.from_options({"webhook_url": "http://x/", "first_retry_delay_ms": 500})
+    assert (0.4, 0.4, True) == (config.read_timeout_s, config.connect_timeout_s, config.idempotent)
+
+
+def test_the_idempotency_key_header_is_ascii_and_one_to_one() -> None:
+    """Any articleId gives an ASCII header; plain keys are unchanged."""
+    assert "a-1:3:notify" == idempotency_key_header("a-1:3:notify")
+    header = idempotency_key_header("статья 1:2:notify")
+    assert header.isascii() and " " not in header
+    assert header != idempotency_key_header("статья 2:2:notify")
+
+
+def test_the_payload_is_canonical() -> None:
+    """One revision, one body: the fence compares its hash."""
+    assert payload(env(title="t")) == payload(env(title="t", event_id=E2))
+    assert b'"published":false' in payload(env(type="material.withdrawn"))
+
+
+def test_retry_after_picks_the_first_tier_long_enough() -> None:
+    """Retry-After moves the retry to the first tier at least that long, never shorter, else the longest."""
+    delays = (100, 1000, 5000)
+    first = Retry(tier=0, delay_ms=100, attempts=1)
+    assert 1 == retry_after_tier(first, delays, 1.0).tier
+    assert 2 == retry_after_tier(first, delays, 1.5).tier
+    assert 2 == retry_after_tier(first, delays, 60).tier
+    assert 0 == retry_after_tier(first, delays, 0.05).tier
+    assert 2 == retry_after_tier(Retry(tier=2, delay_ms=5000, attempts=3), delays, 0.5).tier
+
+
+def test_the_webhook_consumer_refuses_to_run_inside_a_transaction(db: ConsumerDB) -> None:
+    """replay cannot fence a call: the in-transaction apply is a transient refusal."""
+    from delivery_consumer.store import apply_event
+
+    with pytest.raises(TransientError, match="run only"):
+        apply_event(db, env(event_id=E1))
+    assert [] == read_rows(db.path, "fence")

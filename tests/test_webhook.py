@@ -1,0 +1,183 @@
+"""The webhook consumer under ``run``: real broker, real processes, real SIGKILL,
+and the local endpoint of webhook_server.py keeping a ledger of effects per key.
+
+Retry tiers are 500 ms and 1 s here, so the read timeout (default: 80 % of
+the first delay) is 0.4 s.
+"""
+
+from __future__ import annotations
+
+import signal
+import sqlite3
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+from brokerkit import Namespace, kill
+from support import new_event
+from webhook_server import WebhookServer, free_port
+
+TIERS = ("--retry-delays", "500ms,1s")
+
+
+def hook_env(ns: Namespace, server: WebhookServer, **extra: str) -> dict[str, str]:
+    return ns.env(DELIVERY_WEBHOOK_URL=server.url, **extra)
+
+
+def query(db: Path, sql: str) -> list[tuple[Any, ...]]:
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        return conn.execute(sql).fetchall()
+    finally:
+        conn.close()
+
+
+def publish(ns: Namespace, *events: dict[str, Any]) -> list[str]:
+    """Publish *events*; their fence keys."""
+    ns.publish([orjson.dumps(e) for e in events], declare=["webhook"])
+    return [f"{e['articleId']}:{e['revision']}:notify" for e in events]
+
+
+def fence_of(ns: Namespace, key: str) -> dict[str, Any]:
+    shown = ns.cli("fence", "show", key, "--db", str(ns.db("webhook")), "--json")
+    assert 0 == shown.returncode, shown.stderr
+    row: dict[str, Any] = orjson.loads(shown.stdout)
+    return row
+
+
+def dead_codes(ns: Namespace) -> list[str]:
+    return sorted(props.headers["x-error-code"] for props, _ in ns.drain(ns.topology("webhook").dead_queue))
+
+
+def test_sigkill_after_the_answer_before_the_commit_notifies_once(ns: Namespace) -> None:
+    """SIGKILL after a 200 and before the local commit, then restart: one effect per
+    key in the endpoint's ledger, and the fence holds the id of that first answer."""
+    with WebhookServer() as server:
+        keys = publish(ns, *(new_event(article_id=f"a-{i}") for i in range(5)))
+        env = hook_env(ns, server, DELIVERY_CRASH_AT="webhook-after-call")
+        crashed = ns.run_until_idle("webhook", *TIERS, env=env, idle=5)
+        assert -signal.SIGKILL == crashed.returncode, crashed.stderr
+        first = server.requests[0]
+        assert 1 == len(server.requests)
+
+        env.pop("DELIVERY_CRASH_AT")
+        recovered = ns.run_until_idle("webhook", *TIERS, env=env)
+
+        assert 0 == recovered.returncode, recovered.stderr
+        assert dict.fromkeys(keys, 1) == server.effects()
+        assert 2 == server.calls()[first.key or ""]  # called again with the same key, same answer
+        assert (first.response_id, "done") == (fence_of(ns, first.key or "")["providerId"],
+                                               fence_of(ns, first.key or "")["state"])
+        assert [(5,)] == query(ns.db("webhook"), "SELECT count(*) FROM inbox WHERE result = 'notified'")
+        assert 0 == ns.count(ns.topology("webhook").queue) + ns.count(ns.topology("webhook").dead_queue)
+
+
+def test_sigkill_after_a_call_to_a_non_idempotent_endpoint_is_never_repeated(ns: Namespace) -> None:
+    """Without idempotency, the key called before the SIGKILL is dead-lettered
+    outcome-unknown after the restart; the keys not yet called are called once."""
+    with WebhookServer(idempotent=False) as server:
+        keys = publish(ns, *(new_event(article_id=f"a-{i}") for i in range(3)))
+        env = hook_env(ns, server, DELIVERY_CRASH_AT="webhook-after-call")
+        crashed = ns.run_until_idle("webhook", *TIERS, "--no-endpoint-idempotent", env=env, idle=5)
+        assert -signal.SIGKILL == crashed.returncode, crashed.stderr
+
+        env.pop("DELIVERY_CRASH_AT")
+        recovered = ns.run_until_idle("webhook", *TIERS, "--no-endpoint-idempotent", env=env)
+
+        assert 0 == recovered.returncode, recovered.stderr
+        assert dict.fromkeys(keys, 1) == server.calls()
+        assert ["outcome-unknown"] == dead_codes(ns)
+        assert (True, None) == (fence_of(ns, keys[0])["inDoubt"], fence_of(ns, keys[0])["providerId"])
+
+
+def test_an_endpoint_down_for_a_while_is_retried_through_the_tiers(ns: Namespace) -> None:
+    """Connection refused for ~1.5 s: the events go through the retry tiers and are
+    notified once each when the endpoint comes up."""
+    server = WebhookServer(free_port())
+    keys = publish(ns, *(new_event(article_id=f"a-{i}") for i in range(3)))
+    proc = ns.start_run("webhook", "--exit-when-idle", "3", *TIERS, "--max-attempts", "8",
+                        env=hook_env(ns, server))
+    try:
+        time.sleep(1.5)
+        server.start()
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        kill(proc)
+        raise
+    finally:
+        server.stop()
+
+    assert 0 == proc.returncode, err
+    assert "retry copy sent" in err
+    assert dict.fromkeys(keys, 1) == server.effects()
+    assert [(3,)] == query(ns.db("webhook"), "SELECT count(*) FROM inbox WHERE result = 'notified'")
+    assert query(ns.db("webhook"), "SELECT min(attempts) > 1 FROM deliveries WHERE last_outcome = 'notified'") == [
+        (1,)
+    ]
+
+
+def test_an_endpoint_rejection_is_dead_lettered_after_one_call(ns: Namespace) -> None:
+    """A 400 is dead-lettered endpoint-rejected after exactly one call (no retry
+    storm); the fence stays claimed for a rerun with the same key."""
+    with WebhookServer() as server:
+        bad, *good = publish(ns, new_event(article_id="bad", title="reject"),
+                             *(new_event(article_id=f"a-{i}") for i in range(2)))
+        done = ns.run_until_idle("webhook", *TIERS, env=hook_env(ns, server))
+
+        assert 0 == done.returncode, done.stderr
+        assert {bad: 1, **dict.fromkeys(good, 1)} == server.calls()
+        assert ["endpoint-rejected"] == dead_codes(ns)
+        assert [("endpoint-rejected",)] == query(ns.db("webhook"), "SELECT code FROM rejected")
+        assert ("claimed", 400) == (fence_of(ns, bad)["state"], fence_of(ns, bad)["httpStatus"])
+
+
+def test_an_unknown_outcome_at_a_non_idempotent_endpoint_is_dead_lettered_after_one_call(ns: Namespace) -> None:
+    """A call that times out at an endpoint that is not idempotent is dead-lettered
+    outcome-unknown with exactly one call; the neighbour is notified."""
+    with WebhookServer(idempotent=False) as server:
+        slow, fine = publish(ns, new_event(article_id="slow", title="slow:1.2"), new_event(article_id="fine"))
+        done = ns.run_until_idle("webhook", *TIERS, "--no-endpoint-idempotent", env=hook_env(ns, server))
+
+        assert 0 == done.returncode, done.stderr
+        assert {slow: 1, fine: 1} == server.calls()
+        assert ["outcome-unknown"] == dead_codes(ns)
+        receipts = "SELECT f.article_id, i.result FROM inbox i JOIN fence f USING (event_id)"
+        assert [("fine", "notified")] == query(ns.db("webhook"), receipts)
+
+
+def test_a_stale_revision_is_not_sent(ns: Namespace) -> None:
+    """Revision 2 then revision 1 of one article: only revision 2 is sent; 1 gets the receipt stale."""
+    newer, older = new_event(article_id="x", revision=2), new_event(article_id="x", revision=1)
+    with WebhookServer() as server:
+        newer_key, _ = publish(ns, newer, older)
+        done = ns.run_until_idle("webhook", *TIERS, env=hook_env(ns, server))
+
+        assert 0 == done.returncode, done.stderr
+        assert {newer_key: 1} == server.calls()
+        assert {(newer["eventId"], "notified"), (older["eventId"], "stale")} == set(
+            query(ns.db("webhook"), "SELECT event_id, result FROM inbox")
+        )
+
+
+def test_retry_after_picks_a_retry_tier_long_enough(ns: Namespace) -> None:
+    """A 429 with Retry-After: 1 sends the retry copy to the 1 s tier, not the 500 ms one."""
+    with WebhookServer() as server:
+        (key,) = publish(ns, new_event(article_id="t", title="throttle:1"))
+        done = ns.run_until_idle("webhook", *TIERS, env=hook_env(ns, server), idle=3)
+
+        assert 0 == done.returncode, done.stderr
+        assert f"retry copy sent to {ns.topology('webhook').queue}.retry.1000ms" in done.stderr
+        assert {key: 2} == server.calls()
+        assert {key: 1} == server.effects()
+
+
+def test_run_refuses_a_webhook_without_url_or_with_a_long_read_timeout(ns: Namespace) -> None:
+    """No --webhook-url, or a read timeout not shorter than the first retry delay: one line, exit 2."""
+    missing = ns.cli("run", "--consumer", "webhook", "--db", str(ns.db("webhook")))
+    assert (2, 1) == (missing.returncode, len(missing.stderr.strip().splitlines()))
+    assert "--webhook-url" in missing.stderr
+    long = ns.cli("run", "--consumer", "webhook", "--webhook-url", "http://127.0.0.1:9/", *TIERS,
+                  "--webhook-read-timeout", "0.5")
+    assert 2 == long.returncode and "shorter than the first retry delay" in long.stderr
