@@ -181,3 +181,48 @@ def test_run_refuses_a_webhook_without_url_or_with_a_long_read_timeout(ns: Names
     long = ns.cli("run", "--consumer", "webhook", "--webhook-url", "http://127.0.0.1:9/", *TIERS,
                   "--webhook-read-timeout", "0.5")
     assert 2 == long.returncode and "shorter than the first retry delay" in long.stderr
+
+
+def requeue_dead(ns: Namespace, env: dict[str, str]) -> None:
+    done = ns.cli("dead", "requeue", "--consumer", "webhook", "--db", str(ns.db("webhook")), "--all", env=env)
+    assert 0 == done.returncode, done.stderr
+
+
+def test_retries_exhausted_keep_the_fence_and_a_requeue_continues_with_the_same_key(ns: Namespace) -> None:
+    """After --max-attempts 503s the event is dead-lettered retries-exhausted; after the
+    fix, dead requeue calls again with the same key and the endpoint counts one effect."""
+    with WebhookServer() as server:
+        (key,) = publish(ns, new_event(article_id="down", title="busy:99"))
+        env = hook_env(ns, server)
+        failed = ns.run_until_idle("webhook", *TIERS, "--max-attempts", "2", env=env, idle=2)
+        assert 0 == failed.returncode, failed.stderr
+        assert ("claimed", 2) == (fence_of(ns, key)["state"], fence_of(ns, key)["calls"])
+        server.healed = True
+
+        requeue_dead(ns, env)
+        done = ns.run_until_idle("webhook", *TIERS, env=env)
+
+        assert 0 == done.returncode, done.stderr
+        assert ({key: 3}, {key: 1}) == (server.calls(), server.effects())
+        assert ("done", server.first_id(key)) == (fence_of(ns, key)["state"], fence_of(ns, key)["providerId"])
+        assert 0 == ns.count(ns.topology("webhook").dead_queue)
+
+
+def test_an_outcome_unknown_resolved_by_hand_completes_without_a_call(ns: Namespace) -> None:
+    """outcome-unknown, then fence resolve --provider-id and dead requeue: the receipt
+    is written and the endpoint is not called again."""
+    with WebhookServer(idempotent=False) as server:
+        (key,) = publish(ns, new_event(article_id="slow", title="slow:1.2"))
+        env = hook_env(ns, server)
+        ns.run_until_idle("webhook", *TIERS, "--no-endpoint-idempotent", env=env)
+        resolved = ns.cli("fence", "resolve", key, "--provider-id", "ntf-by-hand", "--db", str(ns.db("webhook")),
+                          env=env)
+        assert 0 == resolved.returncode, resolved.stderr
+
+        requeue_dead(ns, env)
+        done = ns.run_until_idle("webhook", *TIERS, "--no-endpoint-idempotent", env=env)
+
+        assert 0 == done.returncode, done.stderr
+        assert {key: 1} == server.calls()
+        assert [("notified",)] == query(ns.db("webhook"), "SELECT result FROM inbox")
+        assert "ntf-by-hand" == fence_of(ns, key)["providerId"]
