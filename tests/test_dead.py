@@ -282,14 +282,15 @@ def test_requeue_killed_at_random_moments_loses_nothing(ns: Namespace) -> None:
     event is applied exactly once and the dead queue is empty."""
     seed = int(os.environ.get("DEAD_TEST_SEED", random.randrange(1 << 30)))
     rng = random.Random(seed)
-    event_ids = make_dead_letters(ns, 40)
+    event_ids = make_dead_letters(ns, 100)
     topo = ns.topology("catalog")
     cmd = [sys.executable, "-m", "delivery_consumer", "dead", "requeue", "--consumer", "catalog",
            "--db", str(ns.db("catalog")), "--all"]
+    # A whole requeue of 100 takes about 1 s here, start-up (~0.4 s) included.
     for _ in range(3):
         proc = subprocess.Popen(cmd, cwd=ns.workdir, env=ns.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)
-        time.sleep(rng.uniform(0.3, 1.0))
+        time.sleep(rng.uniform(0.5, 1.0))
         proc.send_signal(signal.SIGKILL)
         proc.communicate()
         present = set(ids(ns.peek(topo.dead_queue))) | set(ids(ns.peek(topo.queue)))
@@ -301,7 +302,7 @@ def test_requeue_killed_at_random_moments_loses_nothing(ns: Namespace) -> None:
     assert 0 == ran.returncode, ran.stderr
     applied = query(ns.db("catalog"), "SELECT event_id, result FROM inbox")
     assert sorted((e, "updated") for e in event_ids) == sorted(applied), f"seed {seed}"
-    assert [(40,)] == query(ns.db("catalog"), "SELECT count(*) FROM catalog")
+    assert [(100,)] == query(ns.db("catalog"), "SELECT count(*) FROM catalog")
 
 
 def test_requeue_leaves_a_conflict_and_sends_broker_dead_letters_home(ns: Namespace) -> None:
