@@ -380,6 +380,9 @@ class DispatchConfig:
     #: confirm) and two commits, so small batches cost throughput
     #: (bench/RESULTS_dispatch.md); a crash costs at most one batch of duplicates.
     batch: int = 1000
+    #: A claim also stops at this many body bytes (a body may be 1 MiB), so
+    #: a batch never holds much memory; it always takes at least one row.
+    batch_bytes: int = 16 << 20
     lease_s: float = 60.0
     poll_s: float = 0.5
     exit_when_idle_s: float | None = None
@@ -388,8 +391,8 @@ class DispatchConfig:
     owner: str = field(default_factory=lambda: default_owner())
 
     def __post_init__(self) -> None:
-        if self.batch < 1:
-            raise ValueError("batch must be >= 1")
+        if self.batch < 1 or self.batch_bytes < 1:
+            raise ValueError("batch and batch_bytes must be >= 1")
         if self.lease_s <= 0 or self.poll_s <= 0 or self.retry_base_s <= 0 or self.retry_cap_s <= 0:
             raise ValueError("lease, poll and retry durations must be positive")
 
@@ -492,6 +495,7 @@ class Dispatcher:
             return taken
         with transaction(self.conn) as conn:
             blocked: set[str] = set()
+            size = 0
             cur = conn.execute(
                 "SELECT seq, event_id, routing_key, ordering_key, body, attempts, next_attempt_at, lease_owner,"
                 " lease_until"
@@ -504,6 +508,9 @@ class Dispatcher:
                     if (next_at is not None and next_at > now_s) or (lease_until is not None and lease_until > now_s):
                         blocked.add(key)
                         continue
+                    if taken and size + len(body) > self.config.batch_bytes:
+                        break
+                    size += len(body)
                     taken.append(Claimed(seq, event_id, routing_key, body, attempts))
                     if owner is not None:
                         expired.append((safe_reason(f"lease of {owner} expired before it marked this row",

@@ -276,6 +276,20 @@ def test_a_failing_row_holds_back_its_article_but_not_the_others(conn: sqlite3.C
     assert 0 == outbox.unpublished(conn)
 
 
+def test_a_claim_stops_at_its_byte_budget_but_takes_at_least_one_row(conn: sqlite3.Connection) -> None:
+    """batch_bytes bounds the memory of a batch; a single row larger than the budget still goes alone."""
+    big = {**envelope("big"), "data": {"title": "t", "url": "u", "blob": "x" * 5000}}
+    add(conn, big, envelope("a"), envelope("b"), envelope("c"))
+    clock = Clock()
+    d = dispatcher(conn, FakePublisher(), clock, batch_bytes=1000)
+    assert [1] == [r.seq for r in d.claim()]  # alone: over the budget by itself
+    assert [2, 3, 4] == [r.seq for r in d.claim()]  # about 200 bytes each: all fit
+    d2 = dispatcher(conn, FakePublisher(), clock, batch_bytes=500, owner="other")
+    clock.now += 61  # both leases expired
+    assert [1] == [r.seq for r in d2.claim()]
+    assert [2, 3] == [r.seq for r in d2.claim()]
+
+
 def test_a_row_backoff_grows_with_its_attempts(conn: sqlite3.Connection) -> None:
     """An unroutable row is retried after base*2^(n-1) (jittered into its upper half), capped."""
     event_id = add(conn, envelope())[0]
