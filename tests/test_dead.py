@@ -197,12 +197,18 @@ def test_second_reader_is_refused_while_one_holds_the_queue(ns: Namespace) -> No
 
 def test_requeue_sends_fresh_copies_resolves_rejections_and_applies_once(ns: Namespace) -> None:
     """requeue --code: copies go to the consumer's queue without x-attempts/x-error-*,
-    keeping x-original-routing-key; the dead queue empties, the rejections are
-    resolved, and the next run applies each event once."""
+    keeping x-original-routing-key, with a fresh crash count; the dead queue empties,
+    the rejections are resolved, and the next run applies each event once."""
     event_ids = make_dead_letters(ns, 5)
     topo = ns.topology("catalog")
+    db = ns.db("catalog")
+    conn = sqlite3.connect(db)
+    with conn:  # as if the first one had killed the process twice (a poison message)
+        conn.execute("UPDATE deliveries SET crashes = 2, last_outcome = 'in-flight' WHERE key = ?", (event_ids[0],))
+    conn.close()
     done = requeue(ns, "--code", "invalid-envelope")
     assert 0 == done.returncode, done.stderr
+    assert [(0, "requeued")] == query(db, "SELECT crashes, last_outcome FROM deliveries WHERE key = ?", event_ids[0])
     assert 5 == done.stdout.count("requeued ")
     assert 0 == ns.count(topo.dead_queue)
     copies = ns.peek(topo.queue)
@@ -212,7 +218,6 @@ def test_requeue_sends_fresh_copies_resolves_rejections_and_applies_once(ns: Nam
         assert not {"x-attempts", "x-error-code", "x-error-reason", "x-failed-at", "x-death"} & set(headers)
         assert "material.published" == headers["x-original-routing-key"]
         assert 1 == headers["x-requeues"]
-    db = ns.db("catalog")
     assert [(5, 5)] == query(db, "SELECT count(*), count(resolved_at) FROM rejected")
     ran = ns.run_until_idle("catalog", idle=1)
     assert 0 == ran.returncode, ran.stderr
