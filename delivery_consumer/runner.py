@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import re
 import signal
 import threading
 import time
@@ -154,6 +155,13 @@ def delivery_key(d: Delivery) -> str:
     if d.message_id and len(d.message_id) <= 128:
         return d.message_id
     return "sha256:" + body_digest(d.body)
+
+
+_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def _looks_like_event_id(value: str | None) -> bool:
+    return value is not None and _UUID.fullmatch(value) is not None
 
 
 def _int_header(headers: dict[str, Any], name: str) -> int:
@@ -509,6 +517,10 @@ class Worker(threading.Thread):
                 with self.db.transaction() as tx:
                     for c in dead:
                         assert c.rejection is not None
+                        if c.rejection.event_id is None and _looks_like_event_id(c.delivery.message_id):
+                            # A body refused before its eventId could be read: our
+                            # publishers set message_id = eventId, so trace can find it.
+                            c.rejection.event_id = c.delivery.message_id
                         tx.record_rejection(
                             c.rejection,
                             source=f"amqp:{self.topology.queue}",

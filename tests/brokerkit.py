@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -60,6 +61,39 @@ def amqp_url() -> str:
             pytest.fail(f"RabbitMQ is required (DELIVERY_REQUIRE_BROKER) but unreachable at {url}")
         pytest.skip(f"RabbitMQ unreachable at {url}; set DELIVERY_REQUIRE_BROKER=1 to fail instead")
     return url
+
+
+class RunProcess(subprocess.Popen[str]):
+    """A child process whose stdout and stderr are read continuously by two
+    threads, so that a chatty process never blocks on a full pipe (a consumer
+    logging a line per batch fills 64 KiB in a few thousand events);
+    :meth:`communicate` returns everything it wrote, as usual."""
+
+    def __init__(self, cmd: Sequence[str], *, cwd: Path, env: dict[str, str]) -> None:
+        super().__init__(list(cmd), cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+        self._chunks: dict[str, list[str]] = {"out": [], "err": []}
+        self._readers = [
+            threading.Thread(target=self._drain, args=(stream, self._chunks[name]), daemon=True)
+            for name, stream in (("out", self.stdout), ("err", self.stderr))
+        ]
+        for reader in self._readers:
+            reader.start()
+
+    @staticmethod
+    def _drain(stream: Any, sink: list[str]) -> None:
+        for line in stream:
+            sink.append(line)
+
+    def output(self) -> tuple[str, str]:
+        """What the process wrote so far (stdout, stderr)."""
+        return "".join(self._chunks["out"]), "".join(self._chunks["err"])
+
+    def communicate(self, input: Any = None, timeout: float | None = None) -> tuple[str, str]:
+        self.wait(timeout)
+        for reader in self._readers:
+            reader.join()
+        return self.output()
 
 
 @dataclass
@@ -194,12 +228,11 @@ class Namespace:
             capture_output=True, text=True, timeout=timeout, input=input.decode() if input else None,
         )
 
-    def start_run(self, consumer: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    def start_run(self, consumer: str, *args: str, env: dict[str, str] | None = None) -> RunProcess:
         """Start ``delivery-consumer run`` as a real process (its own session, for SIGKILL)."""
         cmd = [sys.executable, "-m", "delivery_consumer", "run", "--consumer", consumer,
                "--db", str(self.db(consumer)), *args]
-        return subprocess.Popen(cmd, cwd=self.workdir, env=env or self.env(), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        return RunProcess(cmd, cwd=self.workdir, env=env or self.env())
 
     def run_until_idle(self, consumer: str, *args: str, idle: float = 1.5, timeout: float = 120,
                        env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -222,7 +255,7 @@ def ns(amqp_url: str, tmp_path: Path) -> Iterator[Namespace]:
     space.delete()
 
 
-def kill(proc: subprocess.Popen[str]) -> None:
+def kill(proc: RunProcess) -> None:
     """SIGKILL a process started by :meth:`Namespace.start_run` and reap it."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
