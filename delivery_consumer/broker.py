@@ -930,3 +930,106 @@ class DeadQueue:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# =============================================================================
+# Overlapping batches for the outbox dispatcher (issue 5). Kept in this
+# section, apart from the rest of the module.
+#
+# Publisher.publish() returns when the last confirm of its batch is in, so a
+# caller publishing batch after batch leaves the broker idle at every batch
+# boundary: while the tail of the confirms comes back, and while the caller
+# does its own work between batches (the dispatcher: two SQLite commits).
+# StreamPublisher lets the next batch follow on the same channel before the
+# previous one is settled: send() queues a batch and returns; collect() runs
+# the loop until that batch is settled (later batches keep flowing) and
+# returns its results. One channel, one window: the broker receives the
+# batches in the order they were sent. It builds on Publisher's own state
+# (window, confirm and return tracking); publish() keeps its contract.
+# =============================================================================
+
+
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    """A batch given to :meth:`StreamPublisher.send`: absolute message indexes."""
+
+    start: int
+    end: int
+
+
+class StreamPublisher(Publisher):
+    """Publisher whose batches overlap; collect them in the order sent.
+
+    Connection loss is not raised by :meth:`collect`: the batch comes back
+    ``unconfirmed`` (or "not sent"), and so do the batches sent after it,
+    which the caller must collect before it connects again. BrokerFatal is
+    raised.
+    """
+
+    def __init__(self, url: str = DEFAULT_URL, **kwargs: Any) -> None:
+        super().__init__(url, **kwargs)
+        self._batch: list[OutMessage] = []
+        self._offset = 0  # absolute index of self._batch[0]
+        self._broken: str | None = None  # why the connection was given up
+
+    def connect(self) -> None:
+        if self._broken is not None:
+            if self._batch:
+                raise RuntimeError("collect every batch sent before connecting again")
+            self._broken = None
+            self._next, self._pending = 0, {}
+        super().connect()
+
+    def send(self, messages: Sequence[OutMessage]) -> Ticket:
+        """Queue *messages* behind everything sent so far; returns at once
+        (the loop, and with it the sending, runs inside :meth:`collect` and
+        :meth:`idle`). Call :meth:`connect` first."""
+        start = self._offset + len(self._batch)
+        self._batch.extend(messages)
+        self._results.extend([None] * len(messages))
+        if self._broken is None:
+            self._pump()
+        return Ticket(start, start + len(messages))
+
+    def collect(self, ticket: Ticket) -> list[PublishResult]:
+        """Wait until every message of *ticket* is settled; its results, in order.
+
+        Tickets are collected in the order they were sent.
+        """
+        if ticket.start != self._offset:
+            raise ValueError("collect batches in the order they were sent")
+        end = ticket.end - self._offset
+
+        def settled() -> bool:  # pending is in sending order: its first entry is the oldest
+            return self._next >= end and (not self._pending or next(iter(self._pending.values())) >= end)
+
+        if self._broken is None and not self._ready:
+            self._broken = "not connected"
+        if self._broken is None:
+            self._run_until(settled, "confirm messages")
+            if self._error is not None:
+                error, self._error = self._error, None
+                self._broken = str(error)
+                self._abort()  # closing marks every pending message unconfirmed
+                if isinstance(error, BrokerFatal):
+                    raise error
+        reason = f"not sent: {self._broken}"
+        results = [r if r is not None else PublishResult("unconfirmed", reason) for r in self._results[:end]]
+        del self._batch[:end], self._results[:end]
+        self._next = max(0, self._next - end)
+        self._pending = {tag: index - end for tag, index in self._pending.items()}
+        self._offset = ticket.end
+        return results
+
+    def __enter__(self) -> StreamPublisher:
+        return self
+
+    def publish(self, messages: Sequence[OutMessage]) -> list[PublishResult]:
+        """Publisher.publish's contract: one call, one settled batch."""
+        if not messages:
+            return []
+        try:
+            self.connect()
+        except BrokerUnavailable as exc:
+            return [PublishResult("unconfirmed", str(exc)) for _ in messages]
+        return self.collect(self.send(messages))
