@@ -29,21 +29,31 @@ The outbox is a guest in the producer's database, so it does not touch
 ``version`` of the table ``outbox_meta``, with forward-only migrations like
 the store's.
 
+Rounds
+------
+A round claims a batch (``batch`` rows, at most 16 MiB of bodies), sends it
+through :class:`~delivery_consumer.broker.StreamPublisher`, and -- once its
+confirms are all in -- marks it. Up to ``depth`` batches (2 by default) are in
+flight: the next one is claimed and sent behind the previous one on the same
+channel while that one waits for its confirms, so the broker never idles at
+a batch boundary (``bench/bench_dispatch.py``). Batches are collected and
+marked in the order they were sent.
+
 Lease (several dispatchers on one database)
 -------------------------------------------
-A dispatcher *claims* up to ``batch`` rows in one ``BEGIN IMMEDIATE``
-transaction by writing its owner id (``host:pid:random``) and ``lease_until
-= now + lease``; other dispatchers skip leased rows, so in normal operation
-no row is published by two dispatchers at once. The publisher's timeouts are
-kept below a third of the lease, so a live dispatcher marks its rows long
-before its lease ends. Marking clears the lease.
+A dispatcher *claims* rows in one ``BEGIN IMMEDIATE`` transaction by writing
+its owner id (``host:pid:random``) and ``lease_until = now + lease``; other
+dispatchers skip leased rows, so in normal operation no row is published by
+two dispatchers at once. The publisher's timeout is ``lease / (depth + 2)``
+(at most 30 s), so a live dispatcher connects and collects every batch in
+flight well before its leases end. Marking clears the lease.
 
-* A dispatcher that **dies** holding a lease leaves its rows unpublished
-  and leased: they wait until ``lease_until`` (``--lease``, 60 s by
-  default) and are then claimed again, by any dispatcher. Rows the dead one
-  had already got confirmed are published a second time: one duplicate,
-  which the consumer's inbox absorbs. The new claim records
-  ``last_error = "lease of <owner> expired ..."`` so the operator can see it.
+* A dispatcher that **dies** holding leases (at most ``depth`` batches)
+  leaves those rows unpublished and leased: they wait until ``lease_until``
+  (``--lease``, 60 s by default) and are then claimed again, by any
+  dispatcher. Rows the dead one had already sent are published a second
+  time: one duplicate each, which the consumer's inbox absorbs. The new
+  claim records ``last_error = "lease of <owner> expired ..."``.
 * A dispatcher **stalled** past its lease (SIGSTOP, a paused VM) can find
   another one publishing the same rows: duplicates, never a loss. Its late
   marks cannot undo the other's work: ``published_at`` is only ever set
@@ -52,18 +62,19 @@ before its lease ends. Marking clears the lease.
 
 Ordering guarantee
 ------------------
-Rows are claimed in creation order and published in that order on one
-channel, so first publications reach the broker in creation order. A row
-whose publication fails (unroutable, nacked, unconfirmed) leaves the stream
-and is retried after its own backoff; it does not hold up the other rows.
+Rows are claimed in creation order and sent in that order on one channel,
+so first publications reach the broker in creation order. A row whose
+publication fails (unroutable, nacked, unconfirmed) leaves the stream and is
+retried after its own backoff; it does not hold up the other rows.
 Within one **ordering key** (the articleId) order is kept: a row is never
-claimed while an earlier unpublished row of its key is leased by another
-dispatcher or waiting for its backoff, so the later events of a failing
-article wait for it, while other articles go on. The one exception: rows of
-the same key *in the same batch* are already on the wire when the earlier
-one fails, so they overtake it (consumers order by ``revision``, which makes
-this harmless for the catalog). After a connection loss the unconfirmed
-rows are published again, possibly behind later ones and possibly twice.
+claimed while an earlier unpublished row of its key is leased (by another
+dispatcher, or by this one's batch in flight) or waiting for its backoff, so
+the later events of a failing article wait for it while other articles go
+on. The one exception: rows of the same key *in the same batch* are already
+on the wire when the earlier one fails, so they overtake it (consumers order
+by ``revision``, which makes this harmless for the catalog). After a
+connection loss the unconfirmed rows are published again, possibly behind
+later ones and possibly twice.
 
 Failures
 --------
@@ -73,16 +84,20 @@ Failures
 * returned (unroutable) or nacked -> ``attempts + 1``, a short safe
   ``last_error``, ``next_attempt_at = now + backoff(attempts)`` for that row;
 * unconfirmed (the connection died with the message in flight) ->
-  ``attempts + 1`` and ``last_error``, the lease is released, and the
-  dispatcher backs off as for an outage before claiming again;
-* fatal broker errors (credentials, vhost, permissions) -> the leases are
-  released and :class:`~delivery_consumer.broker.BrokerFatal` propagates.
+  ``attempts + 1`` and ``last_error`` for it and every batch behind it, the
+  leases are released, and the dispatcher backs off as for an outage;
+* the database busy past its timeout -> backoff and retry; a batch sent but
+  not marked keeps its lease and goes again after it (duplicates, no loss);
+* fatal broker errors (credentials, vhost, permissions) -> the leases in
+  flight are released and :class:`~delivery_consumer.broker.BrokerFatal`
+  propagates.
 
 Crash points (:func:`delivery_consumer.faults.crashpoint`):
-``dispatch-before-publish`` (rows leased, nothing sent),
-``dispatch-after-confirm`` (every confirm in, nothing marked) and
-``dispatch-mid-batch`` (half of the batch marked inside the uncommitted
-mark transaction: the whole mark is lost, none of it half-applied).
+``dispatch-before-publish`` (a batch leased, not sent), ``dispatch-after-confirm``
+(a batch's confirms all in, not marked; the batch behind it possibly sent)
+and ``dispatch-mid-batch`` (half of a batch marked inside the uncommitted mark
+transaction: the whole mark is lost, none of it half-applied). Whatever the
+moment of a SIGKILL, at most ``depth * batch`` rows are published twice.
 
 pika is never imported here: :mod:`delivery_consumer.broker` is imported
 lazily by the dispatcher, so producers calling :func:`enqueue` and the
@@ -97,7 +112,7 @@ import secrets
 import socket
 import sqlite3
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
@@ -352,11 +367,14 @@ def enqueue(
 
 
 class PublisherLike(Protocol):
-    """What the dispatcher needs of :class:`delivery_consumer.broker.Publisher`."""
+    """What the dispatcher needs of :class:`delivery_consumer.broker.StreamPublisher`:
+    batches sent one behind the other on one channel, collected in order."""
 
     def connect(self) -> None: ...
 
-    def publish(self, messages: Sequence[OutMessage]) -> list[PublishResult]: ...
+    def send(self, messages: Sequence[OutMessage]) -> Any: ...
+
+    def collect(self, ticket: Any) -> list[PublishResult]: ...
 
     def idle(self, seconds: float) -> None: ...
 
@@ -376,13 +394,16 @@ class DispatchConfig:
     """How the dispatcher works; every duration in seconds."""
 
     exchange: str
-    #: Rows per round. Each round ends with the pipeline drained (its last
-    #: confirm) and two commits, so small batches cost throughput
-    #: (bench/RESULTS_dispatch.md); a crash costs at most one batch of duplicates.
+    #: Rows per batch: each batch costs two commits (lease, mark), so small
+    #: batches cost throughput (bench/RESULTS_dispatch.md).
     batch: int = 1000
     #: A claim also stops at this many body bytes (a body may be 1 MiB), so
     #: a batch never holds much memory; it always takes at least one row.
     batch_bytes: int = 16 << 20
+    #: Batches in flight: the next batch is claimed and sent while the one
+    #: before waits for its confirms, so the broker never idles at a batch
+    #: boundary. A crash duplicates at most depth * batch rows.
+    depth: int = 2
     lease_s: float = 60.0
     poll_s: float = 0.5
     exit_when_idle_s: float | None = None
@@ -391,16 +412,17 @@ class DispatchConfig:
     owner: str = field(default_factory=lambda: default_owner())
 
     def __post_init__(self) -> None:
-        if self.batch < 1 or self.batch_bytes < 1:
-            raise ValueError("batch and batch_bytes must be >= 1")
+        if self.batch < 1 or self.batch_bytes < 1 or self.depth < 1:
+            raise ValueError("batch, batch_bytes and depth must be >= 1")
         if self.lease_s <= 0 or self.poll_s <= 0 or self.retry_base_s <= 0 or self.retry_cap_s <= 0:
             raise ValueError("lease, poll and retry durations must be positive")
 
     @property
     def publish_timeout_s(self) -> float:
-        """The publisher's timeout: a connect plus a batch's confirms fit
-        twice in the lease, so a live dispatcher never outlives its lease."""
-        return max(0.5, min(30.0, self.lease_s / 3))
+        """The publisher's timeout: a connect plus the confirms of every
+        batch in flight fit in the lease with room to spare, so a live
+        dispatcher never outlives its lease."""
+        return max(0.5, min(30.0, self.lease_s / (self.depth + 2)))
 
 
 def default_owner() -> str:
@@ -468,6 +490,7 @@ class Dispatcher:
         self._failures = 0  # consecutive broker failures, for the backoff
         self._db_failures = 0  # consecutive database-busy failures
         self._connected = False
+        self._inflight: deque[tuple[list[Claimed], Any]] = deque()  # sent, not yet collected
 
     def stop(self) -> None:
         """Finish the current batch, then let :meth:`run` return (signal-safe)."""
@@ -578,10 +601,12 @@ class Dispatcher:
     # -- the loop --
 
     def step(self) -> int:
-        """One pass: connect if needed, claim, publish, mark.
+        """One round: connect if needed; claim and send batches until
+        ``depth`` are in flight; collect the oldest and mark it.
 
-        Returns the number of rows claimed (0: nothing to do, or the broker
-        is unreachable and the backoff was waited). Raises BrokerFatal.
+        Returns the number of rows marked (0: nothing in flight, or the
+        broker is unreachable and the backoff was waited). Raises BrokerFatal
+        (every lease in flight released).
         """
         from .broker import BrokerUnavailable, OutMessage
 
@@ -592,22 +617,54 @@ class Dispatcher:
                 self._outage(str(exc))
                 return 0
             self._connected = True
-        rows = self.claim()
-        if not rows:
+        while len(self._inflight) < self.config.depth and not self.stopping:
+            rows = self.claim()  # a busy database raises here; what is in flight stays in flight
+            if not rows:
+                break
+            if not self.stats.batches and not self._inflight:
+                self.stats.first_claim = time.perf_counter()
+            crashpoint("dispatch-before-publish")
+            exchange = self.config.exchange
+            try:
+                ticket = self.publisher.send([OutMessage(routing_key=r.routing_key, body=r.body,
+                                                         exchange=exchange, message_id=r.event_id) for r in rows])
+            except BaseException:
+                self._abandon(rows)
+                raise
+            self._inflight.append((rows, ticket))
+        if not self._inflight:
             return 0
-        if not self.stats.batches:
-            self.stats.first_claim = time.perf_counter()
-        crashpoint("dispatch-before-publish")
-        messages = [OutMessage(routing_key=r.routing_key, body=r.body, exchange=self.config.exchange,
-                               message_id=r.event_id) for r in rows]
+        rows, ticket = self._inflight[0]
         try:
-            results = self.publisher.publish(messages)
+            results = self.publisher.collect(ticket)
         except BaseException:
-            self._connected = False
-            with suppress(DeliveryError):
-                self.release(rows)
+            self._abandon([])
             raise
+        self._inflight.popleft()
         crashpoint("dispatch-after-confirm")
+        self._settle(rows, results)
+        lost = next((r.reason for r in results if r.status == "unconfirmed"), None)
+        if lost is None:
+            self._failures = 0
+            return len(rows)
+        # The connection is gone: the batches behind this one come back at
+        # once (unconfirmed, or not sent); record them, then wait it out.
+        self._connected = False
+        while self._inflight:
+            later, ticket = self._inflight.popleft()
+            self._settle(later, self.publisher.collect(ticket))
+        self._outage(lost)
+        return len(rows)
+
+    def _abandon(self, rows: list[Claimed]) -> None:
+        """The publisher failed for good (BrokerFatal, an interrupt): give up
+        the leases of *rows* and of every batch in flight."""
+        self._connected = False
+        with suppress(DeliveryError):
+            self.release([*rows, *(row for batch, _ in self._inflight for row in batch)])
+        self._inflight.clear()
+
+    def _settle(self, rows: list[Claimed], results: list[PublishResult]) -> None:
         self.mark(rows, results)
         self.stats.last_mark = time.perf_counter()
         self.stats.batches += 1
@@ -615,13 +672,7 @@ class Dispatcher:
         bad = [(row, r) for row, r in zip(rows, results, strict=True) if not r.ok]
         for row, r in bad[:3]:
             log.warning("%s not published: %s %s", row.event_id, r.status, r.reason)
-        if any(r.status == "unconfirmed" for _, r in bad):
-            self._connected = False
-            self._outage(next(r.reason for _, r in bad if r.status == "unconfirmed"))
-        else:
-            self._failures = 0
         log.debug("batch of %d: %d confirmed", len(rows), len(rows) - len(bad))
-        return len(rows)
 
     def _outage(self, why: str) -> None:
         self._failures += 1
@@ -663,7 +714,7 @@ class Dispatcher:
         BrokerFatal and DatabaseError propagate.
         """
         idle_since: float | None = None
-        while not self.stopping:
+        while not self.stopping or self._inflight:  # a stop still settles what is in flight
             try:
                 claimed = self.step()
             except TransientError as exc:

@@ -57,14 +57,15 @@ class Clock:
 
 
 class FakePublisher:
-    """broker.Publisher's interface; verdicts scripted per eventId."""
+    """broker.StreamPublisher's interface; verdicts scripted per eventId."""
 
     def __init__(self) -> None:
         self.down = 0  # connect() fails this many more times
         self.connects = 0
         self.verdicts: dict[str, str] = {}  # eventId -> status other than confirmed
         self.sent: list[OutMessage] = []
-        self.raise_on_publish: BaseException | None = None
+        self.log: list[tuple[str, list[str]]] = []  # ("send" | "collect", eventIds)
+        self.raise_on_collect: BaseException | None = None
         self.idled: list[float] = []
 
     def connect(self) -> None:
@@ -73,17 +74,22 @@ class FakePublisher:
             self.down -= 1
             raise BrokerUnavailable("broker unreachable: connection refused")
 
-    def publish(self, messages: Sequence[OutMessage]) -> list[PublishResult]:
-        if self.raise_on_publish is not None:
-            raise self.raise_on_publish
+    def send(self, messages: Sequence[OutMessage]) -> list[tuple[str, PublishResult]]:
         self.sent.extend(messages)
-        results = []
+        self.log.append(("send", [m.message_id or "" for m in messages]))
+        ticket = []
         for msg in messages:
             status = self.verdicts.get(msg.message_id or "", "confirmed")
             reason = {"returned": "unroutable: 312 NO_ROUTE", "nacked": "the broker could not store the message",
                       "unconfirmed": "connection lost"}.get(status, "")
-            results.append(PublishResult(status, reason))
-        return results
+            ticket.append((msg.message_id or "", PublishResult(status, reason)))
+        return ticket
+
+    def collect(self, ticket: list[tuple[str, PublishResult]]) -> list[PublishResult]:
+        if self.raise_on_collect is not None:
+            raise self.raise_on_collect
+        self.log.append(("collect", [event_id for event_id, _ in ticket]))
+        return [result for _, result in ticket]
 
     def idle(self, seconds: float) -> None:
         self.idled.append(seconds)
@@ -256,6 +262,33 @@ def test_rows_go_out_in_creation_order_and_only_confirmed_ones_are_marked(conn: 
             assert r["lastError"] is None
 
 
+def test_the_next_batch_is_sent_before_the_previous_is_marked_but_never_overtakes_its_article(
+    conn: sqlite3.Connection,
+) -> None:
+    """With two batches in flight, an article whose row is in flight is left out of the next batch."""
+    a1, b1, a2, c1 = add(conn, envelope("a", 1), envelope("b", 1), envelope("a", 2), envelope("c", 1))
+    pub, clock = FakePublisher(), Clock()
+    d = dispatcher(conn, pub, clock, batch=2, depth=2)
+    assert 2 == d.step()
+    assert [("send", [a1, b1]), ("send", [c1]), ("collect", [a1, b1])] == pub.log
+    assert 1 == d.step()
+    assert 1 == d.step()
+    assert [("send", [a2]), ("collect", [c1]), ("collect", [a2])] == pub.log[3:]
+    assert 0 == outbox.unpublished(conn)
+
+
+def test_a_stop_settles_the_batches_in_flight_and_claims_no_more(conn: sqlite3.Connection) -> None:
+    """After stop(), run() collects and marks what was sent, leaves the rest unleased, and returns."""
+    ids = add(conn, *(envelope(f"a{i}") for i in range(5)))
+    pub, clock = FakePublisher(), Clock()
+    d = dispatcher(conn, pub, clock, batch=2, depth=2)
+    d.step()  # [a0 a1] marked, [a2 a3] in flight
+    d.stop()
+    d.run()
+    assert ids[:4] == [r["eventId"] for r in reversed(outbox.list_rows(conn, state="published"))]
+    assert (None, 0) == (row(conn, ids[4])["leaseOwner"], row(conn, ids[4])["attempts"])
+
+
 def test_a_failing_row_holds_back_its_article_but_not_the_others(conn: sqlite3.Connection) -> None:
     """While a row waits for its backoff, later rows of its article wait too; other articles go on."""
     first = add(conn, envelope("a", 1))[0]
@@ -325,19 +358,21 @@ def test_a_broker_outage_is_waited_out_with_backoff_and_touches_no_row(conn: sql
 
 
 def test_unconfirmed_rows_are_released_and_the_dispatcher_backs_off(conn: sqlite3.Connection) -> None:
-    """A connection lost mid-batch: no published_at, lease released, no per-row backoff, a pause before reconnecting."""
+    """A connection lost: both batches in flight keep published_at empty, release their leases, no per-row
+    backoff, one pause before reconnecting."""
     ids = add(conn, envelope("a"), envelope("b"))
     pub, clock = FakePublisher(), Clock()
     pub.verdicts = {ids[0]: "unconfirmed", ids[1]: "unconfirmed"}
-    d = dispatcher(conn, pub, clock)
+    d = dispatcher(conn, pub, clock, batch=1, depth=2)
     d.step()
+    assert [("send", ids[:1]), ("send", ids[1:]), ("collect", ids[:1]), ("collect", ids[1:])] == pub.log
     for event_id in ids:
         r = row(conn, event_id)
         assert (None, None, None, 1) == (r["publishedAt"], r["leaseOwner"], r["nextAttemptAt"], r["attempts"])
         assert r["lastError"].startswith("unconfirmed")
     assert 1 == len(clock.slept)
     pub.verdicts.clear()
-    assert 2 == d.step()
+    assert [1, 1] == [d.step(), d.step()]
     assert 2 == pub.connects  # it reconnected before claiming again
     assert 0 == outbox.unpublished(conn)
 
@@ -405,7 +440,7 @@ def test_a_fatal_broker_error_releases_the_leases(conn: sqlite3.Connection) -> N
     """BrokerFatal while publishing propagates, and the claimed rows are free for the next dispatcher."""
     event_id = add(conn, envelope())[0]
     pub, clock = FakePublisher(), Clock()
-    pub.raise_on_publish = BrokerFatal("access refused")
+    pub.raise_on_collect = BrokerFatal("access refused")
     with pytest.raises(BrokerFatal):
         dispatcher(conn, pub, clock).step()
     r = row(conn, event_id)
@@ -473,7 +508,7 @@ def test_list_stats_show_and_prune(conn: sqlite3.Connection) -> None:
     ids = add(conn, *(envelope(f"a{i}") for i in range(4)))
     pub, clock = FakePublisher(), Clock()
     pub.verdicts[ids[2]] = "returned"
-    d = dispatcher(conn, pub, clock, batch=3)
+    d = dispatcher(conn, pub, clock, batch=3, depth=1)
     d.step()  # a0, a1 published, a2 returned; a3 untouched
     states = {r["eventId"]: r["state"] for r in outbox.list_rows(conn, now=clock.now)}
     assert {ids[0]: "published", ids[1]: "published", ids[2]: "retrying", ids[3]: "pending"} == states

@@ -113,41 +113,47 @@ def test_crash_before_publishing_sends_nothing_and_loses_nothing(ns: Namespace) 
 
 
 def test_crash_after_confirm_before_marking_gives_one_duplicate_absorbed_by_the_inbox(ns: Namespace) -> None:
-    """SIGKILL between the confirms and the mark: that batch is published twice and applied once."""
+    """SIGKILL between the confirms and the mark: what was sent goes twice and is applied once."""
     db = ns.workdir / "producer.db"
-    ids = make_events(db, 300)
+    ids = make_events(db, 300, articles=1000)
     crashed = dispatch(ns, db, "--batch", "100", "--lease", "1s", crash_at="dispatch-after-confirm")
     assert CRASHED == crashed.returncode, crashed.stderr[-2000:]
     assert 0 == published(db)
-    assert 100 == ns.count(ns.topology("catalog").queue)
+    at_crash = ns.count(ns.topology("catalog").queue)
+    assert 100 <= at_crash <= 200  # the first batch, and whatever of the second (in flight) got there
     done = dispatch(ns, db, "--batch", "100", "--lease", "1s", "--exit-when-idle", "1500ms", "--poll", "100ms")
     assert 0 == done.returncode, done.stderr[-2000:]
     assert 300 == published(db)
-    assert 400 == ns.count(ns.topology("catalog").queue)
     deliveries = consume(ns, db, ids)
-    assert Counter({2: 100, 1: 200}) == Counter(deliveries.values())
-    assert set(ids[:100]) == {i for i, n in deliveries.items() if n == 2}  # the first batch, in creation order
+    twice = {i for i, n in deliveries.items() if n == 2}
+    assert {1, 2} >= set(deliveries.values())
+    assert set(ids[:100]) <= twice  # the first batch, in creation order
+    assert len(twice) >= at_crash
 
 
 def test_crash_in_the_middle_of_marking_a_batch_leaves_none_of_it_marked(ns: Namespace) -> None:
     """SIGKILL halfway through marking the second batch: the first stays marked, the second is not half-marked."""
     db = ns.workdir / "producer.db"
-    ids = make_events(db, 300)
+    ids = make_events(db, 300, articles=1000)
     crashed = dispatch(ns, db, "--batch", "100", "--lease", "1s", crash_at="dispatch-mid-batch:2")
     assert CRASHED == crashed.returncode, crashed.stderr[-2000:]
-    assert {r[0] for r in sql(db, "SELECT event_id FROM outbox WHERE published_at IS NOT NULL")} == set(ids[:100])
-    assert 200 == ns.count(ns.topology("catalog").queue)
+    marked = {r[0] for r in sql(db, "SELECT event_id FROM outbox WHERE published_at IS NOT NULL")}
+    assert set(ids[:100]) == marked
+    at_crash = ns.count(ns.topology("catalog").queue)
+    assert 200 <= at_crash <= 300
     done = dispatch(ns, db, "--batch", "100", "--lease", "1s", "--exit-when-idle", "1500ms", "--poll", "100ms")
     assert 0 == done.returncode, done.stderr[-2000:]
     copies = queued_ids(ns)
-    assert set(ids[100:200]) == {i for i, n in copies.items() if n == 2}
-    assert 400 == sum(copies.values())
+    twice = {i for i, n in copies.items() if n == 2}
+    assert {1, 2} >= set(copies.values())
+    assert not twice & marked  # the marked batch is never sent again
+    assert len(twice) >= at_crash - 100  # every copy of the unmarked batches goes again
 
 
 def test_sigkill_at_random_moments_loses_nothing(ns: Namespace) -> None:
     """Dispatchers SIGKILLed at random while publishing: every event reaches the catalog, applied once."""
     db = ns.workdir / "producer.db"
-    ids = make_events(db, 2000, seed=7)
+    ids = make_events(db, 2000, articles=500, seed=7)
     rng = random.Random(7)
     kills = 0
     for _ in range(3):
@@ -166,7 +172,7 @@ def test_sigkill_at_random_moments_loses_nothing(ns: Namespace) -> None:
     assert 0 == done.returncode, done.stderr[-2000:]
     assert len(ids) == published(db)
     deliveries = consume(ns, db, ids)
-    assert sum(deliveries.values()) - len(ids) <= 3 * 25  # at most the batch each killed dispatcher had in flight
+    assert sum(deliveries.values()) - len(ids) <= 3 * 2 * 25  # at most the batches each killed one had in flight
 
 
 def test_two_dispatchers_on_one_database_publish_each_row_once(ns: Namespace) -> None:

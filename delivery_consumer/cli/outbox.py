@@ -76,7 +76,9 @@ def reading(db_path: Path) -> Iterator[sqlite3.Connection]:
 @click.option("--consumer", "-c", "declare_for", multiple=True,
               help="Also declare this consumer's queues, so that messages wait for it (repeatable).")
 @click.option("--batch", default=1000, show_default=True, type=click.IntRange(1, 10_000),
-              help="Rows claimed (leased) and published per round; a crash duplicates at most one batch.")
+              help="Rows claimed (leased) and published per round; a crash duplicates at most depth batches.")
+@click.option("--depth", default=2, show_default=True, type=click.IntRange(1, 8),
+              help="Batches in flight: the next is sent while the one before waits for its confirms.")
 @click.option("--lease", "lease_s", default="60s", show_default=True, callback=_duration,
               help="How long a claim is held; a dispatcher killed holding one delays its rows this long.")
 @click.option("--poll", "poll_s", default="500ms", show_default=True, callback=_duration,
@@ -91,7 +93,7 @@ def reading(db_path: Path) -> Iterator[sqlite3.Connection]:
               type=click.Choice(["debug", "info", "warning", "error"]))
 @handle_errors
 def dispatch(db_path: Path, amqp_url: str, exchange: str, queue_prefix: str, declare_for: tuple[str, ...],
-             batch: int, lease_s: float, poll_s: float, retry_base_s: float, retry_cap_s: float,
+             batch: int, depth: int, lease_s: float, poll_s: float, retry_base_s: float, retry_cap_s: float,
              exit_when_idle_s: float | None, log_level: str) -> None:
     """Publish the outbox's unpublished rows, in creation order.
 
@@ -102,18 +104,18 @@ def dispatch(db_path: Path, amqp_url: str, exchange: str, queue_prefix: str, dec
     publishes. Runs until SIGTERM/SIGINT (finishes the current batch) or
     --exit-when-idle.
     """
-    from ..broker import BrokerFatal, Publisher
+    from ..broker import BrokerFatal, StreamPublisher
 
     _setup_logging(log_level)
     try:
         topologies = [_topology(c, exchange, queue_prefix) for c in declare_for]
         config = outbox_lib.DispatchConfig(
-            exchange=exchange, batch=batch, lease_s=lease_s, poll_s=poll_s, retry_base_s=retry_base_s,
+            exchange=exchange, batch=batch, depth=depth, lease_s=lease_s, poll_s=poll_s, retry_base_s=retry_base_s,
             retry_cap_s=retry_cap_s, exit_when_idle_s=exit_when_idle_s)
     except (ConfigError, ValueError) as exc:
         raise click.BadParameter(str(exc)) from None
     with closing(outbox_lib.connect(db_path)) as conn:
-        publisher = Publisher(amqp_url, topologies=topologies, exchanges=[exchange],
+        publisher = StreamPublisher(amqp_url, topologies=topologies, exchanges=[exchange],
                               name=f"delivery-consumer dispatch {config.owner}",
                               timeout_s=config.publish_timeout_s, window=min(1000, batch))
         dispatcher = outbox_lib.Dispatcher(conn, publisher, config)
@@ -126,8 +128,8 @@ def dispatch(db_path: Path, amqp_url: str, exchange: str, queue_prefix: str, dec
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
-        log.info("dispatching %s to %s as %s (batch %d, lease %gs)", db_path, exchange, config.owner, batch,
-                 config.lease_s)
+        log.info("dispatching %s to %s as %s (batch %d, depth %d, lease %gs)", db_path, exchange, config.owner,
+                 batch, depth, config.lease_s)
         try:
             stats = dispatcher.run()
         except BrokerFatal as exc:
