@@ -71,15 +71,16 @@ def total_size(files: Sequence[str]) -> int:
 
 def _bounded_lines(stream: BinaryIO, limit: int) -> Iterator[bytes]:
     """Lines of *stream* without their end, each cut at ``limit + 1`` bytes."""
+    readline = stream.readline
     while True:
-        line = stream.readline(limit + 2)
+        line = readline(limit + 2)
         if not line:
             return
         if len(line) > limit + 1 and not line.endswith(b"\n"):
             # Too long: keep limit + 1 bytes, drop the rest of the line.
             rest = line
             while rest and not rest.endswith(b"\n"):
-                rest = stream.readline(_CHUNK)
+                rest = readline(_CHUNK)
             yield line[: limit + 1]
             continue
         yield line.rstrip(b"\r\n")
@@ -101,5 +102,6 @@ def read(files: Sequence[str], *, limit: int = MAX_BODY_BYTES, stdin: BinaryIO |
 
 def _lines(name: str, stream: BinaryIO, limit: int) -> Iterator[Item]:
     for number, line in enumerate(_bounded_lines(stream, limit), start=1):
-        if line.strip():
+        # Blank lines are skipped (isspace() of b"" is False: checked first).
+        if line and not line.isspace():
             yield Item(f"{name}:{number}", line)
