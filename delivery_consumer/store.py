@@ -684,6 +684,58 @@ def write_receipt(tx: Transaction, env: Envelope, result: str) -> bool:
     return cur.rowcount == 1
 
 
+class UnsyncedTransaction(Transaction):
+    """A write transaction whose COMMIT is not synced (``synchronous=NORMAL``
+    for this transaction only; the connection goes back to its setting after).
+
+    Only for a transaction that nothing is acknowledged on. It survives a
+    crash of the process like any commit (the WAL is in the OS's cache), and
+    the next ordinary commit makes it durable too: that commit syncs the WAL
+    file, which holds this transaction's frames before its own
+    (https://sqlite.org/wal.html, https://sqlite.org/pragma.html#pragma_synchronous).
+    Only a power loss before that next commit can lose it. The fence's claim
+    uses it (fence.py says why that loss is harmless there).
+    """
+
+    __slots__ = ("_synchronous",)
+
+    def __init__(self, db: ConsumerDB) -> None:
+        super().__init__(db)
+        self._synchronous = 2  # FULL, as _connect sets it
+
+    def __enter__(self) -> Transaction:
+        try:
+            self._synchronous = int(self.conn.execute("PRAGMA synchronous").fetchone()[0])
+            self.conn.execute("PRAGMA synchronous = NORMAL")
+        except sqlite3.Error as exc:
+            raise translate(exc, self.db.path) from None
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._restore()
+            raise
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        try:
+            super().__exit__(exc_type, exc, tb)
+        finally:
+            self._restore()
+
+    def _restore(self) -> None:
+        try:
+            self.conn.execute(f"PRAGMA synchronous = {self._synchronous}")
+        except sqlite3.Error as exc:
+            # Left at NORMAL, later commits could be acknowledged without being durable.
+            raise DatabaseError(f"{self.db.path}: cannot restore PRAGMA synchronous: {exc}") from None
+
+
+def unsynced_transaction(db: ConsumerDB) -> UnsyncedTransaction:
+    """``with unsynced_transaction(db) as tx:`` -- see :class:`UnsyncedTransaction`."""
+    if db.readonly:
+        raise DatabaseError(f"{db.path}: opened read-only")
+    return UnsyncedTransaction(db)
+
+
 __all__ = [
     "ConsumerDB",
     "DeliveryMark",
@@ -694,5 +746,6 @@ __all__ = [
     "default_db_path",
     "now_iso",
     "receipt_of",
+    "unsynced_transaction",
     "write_receipt",
 ]

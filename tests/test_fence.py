@@ -21,7 +21,7 @@ from delivery_consumer.consumers.webhook import Notifier, WebhookConfig, idempot
 from delivery_consumer.envelope import Envelope
 from delivery_consumer.errors import ConfigError, TransientError
 from delivery_consumer.retry import Retry, retry_after_tier
-from delivery_consumer.store import ConsumerDB, DeliveryMark, Outcome
+from delivery_consumer.store import ConsumerDB, DeliveryMark, Outcome, unsynced_transaction
 
 Step = Callable[..., Notifier]
 
@@ -231,6 +231,22 @@ def test_the_same_event_twice_in_a_batch_is_called_once(db: ConsumerDB, server: 
 
     assert ["notified", "duplicate:notified"] == statuses(apply(db, step(), event, event))
     assert 1 == len(server.requests)
+
+
+def test_the_claim_is_not_synced_and_the_connection_goes_back_to_full(
+    db: ConsumerDB, server: WebhookServer, step: Step
+) -> None:
+    """The claim commits with synchronous=NORMAL, for that transaction only: FULL
+    (2) is back after it, after a failing one, and after a whole batch."""
+    with unsynced_transaction(db) as tx:
+        assert 1 == tx.conn.execute("PRAGMA synchronous").fetchone()[0]
+    assert 2 == db.conn.execute("PRAGMA synchronous").fetchone()[0]
+    with pytest.raises(RuntimeError), unsynced_transaction(db):
+        raise RuntimeError("effect failed")
+    assert 2 == db.conn.execute("PRAGMA synchronous").fetchone()[0]
+
+    apply(db, step(), env(event_id=E1))
+    assert 2 == db.conn.execute("PRAGMA synchronous").fetchone()[0]
 
 
 # -- failures ----------------------------------------------------------------------
