@@ -416,10 +416,10 @@ def _conflict(env: Envelope, key: str) -> Rejection:
 
 
 def _unknown(env: Envelope, key: str, why: str) -> Rejection:
+    # Reasons are cut at 200 characters (errors.safe_reason): what to do first, the key last.
     return Rejection(
         OUTCOME_UNKNOWN,
-        f"the endpoint is not idempotent and {why} (fence {key}); not called again: check with the provider, "
-        "then: delivery-consumer fence resolve",
+        f"not idempotent, {why}: not called again; ask the provider, then fence resolve {key}",
         event_id=env.event_id,
         fingerprint=env.fingerprint,
     )
