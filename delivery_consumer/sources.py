@@ -15,9 +15,8 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 from .envelope import MAX_BODY_BYTES
 from .errors import ConfigError
@@ -28,9 +27,9 @@ SUFFIXES = SINGLE_SUFFIXES + LINE_SUFFIXES
 _CHUNK = 1 << 16
 
 
-@dataclass(frozen=True, slots=True)
-class Item:
-    """One body read from a source, with where it came from."""
+class Item(NamedTuple):
+    """One body read from a source, with where it came from (immutable; a
+    NamedTuple because one is made per event, see envelope.Envelope)."""
 
     location: str
     body: bytes
@@ -69,23 +68,6 @@ def total_size(files: Sequence[str]) -> int:
     return sum(os.path.getsize(f) for f in files if f != "-")
 
 
-def _bounded_lines(stream: BinaryIO, limit: int) -> Iterator[bytes]:
-    """Lines of *stream* without their end, each cut at ``limit + 1`` bytes."""
-    readline = stream.readline
-    while True:
-        line = readline(limit + 2)
-        if not line:
-            return
-        if len(line) > limit + 1 and not line.endswith(b"\n"):
-            # Too long: keep limit + 1 bytes, drop the rest of the line.
-            rest = line
-            while rest and not rest.endswith(b"\n"):
-                rest = readline(_CHUNK)
-            yield line[: limit + 1]
-            continue
-        yield line.rstrip(b"\r\n")
-
-
 def read(files: Sequence[str], *, limit: int = MAX_BODY_BYTES, stdin: BinaryIO | None = None) -> Iterator[Item]:
     """Every envelope body in *files* (as returned by :func:`expand`), in order."""
     for name in files:
@@ -101,7 +83,23 @@ def read(files: Sequence[str], *, limit: int = MAX_BODY_BYTES, stdin: BinaryIO |
 
 
 def _lines(name: str, stream: BinaryIO, limit: int) -> Iterator[Item]:
-    for number, line in enumerate(_bounded_lines(stream, limit), start=1):
+    """The non-blank lines of *stream* without their end, each cut at
+    ``limit + 1`` bytes. One generator, not a chain: it runs once per event."""
+    readline = stream.readline
+    number = 0
+    while True:
+        line = readline(limit + 2)
+        if not line:
+            return
+        number += 1
+        if len(line) > limit + 1 and not line.endswith(b"\n"):
+            # Too long: keep limit + 1 bytes, drop the rest of the line.
+            rest = line
+            while rest and not rest.endswith(b"\n"):
+                rest = readline(_CHUNK)
+            line = line[: limit + 1]
+        else:
+            line = line.rstrip(b"\r\n")
         # Blank lines are skipped (isspace() of b"" is False: checked first).
         if line and not line.isspace():
             yield Item(f"{name}:{number}", line)

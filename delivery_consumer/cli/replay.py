@@ -6,6 +6,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import click
 import orjson
@@ -80,9 +81,12 @@ def _isatty(stream: object) -> bool:
 
 def _with_progress(items: Iterator[sources_lib.Item], total: int, stack: ExitStack) -> Iterator[sources_lib.Item]:
     if total < PROGRESS_MIN_BYTES or not sys.stderr.isatty():
-        yield from items
-        return
+        return items  # as they are: no generator layer per event without a bar
     bar = stack.enter_context(click.progressbar(length=total, label="replaying", file=sys.stderr))
+    return _counted(items, bar)
+
+
+def _counted(items: Iterator[sources_lib.Item], bar: Any) -> Iterator[sources_lib.Item]:
     for item in items:
         bar.update(len(item.body) + 1)
         yield item
