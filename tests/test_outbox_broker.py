@@ -20,6 +20,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import pytest
 from brokerkit import Namespace, kill, restart_broker
 
 from delivery_consumer import outbox, producer
@@ -283,6 +284,26 @@ def test_end_to_end_catalog_equals_the_producers_table(ns: Namespace) -> None:
     assert "402 published" in done.stderr
     assert Counter(dict.fromkeys(ids, 1)) == consume(ns, db, ids)
     assert [(0, "Первый")] == sql(ns.db("catalog"), "SELECT published, title FROM catalog WHERE article_id = 'cli-1'")
+
+
+def test_stream_publisher_keeps_the_order_of_overlapping_batches(ns: Namespace) -> None:
+    """Batches sent before the previous one is collected reach the queue in sending order, each result its own."""
+    from delivery_consumer.broker import OutMessage, StreamPublisher
+
+    def batch(tag: str, n: int, key: str = "material.published") -> list[OutMessage]:
+        return [OutMessage(routing_key=key, body=b"{}", exchange=ns.exchange, message_id=f"{tag}{i}")
+                for i in range(n)]
+
+    with StreamPublisher(ns.url, topologies=[ns.topology("catalog")], window=50) as pub:
+        pub.connect()
+        first, second, third = batch("a", 120), batch("b", 3, key="nowhere"), batch("c", 80)
+        tickets = [pub.send(first), pub.send(second), pub.send(third)]
+        with pytest.raises(ValueError, match="order"):
+            pub.collect(tickets[1])
+        results = [pub.collect(t) for t in tickets]
+    assert [{"confirmed"}, {"returned"}, {"confirmed"}] == [{r.status for r in rs} for rs in results]
+    order = [props.message_id for props, _ in ns.drain(ns.topology("catalog").queue)]
+    assert [m.message_id for m in first + third] == order
 
 
 def test_dispatch_with_a_wrong_password_exits_2_with_one_line(ns: Namespace) -> None:

@@ -1,0 +1,329 @@
+"""Benchmark: the outbox dispatcher against publishing directly.
+
+In one run, on the same broker and the same quorum queue (deleted and
+declared again before every measurement), the same 20,000 events:
+
+* **one confirm per message** -- pika ``BlockingConnection`` with
+  ``confirm_delivery()``: each ``basic_publish`` waits for its confirm;
+* **pipelined publish** -- ``broker.Publisher.publish`` of all the events
+  (window 1000), which is what ``delivery-consumer publish`` does once it
+  has read and validated its files;
+* **dispatch** -- ``outbox.Dispatcher`` draining an outbox of the same
+  events: per batch, a lease transaction, a pipelined publish and a mark
+  transaction (WAL + synchronous=FULL), for several ``--batch`` sizes with
+  two batches in flight (the default), and with one (``--depth 1``: each
+  batch settled before the next is sent).
+
+The library figures run in this process on an already open connection and
+time only the publishing work. The command figures time whole processes:
+``delivery-consumer publish FILE`` (start-up, reading and validating the
+file) against ``delivery-consumer dispatch --exit-when-idle`` with its
+default batch (start-up, and its idle wait, reported separately). Ratios are to pipelined publish;
+the goal is dispatch >= 0.7 of it. Best of ``--repeat`` interleaved rounds,
+and the *paired* ratio: the median over rounds of the ratio between figures
+measured seconds apart in the same round (the machine is shared: a round
+that coincides with someone else's load says little, and load drifts more
+slowly than a round). One confirm per message is slow and steady and runs
+in the first round only. A measurement disturbed by a broker restart is
+done again.
+
+    python bench/bench_dispatch.py [--messages 20000] [--repeat 3] [--batches 100,500,1000,2000]
+    python bench/bench_dispatch.py --ab-depth 10   # only depth 1 vs 2 at batch 1000, in adjacent pairs
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import orjson
+import pika
+
+from delivery_consumer import outbox
+from delivery_consumer.broker import DEFAULT_URL, BrokerError, OutMessage, Publisher, StreamPublisher
+from delivery_consumer.topology import Topology
+
+IDLE_S = 0.2
+DISPATCH_SPAN = re.compile(r"first claim to last mark ([0-9.]+)s")
+
+
+def make_events(n: int) -> list[bytes]:
+    """Distinct valid envelopes: n/4 articles with growing revisions, 1 in 7 a withdrawal."""
+    articles = max(1, n // 4)
+    return [
+        orjson.dumps({
+            "eventId": str(uuid.uuid4()),
+            "type": "material.published" if i % 7 else "material.withdrawn",
+            "articleId": f"article-{i % articles}",
+            "revision": i // articles + 1,
+            "occurredAt": "2026-11-29T10:00:00Z",
+            "data": {"title": f"Доставка без потерь, выпуск {i}", "url": f"https://example.org/a/{i % articles}"},
+        })
+        for i in range(n)
+    ]
+
+
+def messages(bodies: list[bytes], exchange: str) -> list[OutMessage]:
+    out = []
+    for body in bodies:
+        obj = orjson.loads(body)
+        out.append(OutMessage(routing_key=obj["type"], body=body, exchange=exchange, message_id=obj["eventId"]))
+    return out
+
+
+def reset(url: str, topo: Topology) -> None:
+    """Delete the queues and exchange, then declare them again (an empty queue for each figure)."""
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    ch = conn.channel()
+    for queue, _args in topo.queues():
+        ch.queue_delete(queue)
+    ch.exchange_delete(topo.exchange)
+    conn.close()
+    with Publisher(url, topologies=[topo]) as pub:
+        pub.connect()
+
+
+def queued(url: str, topo: Topology) -> int:
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        return int(conn.channel().queue_declare(topo.queue, passive=True).method.message_count)
+    finally:
+        conn.close()
+
+
+def one_confirm_each(url: str, msgs: list[OutMessage]) -> float:
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    ch = conn.channel()
+    ch.confirm_delivery()
+    started = time.perf_counter()
+    for msg in msgs:
+        ch.basic_publish(msg.exchange, msg.routing_key, msg.body, msg.properties(), mandatory=True)
+    elapsed = time.perf_counter() - started
+    conn.close()
+    return elapsed
+
+
+def pipelined(url: str, msgs: list[OutMessage]) -> float:
+    with Publisher(url, window=1000) as pub:
+        pub.connect()
+        started = time.perf_counter()
+        results = pub.publish(msgs)
+        elapsed = time.perf_counter() - started
+    if not all(r.ok for r in results):
+        raise SystemExit("pipelined publish: some messages were not confirmed")
+    return elapsed
+
+
+def dispatched(url: str, exchange: str, db: Path, batch: int, depth: int) -> float:
+    conn = outbox.connect(db)
+    try:
+        config = outbox.DispatchConfig(exchange=exchange, batch=batch, depth=depth)
+        with StreamPublisher(url, window=min(1000, batch), timeout_s=config.publish_timeout_s) as pub:
+            pub.connect()
+            dispatcher = outbox.Dispatcher(conn, pub, config)
+            started = time.perf_counter()
+            while dispatcher.step():
+                pass
+            elapsed = time.perf_counter() - started
+        left = outbox.unpublished(conn)
+    finally:
+        conn.close()
+    if left:
+        raise SystemExit(f"dispatch: {left} rows left unpublished")
+    return elapsed
+
+
+def command(args: list[str]) -> tuple[float, str]:
+    started = time.perf_counter()
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=900)
+    elapsed = time.perf_counter() - started
+    if proc.returncode != 0:
+        raise SystemExit(f"{args[1]} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+    return elapsed, proc.stderr
+
+
+class Disturbed(Exception):
+    """The broker went away during a measurement (someone restarted it)."""
+
+
+def measure(url: str, topo: Topology, n: int, name: str, fn: Callable[[], float], tries: int = 3) -> float:
+    """One measurement on an empty queue; redone when a broker restart disturbed it
+    (the broker is shared; a restart makes a figure meaningless, not wrong)."""
+    for attempt in range(1, tries + 1):
+        try:
+            reset(url, topo)
+            seconds = fn()
+            got = queued(url, topo)
+            if got != n:
+                raise Disturbed(f"{got} messages in the queue, expected {n}")
+            return seconds
+        except (Disturbed, BrokerError, pika.exceptions.AMQPError, SystemExit) as exc:
+            if attempt == tries:
+                raise
+            print(f"  {name}: disturbed ({str(exc)[:80] or type(exc).__name__}); waiting for the broker", flush=True)
+            wait_for_broker(url)
+    raise AssertionError("unreachable")
+
+
+def wait_for_broker(url: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        time.sleep(2)
+        try:
+            pika.BlockingConnection(pika.URLParameters(url)).close()
+            return
+        except pika.exceptions.AMQPError:
+            if time.monotonic() > deadline:
+                raise
+
+
+def make_outbox(path: Path, bodies: list[bytes]) -> None:
+    conn = outbox.connect(path)
+    with outbox.transaction(conn):
+        for body in bodies:
+            outbox.enqueue(conn, body)
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    conn.close()
+
+
+def ab_depth(url: str, n: int, pairs: int) -> None:
+    """depth 2 against depth 1, measured back to back so that both see the same load."""
+    prefix = f"bench{uuid.uuid4().hex[:6]}"
+    topo = Topology(consumer="catalog", binding_keys=("material.*",), exchange=f"{prefix}.events", prefix=prefix)
+    with tempfile.TemporaryDirectory() as tmp:
+        template = Path(tmp) / "outbox-template.db"
+        make_outbox(template, make_events(n))
+
+        def run(depth: int) -> float:
+            db = Path(tmp) / f"producer-{uuid.uuid4().hex[:8]}.db"
+            shutil.copyfile(template, db)
+            return measure(url, topo, n, f"depth {depth}", lambda: dispatched(url, topo.exchange, db, 1000, depth))
+
+        ratios = []
+        try:
+            for i in range(pairs):
+                seconds = {d: run(d) for d in ((1, 2) if i % 2 == 0 else (2, 1))}
+                ratios.append(seconds[1] / seconds[2])
+                print(f"  pair {i + 1}  depth 1 {n / seconds[1]:>7.0f} msg/s  depth 2 {n / seconds[2]:>7.0f} msg/s"
+                      f"  depth 2 / depth 1 {ratios[-1]:.2f}", flush=True)
+        finally:
+            with contextlib.suppress(pika.exceptions.AMQPError):
+                conn = pika.BlockingConnection(pika.URLParameters(url))
+                ch = conn.channel()
+                for queue, _args in topo.queues():
+                    ch.queue_delete(queue)
+                ch.exchange_delete(topo.exchange)
+                conn.close()
+    print(f"\n{dt.datetime.now().isoformat(timespec='minutes')} · {os.cpu_count()} cores · {n} messages · "
+          f"batch 1000 · load average {os.getloadavg()[0]:.1f}")
+    print(f"depth 2 / depth 1: median {statistics.median(ratios):.2f}, "
+          f"{sum(r > 1 for r in ratios)} of {pairs} pairs in favour of depth 2")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--messages", type=int, default=20_000)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--batches", default="100,500,1000,2000", help="dispatch --batch sizes to measure")
+    parser.add_argument("--amqp-url", default=os.environ.get("DELIVERY_AMQP_URL", DEFAULT_URL))
+    parser.add_argument("--ab-depth", type=int, default=0, metavar="PAIRS",
+                        help="instead: dispatch --depth 1 vs 2 at batch 1000, PAIRS adjacent pairs (order alternating)")
+    args = parser.parse_args()
+    url, n = args.amqp_url, args.messages
+    if args.ab_depth:
+        ab_depth(url, n, args.ab_depth)
+        return
+    batches = [int(b) for b in args.batches.split(",")]
+    prefix = f"bench{uuid.uuid4().hex[:6]}"
+    topo = Topology(consumer="catalog", binding_keys=("material.*",), exchange=f"{prefix}.events", prefix=prefix)
+    bodies = make_events(n)
+    msgs = messages(bodies, topo.exchange)
+    cli = [sys.executable, "-m", "delivery_consumer"]
+    amqp = ["--amqp-url", url, "--exchange", topo.exchange, "--queue-prefix", topo.prefix]
+    best: dict[str, float] = {}  # name -> seconds (lowest)
+    rounds: list[dict[str, float]] = []  # per round: name -> seconds
+    idle_note = ""
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        template = work / "outbox-template.db"
+        make_outbox(template, bodies)
+        events_file = work / "events.ndjson"
+        events_file.write_bytes(b"\n".join(bodies) + b"\n")
+
+        def fresh_db() -> Path:
+            db = work / f"producer-{uuid.uuid4().hex[:8]}.db"
+            shutil.copyfile(template, db)
+            return db
+
+        def dispatch_command() -> float:
+            elapsed, err = command([*cli, "dispatch", "--db", str(fresh_db()), *amqp,
+                                    "--exit-when-idle", f"{IDLE_S}s", "--poll", "50ms", "--log-level", "info"])
+            span = DISPATCH_SPAN.search(err)
+            nonlocal idle_note
+            if elapsed < best.get("command: dispatch", float("inf")) and span:
+                idle_note = f" (in the best run, first claim to last mark took {span.group(1)}s)"
+            return elapsed
+
+        modes: list[tuple[str, Callable[[], float]]] = [
+            ("one confirm per message (Blocking)", lambda: one_confirm_each(url, msgs)),
+            ("pipelined publish (Publisher)", lambda: pipelined(url, msgs)),
+            *((f"dispatch --batch {b}", lambda b=b: dispatched(url, topo.exchange, fresh_db(), b, 2))
+              for b in batches),
+            ("dispatch --batch 1000 --depth 1", lambda: dispatched(url, topo.exchange, fresh_db(), 1000, 1)),
+            ("command: publish FILE", lambda: command([*cli, "publish", *amqp, str(events_file)])[0]),
+            ("command: dispatch", dispatch_command),
+        ]
+        try:
+            for round_ in range(1, args.repeat + 1):
+                rounds.append({})
+                for name, fn in modes:
+                    if round_ > 1 and name.startswith("one confirm"):
+                        continue
+                    seconds = measure(url, topo, n, name, fn)
+                    best[name] = min(best.get(name, float("inf")), seconds)
+                    rounds[-1][name] = seconds
+                    print(f"  round {round_}  {name:<36} {n / seconds:>8.0f} msg/s  ({seconds:.2f}s)", flush=True)
+        finally:
+            with contextlib.suppress(pika.exceptions.AMQPError):
+                conn = pika.BlockingConnection(pika.URLParameters(url))
+                ch = conn.channel()
+                for queue, _args in topo.queues():
+                    ch.queue_delete(queue)
+                ch.exchange_delete(topo.exchange)
+                conn.close()
+
+    def reference(name: str) -> str:
+        return "command: publish FILE" if name.startswith("command") else "pipelined publish (Publisher)"
+
+    def paired(name: str) -> float:
+        """Median over rounds of (reference's seconds / this mode's seconds) in the same round:
+        load on the shared machine drifts slowly, so neighbours in time compare fairly."""
+        ratios = [r[reference(name)] / r[name] for r in rounds if name in r and reference(name) in r]
+        return statistics.median(ratios) if ratios else float("nan")
+
+    print(f"\n{dt.datetime.now().isoformat(timespec='minutes')} · {os.cpu_count()} cores · {n} messages · "
+          f"quorum queue · persistent, mandatory · WAL + synchronous=FULL · {args.repeat} rounds · "
+          f"load average {os.getloadavg()[0]:.1f}")
+    print(f"{'mode':<38} {'best msg/s':>10} {'seconds':>8} {'best ratio':>11} {'paired ratio':>13}")
+    for name, _ in modes:
+        ratio = best[reference(name)] / best[name]
+        print(f"{name:<38} {n / best[name]:>10.0f} {best[name]:>8.2f} {ratio:>11.2f} {paired(name):>13.2f}")
+    print(f"ratios: library rows to pipelined publish, command rows to 'command: publish FILE'; paired = median "
+          f"over rounds of the ratio within a round. The dispatch command includes {IDLE_S}s of "
+          f"--exit-when-idle{idle_note}")
+
+
+if __name__ == "__main__":
+    main()
