@@ -101,8 +101,10 @@ def dispatch(db_path: Path, amqp_url: str, exchange: str, queue_prefix: str, dec
     confirms; published_at is set only when the confirm arrived. Unroutable
     or nacked rows are retried with backoff; a broker outage is waited out.
     Several dispatchers may share a database: each leases the rows it
-    publishes. Runs until SIGTERM/SIGINT (finishes the current batch) or
-    --exit-when-idle.
+    publishes. Runs until SIGTERM/SIGINT (settles the batches in flight,
+    exit 0) or --exit-when-idle (exit 1 when rows are left unpublished).
+    Bad credentials, a missing vhost or an unusable database: one line on
+    stderr, exit 2.
     """
     from ..broker import BrokerFatal, StreamPublisher
 
@@ -123,7 +125,7 @@ def dispatch(db_path: Path, amqp_url: str, exchange: str, queue_prefix: str, dec
         def on_signal(signum: int, _frame: FrameType | None) -> None:
             if dispatcher.stopping:  # a second signal: stop now; the leases expire
                 raise KeyboardInterrupt
-            log.info("%s received: finishing the current batch", signal.Signals(signum).name)
+            log.info("%s received: settling the batches in flight", signal.Signals(signum).name)
             dispatcher.stop()
 
         signal.signal(signal.SIGTERM, on_signal)
