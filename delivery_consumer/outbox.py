@@ -466,9 +466,9 @@ class Dispatcher:
     """Moves outbox rows to the broker; one per process, single-threaded.
 
     *conn* must be this thread's own writable connection (:func:`connect`);
-    *publisher* is a :class:`delivery_consumer.broker.Publisher` (or a fake
-    in tests); *clock* (seconds since the epoch) and *sleep* are replaceable
-    for tests.
+    *publisher* is a :class:`delivery_consumer.broker.StreamPublisher` (or a
+    fake in tests); *clock* (seconds since the epoch) and *sleep* are
+    replaceable for tests.
     """
 
     def __init__(
@@ -493,7 +493,7 @@ class Dispatcher:
         self._inflight: deque[tuple[list[Claimed], Any]] = deque()  # sent, not yet collected
 
     def stop(self) -> None:
-        """Finish the current batch, then let :meth:`run` return (signal-safe)."""
+        """Claim no more; :meth:`run` settles the batches in flight and returns (signal-safe)."""
         self.stopping = True
 
     # -- claim and mark (each one BEGIN IMMEDIATE transaction) --
@@ -501,9 +501,10 @@ class Dispatcher:
     def claim(self) -> list[Claimed]:
         """Lease up to ``batch`` publishable rows, in creation order.
 
-        A row is publishable when it is unpublished, not leased by a live
-        lease, past its backoff, and no earlier unpublished row of its
-        ordering key is leased by another or waiting for its backoff.
+        A row is publishable when it is unpublished, not under a live lease,
+        past its backoff, and no earlier unpublished row of its ordering key
+        is under a live lease (another dispatcher's, or this one's batch in
+        flight) or waiting for its backoff.
         """
         now = self.clock()
         now_s, until = now_iso(now), now_iso(now + self.config.lease_s)
@@ -611,6 +612,11 @@ class Dispatcher:
         from .broker import BrokerUnavailable, OutMessage
 
         if not self._connected:
+            # Batches left by a lost connection come back at once (unconfirmed
+            # or not sent); they must be settled before connecting again.
+            while self._inflight:
+                later, ticket = self._inflight.popleft()
+                self._settle(later, self.publisher.collect(ticket))
             try:
                 self.publisher.connect()
             except BrokerUnavailable as exc:
@@ -642,14 +648,15 @@ class Dispatcher:
             raise
         self._inflight.popleft()
         crashpoint("dispatch-after-confirm")
-        self._settle(rows, results)
         lost = next((r.reason for r in results if r.status == "unconfirmed"), None)
+        if lost is not None:
+            self._connected = False  # also if the mark below fails: the next step settles the rest
+        self._settle(rows, results)
         if lost is None:
             self._failures = 0
             return len(rows)
         # The connection is gone: the batches behind this one come back at
         # once (unconfirmed, or not sent); record them, then wait it out.
-        self._connected = False
         while self._inflight:
             later, ticket = self._inflight.popleft()
             self._settle(later, self.publisher.collect(ticket))

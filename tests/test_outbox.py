@@ -22,7 +22,7 @@ from delivery_consumer import outbox, producer
 from delivery_consumer.broker import BrokerFatal, BrokerUnavailable, OutMessage, PublishResult
 from delivery_consumer.cli import main
 from delivery_consumer.envelope import parse
-from delivery_consumer.errors import ConfigError, DatabaseError, Rejection
+from delivery_consumer.errors import ConfigError, DatabaseError, Rejection, TransientError
 from delivery_consumer.queries import NotFound
 from delivery_consumer.store import ConsumerDB, now_iso
 
@@ -374,6 +374,33 @@ def test_unconfirmed_rows_are_released_and_the_dispatcher_backs_off(conn: sqlite
     pub.verdicts.clear()
     assert [1, 1] == [d.step(), d.step()]
     assert 2 == pub.connects  # it reconnected before claiming again
+    assert 0 == outbox.unpublished(conn)
+
+
+def test_a_mark_that_fails_during_a_connection_loss_is_recovered(conn: sqlite3.Connection) -> None:
+    """If the database refuses a mark while the connection is lost, the next round settles what was left in
+    flight, reconnects, and every row is published in the end."""
+    ids = add(conn, envelope("a"), envelope("b"))
+    pub, clock = FakePublisher(), Clock()
+    pub.verdicts = dict.fromkeys(ids, "unconfirmed")
+    d = dispatcher(conn, pub, clock, batch=1, depth=2, lease_s=30)
+    mark, calls = d.mark, []
+
+    def flaky_mark(rows: Sequence[outbox.Claimed], results: Sequence[PublishResult]) -> None:
+        calls.append(rows)
+        if len(calls) == 1:
+            raise TransientError("database is locked", code="database-busy")
+        mark(rows, results)
+
+    d.mark = flaky_mark  # type: ignore[method-assign]
+    with pytest.raises(TransientError):
+        d.step()  # batch [a] unmarked (its lease stays), batch [b] still in flight
+    pub.verdicts.clear()
+    assert 1 == d.step()  # [b] settled as unconfirmed, reconnected, [b] claimed again and published
+    assert 2 == pub.connects
+    assert row(conn, ids[1])["publishedAt"] is not None
+    clock.now += 31  # the lease of [a] ends
+    assert 1 == d.step()
     assert 0 == outbox.unpublished(conn)
 
 
