@@ -88,10 +88,10 @@ log = logging.getLogger("delivery_consumer.fence")
 #: ``migrations`` (see consumers/webhook.py).
 MIGRATION = """
 CREATE TABLE fence (
-    key            TEXT PRIMARY KEY,
-    step           TEXT NOT NULL,
     article_id     TEXT NOT NULL,
+    step           TEXT NOT NULL,
     revision       INTEGER NOT NULL,
+    key            TEXT NOT NULL,
     event_id       TEXT NOT NULL,
     payload_sha256 TEXT NOT NULL,
     state          TEXT NOT NULL CHECK (state IN ('claimed', 'done', 'stale')),
@@ -102,12 +102,15 @@ CREATE TABLE fence (
     last_error     TEXT,
     claimed_at     TEXT NOT NULL,
     called_at      TEXT,
-    done_at        TEXT
+    done_at        TEXT,
+    PRIMARY KEY (article_id, step, revision)
 ) STRICT, WITHOUT ROWID;
-CREATE INDEX fence_article ON fence (article_id, step, revision);
 CREATE INDEX fence_event ON fence (event_id);
-CREATE INDEX fence_claimed_at ON fence (claimed_at);
 """
+#: The key is ``<articleId>:<revision>:<step>``, one-to-one with the primary
+#: key, which orders an article's revisions (the stale check is one probe).
+#: Two b-trees in all: each claim writes as few pages as it can.
+_BY_KEY = "article_id = ? AND step = ? AND revision = ?"
 
 STATES = ("claimed", "done", "stale")
 #: The argument for the claim's unsynced commit, in the module docstring.
@@ -124,6 +127,14 @@ class FenceError(DeliveryError):
 def fence_key(article_id: str, revision: int, step: str) -> str:
     """The stable key of a business step: never a random id."""
     return f"{article_id}:{revision}:{step}"
+
+
+def key_parts(key: str) -> tuple[str, str, int] | None:
+    """(articleId, step, revision) of a key, as the primary key orders them; None if malformed."""
+    parts = key.rsplit(":", 2)
+    if len(parts) != 3 or not parts[1].isdigit() or str(int(parts[1])) != parts[1]:
+        return None
+    return parts[0], parts[2], int(parts[1])
 
 
 # -- the external step -------------------------------------------------------------
@@ -181,6 +192,7 @@ class _Plan:
     index: int
     env: Envelope
     key: str
+    where: tuple[str, str, int]  # the primary key: article, step, revision
     payload: bytes
     sha: str
     prior: tuple[int, int] = (0, 0)  # calls, in_doubt before this batch
@@ -252,17 +264,17 @@ def _claim(
     if duplicate is not None:
         return Outcome(env.event_id, result=duplicate)
     key = fence_key(env.article_id, env.revision, step.name)
+    where = (env.article_id, step.name, env.revision)
     payload = step.payload(env)
     sha = hashlib.sha256(payload).hexdigest()
     leader = leaders.get(key)
     if leader is not None:  # the same key earlier in this batch: follow its call
         if leader.sha != sha:
             raise _conflict(env, key)
-        plan = _Plan(index, env, key, payload, sha, leader=leader)
+        plan = _Plan(index, env, key, where, payload, sha, leader=leader)
         leader.followers.append(plan)
         return plan
-    # One probe of the article index finds both this key's row (the key is
-    # one-to-one with article, revision and step) and any newer revision.
+    # One probe of the primary key finds this key's row and any newer revision.
     rows = conn.execute(
         "SELECT revision, state, payload_sha256, event_id, calls, in_doubt FROM fence"
         " WHERE article_id = ? AND step = ? AND revision >= ?",
@@ -278,8 +290,8 @@ def _claim(
     newer = max((r[0] for r in rows if r[0] > env.revision and r[1] != "stale"), default=None)
     if newer is not None:
         if row is not None:
-            conn.execute("UPDATE fence SET state = 'stale', last_error = ? WHERE key = ?",
-                         (f"revision {newer} was claimed first", key))
+            conn.execute(f"UPDATE fence SET state = 'stale', last_error = ? WHERE {_BY_KEY}",
+                         (f"revision {newer} was claimed first", *where))
         write_receipt(tx, env, "stale")
         return Outcome(env.event_id, result="stale")
     # Calling an idempotent endpoint again is harmless, so the mark before the
@@ -299,9 +311,9 @@ def _claim(
         if prior[1] and not step.idempotent:
             raise _unknown(env, key, "an earlier call may have had its effect")
         if mark:
-            conn.execute("UPDATE fence SET calls = calls + 1, in_doubt = 1, called_at = ? WHERE key = ?",
-                         (tx.now, key))
-    plan = _Plan(index, env, key, payload, sha, prior=prior, marked=bool(mark))
+            conn.execute(f"UPDATE fence SET calls = calls + 1, in_doubt = 1, called_at = ? WHERE {_BY_KEY}",
+                         (tx.now, *where))
+    plan = _Plan(index, env, key, where, payload, sha, prior=prior, marked=bool(mark))
     leaders[key] = plan
     return plan
 
@@ -319,7 +331,7 @@ def _call_all(db: ConsumerDB, plans: list[_Plan], step: ExternalStep) -> None:
             continue
         if not step.idempotent:
             try:
-                if not _mark_call(db, plan.key):
+                if not _mark_call(db, plan.where):
                     plan.recheck = True
                     continue
             except TransientError as exc:
@@ -332,14 +344,14 @@ def _call_all(db: ConsumerDB, plans: list[_Plan], step: ExternalStep) -> None:
             stopped = failure
 
 
-def _mark_call(db: ConsumerDB, key: str) -> bool:
-    """Record, durably, that a call with *key* is about to be made; False when
-    the key is no longer ours to call (another process marked or finished it)."""
+def _mark_call(db: ConsumerDB, where: tuple[str, str, int]) -> bool:
+    """Record, durably, that a call with this key is about to be made; False
+    when it is no longer ours to call (another process marked or finished it)."""
     with db.transaction() as tx:
         cur = tx.conn.execute(
             "UPDATE fence SET calls = calls + 1, in_doubt = 1, called_at = ?"
-            " WHERE key = ? AND state = 'claimed' AND in_doubt = 0",
-            (tx.now, key),
+            f" WHERE {_BY_KEY} AND state = 'claimed' AND in_doubt = 0",
+            (tx.now, *where),
         )
         return cur.rowcount == 1
 
@@ -349,25 +361,25 @@ def _complete(tx: Transaction, plan: _Plan, step: ExternalStep) -> Outcome:
     conn, env = tx.conn, plan.env
     if plan.not_called is not None:
         if plan.marked:  # the call was never made: undo its mark
-            conn.execute("UPDATE fence SET calls = ?, in_doubt = ? WHERE key = ?", (*plan.prior, plan.key))
+            conn.execute(f"UPDATE fence SET calls = ?, in_doubt = ? WHERE {_BY_KEY}", (*plan.prior, *plan.where))
         return Outcome(env.event_id, transient=plan.not_called)
     result = plan.result
     if plan.recheck or result is None:
-        state = conn.execute("SELECT state FROM fence WHERE key = ?", (plan.key,)).fetchone()
+        state = conn.execute(f"SELECT state FROM fence WHERE {_BY_KEY}", plan.where).fetchone()
         if state is not None and state[0] == "done":
             return _receipt(tx, env, step.result)
         return Outcome(env.event_id, rejection=_unknown(env, plan.key, "another process called with this key"))
     if result.failure is None:
         conn.execute(
             "UPDATE fence SET state = 'done', provider_id = ?, http_status = ?, in_doubt = 0, last_error = NULL,"
-            " done_at = ? WHERE key = ?",
-            (result.provider_id, result.status, tx.now, plan.key),
+            f" done_at = ? WHERE {_BY_KEY}",
+            (result.provider_id, result.status, tx.now, *plan.where),
         )
         return _receipt(tx, env, step.result)
     failure = result.failure
     conn.execute(
-        "UPDATE fence SET http_status = ?, last_error = ?, in_doubt = ? WHERE key = ?",
-        (result.status, f"{failure.code}: {failure.reason}", int(result.ambiguous), plan.key),
+        f"UPDATE fence SET http_status = ?, last_error = ?, in_doubt = ? WHERE {_BY_KEY}",
+        (result.status, f"{failure.code}: {failure.reason}", int(result.ambiguous), *plan.where),
     )
     if isinstance(failure, Rejection):
         return Outcome(env.event_id, rejection=failure)
@@ -389,7 +401,7 @@ def _follow(tx: Transaction, plan: _Plan, outcomes: list[Outcome | None], step: 
     leader = outcomes[plan.leader.index]
     assert leader is not None
     if leader.result is not None:
-        row = tx.conn.execute("SELECT state FROM fence WHERE key = ?", (plan.key,)).fetchone()
+        row = tx.conn.execute(f"SELECT state FROM fence WHERE {_BY_KEY}", plan.where).fetchone()
         if row is not None and row[0] == "done":
             return _receipt(tx, env, f"already-{step.result}")
     if leader.rejection is not None:
@@ -479,9 +491,10 @@ def fence_list(
 
 def fence_show(conn: sqlite3.Connection, key: str) -> dict[str, Any] | None:
     """The fence row of *key*, or None."""
-    if not has_fence(conn):
+    where = key_parts(key)
+    if where is None or not has_fence(conn):
         return None
-    rows = conn.execute(f"SELECT {_COLUMNS} FROM fence WHERE key = ?", (key,)).fetchall()
+    rows = conn.execute(f"SELECT {_COLUMNS} FROM fence WHERE {_BY_KEY}", where).fetchall()
     return _row(rows[0]) if rows else None
 
 
@@ -507,8 +520,11 @@ def resolve(db: ConsumerDB, key: str, *, provider_id: str | None = None, not_sen
     """
     if (provider_id is None) == (not not_sent):
         raise FenceError("give either a provider id (the effect happened) or not-sent")
+    where = key_parts(key)
+    if where is None:
+        raise FenceError(f"{key!r} is not a fence key (<articleId>:<revision>:<step>)")
     with db.transaction() as tx:
-        row = tx.conn.execute("SELECT state FROM fence WHERE key = ?", (key,)).fetchone()
+        row = tx.conn.execute(f"SELECT state FROM fence WHERE {_BY_KEY}", where).fetchone()
         if row is None:
             raise FenceError(f"no fence with key {key!r}")
         if row[0] != "claimed":
@@ -516,12 +532,12 @@ def resolve(db: ConsumerDB, key: str, *, provider_id: str | None = None, not_sen
         if provider_id is not None:
             tx.conn.execute(
                 "UPDATE fence SET state = 'done', provider_id = ?, in_doubt = 0, done_at = ?,"
-                " last_error = 'resolved by hand: sent' WHERE key = ?",
-                (provider_id, now_iso(), key),
+                f" last_error = 'resolved by hand: sent' WHERE {_BY_KEY}",
+                (provider_id, now_iso(), *where),
             )
         else:
             tx.conn.execute(
-                "UPDATE fence SET in_doubt = 0, last_error = 'resolved by hand: not sent' WHERE key = ?", (key,)
+                f"UPDATE fence SET in_doubt = 0, last_error = 'resolved by hand: not sent' WHERE {_BY_KEY}", where
             )
     shown = fence_show(db.conn, key)
     assert shown is not None
@@ -540,5 +556,6 @@ __all__ = [
     "fence_list",
     "fence_show",
     "has_fence",
+    "key_parts",
     "resolve",
 ]

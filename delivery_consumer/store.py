@@ -686,7 +686,7 @@ def write_receipt(tx: Transaction, env: Envelope, result: str) -> bool:
 
 class UnsyncedTransaction(Transaction):
     """A write transaction whose COMMIT is not synced (``synchronous=NORMAL``
-    for this transaction only; the connection goes back to its setting after).
+    for this transaction only; the connection goes back to FULL after it).
 
     Only for a transaction that nothing is acknowledged on. It survives a
     crash of the process like any commit (the WAL is in the OS's cache), and
@@ -697,15 +697,10 @@ class UnsyncedTransaction(Transaction):
     uses it (fence.py says why that loss is harmless there).
     """
 
-    __slots__ = ("_synchronous",)
-
-    def __init__(self, db: ConsumerDB) -> None:
-        super().__init__(db)
-        self._synchronous = 2  # FULL, as _connect sets it
+    __slots__ = ()
 
     def __enter__(self) -> Transaction:
         try:
-            self._synchronous = int(self.conn.execute("PRAGMA synchronous").fetchone()[0])
             self.conn.execute("PRAGMA synchronous = NORMAL")
         except sqlite3.Error as exc:
             raise translate(exc, self.db.path) from None
@@ -723,7 +718,7 @@ class UnsyncedTransaction(Transaction):
 
     def _restore(self) -> None:
         try:
-            self.conn.execute(f"PRAGMA synchronous = {self._synchronous}")
+            self.conn.execute("PRAGMA synchronous = FULL")  # what every writable connection uses (_connect)
         except sqlite3.Error as exc:
             # Left at NORMAL, later commits could be acknowledged without being durable.
             raise DatabaseError(f"{self.db.path}: cannot restore PRAGMA synchronous: {exc}") from None

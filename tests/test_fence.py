@@ -422,6 +422,12 @@ def test_the_idempotency_key_header_is_ascii_and_one_to_one() -> None:
     assert header != idempotency_key_header("статья 2:2:notify")
 
 
+def test_a_key_is_one_to_one_with_article_step_and_revision() -> None:
+    """Keys parse from the right (an articleId may hold colons); malformed keys are None."""
+    assert ("a:b", "notify", 12) == fence.key_parts(fence.fence_key("a:b", 12, "notify"))
+    assert [None, None, None] == [fence.key_parts(k) for k in ("a:notify", "a:+1:notify", "a:01:notify")]
+
+
 def test_the_payload_is_canonical() -> None:
     """One revision, one body: the fence compares its hash."""
     assert payload(env(title="t")) == payload(env(title="t", event_id=E2))
