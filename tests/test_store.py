@@ -280,8 +280,8 @@ def flaky_apply(conn: sqlite3.Connection, envelope: Envelope) -> str:
 @pytest.fixture
 def flaky_db(open_db: OpenDB, register: Callable[[ConsumerSpec], ConsumerSpec]) -> ConsumerDB:
     """A database of a test consumer whose effect writes a row and then may fail."""
-    register(ConsumerSpec(name="flaky", apply=flaky_apply, migrations=FLAKY_MIGRATIONS, tables=("effects",)))
-    return open_db("flaky")
+    register(ConsumerSpec(name="failing-effect", apply=flaky_apply, migrations=FLAKY_MIGRATIONS, tables=("effects",)))
+    return open_db("failing-effect")
 
 
 @pytest.mark.parametrize(
