@@ -14,9 +14,11 @@ included, each on a fresh database:
   statements without validation or anything else (see its docstring).
 
 Each measurement is repeated ``--repeat`` times, ours and the limit
-alternating, and the MEDIAN wall time is reported (this VM is noisy; every
-run is printed). Finally it checks that both wrote the same effect table and
-the same inbox receipts (all columns but the receipt time).
+alternating. The table gives events/s and the ratio from the MEDIAN wall
+times, and the ratio of the BEST runs too (a busy machine only ever adds
+time, so the best runs are the least disturbed); every run is printed.
+Finally it checks that both wrote the same effect table and the same inbox
+receipts (all columns but the receipt time).
 
 Bytecode: both processes may cache compiled modules, as any installed package
 does (pip writes the .pyc files at install time). This matters because a
@@ -61,6 +63,9 @@ class Runs:
 
     def median(self) -> float:
         return statistics.median(self.wall)
+
+    def best(self) -> float:
+        return min(self.wall)
 
 
 def _command() -> str:
@@ -163,7 +168,7 @@ def bench(consumer: str, source: Path, events: int, repeat: int, tmp: Path, comm
           batches: tuple[int, ...] = BATCHES) -> list[str]:
     schema = _schema(tmp, command, consumer)
     rows = []
-    print(f"\n== consumer {consumer}, {events} events, median of {repeat} runs (wall, start-up included)")
+    print(f"\n== consumer {consumer}, {events} events, {repeat} runs each (wall, start-up included)")
     print(f"  {_startup(command, consumer, schema, tmp, max(repeat, 5))}")
     for batch in batches:
         ours_db, base_db = tmp / f"ours-{consumer}-{batch}.db", tmp / f"base-{consumer}-{batch}.db"
@@ -193,11 +198,12 @@ def bench(consumer: str, source: Path, events: int, repeat: int, tmp: Path, comm
             for key in a:
                 if a[key] != b[key]:
                     print(f"    {key} differs: ours {len(a[key])} rows, limit {len(b[key])} rows")
+        best_ratio = base.best() / ours.best()
         goal = GOALS.get(batch)
         verdict = "" if goal is None else f"{'>=' if ratio >= goal else '<'} {goal}"
         rows.append(
             f"| {consumer} `--batch {batch}` | {events / ours.median():,.0f} | {events / base.median():,.0f} "
-            f"| {ratio:.2f} | {verdict} |"
+            f"| {ratio:.2f} | {best_ratio:.2f} | {verdict} |"
         )
     return rows
 
@@ -224,7 +230,10 @@ def main() -> None:
               f"Python {platform.python_version()}, SQLite {sqlite3.sqlite_version}, "
               f"WAL + synchronous=FULL; stream: {source} ({source.stat().st_size:,} bytes)")
         consumers = ("catalog", "audit") if args.consumer == "both" else (args.consumer,)
-        table = ["| mode | ours ev/s | limit ev/s | ratio ours/limit | goal |", "|---|---:|---:|---:|---|"]
+        table = [
+            "| mode | ours ev/s | limit ev/s | ratio ours/limit | ratio, best runs | goal (on the median) |",
+            "|---|---:|---:|---:|---:|---|",
+        ]
         for consumer in consumers:
             batches = tuple(int(b) for b in args.batches.split(","))
             table += bench(consumer, source, args.events, args.repeat, tmp, command, batches)

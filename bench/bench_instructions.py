@@ -1,0 +1,83 @@
+"""CPU work of ``replay`` and of the baseline loop, in instructions (callgrind).
+
+    python bench/bench_instructions.py [--events 2000] [--consumer catalog|audit]
+
+The wall-clock benchmark (``bench_replay.py``) is what a user waits for, but
+on a shared VM its runs vary by ±20 %, more than most single changes are
+worth. This one runs the same two commands under ``valgrind --tool=callgrind``
+and reports instructions executed, which do not depend on the machine's
+load: start-up (a one-event file) and per event (the rest, divided by the
+number of events), at ``--batch 1`` and ``--batch 100``. It does not see
+cache misses nor time spent waiting for fsync, so its ratio is not the
+goal's; use it to tell whether a change made the hot path cheaper.
+
+Needs valgrind. Same bytecode-cache setting as bench_replay.py. ~1 minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import _stream
+import bench_replay
+
+BATCHES = (1, 100)
+
+
+def _instructions(argv: list[str], env: dict[str, str]) -> int:
+    proc = subprocess.run(
+        ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", *argv],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, check=False, text=True,
+    )
+    found = re.search(r"Collected : (\d+)", proc.stderr)
+    if proc.returncode != 0 or found is None:
+        sys.exit(f"{' '.join(argv)} failed under valgrind:\n{proc.stderr[-2000:]}")
+    return int(found.group(1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--events", type=int, default=2000)
+    parser.add_argument("--consumer", choices=("catalog", "audit"), default="catalog")
+    args = parser.parse_args()
+    if shutil.which("valgrind") is None:
+        sys.exit("valgrind not found")
+
+    command = bench_replay._command()
+    tmp = Path(tempfile.mkdtemp(prefix="dc-instr-"))
+    try:
+        env = bench_replay._env(tmp)
+        bench_replay.ENV = env
+        events = _stream.envelopes(args.events)
+        source, one = tmp / "events.ndjson", tmp / "one.ndjson"
+        source.write_bytes(_stream.ndjson(events))
+        one.write_bytes(_stream.ndjson(events[:1]))
+        schema = bench_replay._schema(tmp, command, args.consumer)
+        print(f"{args.consumer}, {args.events} events, instructions counted by callgrind")
+        print("| process | start-up (1 event) | per event, --batch 1 | per event, --batch 100 |")
+        print("|---|---:|---:|---:|")
+        for name in ("ours", "limit"):
+            db = tmp / f"{name}.db"
+
+            def count(src: Path, batch: int, name: str = name, db: Path = db) -> int:
+                ours, base = bench_replay._argvs(command, args.consumer, batch, src, schema, db, db)
+                argv = [sys.executable, *ours] if name == "ours" else base  # ours: the console script
+                bench_replay._fresh(db)
+                return _instructions(argv, env)
+
+            count(one, 1)  # warm the bytecode cache
+            start = count(one, 1)
+            per = {b: (count(source, b) - start) / (args.events - 1) for b in BATCHES}
+            print(f"| {name} | {start / 1e6:.0f} M | {per[1] / 1e3:.1f} k | {per[100] / 1e3:.1f} k |")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
