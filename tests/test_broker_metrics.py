@@ -44,8 +44,9 @@ def test_metrics_scrape_shows_the_counts_of_a_known_run(ns: Namespace) -> None:
             except OSError:
                 time.sleep(0.1)
                 continue
-            if m.get('delivery_batch_size_count{consumer="audit"}', 0) and sum(
-                    v for k, v in m.items() if k.startswith("delivery_events_total")) >= 27:
+            # Dead copies are confirmed after their batch commits: wait for both.
+            if sum(v for k, v in m.items() if k.startswith("delivery_events_total")) >= 27 and sum(
+                    v for k, v in m.items() if k.startswith("delivery_dead_letters_total")) >= 2:
                 break
             time.sleep(0.1)
     finally:
