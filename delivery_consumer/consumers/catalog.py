@@ -41,13 +41,17 @@ MIGRATIONS = (
 )
 
 _SELECT = "SELECT revision, title, url, published FROM catalog WHERE article_id = ?"
-_UPSERT = """
+# One statement for the common case: write the row when it is new or older.
+# When the stored revision is the same or higher nothing changes (rowcount 0)
+# and a SELECT tells stale from same-state from conflict.
+_UPSERT_IF_NEWER = """
 INSERT INTO catalog (article_id, revision, title, url, published, event_id, occurred_at)
 VALUES (?, ?, ?, ?, ?, ?, ?)
 ON CONFLICT (article_id) DO UPDATE SET
     revision = excluded.revision, title = excluded.title, url = excluded.url,
     published = excluded.published, event_id = excluded.event_id,
     occurred_at = excluded.occurred_at
+WHERE excluded.revision > catalog.revision
 """
 
 
@@ -62,13 +66,13 @@ def apply(conn: sqlite3.Connection, env: Envelope) -> str:
     """Apply one material event to the projection; see the module docstring."""
     published = env.type == PUBLISHED
     title, url = env.title, env.url
-    row = conn.execute(_SELECT, (env.article_id,)).fetchone()
-    if row is None or env.revision > row[0]:
-        conn.execute(
-            _UPSERT,
-            (env.article_id, env.revision, title, url, int(published), env.event_id, env.occurred_at),
-        )
+    written = conn.execute(
+        _UPSERT_IF_NEWER,
+        (env.article_id, env.revision, title, url, int(published), env.event_id, env.occurred_at),
+    ).rowcount
+    if written:
         return "updated"
+    row = conn.execute(_SELECT, (env.article_id,)).fetchone()
     if env.revision < row[0]:
         return "stale"
     stored = state_fingerprint(env.article_id, row[1], row[2], bool(row[3]))
