@@ -47,6 +47,7 @@ ON CONFLICT (article_id) DO UPDATE SET
     revision = excluded.revision, title = excluded.title, url = excluded.url,
     published = excluded.published, event_id = excluded.event_id,
     occurred_at = excluded.occurred_at
+WHERE excluded.revision > catalog.revision
 """
 AUDIT_INSERT = """
 INSERT INTO audit (event_id, event_type, article_id, revision, occurred_at, fingerprint, envelope)
@@ -59,14 +60,13 @@ AUDIT_SELECT = "SELECT fingerprint FROM audit WHERE event_id = ?"
 def catalog(conn: sqlite3.Connection, obj: dict[str, Any], canonical: bytes, fp: str) -> str:
     data = obj["data"]
     published = obj["type"] == PUBLISHED
-    row = conn.execute(CATALOG_SELECT, (obj["articleId"],)).fetchone()
-    if row is None or obj["revision"] > row[0]:
-        conn.execute(
-            CATALOG_UPSERT,
-            (obj["articleId"], obj["revision"], data["title"], data["url"], int(published),
-             obj["eventId"], obj["occurredAt"]),
-        )
+    if conn.execute(
+        CATALOG_UPSERT,
+        (obj["articleId"], obj["revision"], data["title"], data["url"], int(published),
+         obj["eventId"], obj["occurredAt"]),
+    ).rowcount:
         return "updated"
+    row = conn.execute(CATALOG_SELECT, (obj["articleId"],)).fetchone()
     if obj["revision"] < row[0]:
         return "stale"
     if (row[1], row[2], row[3]) == (data["title"], data["url"], int(published)):
@@ -119,6 +119,8 @@ def main() -> None:
     conn.execute("PRAGMA journal_mode = WAL")
     conn.execute("PRAGMA synchronous = FULL")
     conn.execute("PRAGMA busy_timeout = 5000")
+    conn.execute("PRAGMA wal_autocheckpoint = 10000")  # as the store's writable connections
+    conn.execute("PRAGMA cache_size = -65536")
     with open(args.schema, encoding="utf-8") as handle:
         statements = [s for s in handle.read().split(";\n") if s.strip()]
     conn.execute("BEGIN IMMEDIATE")
