@@ -9,8 +9,9 @@ store must do and no more:
 * read the NDJSON lines, decode each with ``orjson.loads`` (it needs the
   field values) and compute the fingerprint it writes in the receipt
   (SHA-256 of ``orjson.dumps(obj, option=OPT_SORT_KEYS)``);
-* per batch ``BEGIN IMMEDIATE`` ... ``COMMIT``; per event ``SAVEPOINT``, the
-  inbox ``SELECT``, the consumer's statements, the inbox ``INSERT``,
+* per batch ``BEGIN IMMEDIATE``, the receipts of the batch read in one
+  ``SELECT`` (one per event at batch 1), ... ``COMMIT``; per event
+  ``SAVEPOINT``, the consumer's statements, the inbox ``INSERT``,
   ``RELEASE`` -- the statements and the order the store issues.
 
 It skips what the real command adds: the size check, schema validation,
@@ -36,6 +37,7 @@ SORT = orjson.OPT_SORT_KEYS
 PUBLISHED = "material.published"
 
 INBOX_SELECT = "SELECT fingerprint, result FROM inbox WHERE event_id = ?"
+INBOX_PREFETCH = "SELECT event_id, fingerprint FROM inbox WHERE event_id IN (SELECT value FROM json_each(?))"
 INBOX_INSERT = (
     "INSERT INTO inbox (event_id, fingerprint, result, event_type, received_at) VALUES (?, ?, ?, ?, ?)"
 )
@@ -129,30 +131,41 @@ def main() -> None:
     conn.execute("COMMIT")
 
     execute = conn.execute
-    in_tx = 0
-    with open(args.source, "rb") as lines:
-        for line in lines:
-            if in_tx == 0:
-                execute("BEGIN IMMEDIATE")
-                received_at = now_iso()
-            obj = orjson.loads(line)
+
+    def flush(batch: list[bytes]) -> None:
+        execute("BEGIN IMMEDIATE")
+        received_at = now_iso()
+        objs = [orjson.loads(line) for line in batch]
+        known: dict[str, str] | None = None
+        if len(objs) > 1:  # the store reads a batch's receipts in one statement
+            ids = orjson.dumps([obj["eventId"] for obj in objs]).decode()
+            known = dict(execute(INBOX_PREFETCH, (ids,)).fetchall())
+        for obj in objs:
             canonical = orjson.dumps(obj, option=SORT)
             fp = hashlib.sha256(canonical).hexdigest()
             event_id = obj["eventId"]
             execute("SAVEPOINT event")
-            row = execute(INBOX_SELECT, (event_id,)).fetchone()
-            if row is None:
+            stored = known.get(event_id) if known is not None else (
+                (execute(INBOX_SELECT, (event_id,)).fetchone() or (None,))[0])
+            if stored is None:
                 result = effect(conn, obj, canonical, fp)
                 execute(INBOX_INSERT, (event_id, fp, result, obj["type"], received_at))
-            elif row[0] != fp:
+                if known is not None:
+                    known[event_id] = fp
+            elif stored != fp:
                 raise ValueError("event-id-reused: the benchmark stream has none")
             execute("RELEASE event")
-            in_tx += 1
-            if in_tx == args.batch:
-                execute("COMMIT")
-                in_tx = 0
-    if in_tx:
         execute("COMMIT")
+
+    pending: list[bytes] = []
+    with open(args.source, "rb") as lines:
+        for line in lines:
+            pending.append(line)
+            if len(pending) == args.batch:
+                flush(pending)
+                pending = []
+    if pending:
+        flush(pending)
     conn.close()
 
 

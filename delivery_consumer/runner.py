@@ -334,6 +334,8 @@ class Worker(threading.Thread):
             return db.spec.external(self.config.consumer_options)(db, parsed, marks)
         outcomes: list[Outcome] = []
         with db.transaction() as tx:
+            if len(items) > 1:
+                tx.prefetch([env for env in parsed if not isinstance(env, Rejection)])
             for d, env in zip(items, parsed, strict=True):
                 if isinstance(env, Rejection):
                     outcome = Outcome(env.event_id, rejection=env)
