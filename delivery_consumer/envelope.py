@@ -148,6 +148,119 @@ def validator() -> Callable[[Any], Any]:
     return fastjsonschema.compile(load_schema(), formats={"date-time": is_rfc3339})
 
 
+# -- the quick acceptance path ------------------------------------------------
+#
+# fastjsonschema is the validator: it decides every refusal and gives its
+# reason. Its generated code is generic, though, and validating was half of
+# replay's own cost per event (bench/RESULTS.md). So a check specialised to
+# this schema's shape first answers "certainly valid" for the usual envelope,
+# in about a third of the instructions; whatever it does not accept -- a violation,
+# or a value it is not sure of -- goes to fastjsonschema exactly as before.
+# It reads every limit (names, lengths, bounds, patterns, enum) from the
+# schema file, and exists only when the schema has precisely the structure it
+# mirrors (_QUICK_SKELETON): a new keyword or field turns it off, never wrong.
+# tests/test_envelope_quick.py checks that it never accepts what
+# fastjsonschema refuses.
+
+#: Keywords that only document; everything else in the schema constrains.
+_ANNOTATIONS: Final = frozenset({"$schema", "$id", "title", "description"})
+#: The schema's structure (constraint keywords and their JSON types) that
+#: quick_check() knows how to mirror.
+_QUICK_SKELETON: Final = {
+    "type": "str", "additionalProperties": "bool", "required": "list",
+    "properties": {
+        "eventId": {"type": "str", "pattern": "str"},
+        "type": {"type": "str", "enum": "list"},
+        "articleId": {"type": "str", "minLength": "int", "maxLength": "int"},
+        "revision": {"type": "str", "minimum": "int", "maximum": "int"},
+        "occurredAt": {"type": "str", "format": "str", "maxLength": "int", "pattern": "str"},
+        "data": {
+            "type": "str", "additionalProperties": "bool", "required": "list",
+            "properties": {
+                "title": {"type": "str", "minLength": "int", "maxLength": "int"},
+                "url": {"type": "str", "maxLength": "int"},
+            },
+        },
+    },
+}
+# As fastjsonschema compiles a pattern: every unescaped $ means end of string.
+_DOLLAR = re.compile(r"(?<!\\)\$")
+
+
+def _skeleton(schema: Any) -> Any:
+    """*schema* without its annotations, each constraint's value replaced by
+    the name of its type. (Under ``properties`` the keys are field names --
+    ``data`` has a field called ``title`` -- never annotations.)"""
+    if not isinstance(schema, dict):
+        return type(schema).__name__
+    return {
+        key: {name: _skeleton(sub) for name, sub in value.items()}
+        if key == "properties" and isinstance(value, dict)
+        else _skeleton(value)
+        for key, value in schema.items()
+        if key not in _ANNOTATIONS
+    }
+
+
+def _pattern(regex: str) -> Callable[[str], re.Match[str] | None]:
+    return re.compile(_DOLLAR.sub(r"\\Z", regex)).search
+
+
+def quick_check_for(schema: Mapping[str, Any]) -> Callable[[Mapping[str, Any]], bool] | None:
+    """A test that returns True only for envelopes *schema* accepts (and
+    False for some it accepts too), or None when *schema* is not shaped as
+    this function expects. See the comment above."""
+    props = schema.get("properties", {})
+    data = props.get("data", {})
+    if (
+        _skeleton(schema) != _QUICK_SKELETON
+        or schema["type"] != "object" or schema["additionalProperties"] is not False
+        or set(schema["required"]) != set(props)
+        or [props[k]["type"] for k in ("eventId", "type", "articleId", "revision", "occurredAt", "data")]
+        != ["string", "string", "string", "integer", "string", "object"]
+        or props["occurredAt"]["format"] != "date-time"
+        or data["additionalProperties"] is not True or set(data["required"]) != set(data["properties"])
+        or [data["properties"][k]["type"] for k in ("title", "url")] != ["string", "string"]
+    ):
+        return None
+    keys = frozenset(props)
+    event_id_ok = _pattern(props["eventId"]["pattern"])
+    types = frozenset(v for v in props["type"]["enum"] if type(v) is str)
+    article_min, article_max = props["articleId"]["minLength"], props["articleId"]["maxLength"]
+    revision_min, revision_max = props["revision"]["minimum"], props["revision"]["maximum"]
+    occurred_max, occurred_ok = props["occurredAt"]["maxLength"], _pattern(props["occurredAt"]["pattern"])
+    title = data["properties"]["title"]
+    title_min, title_max = title["minLength"], title["maxLength"]
+    url_max = data["properties"]["url"]["maxLength"]
+
+    def certainly_valid(obj: Mapping[str, Any]) -> bool:
+        if obj.keys() != keys:  # every field is required, no other allowed
+            return False
+        event_id, kind, article = obj["eventId"], obj["type"], obj["articleId"]
+        revision, occurred, fields = obj["revision"], obj["occurredAt"], obj["data"]
+        if type(fields) is not dict:
+            return False
+        title, url = fields.get("title"), fields.get("url")
+        return (
+            type(event_id) is str and event_id_ok(event_id) is not None
+            and type(kind) is str and kind in types
+            and type(article) is str and article_min <= len(article) <= article_max
+            and type(revision) is int and revision_min <= revision <= revision_max
+            and type(occurred) is str and len(occurred) <= occurred_max
+            and occurred_ok(occurred) is not None and is_rfc3339(occurred)
+            and type(title) is str and title_min <= len(title) <= title_max
+            and type(url) is str and len(url) <= url_max
+        )
+
+    return certainly_valid
+
+
+@lru_cache(maxsize=1)
+def quick_check() -> Callable[[Mapping[str, Any]], bool] | None:
+    """:func:`quick_check_for` the envelope schema (built once per process)."""
+    return quick_check_for(load_schema())
+
+
 def _event_id_of(obj: Mapping[str, Any]) -> str | None:
     value = obj.get("eventId")
     if isinstance(value, str) and _UUID.fullmatch(value):
@@ -246,12 +359,14 @@ def from_mapping(obj: Mapping[str, Any]) -> Envelope:
             event_id=_event_id_of(obj),
             fingerprint=digest,
         )
-    try:
-        validator()(obj)
-    except fastjsonschema.JsonSchemaValueException as exc:
-        raise Rejection(
-            INVALID_ENVELOPE, _schema_reason(exc), event_id=_event_id_of(obj), fingerprint=digest
-        ) from None
+    quick = quick_check()
+    if quick is None or not quick(obj):
+        try:
+            validator()(obj)
+        except fastjsonschema.JsonSchemaValueException as exc:
+            raise Rejection(
+                INVALID_ENVELOPE, _schema_reason(exc), event_id=_event_id_of(obj), fingerprint=digest
+            ) from None
     revision = obj["revision"]
     if type(revision) is not int:  # 1.0 passes JSON Schema's "integer"
         raise Rejection(
@@ -291,6 +406,8 @@ __all__ = [
     "known_types",
     "load_schema",
     "parse",
+    "quick_check",
+    "quick_check_for",
     "safe_reason",
     "schema_dir",
     "validator",
