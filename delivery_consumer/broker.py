@@ -36,7 +36,7 @@ from typing import Any
 import pika
 import pika.exceptions as pex
 from pika import spec
-from pika.adapters.select_connection import IOLoop
+from pika.adapters.select_connection import IOLoop, PollEvents
 
 from .errors import DeliveryError
 from .retry import reconnect_delay_s
@@ -668,6 +668,32 @@ class ConsumerIO:
     def cancel(self) -> None:
         """Stop receiving new deliveries (the connection stays for acks)."""
         self.ioloop.add_callback_threadsafe(self._cancel)
+
+    # -- loop-thread API (for code already running in the loop, e.g. a watched pipe) --
+    def soon(self, callback: Callable[[], None]) -> None:
+        """Call *callback* on the next turn of the loop (after the current events)."""
+        self.ioloop.call_later(0, callback)
+
+    def watch(self, fd: int, on_readable: Callable[[], None]) -> None:
+        """Call *on_readable* in the loop whenever *fd* has data."""
+        self.ioloop.add_handler(fd, lambda _fd, _events: on_readable(), PollEvents.READ)
+
+    def unwatch(self, fd: int) -> None:
+        self.ioloop.remove_handler(fd)
+
+    def ack_now(self, generation: int, tag: int, *, multiple: bool = True) -> None:
+        self._ack(generation, tag, multiple)
+
+    def publish_now(self, generation: int, messages: Sequence[OutMessage]) -> Future[None]:
+        future: Future[None] = Future()
+        self._publish(generation, list(messages), future)
+        return future
+
+    def reconnect_now(self, why: str) -> None:
+        self._reconnect(why)
+
+    def shutdown_now(self) -> None:
+        self._shutdown()
 
     # -- loop-thread halves --
     def _ack(self, generation: int, tag: int, multiple: bool) -> None:

@@ -34,6 +34,14 @@ def _parse(text: str) -> dict[str, int]:
 
 _POINTS = _parse(os.environ.get(ENV, ""))
 _SEEN: dict[str, int] = {}
+#: Other processes that are part of the same service (run's connection process).
+_ALSO: list[int] = []
+
+
+def also_kill(pid: int) -> None:
+    """Make a crash point kill *pid* too (the worker process of ``run`` takes
+    its parent along, so that the whole service dies at the boundary)."""
+    _ALSO.append(pid)
 
 
 def crashpoint(name: str) -> None:
@@ -44,4 +52,6 @@ def crashpoint(name: str) -> None:
     if _SEEN[name] >= _POINTS[name]:
         sys.stderr.write(f"delivery-consumer: crash point {name} reached, SIGKILL\n")
         sys.stderr.flush()
+        for pid in _ALSO:
+            os.kill(pid, signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)

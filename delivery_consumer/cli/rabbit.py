@@ -95,6 +95,24 @@ def external_options(fn: F) -> F:
     return wrapped  # type: ignore[no-any-return]
 
 
+def _metrics_factory(consumer: str, port: int, host: str) -> Callable[[], Any]:
+    """Metrics are kept where the work happens: in run's worker process."""
+
+    def make() -> Any:
+        from ..errors import ConfigError
+        from ..metrics import Metrics
+
+        metrics = Metrics(consumer)
+        try:
+            metrics.serve(port, host)
+        except OSError as exc:
+            raise ConfigError(f"cannot listen for metrics on {host}:{port}: {exc.strerror}") from None
+        logging.getLogger("delivery_consumer.run").info("metrics on http://%s:%d/metrics", host, port)
+        return metrics
+
+    return make
+
+
 def _setup_logging(level: str, fmt: str = "text", consumer: str | None = None) -> None:
     """Logging for a long-running command (see :mod:`delivery_consumer.logs`)."""
     from .. import logs
@@ -161,19 +179,11 @@ def run(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue
         exit_when_idle_s=exit_when_idle, max_bytes=max_bytes, log_each_event=log_format == "json",
         consumer_options=consumer_options,
     )
-    observer = None
+    observer_factory = None
     if metrics_port is not None:
-        from ..metrics import Metrics
-
-        observer = Metrics(consumer)
-        try:
-            observer.serve(metrics_port, metrics_host)
-        except OSError as exc:
-            raise Fatal(f"cannot listen for metrics on {metrics_host}:{metrics_port}: {exc.strerror}") from None
-        logging.getLogger("delivery_consumer.run").info("metrics on http://%s:%d/metrics", metrics_host,
-                                                        metrics_port)
+        observer_factory = _metrics_factory(consumer, metrics_port, metrics_host)
     try:
-        code = run_consumer(config, observer)
+        code = run_consumer(config, observer_factory)
     except BrokerError as exc:
         raise Fatal(str(exc)) from None
     sys.exit(code)
