@@ -419,6 +419,19 @@ class ConsumerDB:
         return dict(self.conn.execute("SELECT key, value FROM meta").fetchall())
 
 
+def _duplicate(receipt: tuple[str, str], env: Envelope) -> str:
+    """The answer to an event whose eventId has a receipt (fingerprint, result):
+    ``duplicate:<result>``, or rejection ``event-id-reused`` for another body."""
+    if receipt[0] == env.fingerprint:
+        return "duplicate:" + str(receipt[1])
+    raise Rejection(
+        EVENT_ID_REUSED,
+        f"eventId was first received with fingerprint {receipt[0][:12]}…, this body differs",
+        event_id=env.event_id,
+        fingerprint=env.fingerprint,
+    )
+
+
 class Transaction:
     """The write transaction of a :meth:`ConsumerDB.transaction` block.
 
@@ -525,14 +538,7 @@ class Transaction:
         else:
             row = known.get(env.event_id)
         if row is not None:
-            if row[0] == env.fingerprint:
-                return "duplicate:" + str(row[1])
-            raise Rejection(
-                EVENT_ID_REUSED,
-                f"eventId was first received with fingerprint {row[0][:12]}…, this body differs",
-                event_id=env.event_id,
-                fingerprint=env.fingerprint,
-            )
+            return _duplicate(row, env)
         result = self.spec.apply(conn, env)
         conn.execute(
             "INSERT INTO inbox (event_id, fingerprint, result, event_type, received_at)"
@@ -709,16 +715,7 @@ def receipt_of(tx: Transaction, env: Envelope) -> str | None:
     another body (the same check as :meth:`Transaction.apply`).
     """
     row = tx.conn.execute("SELECT fingerprint, result FROM inbox WHERE event_id = ?", (env.event_id,)).fetchone()
-    if row is None:
-        return None
-    if row[0] == env.fingerprint:
-        return "duplicate:" + str(row[1])
-    raise Rejection(
-        EVENT_ID_REUSED,
-        f"eventId was first received with fingerprint {row[0][:12]}…, this body differs",
-        event_id=env.event_id,
-        fingerprint=env.fingerprint,
-    )
+    return None if row is None else _duplicate(row, env)
 
 
 def write_receipt(tx: Transaction, env: Envelope, result: str) -> bool:
