@@ -54,14 +54,16 @@ def consumer_option(required: bool = False, default: str | None = None) -> Calla
     )
 
 
-def db_option(fn: F) -> F:
+def db_option(fn: F, *, help: str = "Database file (default: state/<consumer>/inbox.db).") -> F:
+    # Any path, a directory included: ConsumerDB.open answers in one line, where
+    # click's own checks would print a multi-line usage error.
     return click.option(
         "--db",
         "db_path",
         envvar="DELIVERY_DB",
         show_envvar=True,
         type=click.Path(path_type=Path),
-        help="Database file (default: state/<consumer>/inbox.db).",
+        help=help,
     )(fn)
 
 

@@ -23,7 +23,7 @@ import click
 from .. import queries
 from ..store import ConsumerDB, default_db_path
 from . import LazyGroup
-from ._common import EXIT_REJECTED, F, Fatal, consumer_option, emit_json, handle_errors, json_option, open_db
+from ._common import EXIT_REJECTED, F, Fatal, consumer_option, db_option, emit_json, handle_errors, json_option, open_db
 from ._output import echo_record, echo_table
 
 
@@ -34,16 +34,7 @@ class Missing(Fatal):
 
 
 def _db_option(fn: F) -> F:
-    # Like _common.db_option, but a directory reaches ConsumerDB.open, which
-    # answers in one line, instead of click's multi-line usage error.
-    return click.option(
-        "--db",
-        "db_path",
-        envvar="DELIVERY_DB",
-        show_envvar=True,
-        type=click.Path(path_type=Path),
-        help="Database file, opened read-only (default: state/<consumer>/inbox.db).",
-    )(fn)
+    return db_option(fn, help="Database file, opened read-only (default: state/<consumer>/inbox.db).")
 
 
 def read_options(consumer: str | None = None) -> Callable[[F], F]:
