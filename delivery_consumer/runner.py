@@ -198,25 +198,14 @@ class Worker(threading.Thread):
         self.live_generation = 0
         self._given_up: set[int] = set()
         self._held: Delivery | None = None
-        #: Envelopes parsed before the worker took their delivery, by (generation, tag).
-        self._early: dict[tuple[int, int], Envelope | Rejection] = {}
         self._last_activity = time.monotonic()
         self.db: ConsumerDB | None = None
 
     # -- called from the loop thread --
-    def deliver(self, delivery: Delivery, parsed: Envelope | Rejection | None = None) -> None:
-        """Queue a delivery; *parsed* is its envelope when the caller already parsed it."""
+    def deliver(self, delivery: Delivery) -> None:
         if not self.stats.first_delivery:
             self.stats.first_delivery = time.perf_counter()
-        if parsed is not None:
-            self._early[(delivery.generation, delivery.tag)] = parsed
         self.inbox.put(delivery)
-
-    def parse_early(self, delivery: Delivery) -> Envelope | Rejection | None:
-        """Parse a delivery before the worker takes it (off the commit's path),
-        except a redelivery: that one is counted durably before it is parsed,
-        so that a body that crashes the parser is still counted (poison)."""
-        return None if self._suspicious(delivery) else self._parse(delivery)
 
     def channel_opened(self, generation: int) -> None:
         self.live_generation = generation
@@ -288,7 +277,6 @@ class Worker(threading.Thread):
             if d.generation == self.live_generation and d.generation not in self._given_up:
                 return d
             # A delivery of a channel that is gone: the broker redelivers it.
-            self._early.pop((d.generation, d.tag), None)
 
     def _collect(self) -> list[Delivery]:
         first = self._take(0.2)
@@ -326,9 +314,7 @@ class Worker(threading.Thread):
         isolated = len(items) == 1 and self._suspicious(items[0])
         if isolated and self._poisoned(items[0]):
             return
-        early = self._early
-        parsed = [early.pop((d.generation, d.tag)) if (d.generation, d.tag) in early else self._parse(d)
-                  for d in items]
+        parsed = [self._parse(d) for d in items]
         try:
             outcomes = self._apply(items, parsed, isolated)
         except TransientError as exc:
@@ -677,10 +663,8 @@ def _child(config: RunConfig, conn: Connection, observer_factory: ObserverFactor
                 return
             kind = message[0]
             if kind == "deliveries":
-                # Parsing here overlaps the worker's commit (its fsync releases the GIL).
-                for fields in message[1]:
-                    d = Delivery(*fields)
-                    worker.deliver(d, worker.parse_early(d))
+                for d in message[1]:
+                    worker.deliver(Delivery(*d))
             elif kind == "channel":
                 worker.channel_opened(message[1])
             elif kind == "lost":
