@@ -5,16 +5,18 @@ Two processes, each owning its own connection, joined by a pipe:
 * the **connection process** (the caller's) runs :class:`broker.ConsumerIO`:
   pika's I/O loop, heartbeats, deliveries in, acks and copies out;
 * the **worker process** (forked at start) owns the SQLite connection: a
-  reader thread unpickles and parses deliveries as they arrive, the worker
-  thread collects them into batches, applies a batch in one transaction (a
+  reader thread unpickles deliveries as they arrive, the worker thread
+  collects them into batches, applies a batch in one transaction (a
   savepoint each), commits, gets any retry / dead-letter copies confirmed,
   and only then asks the connection process to
   ``basic_ack(last_tag, multiple=True)``.
 
 They are processes, not threads, because both are busy Python: in one
 process they took turns on the GIL and the worker ran at half its speed.
-While the worker waits for an fsync the connection keeps receiving and the
-reader thread keeps parsing, so the commit overlaps both. Batches are settled strictly in delivery-tag
+While the worker waits for an fsync the connection keeps receiving, so the
+commit overlaps the network. (Parsing in the reader thread instead of the
+worker was measured slower: a CPU-bound thread holds the GIL that the worker
+needs back after every SQLite step.) Batches are settled strictly in delivery-tag
 order and each ack is posted after the batch before it, so a ``multiple``
 ack never covers a tag whose effect is not committed or whose copy is not
 confirmed. If a copy cannot be confirmed, the channel's generation is given
