@@ -124,8 +124,8 @@ def ours(url: str, topo: Topology, prefetch: int, batch: int, workdir: Path) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--messages", type=int, default=20_000)
-    parser.add_argument("--prefetch", type=int, default=200)
-    parser.add_argument("--batch", type=int, default=100)
+    parser.add_argument("--prefetch", type=int, default=500)
+    parser.add_argument("--batch", type=int, default=250)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--amqp-url", default=os.environ.get("DELIVERY_AMQP_URL", DEFAULT_URL))
     args = parser.parse_args()

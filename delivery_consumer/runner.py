@@ -89,8 +89,8 @@ class RunConfig:
     db_path: Path | None = None
     exchange: str = DEFAULT_EXCHANGE
     prefix: str = DEFAULT_PREFIX
-    prefetch: int = 200
-    batch: int = 100
+    prefetch: int = 500
+    batch: int = 250
     batch_wait_ms: int = 10
     max_attempts: int = 3
     retry_delays_ms: tuple[int, ...] = DEFAULT_RETRY_DELAYS_MS

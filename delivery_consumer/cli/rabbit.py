@@ -124,9 +124,9 @@ def _setup_logging(level: str, fmt: str = "text", consumer: str | None = None) -
 @consumer_option(required=True)
 @db_option
 @amqp_options
-@click.option("--prefetch", default=200, show_default=True, type=click.IntRange(1, 65535),
-              help="Unacknowledged deliveries the broker may send ahead.")
-@click.option("--batch", default=100, show_default=True, type=click.IntRange(1, 10_000),
+@click.option("--prefetch", default=500, show_default=True, type=click.IntRange(1, 65535),
+              help="Unacknowledged deliveries the broker may send ahead (memory: up to prefetch x max-bytes).")
+@click.option("--batch", default=250, show_default=True, type=click.IntRange(1, 10_000),
               help="Deliveries per transaction (1 = one commit per delivery).")
 @click.option("--batch-wait", "batch_wait_ms", default=10, show_default=True, type=click.IntRange(0, 60_000),
               help="Milliseconds to wait for a batch to fill before committing what there is.")
