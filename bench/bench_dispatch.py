@@ -55,6 +55,9 @@ from delivery_consumer import outbox
 from delivery_consumer.broker import DEFAULT_URL, BrokerError, OutMessage, Publisher, StreamPublisher
 from delivery_consumer.topology import Topology
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_run import delete_queues
+
 IDLE_S = 0.2
 DISPATCH_SPAN = re.compile(r"first claim to last mark ([0-9.]+)s")
 
@@ -85,12 +88,7 @@ def messages(bodies: list[bytes], exchange: str) -> list[OutMessage]:
 
 def reset(url: str, topo: Topology) -> None:
     """Delete the queues and exchange, then declare them again (an empty queue for each figure)."""
-    conn = pika.BlockingConnection(pika.URLParameters(url))
-    ch = conn.channel()
-    for queue, _args in topo.queues():
-        ch.queue_delete(queue)
-    ch.exchange_delete(topo.exchange)
-    conn.close()
+    delete_queues(url, topo)
     with Publisher(url, topologies=[topo]) as pub:
         pub.connect()
 
