@@ -56,26 +56,10 @@ from delivery_consumer.broker import DEFAULT_URL, BrokerError, OutMessage, Publi
 from delivery_consumer.topology import Topology
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_run import delete_queues
+from bench_run import delete_queues, make_events
 
 IDLE_S = 0.2
 DISPATCH_SPAN = re.compile(r"first claim to last mark ([0-9.]+)s")
-
-
-def make_events(n: int) -> list[bytes]:
-    """Distinct valid envelopes: n/4 articles with growing revisions, 1 in 7 a withdrawal."""
-    articles = max(1, n // 4)
-    return [
-        orjson.dumps({
-            "eventId": str(uuid.uuid4()),
-            "type": "material.published" if i % 7 else "material.withdrawn",
-            "articleId": f"article-{i % articles}",
-            "revision": i // articles + 1,
-            "occurredAt": "2026-11-29T10:00:00Z",
-            "data": {"title": f"Доставка без потерь, выпуск {i}", "url": f"https://example.org/a/{i % articles}"},
-        })
-        for i in range(n)
-    ]
 
 
 def messages(bodies: list[bytes], exchange: str) -> list[OutMessage]:
@@ -218,12 +202,7 @@ def ab_depth(url: str, n: int, pairs: int) -> None:
                       f"  depth 2 / depth 1 {ratios[-1]:.2f}", flush=True)
         finally:
             with contextlib.suppress(pika.exceptions.AMQPError):
-                conn = pika.BlockingConnection(pika.URLParameters(url))
-                ch = conn.channel()
-                for queue, _args in topo.queues():
-                    ch.queue_delete(queue)
-                ch.exchange_delete(topo.exchange)
-                conn.close()
+                delete_queues(url, topo)
     print(f"\n{dt.datetime.now().isoformat(timespec='minutes')} · {os.cpu_count()} cores · {n} messages · "
           f"batch 1000 · load average {os.getloadavg()[0]:.1f}")
     print(f"depth 2 / depth 1: median {statistics.median(ratios):.2f}, "
@@ -295,12 +274,7 @@ def main() -> None:
                     print(f"  round {round_}  {name:<36} {n / seconds:>8.0f} msg/s  ({seconds:.2f}s)", flush=True)
         finally:
             with contextlib.suppress(pika.exceptions.AMQPError):
-                conn = pika.BlockingConnection(pika.URLParameters(url))
-                ch = conn.channel()
-                for queue, _args in topo.queues():
-                    ch.queue_delete(queue)
-                ch.exchange_delete(topo.exchange)
-                conn.close()
+                delete_queues(url, topo)
 
     def reference(name: str) -> str:
         return "command: publish FILE" if name.startswith("command") else "pipelined publish (Publisher)"
