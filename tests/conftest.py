@@ -15,6 +15,18 @@ from delivery_consumer.store import ConsumerDB
 # Broker fixtures (amqp_url, ns) for the tests that need RabbitMQ.
 pytest_plugins = ["brokerkit"]
 
+#: Fixtures that reach RabbitMQ: a test using any of them (directly or through
+#: another fixture) needs the broker.
+BROKER_FIXTURES = frozenset({"amqp_url", "ns"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test that uses a broker fixture ``broker``, so that
+    ``pytest -m "not broker"`` runs the rest without RabbitMQ."""
+    for item in items:
+        if BROKER_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.broker)
+
 
 @pytest.fixture
 def open_db(tmp_path: Path) -> Iterator[OpenDB]:
