@@ -869,25 +869,6 @@ def prune(conn: sqlite3.Connection, *, older_than_s: float, now: float | None = 
     return cur.rowcount
 
 
-def parse_duration_s(text: str) -> float:
-    """``"7d"``, ``"12h"``, ``"30m"``, ``"45s"``, ``"500ms"`` or plain seconds -> seconds."""
-    text = text.strip().lower()
-    units = (("ms", 0.001), ("d", 86400.0), ("h", 3600.0), ("m", 60.0), ("s", 1.0))
-    for suffix, size in units:
-        if text.endswith(suffix):
-            number, scale = text[: -len(suffix)], size
-            break
-    else:
-        number, scale = text, 1.0
-    try:
-        value = float(number) * scale
-    except ValueError:
-        raise ValueError(f"not a duration: {text!r} (use e.g. 30s, 15m, 12h, 7d)") from None
-    if not value >= 0 or value == float("inf"):
-        raise ValueError(f"not a duration: {text!r}")
-    return value
-
-
 __all__ = [
     "MIGRATIONS",
     "STATES",
@@ -904,7 +885,6 @@ __all__ = [
     "install",
     "installed_version",
     "list_rows",
-    "parse_duration_s",
     "prune",
     "show",
     "stats",

@@ -27,43 +27,24 @@ gets the write lock between batches and keeps committing.
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .durations import format as format_duration
 from .errors import DeliveryError
 from .store import ConsumerDB, now_iso
 
-MINUTE_S, HOUR_S, DAY_S, WEEK_S = 60, 3600, 86400, 7 * 86400
+DAY_S = 86400
 #: Default redelivery horizon: receipts younger than this are never pruned.
 DEFAULT_HORIZON_S = 7 * DAY_S
 #: Rows per delete transaction.
 DEFAULT_BATCH = 500
 
-_UNITS = {"s": 1, "m": MINUTE_S, "h": HOUR_S, "d": DAY_S, "w": WEEK_S}
-_DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*")
-
 
 class PruneRefused(DeliveryError):
     """The prune would remove receipts that may still be needed."""
-
-
-def parse_duration(text: str) -> float:
-    """``90m``, ``12h``, ``30d``, ``2w``, ``45s`` (a unit is required) -> seconds."""
-    match = _DURATION.fullmatch(text)
-    if match is None:
-        raise ValueError(f"invalid duration {text!r}: give a number and a unit (s, m, h, d, w), e.g. 90m, 12h, 30d")
-    return float(match.group(1)) * _UNITS[match.group(2)]
-
-
-def format_duration(seconds: float) -> str:
-    """The largest whole unit up to days: 604800 -> ``7d``, 5400 -> ``90m``."""
-    for unit, size in (("d", DAY_S), ("h", HOUR_S), ("m", MINUTE_S)):
-        if seconds >= size and seconds % size == 0:
-            return f"{int(seconds // size)}{unit}"
-    return f"{seconds:g}s"
 
 
 def check_older_than(older_than_s: float, horizon_s: float) -> None:
@@ -211,6 +192,5 @@ __all__ = [
     "PruneReport",
     "check_older_than",
     "format_duration",
-    "parse_duration",
     "prune",
 ]

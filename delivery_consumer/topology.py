@@ -50,26 +50,6 @@ H_ROUTING_KEY = "x-original-routing-key"
 H_DELIVERY_COUNT = "x-delivery-count"  # set by quorum queues on redelivery
 
 
-def parse_delays(text: str) -> tuple[int, ...]:
-    """``"1s,10s,60s"`` or ``"500ms,2s"`` or ``"1,10,60"`` (seconds) -> ms."""
-    delays: list[int] = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        if part.endswith("ms"):
-            value = float(part[:-2])
-        elif part.endswith("s"):
-            value = float(part[:-1]) * 1000
-        elif part.endswith("m"):
-            value = float(part[:-1]) * 60_000
-        else:
-            value = float(part) * 1000
-        if not 1 <= value <= 7 * 24 * 3600 * 1000:
-            raise ValueError(f"retry delay {part!r} is out of range (1 ms .. 7 days)")
-        delays.append(int(value))
-    if not delays:
-        raise ValueError("give at least one retry delay")
-    return tuple(delays)
-
-
 @dataclass(frozen=True)
 class Topology:
     """The exchange and queues of one consumer."""

@@ -556,20 +556,6 @@ def test_list_stats_show_and_prune(conn: sqlite3.Connection) -> None:
     assert {ids[2], ids[3]} == {r["eventId"] for r in outbox.list_rows(conn)}
 
 
-@pytest.mark.parametrize(("text", "seconds"), [("7d", 604800), ("12h", 43200), ("30m", 1800), ("45s", 45),
-                                               ("500ms", 0.5), ("2.5", 2.5)])
-def test_durations(text: str, seconds: float) -> None:
-    """--older-than, --lease and friends accept d, h, m, s, ms or plain seconds."""
-    assert seconds == pytest.approx(outbox.parse_duration_s(text))
-
-
-def test_a_bad_duration_is_refused() -> None:
-    """A duration that is not a non-negative number with a unit is a ValueError."""
-    for text in ("", "soon", "-1s", "nan"):
-        with pytest.raises(ValueError):
-            outbox.parse_duration_s(text)
-
-
 # -- the demo producer ---------------------------------------------------------------------------
 
 

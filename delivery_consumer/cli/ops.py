@@ -20,6 +20,7 @@ from typing import Any
 import click
 
 from .. import consumers
+from ..durations import Duration
 from ..topology import Topology
 from ._common import (
     EXIT_OK,
@@ -295,22 +296,13 @@ def dead_purge(consumer: str, db_path: Path | None, amqp_url: str, exchange: str
 # -- inbox prune -----------------------------------------------------------------
 
 
-def _duration(_ctx: click.Context, _param: click.Parameter, value: str) -> float:
-    from ..retention import parse_duration
-
-    try:
-        return parse_duration(value)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
-
-
 @click.command("prune")
 @consumer_option()
 @db_option
 @amqp_options
-@click.option("--older-than", required=True, callback=_duration,
+@click.option("--older-than", required=True, type=Duration(),
               help="Prune what is older than this (90m, 12h, 30d, 2w); at least the horizon.")
-@click.option("--horizon", default="7d", show_default=True, callback=_duration,
+@click.option("--horizon", default="7d", show_default=True, type=Duration(),
               envvar="DELIVERY_REDELIVERY_HORIZON", show_envvar=True,
               help="Redelivery horizon: how late a copy of an event may still arrive.")
 @click.option("--batch", default=500, show_default=True, type=click.IntRange(1, 100_000),

@@ -24,6 +24,7 @@ import click
 
 from .. import outbox as outbox_lib
 from .. import producer as producer_lib
+from ..durations import Duration
 from ..errors import ConfigError
 from ..queries import NotFound
 from ._common import F, Fatal, emit_json, handle_errors, json_option
@@ -44,15 +45,6 @@ def producer_db_option(fn: F) -> F:
         type=click.Path(path_type=Path),
         help="The producer's SQLite database (holds the outbox table).",
     )(fn)
-
-
-def _duration(_ctx: click.Context, _param: click.Parameter, value: str | None) -> float | None:
-    if value is None:
-        return None
-    try:
-        return outbox_lib.parse_duration_s(value)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
 
 
 @contextmanager
@@ -79,15 +71,15 @@ def reading(db_path: Path) -> Iterator[sqlite3.Connection]:
               help="Rows claimed (leased) and published per round; a crash duplicates at most depth batches.")
 @click.option("--depth", default=2, show_default=True, type=click.IntRange(1, 8),
               help="Batches in flight: the next is sent while the one before waits for its confirms.")
-@click.option("--lease", "lease_s", default="60s", show_default=True, callback=_duration,
+@click.option("--lease", "lease_s", default="60s", show_default=True, type=Duration(),
               help="How long a claim is held; a dispatcher killed holding one delays its rows this long.")
-@click.option("--poll", "poll_s", default="500ms", show_default=True, callback=_duration,
+@click.option("--poll", "poll_s", default="500ms", show_default=True, type=Duration(),
               help="Pause between looks at the outbox when there is nothing to publish.")
-@click.option("--retry-base", "retry_base_s", default="1s", show_default=True, callback=_duration,
+@click.option("--retry-base", "retry_base_s", default="1s", show_default=True, type=Duration(),
               help="First backoff of an unroutable or nacked row (doubles per attempt, jittered).")
-@click.option("--retry-cap", "retry_cap_s", default="5m", show_default=True, callback=_duration,
+@click.option("--retry-cap", "retry_cap_s", default="5m", show_default=True, type=Duration(),
               help="Longest backoff of one row.")
-@click.option("--exit-when-idle", "exit_when_idle_s", callback=_duration,
+@click.option("--exit-when-idle", "exit_when_idle_s", type=Duration(),
               help="Exit after nothing could be published for this long (e.g. 2s).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
@@ -219,7 +211,7 @@ def outbox_show(db_path: Path, as_json: bool, event_id: str) -> None:
 @outbox.command("prune")
 @producer_db_option
 @json_option
-@click.option("--older-than", "older_than_s", required=True, callback=_duration,
+@click.option("--older-than", "older_than_s", required=True, type=Duration(),
               help="Delete rows published longer ago than this (e.g. 7d, 12h); unpublished rows stay.")
 @handle_errors
 def outbox_prune(db_path: Path, as_json: bool, older_than_s: float) -> None:

@@ -19,6 +19,7 @@ import click
 
 from .. import consumers
 from .. import sources as sources_lib
+from ..durations import Duration
 from ..envelope import MAX_BODY_BYTES, parse
 from ..errors import ConfigError, Rejection
 from ..topology import (
@@ -26,12 +27,13 @@ from ..topology import (
     DEFAULT_EXCHANGE,
     DEFAULT_PREFIX,
     Topology,
-    parse_delays,
 )
 from ._common import EXIT_OK, EXIT_REJECTED, Fatal, consumer_option, db_option, emit_json, handle_errors
 
 F = TypeVar("F", bound=Callable[..., Any])
 DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
+#: Delays of the retry tiers, in milliseconds: 1 ms .. 7 days each.
+RETRY_DELAYS = Duration(minimum=0.001, maximum=7 * 86400, many=True, milliseconds=True)
 
 
 def amqp_options(fn: F) -> F:
@@ -49,13 +51,6 @@ def _topology(consumer: str, exchange: str, prefix: str, **extra: Any) -> Topolo
     spec = consumers.get(consumer)
     return Topology(consumer=consumer, binding_keys=tuple(spec.binding_keys), exchange=exchange,
                     prefix=prefix, **extra)
-
-
-def _delays(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[int, ...]:
-    try:
-        return parse_delays(value)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
 
 
 def external_options(fn: F) -> F:
@@ -77,7 +72,7 @@ def external_options(fn: F) -> F:
         logging.getLogger("httpx").setLevel(logging.WARNING)
         return fn(*args, **kwargs)
 
-    seconds = click.FloatRange(0, min_open=True)
+    seconds = Duration(positive=True)
     wrapped: Any = wrapper
     for option in reversed([
         click.option("--webhook-url", envvar="DELIVERY_WEBHOOK_URL", show_envvar=True,
@@ -86,10 +81,10 @@ def external_options(fn: F) -> F:
                      help="webhook consumer: whether the endpoint honours Idempotency-Key. If not, a call whose "
                           "outcome is unknown is never repeated (dead-lettered outcome-unknown)."),
         click.option("--webhook-connect-timeout", type=seconds,
-                     help="webhook consumer: seconds to connect (default: the read timeout, at most 2)."),
+                     help="webhook consumer: time to connect (default: the read timeout, at most 2s)."),
         click.option("--webhook-read-timeout", type=seconds,
-                     help="webhook consumer: seconds to wait for the answer; shorter than the first retry delay "
-                          "(default: 80% of it, at most 10)."),
+                     help="webhook consumer: time to wait for the answer; shorter than the first retry delay "
+                          "(default: 80% of it, at most 10s)."),
     ]):
         wrapped = option(wrapped)
     return wrapped  # type: ignore[no-any-return]
@@ -128,18 +123,19 @@ def _setup_logging(level: str, fmt: str = "text", consumer: str | None = None) -
               help="Unacknowledged deliveries the broker may send ahead (memory: up to prefetch x max-bytes).")
 @click.option("--batch", default=250, show_default=True, type=click.IntRange(1, 10_000),
               help="Deliveries per transaction (1 = one commit per delivery).")
-@click.option("--batch-wait", "batch_wait_ms", default=10, show_default=True, type=click.IntRange(0, 60_000),
-              help="Milliseconds to wait for a batch to fill before committing what there is.")
+@click.option("--batch-wait", "batch_wait_ms", default="10ms", show_default=True,
+              type=Duration(maximum=60, milliseconds=True),
+              help="How long to wait for a batch to fill before committing what there is.")
 @click.option("--max-attempts", default=3, show_default=True, type=click.IntRange(1, 1000),
               help="Tries of an event that fails transiently before it is dead-lettered retries-exhausted.")
-@click.option("--retry-delays", default="1s,10s,60s", show_default=True, callback=_delays,
+@click.option("--retry-delays", default="1s,10s,60s", show_default=True, type=RETRY_DELAYS,
               help="Delays of the retry tiers (the last repeats), e.g. 500ms,5s,1m.")
 @click.option("--delivery-limit", default=DEFAULT_DELIVERY_LIMIT, show_default=True, type=click.IntRange(1),
               help="Broker-side x-delivery-limit of the queue (the backstop for poison messages).")
 @click.option("--max-crashes", default=3, show_default=True, type=click.IntRange(1),
               help="Dead-letter a message (delivery-limit) after it killed the process this many times.")
-@click.option("--exit-when-idle", "exit_when_idle", type=click.FloatRange(0, min_open=True),
-              help="Exit 0 after no delivery arrived for this many seconds.")
+@click.option("--exit-when-idle", "exit_when_idle", type=Duration(positive=True),
+              help="Exit 0 after no delivery arrived for this long (e.g. 2s).")
 @click.option("--max-bytes", default=MAX_BODY_BYTES, show_default=True, type=click.IntRange(1),
               help="Largest body accepted; larger ones are dead-lettered invalid-envelope.")
 @click.option("--log-level", default="info", show_default=True,
@@ -291,7 +287,7 @@ def topology() -> None:
 @topology.command("declare")
 @click.option("--consumer", "-c", "names", multiple=True, required=True, help="Consumer (repeatable).")
 @amqp_options
-@click.option("--retry-delays", default="1s,10s,60s", show_default=True, callback=_delays)
+@click.option("--retry-delays", default="1s,10s,60s", show_default=True, type=RETRY_DELAYS)
 @click.option("--delivery-limit", default=DEFAULT_DELIVERY_LIMIT, show_default=True, type=click.IntRange(1))
 @handle_errors
 def declare_cmd(names: tuple[str, ...], amqp_url: str, exchange: str, queue_prefix: str,

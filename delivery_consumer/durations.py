@@ -1,0 +1,124 @@
+"""One grammar for every duration a user types: ``250ms``, ``45s``, ``90m``,
+``12h``, ``30d``, ``2w``, or a bare number of seconds (``2``, ``0.5``).
+
+:func:`parse` and :func:`format` are exact inverses for every value
+:func:`parse` returns; :class:`Duration` is the click type of every duration
+option of the command line, so that each one accepts the same spellings and
+refuses the rest with the same message.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from decimal import Decimal
+from typing import TYPE_CHECKING, Any, Final
+
+import click
+
+if TYPE_CHECKING:
+    _ParamType = click.ParamType[Any]
+else:  # click < 8.4: not generic
+    _ParamType = click.ParamType
+
+#: Unit -> its length in milliseconds (integers: the arithmetic stays exact).
+UNITS_MS: Final = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000, "w": 604_800_000}
+#: Units :func:`format` writes, largest first (weeks are read, days written:
+#: ``7d`` is what operators say).
+_WRITTEN: Final = ("d", "h", "m", "s", "ms")
+#: Below this many seconds every whole number of milliseconds is a float.
+_EXACT_MS: Final = 2**53 / 1000
+_GRAMMAR = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?|\.[0-9]+)\s*(ms|s|m|h|d|w)?\s*")
+
+
+def error_message(text: str) -> str:
+    """The one message for a duration that does not parse."""
+    shown = text if len(text) <= 40 else text[:40] + "..."
+    return (f"{shown!r} is not a duration: give a number and a unit (ms, s, m, h, d, w), "
+            "e.g. 250ms, 45s, 90m, 12h, 30d, 2w; a bare number means seconds")
+
+
+def parse(text: str) -> float:
+    """A duration -> seconds (a float >= 0); ValueError with :func:`error_message`."""
+    match = _GRAMMAR.fullmatch(text.lower())
+    if match is None:
+        raise ValueError(error_message(text))
+    number, unit = match.groups()
+    if unit in (None, "s"):
+        seconds = float(number)
+    else:
+        # The number times the unit's integral milliseconds, divided once: for
+        # a whole number of a unit this is the float nearest the true value.
+        seconds = float(number) * UNITS_MS[unit] / 1000
+    if not math.isfinite(seconds):
+        raise ValueError(error_message(text))
+    return seconds
+
+
+def format(seconds: float) -> str:
+    """Seconds -> the shortest exact spelling: ``7d``, ``90m``, ``250ms``,
+    ``0.0001s``; ``parse(format(x)) == x`` for every finite ``x >= 0``."""
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise ValueError(f"not a duration: {seconds!r}")
+    ms = round(seconds * 1000) if seconds < _EXACT_MS else None
+    if ms is not None and ms / 1000 == seconds:
+        for unit in _WRITTEN:
+            size = UNITS_MS[unit]
+            if ms % size == 0:
+                return f"{ms // size}{unit}" if ms else "0s"
+    # Not a whole number of milliseconds: the float's shortest exact decimal.
+    return f"{Decimal(repr(float(seconds))):f}s"
+
+
+class Duration(_ParamType):
+    """A click option type for durations (see the module docstring).
+
+    The value is seconds as a float, or whole milliseconds with
+    ``milliseconds=True``; ``many=True`` reads a comma-separated list into a
+    tuple. ``minimum`` / ``maximum`` bound each value in seconds;
+    ``positive`` refuses zero.
+    """
+
+    name = "duration"
+
+    def __init__(self, *, minimum: float = 0.0, maximum: float | None = None, positive: bool = False,
+                 many: bool = False, milliseconds: bool = False) -> None:
+        self.minimum, self.maximum, self.positive = minimum, maximum, positive
+        self.many, self.milliseconds = many, milliseconds
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if self.many:
+            if isinstance(value, tuple):
+                return value
+            parts = [part for part in str(value).split(",") if part.strip()]
+            if not parts:
+                self.fail("give at least one duration, e.g. 1s,10s,60s", param, ctx)
+            return tuple(self._one(part, param, ctx) for part in parts)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return value  # already converted (a default given as a number)
+        return self._one(str(value), param, ctx)
+
+    def _one(self, text: str, param: click.Parameter | None, ctx: click.Context | None) -> float | int:
+        try:
+            seconds = parse(text)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+        too_small = seconds <= 0 if self.positive else seconds < self.minimum
+        if too_small or (self.maximum is not None and seconds > self.maximum):
+            self.fail(f"{text.strip()} is out of range: {self._range()}", param, ctx)
+        if self.milliseconds:
+            return round(seconds * 1000)
+        return seconds
+
+    def _range(self) -> str:
+        low = "more than 0s" if self.positive else f"at least {format(self.minimum)}"
+        return low if self.maximum is None else f"{low} and at most {format(self.maximum)}"
+
+    def get_metavar(self, param: click.Parameter, ctx: click.Context | None = None) -> str:
+        return "DURATIONS" if self.many else "DURATION"
+
+    def __repr__(self) -> str:
+        return "DURATION"
+
+
+__all__ = ["UNITS_MS", "Duration", "error_message", "format", "parse"]
