@@ -28,11 +28,18 @@ from typing import Any, Final, ParamSpec, TypeVar
 
 import orjson
 
+from .durations import format as format_duration
 from .errors import DatabaseError, DeliveryError
 from .store import ConsumerDB, now_iso, translate
 
 P = ParamSpec("P")
 T = TypeVar("T")
+
+#: How long one ad-hoc statement may run before it is stopped.
+QUERY_TIMEOUT_S: Final = 10.0
+#: SQLite virtual-machine steps between two looks at the clock (a few hundred
+#: microseconds of work).
+_CLOCK_EVERY: Final = 10_000
 
 #: Windows of ``inbox_stats``, in seconds.
 HOUR_S = 3600
@@ -352,12 +359,27 @@ def _query_error(exc: Exception, auth: _ReadOnlyAuthorizer) -> QueryError:
     return QueryError(f"query failed: {message}")
 
 
+class _Deadline:
+    """SQLite progress handler that stops the statement once time is up
+    (https://sqlite.org/c3ref/progress_handler.html): an endless recursive
+    CTE would otherwise burn a core and hold its read snapshot forever."""
+
+    def __init__(self, seconds: float) -> None:
+        self.at = time.monotonic() + seconds
+        self.passed = False
+
+    def __call__(self) -> int:
+        self.passed = time.monotonic() >= self.at
+        return self.passed
+
+
 @_reads
-def query(db: ConsumerDB, sql: str) -> Row:
+def query(db: ConsumerDB, sql: str, *, timeout_s: float = QUERY_TIMEOUT_S) -> Row:
     """Run one read-only SQL statement; ``{"columns": [...], "rows": [[...], ...]}``.
 
     Needs a database opened read-only. Refuses several statements, writes,
-    ATTACH, transactions and pragmas that set a value (:class:`QueryError`).
+    ATTACH, transactions and pragmas that set a value, and stops a statement
+    still running after *timeout_s* seconds (:class:`QueryError`).
     """
     if not db.readonly:
         raise QueryError("query needs a database opened read-only")
@@ -367,12 +389,17 @@ def query(db: ConsumerDB, sql: str) -> Row:
     conn.execute("PRAGMA query_only = ON")
     auth = _ReadOnlyAuthorizer()
     conn.set_authorizer(auth)
+    deadline = _Deadline(timeout_s)
+    conn.set_progress_handler(deadline, _CLOCK_EVERY)
     cursor: sqlite3.Cursor | None = None
     try:
         cursor = conn.execute(sql)
         columns = [column[0] for column in cursor.description or ()]
         rows = [[_json_value(value) for value in row] for row in cursor.fetchall()]
     except sqlite3.DatabaseError as exc:
+        if deadline.passed:
+            raise QueryError(f"query stopped: still running after {format_duration(timeout_s)} "
+                             "(give a longer --timeout if it is meant to take that long)") from None
         # A denial by the authorizer is SQLITE_AUTH, a plain DatabaseError.
         if auth.denied is not None or isinstance(exc, sqlite3.OperationalError | sqlite3.ProgrammingError):
             raise _query_error(exc, auth) from None
@@ -381,10 +408,12 @@ def query(db: ConsumerDB, sql: str) -> Row:
         if cursor is not None:
             cursor.close()  # resets the statement: no read snapshot stays open
         conn.set_authorizer(None)
+        conn.set_progress_handler(None, 0)
     return {"columns": columns, "rows": rows}
 
 
 __all__ = [
+    "QUERY_TIMEOUT_S",
     "NotFound",
     "QueryError",
     "audit_list",

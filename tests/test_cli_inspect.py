@@ -415,6 +415,28 @@ def test_query_refuses_writes_and_bad_sql(catalog_db: Path, tmp_path: Path, sql:
     assert not (tmp_path / "other.db").exists()
 
 
+def test_an_endless_query_ends_with_one_line_and_exit_2(catalog_db: Path) -> None:
+    """The real command stops an endless recursive CTE at --timeout: exit 2, one line on stderr, nothing on
+    stdout (the subprocess's own timeout is only a safety net; how fast it stops is not asserted)."""
+    script = Path(sys.executable).with_name("delivery-consumer")
+    endless = "WITH RECURSIVE n(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM n) SELECT x FROM n"
+    result = subprocess.run([str(script), "query", "--db", str(catalog_db), "--timeout", "1s", endless],
+                            capture_output=True, text=True, timeout=120)
+
+    assert 2 == result.returncode
+    assert "" == result.stdout
+    assert ["delivery-consumer: query stopped: still running after 1s (give a longer --timeout if it is meant "
+            "to take that long)"] == result.stderr.splitlines()
+
+
+def test_a_bad_query_timeout_is_refused() -> None:
+    """--timeout takes a positive duration."""
+    for bad in ("0", "soon"):
+        result = invoke("query", "SELECT 1", "--db", "x.db", "--timeout", bad)
+        assert 2 == result.exit_code
+        assert "--timeout" in result.stderr
+
+
 # -- errors --------------------------------------------------------------------
 
 READ_COMMANDS: list[list[str]] = [

@@ -83,7 +83,7 @@ def test_every_duration_option_uses_the_duration_type() -> None:
     names = {o for _, param in found for o in param.opts}
 
     assert {"--retry-delays", "--lease", "--older-than", "--exit-when-idle", "--retry-cap", "--horizon",
-            "--batch-wait", "--webhook-read-timeout"} <= names
+            "--batch-wait", "--webhook-read-timeout", "--timeout"} <= names
     assert [] == [(path, param.opts) for path, param in found if not isinstance(param.type, Duration)]
 
 

@@ -208,6 +208,20 @@ def test_query_allows_reading_pragmas(reader: ConsumerDB) -> None:
     assert columns == ["article_id", "revision", "title", "url", "published", "event_id", "occurred_at"]
 
 
+ENDLESS = "WITH RECURSIVE n(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM n) SELECT max(x) FROM n"
+
+
+def test_an_endless_query_is_stopped_at_its_timeout(writer: ConsumerDB, reader: ConsumerDB) -> None:
+    """A statement still running at its timeout stops with a QueryError naming the limit; no snapshot stays
+    open, and the connection answers the next statement."""
+    apply_event(writer, envelope())
+    with pytest.raises(queries.QueryError, match="still running after 200ms"):
+        queries.query(reader, ENDLESS, timeout_s=0.2)
+
+    assert not reader.conn.in_transaction
+    assert {"columns": ["n"], "rows": [[1]]} == queries.query(reader, "SELECT count(*) AS n FROM inbox")
+
+
 def test_query_needs_a_readonly_database(writer: ConsumerDB) -> None:
     """query refuses a database that was not opened read-only."""
     with pytest.raises(queries.QueryError, match="read-only"):

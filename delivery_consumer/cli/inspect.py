@@ -21,6 +21,7 @@ from typing import Any
 import click
 
 from .. import queries
+from ..durations import Duration
 from ..store import ConsumerDB, default_db_path
 from . import LazyGroup
 from ._common import EXIT_REJECTED, F, Fatal, consumer_option, db_option, emit_json, handle_errors, json_option, open_db
@@ -283,17 +284,20 @@ def audit_list(consumer: str, db_path: Path | None, as_json: bool, limit: int) -
 
 @click.command()
 @read_options()
+@click.option("--timeout", "timeout_s", default="10s", show_default=True, type=Duration(positive=True),
+              help="Stop the statement if it still runs after this long (exit 2).")
 @click.argument("sql")
 @handle_errors
-def query(consumer: str | None, db_path: Path | None, as_json: bool, sql: str) -> None:
+def query(consumer: str | None, db_path: Path | None, as_json: bool, timeout_s: float, sql: str) -> None:
     """Run one read-only SQL statement (SELECT, WITH, EXPLAIN, reading PRAGMAs).
 
     The database is opened read-only with query_only set; writes, ATTACH,
-    transactions and several statements are refused (exit 2). --json gives
+    transactions and several statements are refused, and a statement still
+    running after --timeout is stopped (exit 2). --json gives
     {"columns": [...], "rows": [[...], ...]}; BLOBs appear as X'..' literals.
     """
     with reading(consumer, db_path) as db:
-        result = queries.query(db, sql)
+        result = queries.query(db, sql, timeout_s=timeout_s)
     if as_json:
         emit_json(result)
     elif result["columns"]:
