@@ -78,11 +78,13 @@ class OutMessage:
     message_id: str | None = None
     headers: dict[str, Any] | None = None
     content_type: str = "application/json"
+    content_encoding: str | None = None
 
     def properties(self) -> pika.BasicProperties:
         return pika.BasicProperties(
             delivery_mode=PERSISTENT,
             content_type=self.content_type,
+            content_encoding=self.content_encoding,
             message_id=self.message_id,
             headers=self.headers or None,
         )
@@ -113,6 +115,7 @@ class Delivery:
     headers: dict[str, Any]
     content_type: str | None = None
     exchange: str = ""
+    content_encoding: str | None = None
 
 
 def parameters(url: str, *, name: str) -> pika.URLParameters:
@@ -600,6 +603,7 @@ class ConsumerIO:
                 headers=props.headers or {},
                 content_type=props.content_type,
                 exchange=method.exchange,
+                content_encoding=props.content_encoding,
             )
         )
 
@@ -792,6 +796,7 @@ class HeldMessage:
     redelivered: bool
     exchange: str
     routing_key: str
+    content_encoding: str | None = None
 
 
 class DeadQueue:
@@ -858,7 +863,7 @@ class DeadQueue:
         self._held.append(HeldMessage(
             tag=method.delivery_tag, body=body, message_id=props.message_id, headers=dict(props.headers or {}),
             content_type=props.content_type, redelivered=bool(method.redelivered), exchange=method.exchange,
-            routing_key=method.routing_key,
+            routing_key=method.routing_key, content_encoding=props.content_encoding,
         ))
 
     def _ready(self) -> int:

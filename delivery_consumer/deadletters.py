@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .broker import DeadQueue, Delivery, HeldMessage, OutMessage, PublishResult
-from .envelope import body_digest, parse
+from .envelope import KOMBU_COMPRESSION_HEADER, MAX_BODY_BYTES, body_digest, parse
 from .errors import Rejection
 from .faults import crashpoint
 from .runner import DELIVERY_LIMIT_CODE, delivery_key
@@ -147,7 +147,8 @@ def describe(position: int, msg: HeldMessage) -> DeadLetter:
     fingerprint: str | None = None
     event_type: str | None = None
     try:
-        env = parse(msg.body, max_bytes=len(msg.body) + 1)  # identity only: size is not the question
+        env = parse(msg.body, max_bytes=max(len(msg.body) + 1, MAX_BODY_BYTES),  # identity only: not the size
+                    content_encoding=msg.content_encoding, compression=headers.get(KOMBU_COMPRESSION_HEADER))
         event_id, fingerprint, event_type = env.event_id, env.fingerprint, env.type
     except Rejection as rej:
         event_id, fingerprint = rej.event_id, rej.fingerprint
@@ -343,7 +344,8 @@ def requeue_copy(msg: HeldMessage, letter: DeadLetter, topology: Topology, now: 
     headers[H_REQUEUED_AT] = now
     headers[H_REQUEUES] = letter.requeues + 1
     return OutMessage(routing_key=topology.queue, body=msg.body, exchange="", message_id=msg.message_id,
-                      headers=headers, content_type=msg.content_type or "application/json")
+                      headers=headers, content_type=msg.content_type or "application/json",
+                      content_encoding=msg.content_encoding)
 
 
 def _delivery_key(msg: HeldMessage) -> str:

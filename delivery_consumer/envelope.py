@@ -1,4 +1,4 @@
-"""Bytes -> envelope: size limit, JSON decoding, schema validation, fingerprint.
+"""Bytes -> envelope: content encoding, size limit, JSON decoding, schema validation, fingerprint.
 
 The only place that knows how an event looks on the wire. Every refusal is a
 :class:`~delivery_consumer.errors.Rejection` whose reason never quotes the
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import zlib
 from collections.abc import Callable, Mapping
 from datetime import datetime
 from functools import lru_cache
@@ -34,6 +35,19 @@ from .errors import (
 #: Default limit on the size of one body, in bytes (1 MiB).
 MAX_BODY_BYTES: Final = 1 << 20
 ENVELOPE_SCHEMA: Final = "envelope.schema.json"
+
+#: ``content_encoding`` values that mean "the bytes as they are" (kombu writes
+#: the charset there: ``utf-8``, or ``binary`` for bytes it did not serialize).
+IDENTITY_ENCODINGS: Final = frozenset({"", "identity", "utf-8", "utf8", "binary", "us-ascii", "ascii"})
+#: Compressions a body may arrive in -> zlib ``wbits`` to try, in order:
+#: 47 reads a gzip or a zlib stream (producers label either "gzip"), -15 a
+#: raw deflate stream (what some send as "deflate").
+_COMPRESSIONS: Final = {"gzip": (47,), "x-gzip": (47,), "deflate": (47, -15)}
+#: kombu's ``compression="gzip"`` keeps ``content_encoding`` for the charset
+#: and names the compression in this header instead (zlib stream).
+KOMBU_COMPRESSION_HEADER: Final = "compression"
+_KOMBU_COMPRESSIONS: Final = {"application/x-gzip": "gzip"}
+_GZIP_MAGIC: Final = b"\x1f\x8b"
 
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 _FRACTION = re.compile(r"\.[0-9]+")
@@ -299,6 +313,63 @@ def _schema_reason(exc: fastjsonschema.JsonSchemaValueException) -> str:
     return f"{field} violates the schema rule '{rule}'"
 
 
+def decode_body(
+    body: bytes, content_encoding: str | None, *, compression: object = None, max_bytes: int = MAX_BODY_BYTES
+) -> bytes:
+    """The JSON bytes of a delivery whose ``content_encoding`` property (or
+    kombu's ``compression`` header) says how it was compressed.
+
+    gzip and deflate are decompressed in a stream that never produces more
+    than ``max_bytes + 1`` bytes: the limit applies to the decompressed size,
+    and a small bomb is refused (``invalid-envelope``) without ever being
+    inflated. Any other encoding is refused (``malformed-json``) with a
+    reason naming it.
+    """
+    codings = [token.strip() for token in (content_encoding or "").lower().replace(":", ",").split(",")]
+    codings = [token for token in codings if token not in IDENTITY_ENCODINGS]
+    if compression is not None:  # an AMQP header: any type
+        kombu = _KOMBU_COMPRESSIONS.get(compression.strip().lower()) if isinstance(compression, str) else None
+        if kombu is None:
+            raise Rejection(MALFORMED_JSON, f"compression {safe_reason(str(compression), 40)!r} is not "
+                                            "supported (application/x-gzip is)")
+        codings.append(kombu)
+    if not codings:
+        if len(body) > max_bytes:
+            raise Rejection(INVALID_ENVELOPE, f"body is {len(body)} bytes, over the limit of {max_bytes}")
+        return body
+    if len(codings) > 1 or codings[0] not in _COMPRESSIONS:
+        named = safe_reason(content_encoding or "", 40)
+        raise Rejection(MALFORMED_JSON, f"content-encoding {named!r} is not supported (gzip, deflate or none)")
+    coding = codings[0]
+    first_error: zlib.error | None = None
+    for wbits in _COMPRESSIONS[coding]:
+        try:
+            return _inflate(body, wbits, max_bytes, coding)
+        except zlib.error as exc:
+            first_error = first_error or exc
+    raise Rejection(MALFORMED_JSON, f"body is not valid {coding} data ({first_error})")
+
+
+def _inflate(body: bytes, wbits: int, limit: int, coding: str) -> bytes:
+    """Decompress every member of *body* (gzip allows several), producing at
+    most ``limit + 1`` bytes in all; zlib.error when it is not *wbits* data."""
+    parts: list[bytes] = []
+    size = 0
+    rest = body
+    while True:
+        stream = zlib.decompressobj(wbits)
+        part = stream.decompress(rest, limit + 1 - size)  # > 0: size <= limit here
+        size += len(part)
+        if size > limit:
+            raise Rejection(INVALID_ENVELOPE, f"body decompresses ({coding}) to more than the limit of {limit} bytes")
+        if not stream.eof:
+            raise zlib.error("the compressed stream is cut short")
+        parts.append(part)
+        rest = stream.unused_data
+        if not rest:
+            return b"".join(parts)
+
+
 def _decode(body: bytes) -> Any:
     """JSON text -> Python value, with a rejection naming the exact problem."""
     try:
@@ -311,6 +382,9 @@ def _decode(body: bytes) -> Any:
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
+        if body.startswith(_GZIP_MAGIC):
+            raise Rejection(MALFORMED_JSON, "body is not UTF-8: it looks gzip-compressed, but no "
+                                            "content-encoding says so") from None
         raise Rejection(MALFORMED_JSON, f"body is not UTF-8 (byte {exc.start})") from None
 
     def no_constants(name: str) -> Any:
@@ -330,9 +404,21 @@ def _decode(body: bytes) -> Any:
     raise Rejection(INVALID_ENVELOPE, "a value cannot be represented (lone surrogate, overflow or nesting)")
 
 
-def parse(body: bytes, *, max_bytes: int = MAX_BODY_BYTES) -> Envelope:
-    """Validate one body and return its :class:`Envelope`, or raise Rejection."""
-    if len(body) > max_bytes:
+def parse(
+    body: bytes,
+    *,
+    max_bytes: int = MAX_BODY_BYTES,
+    content_encoding: str | None = None,
+    compression: object = None,
+) -> Envelope:
+    """Validate one body and return its :class:`Envelope`, or raise Rejection.
+
+    *content_encoding* and *compression* are a delivery's property and
+    kombu's header of that name (see :func:`decode_body`).
+    """
+    if content_encoding is not None or compression is not None:
+        body = decode_body(body, content_encoding, compression=compression, max_bytes=max_bytes)
+    elif len(body) > max_bytes:
         raise Rejection(INVALID_ENVELOPE, f"body is {len(body)} bytes, over the limit of {max_bytes}")
     obj = _decode(body)
     if not isinstance(obj, dict):
@@ -396,10 +482,13 @@ def body_digest(body: bytes) -> str:
 
 
 __all__ = [
+    "IDENTITY_ENCODINGS",
+    "KOMBU_COMPRESSION_HEADER",
     "MAX_BODY_BYTES",
     "Envelope",
     "body_digest",
     "canonical_bytes",
+    "decode_body",
     "fingerprint",
     "from_mapping",
     "is_rfc3339",

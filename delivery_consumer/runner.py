@@ -54,7 +54,7 @@ from typing import Any, Protocol
 
 from . import consumers, faults
 from .broker import BrokerError, BrokerUnavailable, ConsumerIO, Delivery, OutMessage
-from .envelope import MAX_BODY_BYTES, Envelope, body_digest, parse
+from .envelope import KOMBU_COMPRESSION_HEADER, MAX_BODY_BYTES, Envelope, body_digest, parse
 from .errors import RETRIES_EXHAUSTED, DatabaseError, DeliveryError, Rejection, TransientError
 from .faults import crashpoint
 from .retry import GiveUp, RetryPolicy, attempts_done, retry_after_tier
@@ -306,7 +306,8 @@ class Worker(threading.Thread):
     # -- one batch --
     def _parse(self, d: Delivery) -> Envelope | Rejection:
         try:
-            return parse(d.body, max_bytes=self.config.max_bytes)
+            return parse(d.body, max_bytes=self.config.max_bytes, content_encoding=d.content_encoding,
+                         compression=d.headers.get(KOMBU_COMPRESSION_HEADER))
         except Rejection as rej:
             return rej
 
@@ -466,6 +467,7 @@ class Worker(threading.Thread):
             message_id=d.message_id,
             headers=headers,
             content_type=d.content_type or "application/json",
+            content_encoding=d.content_encoding,
         )
         return _Copy("retry", d, message, None, attempt)
 
@@ -489,6 +491,7 @@ class Worker(threading.Thread):
             message_id=d.message_id or rejection.event_id,
             headers=headers,
             content_type=d.content_type or "application/octet-stream",
+            content_encoding=d.content_encoding,
         )
         return _Copy("dead", d, message, rejection, attempt)
 
@@ -702,7 +705,7 @@ class _ChildLink:
             assert self.io is not None
             self.io.soon(self._flush)
         self._pending.append((d.generation, d.tag, d.body, d.routing_key, d.redelivered, d.message_id,
-                              d.headers, d.content_type, d.exchange))
+                              d.headers, d.content_type, d.exchange, d.content_encoding))
 
     def _flush(self) -> None:
         pending, self._pending = self._pending, []
