@@ -185,7 +185,7 @@ _QUICK_SKELETON: Final = {
     "properties": {
         "eventId": {"type": "str", "pattern": "str"},
         "type": {"type": "str", "enum": "list"},
-        "articleId": {"type": "str", "minLength": "int", "maxLength": "int"},
+        "articleId": {"type": "str", "minLength": "int", "maxLength": "int", "pattern": "str"},
         "revision": {"type": "str", "minimum": "int", "maximum": "int"},
         "occurredAt": {"type": "str", "format": "str", "maxLength": "int", "pattern": "str"},
         "data": {
@@ -241,6 +241,7 @@ def quick_check_for(schema: Mapping[str, Any]) -> Callable[[Mapping[str, Any]], 
     event_id_ok = _pattern(props["eventId"]["pattern"])
     types = frozenset(v for v in props["type"]["enum"] if type(v) is str)
     article_min, article_max = props["articleId"]["minLength"], props["articleId"]["maxLength"]
+    article_ok = _pattern(props["articleId"]["pattern"])
     revision_min, revision_max = props["revision"]["minimum"], props["revision"]["maximum"]
     occurred_max, occurred_ok = props["occurredAt"]["maxLength"], _pattern(props["occurredAt"]["pattern"])
     title = data["properties"]["title"]
@@ -259,6 +260,7 @@ def quick_check_for(schema: Mapping[str, Any]) -> Callable[[Mapping[str, Any]], 
             type(event_id) is str and event_id_ok(event_id) is not None
             and type(kind) is str and kind in types
             and type(article) is str and article_min <= len(article) <= article_max
+            and article_ok(article) is not None
             and type(revision) is int and revision_min <= revision <= revision_max
             and type(occurred) is str and len(occurred) <= occurred_max
             and occurred_ok(occurred) is not None and is_rfc3339(occurred)
@@ -310,6 +312,8 @@ def _schema_reason(exc: fastjsonschema.JsonSchemaValueException) -> str:
         return "eventId must be a UUID in canonical lowercase form"
     if field == "occurredAt":
         return "occurredAt must be an RFC 3339 timestamp with an offset"
+    if field == "articleId" and rule == "pattern":
+        return "articleId must not contain control characters (U+0000 to U+001F)"
     return f"{field} violates the schema rule '{rule}'"
 
 

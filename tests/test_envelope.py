@@ -142,6 +142,7 @@ def test_parse_and_from_mapping_agree() -> None:
         {"articleId": "a"},
         {"articleId": "a" * 256},
         {"articleId": "ж" * 256},  # the bound counts characters, not UTF-8 bytes
+        {"articleId": "a b\x7f\x85\u2028"},  # DEL, C1 and Unicode separators are not C0 controls
         {"revision": 1},
         {"revision": 2**63 - 1},
         {"occurredAt": "2026-11-29T13:00:00+03:00"},
@@ -214,6 +215,16 @@ def test_accepted_edge_cases(changes: dict[str, Any]) -> None:
 def test_refused_edge_cases(changes: dict[str, Any]) -> None:
     """Values outside the contract are rejected invalid-envelope."""
     assert INVALID_ENVELOPE == rejection(body(with_field(**changes))).code
+
+
+@pytest.mark.parametrize("article_id", ["a\x00b", "\x00", "article-42\n", "a\tb", "\x1f", "a\rb"])
+def test_a_control_character_in_article_id_is_refused(article_id: str) -> None:
+    """A NUL or any other C0 control character in articleId is invalid-envelope, saying so (never quoting it)."""
+    refused = rejection(body(with_field(articleId=article_id)))
+
+    assert INVALID_ENVELOPE == refused.code
+    assert "articleId must not contain control characters (U+0000 to U+001F)" == refused.reason
+    assert EVENT_ID == refused.event_id
 
 
 def test_missing_field_is_named_in_reason() -> None:
