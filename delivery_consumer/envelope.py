@@ -391,6 +391,10 @@ def _decode(body: bytes) -> Any:
                                             "content-encoding says so") from None
         raise Rejection(MALFORMED_JSON, f"body is not UTF-8 (byte {exc.start})") from None
 
+    if text.startswith("\ufeff"):
+        raise Rejection(MALFORMED_JSON, "body starts with a UTF-8 byte order mark (BOM): "
+                                        "send the JSON without it")
+
     def no_constants(name: str) -> Any:
         raise ValueError(f"{name} is not JSON")
 

@@ -5,6 +5,10 @@ file with one envelope per line, a directory (its such files, in name order,
 not recursive), or ``-`` for NDJSON on standard input. Each item keeps its
 location (``file:line``) so that a rejection can point at it.
 
+A UTF-8 byte order mark at the start of a file or of standard input (some
+Windows editors and PowerShell write one) is skipped; on the wire a body has
+none (see :mod:`delivery_consumer.envelope`).
+
 Nothing here trusts the input's size: a line or file longer than the body
 limit is cut at ``limit + 1`` bytes (enough for the envelope check to reject
 it as too large) and the rest is skipped without being held in memory.
@@ -12,6 +16,7 @@ it as too large) and the rest is skipped without being held in memory.
 
 from __future__ import annotations
 
+import codecs
 import os
 import sys
 from collections.abc import Iterator, Sequence
@@ -25,6 +30,7 @@ SINGLE_SUFFIXES = (".json",)
 LINE_SUFFIXES = (".ndjson", ".jsonl")
 SUFFIXES = SINGLE_SUFFIXES + LINE_SUFFIXES
 _CHUNK = 1 << 16
+_BOM = codecs.BOM_UTF8
 
 
 class Item(NamedTuple):
@@ -73,13 +79,25 @@ def read(files: Sequence[str], *, limit: int = MAX_BODY_BYTES, stdin: BinaryIO |
     for name in files:
         if name == "-":
             stream = stdin if stdin is not None else sys.stdin.buffer
+            _skip_bom(stream)
             yield from _lines("-", stream, limit)
             continue
         with open(name, "rb") as handle:
+            _skip_bom(handle)
             if name.lower().endswith(SINGLE_SUFFIXES):
                 yield Item(name, handle.read(limit + 1))
             else:
                 yield from _lines(name, handle, limit)
+
+
+def _skip_bom(stream: BinaryIO) -> None:
+    """Move past a UTF-8 byte order mark at the start of *stream*, if any."""
+    peek = getattr(stream, "peek", None)
+    if peek is not None:  # a buffered file or pipe: look without consuming
+        if peek(len(_BOM))[: len(_BOM)] == _BOM:
+            stream.read(len(_BOM))
+    elif stream.seekable() and stream.read(len(_BOM)) != _BOM:
+        stream.seek(0)
 
 
 def _lines(name: str, stream: BinaryIO, limit: int) -> Iterator[Item]:

@@ -262,6 +262,41 @@ def test_rejected_rows_keep_a_digest_not_the_body(tmp_path: Path) -> None:
     assert orjson.dumps(secret).decode().strip('"') not in reason
 
 
+BOM = b"\xef\xbb\xbf"
+
+
+@pytest.mark.parametrize("suffix", [".json", ".ndjson", ".jsonl", "-"])
+def test_a_byte_order_mark_at_the_start_of_a_file_is_skipped(tmp_path: Path, suffix: str) -> None:
+    """A UTF-8 BOM at the start of a file or of stdin (Windows editors, PowerShell) is not part of the
+    first envelope; the limit counts the envelope alone."""
+    db = str(tmp_path / "c.db")
+    exact = body(A)
+    if suffix == "-":
+        result = cli(["replay", "--consumer", "catalog", "--db", db, "--max-bytes", str(len(exact)), "--json", "-"],
+                     input=BOM + ndjson([A, B]))
+    else:
+        source = tmp_path / f"e{suffix}"
+        source.write_bytes(BOM + (exact if suffix == ".json" else ndjson([A, B])))
+        result = cli(["replay", "--consumer", "catalog", "--db", db, "--max-bytes", str(len(exact)), "--json",
+                      str(source)])
+
+    assert 0 == result.exit_code, result.output
+    assert ["updated"] * (1 if suffix == ".json" else 2) == [line["result"] for line in json_lines(result.stdout)]
+
+
+def test_a_byte_order_mark_elsewhere_is_named_in_the_rejection(tmp_path: Path) -> None:
+    """A BOM that does not start the file (a concatenated file's second line) is refused in the user's
+    words, not with Python's decoding hint."""
+    source = tmp_path / "e.ndjson"
+    source.write_bytes(ndjson([A, BOM + body(B)]))
+
+    result = cli(["replay", "--consumer", "catalog", "--db", str(tmp_path / "c.db"), "--json", str(source)])
+
+    second = json_lines(result.stdout)[1]
+    assert ("malformed-json", "body starts with a UTF-8 byte order mark (BOM): send the JSON without it") == (
+        second["rejected"], second["reason"])
+
+
 def test_the_body_limit_is_exact_on_ndjson_lines(tmp_path: Path) -> None:
     """With --max-bytes N, an NDJSON line of N bytes applies (CRLF not counted), one of N + 1 is rejected."""
     exact = body(A)

@@ -227,6 +227,14 @@ def test_a_control_character_in_article_id_is_refused(article_id: str) -> None:
     assert EVENT_ID == refused.event_id
 
 
+def test_a_byte_order_mark_on_the_wire_is_named() -> None:
+    """A body that starts with a UTF-8 BOM is malformed-json, saying so in plain words."""
+    refused = rejection(b"\xef\xbb\xbf" + body(make_envelope()))
+
+    assert ("malformed-json", "body starts with a UTF-8 byte order mark (BOM): send the JSON without it") == (
+        refused.code, refused.reason)
+
+
 def test_missing_field_is_named_in_reason() -> None:
     """A missing field is named in the reason, so the producer can fix it."""
     reason = rejection(body(with_field(occurredAt=...))).reason
