@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import sqlite3
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -350,24 +349,35 @@ def test_busy_timeout_is_configurable(open_db: OpenDB) -> None:
 
 
 def test_second_writer_waits_instead_of_failing(catalog_db: ConsumerDB) -> None:
-    """While another connection holds the write lock, apply_event waits for it and then succeeds."""
+    """While another connection holds the write lock, apply_event waits for it (still running, nothing
+    committed) and then succeeds."""
+    opened, locked, began = threading.Event(), threading.Event(), threading.Event()
+    result: list[str] = []
     with ConsumerDB.open(catalog_db.path, "catalog") as other:
-        other.conn.execute("BEGIN IMMEDIATE")
-        started = time.monotonic()
-        result: list[str] = []
-        worker = threading.Thread(target=lambda: result.append(_apply_in_thread(catalog_db.path)))
+        worker = threading.Thread(
+            target=lambda: result.append(_apply_in_thread(catalog_db.path, opened, locked, began)))
         worker.start()
-        time.sleep(0.3)
+        assert opened.wait(10), "the second writer could not open the database"
+        other.conn.execute("BEGIN IMMEDIATE")
+        locked.set()
+        assert began.wait(10), "the second writer never began its transaction"
+        worker.join(0.2)  # a writer that did not wait would be done (failed) by now
+        waiting, committed = worker.is_alive(), read_rows(catalog_db.path, "inbox")
         other.conn.execute("COMMIT")
         worker.join(10)
 
+    assert (True, []) == (waiting, committed)
     assert ["updated"] == result
-    assert time.monotonic() - started >= 0.3
 
 
-def _apply_in_thread(path: Path) -> str:
+def _apply_in_thread(path: Path, opened: threading.Event, locked: threading.Event, began: threading.Event) -> str:
     # Each thread opens its own connection: connections are never shared.
     with ConsumerDB.open(path, "catalog") as db:
+        opened.set()
+        locked.wait(10)
+        # The trace callback runs as a statement starts: from then on BEGIN
+        # IMMEDIATE is asking for the lock the test holds.
+        db.conn.set_trace_callback(lambda sql: began.set() if sql.startswith("BEGIN") else None)
         return apply_event(db, env())
 
 
