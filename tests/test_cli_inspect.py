@@ -24,7 +24,7 @@ from click.testing import CliRunner, Result
 
 from delivery_consumer import queries
 from delivery_consumer.cli import COMMANDS, main
-from delivery_consumer.cli.inspect import INBOX_COMMANDS
+from delivery_consumer.cli.inbox import INBOX_COMMANDS
 from delivery_consumer.envelope import from_mapping
 from delivery_consumer.store import ConsumerDB, apply_event
 
@@ -627,11 +627,11 @@ def test_every_inspect_command_has_help(command: list[str]) -> None:
 def test_inspect_commands_are_registered() -> None:
     """The top-level group knows inbox, catalog, audit, rejected and query."""
     assert {name: COMMANDS[name] for name in ("inbox", "catalog", "audit", "rejected", "query")} == {
-        "inbox": "inspect:inbox",
-        "catalog": "inspect:catalog",
-        "audit": "inspect:audit",
-        "rejected": "inspect:rejected",
-        "query": "inspect:query",
+        "inbox": "inbox:inbox",
+        "catalog": "inbox:catalog",
+        "audit": "inbox:audit",
+        "rejected": "inbox:rejected",
+        "query": "inbox:query",
     }
 
 

@@ -22,7 +22,7 @@ from .. import fence as fence_lib
 from ..store import translate
 from ._common import Fatal, emit_json, handle_errors, open_db
 from ._output import echo_record, echo_table
-from .inspect import Missing, limit_option, read_options, reading
+from .inbox import Missing, limit_option, read_options, reading
 
 LIST_COLUMNS = ["claimedAt", "key", "state", "calls", "inDoubt", "providerId", "httpStatus", "lastError"]
 

@@ -1,4 +1,6 @@
-"""Read-only inspect commands: ``inbox``, ``catalog``, ``audit``, ``rejected``, ``query``.
+"""The commands that read a consumer's inbox database: ``inbox`` (its
+receipts), ``rejected``, the effect tables of the built-in consumers
+(``catalog``, ``audit``) and ad-hoc ``query``.
 
 Each command opens the database read-only (``mode=ro``), calls one function
 of :mod:`delivery_consumer.queries`, closes the database and prints: aligned
@@ -7,7 +9,7 @@ columns for a list, ``key: value`` for one record, or JSON with ``--json``
 committing meanwhile: nothing here takes a write lock or keeps a snapshot.
 
 Exit codes: 0, 1 when the record asked for does not exist, 2 when the
-database cannot be used or the SQL is refused.
+database cannot be used, the SQL is refused or it ran past --timeout.
 """
 
 from __future__ import annotations
@@ -91,9 +93,9 @@ def _columns(rows: list[dict[str, Any]], keys: list[str]) -> list[list[Any]]:
 
 #: ``inbox`` subcommands, imported on first use; a new one is one line here.
 INBOX_COMMANDS: dict[str, str] = {
-    "list": "inspect:inbox_list",
-    "show": "inspect:inbox_show",
-    "stats": "inspect:inbox_stats",
+    "list": "inbox:inbox_list",
+    "show": "inbox:inbox_show",
+    "stats": "inbox:inbox_stats",
     "prune": "ops:inbox_prune",
 }
 

@@ -35,7 +35,7 @@ from ._common import (
     open_db,
 )
 from ._output import echo_record, echo_table
-from .inspect import read_options, reading
+from .inbox import read_options, reading
 from .rabbit import amqp_options
 
 

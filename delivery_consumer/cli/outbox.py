@@ -29,7 +29,7 @@ from ..errors import ConfigError
 from ..queries import NotFound
 from ._common import F, Fatal, emit_json, handle_errors, json_option
 from ._output import echo_record, echo_table
-from .inspect import Missing, limit_option
+from .inbox import Missing, limit_option
 from .rabbit import _setup_logging, _topology, amqp_options
 
 log = logging.getLogger("delivery_consumer.dispatch")
