@@ -83,11 +83,14 @@ def ndjson(objs: Sequence[Any]) -> bytes:
     return b"".join(line + b"\n" for line in lines)
 
 
-def rows(conn: sqlite3.Connection | ConsumerDB, table: str, columns: str = "*") -> list[tuple[Any, ...]]:
-    """Every row of *table*, sorted, through a connection or a ConsumerDB."""
+def rows(conn: sqlite3.Connection | ConsumerDB, table: str, columns: str = "*", where: str = "",
+         params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+    """The rows of *table* (those matching *where*, if given), sorted, through
+    a connection or a ConsumerDB."""
     if isinstance(conn, ConsumerDB):
         conn = conn.conn
-    return sorted(conn.execute(f"SELECT {columns} FROM {table}").fetchall())
+    sql = f"SELECT {columns} FROM {table}" + (f" WHERE {where}" if where else "")
+    return sorted(conn.execute(sql, params).fetchall())
 
 
 def effect_and_inbox(db: ConsumerDB) -> dict[str, list[tuple[Any, ...]]]:
@@ -95,12 +98,13 @@ def effect_and_inbox(db: ConsumerDB) -> dict[str, list[tuple[Any, ...]]]:
     return {table: rows(db, table) for table in ("inbox", *db.spec.tables)}
 
 
-def read_rows(path: Path, table: str, columns: str = "*") -> list[tuple[Any, ...]]:
-    """Rows of *table* through a fresh, independent connection (what another
-    process would see: only committed data)."""
+def read_rows(path: Path, table: str, columns: str = "*", where: str = "",
+              params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+    """Rows of *table* (see :func:`rows`) through a fresh, independent
+    read-only connection (what another process would see: only committed data)."""
     conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
     try:
-        return rows(conn, table, columns)
+        return rows(conn, table, columns, where, params)
     finally:
         conn.close()
 

@@ -8,23 +8,13 @@ itself when it reaches that point (delivery_consumer/faults.py).
 from __future__ import annotations
 
 import signal
-import sqlite3
-from pathlib import Path
 
 import flaky_consumer  # noqa: F401  (registers the "flaky" consumer here too)
 import orjson
 from brokerkit import Namespace
-from support import new_event
+from support import new_event, read_rows
 
 FAST_RETRY = ("--retry-delays", "100ms,200ms,300ms")
-
-
-def count(db: Path, sql: str) -> int:
-    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        return int(conn.execute(sql).fetchone()[0])
-    finally:
-        conn.close()
 
 
 def events(n: int, **kwargs: object) -> list[bytes]:
@@ -49,9 +39,9 @@ def test_crash_before_commit_loses_nothing(ns: Namespace) -> None:
     ns.publish(events(30), declare=["audit"])
     crash_then_recover(ns, "audit", "before-commit", "--batch", "10")
     db = ns.db("audit")
-    assert 30 == count(db, "SELECT count(*) FROM inbox")
-    assert 30 == count(db, "SELECT count(*) FROM audit")
-    assert 30 == count(db, "SELECT count(*) FROM inbox WHERE result = 'recorded'")
+    assert [(30,)] == read_rows(db, "inbox", "count(*)")
+    assert [(30,)] == read_rows(db, "audit", "count(*)")
+    assert [(30,)] == read_rows(db, "inbox", "count(*)", where="result = 'recorded'")
     assert 0 == ns.count(ns.topology("audit").queue)
 
 
@@ -60,12 +50,12 @@ def test_crash_after_commit_before_ack_applies_once(ns: Namespace) -> None:
     ns.publish(events(30), declare=["audit"])
     log = crash_then_recover(ns, "audit", "after-commit", "--batch", "10")
     db = ns.db("audit")
-    assert 30 == count(db, "SELECT count(*) FROM inbox")
-    assert 30 == count(db, "SELECT count(*) FROM audit")
+    assert [(30,)] == read_rows(db, "inbox", "count(*)")
+    assert [(30,)] == read_rows(db, "audit", "count(*)")
     # The first batch (10 events) was committed, then redelivered after the
     # crash with the 20 others that had been prefetched.
     assert "20 recorded, 10 duplicate:recorded" in log
-    assert 30 == count(db, "SELECT count(*) FROM deliveries WHERE redeliveries > 0 AND deliveries = 2")
+    assert [(30,)] == read_rows(db, "deliveries", "count(*)", where="redeliveries > 0 AND deliveries = 2")
     assert 0 == ns.count(ns.topology("audit").queue)
 
 
@@ -76,8 +66,8 @@ def test_crash_after_retry_copy_confirmed_applies_once(ns: Namespace) -> None:
     ns.publish(bodies, declare=["flaky"])
     crash_then_recover(ns, "flaky", "after-retry-confirm", *FAST_RETRY)
     db = ns.db("flaky")
-    assert 6 == count(db, "SELECT count(*) FROM inbox")
-    assert 6 == count(db, "SELECT count(*) FROM flaky")
+    assert [(6,)] == read_rows(db, "inbox", "count(*)")
+    assert [(6,)] == read_rows(db, "flaky", "count(*)")
     topo = ns.topology("flaky", retry_delays_ms=(100, 200, 300))
     assert 0 == ns.count(topo.queue) + ns.count(topo.retry_queue(0)) + ns.count(topo.dead_queue)
 
@@ -89,10 +79,10 @@ def test_crash_after_dead_copy_confirmed_loses_nothing(ns: Namespace) -> None:
     ns.publish([*events(3), bad, *events(3)], declare=["audit"])
     crash_then_recover(ns, "audit", "after-dead-confirm")
     db = ns.db("audit")
-    assert 6 == count(db, "SELECT count(*) FROM audit")
-    assert 6 == count(db, "SELECT count(*) FROM inbox")
+    assert [(6,)] == read_rows(db, "audit", "count(*)")
+    assert [(6,)] == read_rows(db, "inbox", "count(*)")
     dead = ns.drain(ns.topology("audit").dead_queue)
     assert {bad} == {body for _, body in dead}
     assert 1 <= len(dead) <= 2
     assert {"malformed-json"} == {props.headers["x-error-code"] for props, _ in dead}
-    assert 1 <= count(db, "SELECT count(*) FROM rejected WHERE code = 'malformed-json'")
+    assert 1 <= read_rows(db, "rejected", "count(*)", where="code = 'malformed-json'")[0][0]

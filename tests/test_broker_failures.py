@@ -13,23 +13,15 @@ import flaky_consumer  # noqa: F401  (registers the "flaky" consumer in this pro
 import orjson
 import pytest
 from brokerkit import Namespace, kill, restart_broker
-from support import new_event
+from support import new_event, read_rows
 
 FAST_RETRY = ("--retry-delays", "100ms,200ms,300ms")
-
-
-def query(db: Path, sql: str) -> list[tuple[object, ...]]:
-    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        return conn.execute(sql).fetchall()
-    finally:
-        conn.close()
 
 
 def receipts(db: Path) -> int:
     """Receipts committed so far (0 while the database is still being created)."""
     try:
-        return int(query(db, "SELECT count(*) FROM inbox")[0][0])
+        return int(read_rows(db, "inbox", "count(*)")[0][0])
     except sqlite3.Error:
         return 0
 
@@ -48,7 +40,7 @@ def test_malformed_bodies_are_dead_lettered_while_consumer_keeps_running(ns: Nam
     done = ns.run_until_idle("audit", "--max-bytes", "2048")
     assert 0 == done.returncode, done.stderr
     db = ns.db("audit")
-    assert 4 == len(query(db, "SELECT * FROM audit"))
+    assert 4 == len(read_rows(db, "audit"))
     dead = ns.drain(ns.topology("audit").dead_queue)
     codes = sorted(props.headers["x-error-code"] for props, _ in dead)
     assert ["invalid-envelope", "malformed-json", "malformed-json", "malformed-json"] == codes
@@ -57,7 +49,7 @@ def test_malformed_bodies_are_dead_lettered_while_consumer_keeps_running(ns: Nam
         assert 1 == props.headers["x-attempts"]
         assert props.headers["x-failed-at"].endswith("Z")
         assert body[:20].decode("utf-8", "replace") not in props.headers["x-error-reason"]
-    assert 4 == len(query(db, "SELECT * FROM rejected WHERE dead_letter IS NOT NULL"))
+    assert 4 == len(read_rows(db, "rejected", where="dead_letter IS NOT NULL"))
 
 
 def test_transient_failure_retries_through_tiers_then_succeeds(ns: Namespace) -> None:
@@ -68,9 +60,9 @@ def test_transient_failure_retries_through_tiers_then_succeeds(ns: Namespace) ->
     done = ns.run_until_idle("flaky", *FAST_RETRY, env=flaky_env(ns), idle=3)
     assert 0 == done.returncode, done.stderr
     db = ns.db("flaky")
-    assert [("recorded",)] == query(db, "SELECT result FROM inbox")
-    assert [(1,)] == query(db, "SELECT count(*) FROM flaky")
-    assert [(3, "recorded")] == query(db, "SELECT attempts, last_outcome FROM deliveries")
+    assert [("recorded",)] == read_rows(db, "inbox", "result")
+    assert [(1,)] == read_rows(db, "flaky", "count(*)")
+    assert [(3, "recorded")] == read_rows(db, "deliveries", "attempts, last_outcome")
     assert "retry copy sent" in done.stderr
 
 
@@ -88,8 +80,8 @@ def test_transient_failure_exhausts_retries_into_dead_queue(ns: Namespace) -> No
     assert "dependency-down" in props.headers["x-error-reason"]
     assert 3 == int((ns.workdir / "flaky" / f"{event['eventId']}.tries").read_text())
     db = ns.db("flaky")
-    assert [] == query(db, "SELECT * FROM inbox")
-    assert [("retries-exhausted", 3)] == query(db, "SELECT code, attempts FROM rejected")
+    assert [] == read_rows(db, "inbox")
+    assert [("retries-exhausted", 3)] == read_rows(db, "rejected", "code, attempts")
 
 
 def test_poison_message_reaches_dead_queue_and_does_not_stall(ns: Namespace) -> None:
@@ -110,7 +102,7 @@ def test_poison_message_reaches_dead_queue_and_does_not_stall(ns: Namespace) -> 
     assert 0 == done.returncode, done.stderr
     assert 2 <= deaths <= 5
     db = ns.db("flaky")
-    assert [(10,)] == query(db, "SELECT count(*) FROM flaky")
+    assert [(10,)] == read_rows(db, "flaky", "count(*)")
     (props, body), = ns.drain(ns.topology("flaky").dead_queue)
     assert poison == body
     assert "delivery-limit" == props.headers["x-error-code"]
@@ -134,8 +126,8 @@ def test_sigterm_finishes_batch_and_exits_zero(ns: Namespace) -> None:
     assert "SIGTERM received" in err
     done = ns.run_until_idle("audit")
     assert 0 == done.returncode, done.stderr
-    assert [(2000, 2000)] == query(db, "SELECT count(*), count(DISTINCT event_id) FROM audit")
-    assert [(2000,)] == query(db, "SELECT count(*) FROM inbox")
+    assert [(2000, 2000)] == read_rows(db, "audit", "count(*), count(DISTINCT event_id)")
+    assert [(2000,)] == read_rows(db, "inbox", "count(*)")
 
 
 @pytest.mark.slow
@@ -158,8 +150,8 @@ def test_broker_restart_mid_consumption(ns: Namespace) -> None:
             kill(proc)
     assert 0 == proc.returncode, err
     assert "reconnecting" in err
-    assert [(3000, 3000)] == query(db, "SELECT count(*), count(DISTINCT event_id) FROM audit")
-    assert [(3000,)] == query(db, "SELECT count(*) FROM inbox")
+    assert [(3000, 3000)] == read_rows(db, "audit", "count(*), count(DISTINCT event_id)")
+    assert [(3000,)] == read_rows(db, "inbox", "count(*)")
 
 
 def test_bad_credentials_exit_2_with_one_line(ns: Namespace) -> None:
@@ -253,7 +245,7 @@ def test_ack_after_commit_is_visible_to_the_broker(ns: Namespace) -> None:
     done = ns.run_until_idle("audit", env=env, idle=5)
     assert -signal.SIGKILL == done.returncode
     assert 50 == ns.count(ns.topology("audit").queue)
-    assert [(0,)] == query(ns.db("audit"), "SELECT count(*) FROM inbox")
+    assert [(0,)] == read_rows(ns.db("audit"), "inbox", "count(*)")
 
 
 def test_topology_declare_is_idempotent(ns: Namespace) -> None:

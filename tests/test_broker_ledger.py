@@ -7,26 +7,16 @@ from __future__ import annotations
 
 import os
 import random
-import sqlite3
 import time
-from pathlib import Path
 
 import orjson
 import pytest
 from brokerkit import Namespace, kill
-from support import new_event
+from support import new_event, read_rows
 
 ARTICLES = 300
 REVISIONS = 10  # 3000 distinct events
 KILLS = 4
-
-
-def query(db: Path, sql: str) -> list[tuple[object, ...]]:
-    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        return conn.execute(sql).fetchall()
-    finally:
-        conn.close()
 
 
 def make_stream(rng: random.Random) -> tuple[list[dict[str, object]], list[bytes], list[bytes]]:
@@ -87,12 +77,12 @@ def test_ledger_balances_after_random_kills(ns: Namespace) -> None:
     distinct = {str(e["eventId"]) for e in events}
     catalog_db, audit_db = ns.db("catalog"), ns.db("audit")
     for db in (catalog_db, audit_db):
-        assert [(len(distinct), len(distinct))] == query(db, "SELECT count(*), count(DISTINCT event_id) FROM inbox")
-        assert distinct == {row[0] for row in query(db, "SELECT event_id FROM inbox")}
-    assert [(len(distinct),)] == query(audit_db, "SELECT count(*) FROM audit")
-    assert distinct == {row[0] for row in query(audit_db, "SELECT event_id FROM audit")}
-    assert expected_catalog(events) == query(
-        catalog_db, "SELECT article_id, revision, title, url, published, event_id FROM catalog ORDER BY article_id")
+        assert [(len(distinct), len(distinct))] == read_rows(db, "inbox", "count(*), count(DISTINCT event_id)")
+        assert distinct == {row[0] for row in read_rows(db, "inbox", "event_id")}
+    assert [(len(distinct),)] == read_rows(audit_db, "audit", "count(*)")
+    assert distinct == {row[0] for row in read_rows(audit_db, "audit", "event_id")}
+    assert expected_catalog(events) == read_rows(
+        catalog_db, "catalog", "article_id, revision, title, url, published, event_id")
     for consumer in ("catalog", "audit"):
         topo = ns.topology(consumer)
         assert 0 == ns.count(topo.queue)

@@ -23,20 +23,12 @@ from typing import Any
 import orjson
 import pika
 from brokerkit import Namespace
-from support import new_event
+from support import new_event, read_rows
 
 from delivery_consumer.broker import DeadQueue, OutMessage, Publisher, declare
 from delivery_consumer.store import ConsumerDB, now_iso
 
 SMALL_LIMIT = ("--max-bytes", "2048")
-
-
-def query(db: Path, sql: str, *params: Any) -> list[tuple[Any, ...]]:
-    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        return conn.execute(sql, params).fetchall()
-    finally:
-        conn.close()
 
 
 def big_events(n: int) -> list[dict[str, Any]]:
@@ -208,7 +200,8 @@ def test_requeue_sends_fresh_copies_resolves_rejections_and_applies_once(ns: Nam
     conn.close()
     done = requeue(ns, "--code", "invalid-envelope")
     assert 0 == done.returncode, done.stderr
-    assert [(0, "requeued")] == query(db, "SELECT crashes, last_outcome FROM deliveries WHERE key = ?", event_ids[0])
+    assert [(0, "requeued")] == read_rows(db, "deliveries", "crashes, last_outcome", where="key = ?",
+                                                params=[event_ids[0]])
     assert 5 == done.stdout.count("requeued ")
     assert 0 == ns.count(topo.dead_queue)
     copies = ns.peek(topo.queue)
@@ -218,10 +211,10 @@ def test_requeue_sends_fresh_copies_resolves_rejections_and_applies_once(ns: Nam
         assert not {"x-attempts", "x-error-code", "x-error-reason", "x-failed-at", "x-death"} & set(headers)
         assert "material.published" == headers["x-original-routing-key"]
         assert 1 == headers["x-requeues"]
-    assert [(5, 5)] == query(db, "SELECT count(*), count(resolved_at) FROM rejected")
+    assert [(5, 5)] == read_rows(db, "rejected", "count(*), count(resolved_at)")
     ran = ns.run_until_idle("catalog", idle=1)
     assert 0 == ran.returncode, ran.stderr
-    assert sorted((e, "updated") for e in event_ids) == query(db, "SELECT event_id, result FROM inbox ORDER BY 1")
+    assert sorted((e, "updated") for e in event_ids) == read_rows(db, "inbox", "event_id, result")
     assert 0 == ns.count(topo.queue)
     traced = ns.cli("trace", "--db", str(db), "--json", event_ids[0])
     assert 0 == traced.returncode, traced.stderr
@@ -244,7 +237,7 @@ def test_requeue_dry_run_and_unknown_event_id_change_nothing(ns: Namespace) -> N
     assert 1 == missing.returncode
     assert "not-found" in missing.stdout
     assert [event_ids[0]] == ids(ns.peek(topo.dead_queue))
-    assert [(1,)] == query(ns.db("catalog"), "SELECT count(*) FROM rejected WHERE resolved_at IS NULL")
+    assert [(1,)] == read_rows(ns.db("catalog"), "rejected", "count(*)", where="resolved_at IS NULL")
     usage = requeue(ns, "--all", "--code", "x")
     assert 2 == usage.returncode
     assert "exactly one of" in usage.stderr
@@ -275,10 +268,10 @@ def test_requeue_killed_after_confirm_then_applied_copy_is_left_until_drop_appli
     assert 0 == ns.count(topo.dead_queue)
     ran = ns.run_until_idle("catalog", idle=1)
     assert 0 == ran.returncode, ran.stderr
-    assert sorted((e, "updated") for e in event_ids) == query(db, "SELECT event_id, result FROM inbox ORDER BY 1")
+    assert sorted((e, "updated") for e in event_ids) == read_rows(db, "inbox", "event_id, result")
     # The first rejection was never resolved by the killed requeue (killed before that
     # step); a later requeue saw its copy gone from the dead queue and resolved it.
-    assert [(0,)] == query(db, "SELECT count(*) FROM rejected WHERE resolved_at IS NULL")
+    assert [(0,)] == read_rows(db, "rejected", "count(*)", where="resolved_at IS NULL")
 
 
 def test_requeue_killed_at_random_moments_loses_nothing(ns: Namespace) -> None:
@@ -305,9 +298,9 @@ def test_requeue_killed_at_random_moments_loses_nothing(ns: Namespace) -> None:
     assert 0 == ns.count(topo.dead_queue)
     ran = ns.run_until_idle("catalog", idle=1)
     assert 0 == ran.returncode, ran.stderr
-    applied = query(ns.db("catalog"), "SELECT event_id, result FROM inbox")
+    applied = read_rows(ns.db("catalog"), "inbox", "event_id, result")
     assert sorted((e, "updated") for e in event_ids) == sorted(applied), f"seed {seed}"
-    assert [(100,)] == query(ns.db("catalog"), "SELECT count(*) FROM catalog")
+    assert [(100,)] == read_rows(ns.db("catalog"), "catalog", "count(*)")
 
 
 def test_requeue_leaves_a_conflict_and_sends_broker_dead_letters_home(ns: Namespace) -> None:
@@ -363,4 +356,4 @@ def test_purge_asks_first_then_removes_and_resolves(ns: Namespace) -> None:
     assert 0 == done.returncode, done.stderr
     assert 2 == done.stdout.count("purged ")
     assert [event_ids[1]] == ids(ns.peek(topo.dead_queue))
-    assert [(2,)] == query(ns.db("catalog"), "SELECT count(*) FROM rejected WHERE resolved_at IS NOT NULL")
+    assert [(2,)] == read_rows(ns.db("catalog"), "rejected", "count(*)", where="resolved_at IS NOT NULL")

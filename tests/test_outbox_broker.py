@@ -12,7 +12,6 @@ import contextlib
 import random
 import re
 import signal
-import sqlite3
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from brokerkit import Namespace, kill, restart_broker
+from support import read_rows
 
 from delivery_consumer import outbox, producer
 
@@ -46,16 +46,8 @@ def make_events(db: Path, count: int, *, articles: int = 40, seed: int = 1) -> l
     return ids
 
 
-def sql(db: Path, query: str) -> list[tuple[object, ...]]:
-    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        return conn.execute(query).fetchall()
-    finally:
-        conn.close()
-
-
 def published(db: Path) -> int:
-    return int(sql(db, "SELECT count(*) FROM outbox WHERE published_at IS NOT NULL")[0][0])
+    return int(read_rows(db, "outbox", "count(*)", where="published_at IS NOT NULL")[0][0])
 
 
 def dispatch(ns: Namespace, db: Path, *args: str, crash_at: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -83,13 +75,12 @@ def consume(ns: Namespace, db: Path, ids: list[str]) -> Counter[str]:
     assert 0 == done.returncode, done.stderr[-2000:]
     inbox = ns.db("catalog")
     columns = "article_id, revision, title, url, published"
-    ours, theirs = (sql(path, f"SELECT {columns} FROM {table} ORDER BY 1")
-                    for path, table in ((db, "material"), (inbox, "catalog")))
+    ours, theirs = (read_rows(path, table, columns) for path, table in ((db, "material"), (inbox, "catalog")))
     assert ours == theirs
-    assert sorted(ids) == [r[0] for r in sql(inbox, "SELECT event_id FROM inbox ORDER BY 1")]
+    assert sorted(ids) == [r[0] for r in read_rows(inbox, "inbox", "event_id")]
     # A receipt is one delivery; ``deliveries`` counts the keys delivered more
     # often (the runner may skip the row of a first delivery applied fresh).
-    counted = dict(sql(inbox, "SELECT key, deliveries FROM deliveries"))
+    counted = dict(read_rows(inbox, "deliveries", "key, deliveries"))
     assert set(counted) <= set(ids)
     deliveries = Counter({i: int(counted.get(i, 1)) for i in ids})  # type: ignore[call-overload]
     assert queued == sum(deliveries.values())  # every copy was delivered; the extra ones were absorbed
@@ -103,14 +94,14 @@ def test_crash_before_publishing_sends_nothing_and_loses_nothing(ns: Namespace) 
     crashed = dispatch(ns, db, "--batch", "100", "--lease", "1s", crash_at="dispatch-before-publish")
     assert CRASHED == crashed.returncode, crashed.stderr[-2000:]
     assert 0 == published(db)
-    assert [(100,)] == sql(db, "SELECT count(*) FROM outbox WHERE lease_owner IS NOT NULL")
+    assert [(100,)] == read_rows(db, "outbox", "count(*)", where="lease_owner IS NOT NULL")
     assert 0 == ns.count(ns.topology("catalog").queue)
     done = dispatch(ns, db, "--batch", "100", "--lease", "1s", "--exit-when-idle", "1500ms", "--poll", "100ms")
     assert 0 == done.returncode, done.stderr[-2000:]
     assert 300 == published(db)
     assert Counter(dict.fromkeys(ids, 1)) == queued_ids(ns)
-    assert [(1,)] == sql(db, "SELECT DISTINCT attempts FROM outbox")
-    assert [(100,)] == sql(db, "SELECT count(*) FROM outbox WHERE last_error LIKE 'lease of % expired%'")
+    assert [(1,)] == read_rows(db, "outbox", "DISTINCT attempts")
+    assert [(100,)] == read_rows(db, "outbox", "count(*)", where="last_error LIKE 'lease of % expired%'")
 
 
 def test_crash_after_confirm_before_marking_gives_one_duplicate_absorbed_by_the_inbox(ns: Namespace) -> None:
@@ -138,7 +129,7 @@ def test_crash_in_the_middle_of_marking_a_batch_leaves_none_of_it_marked(ns: Nam
     ids = make_events(db, 300, articles=1000)
     crashed = dispatch(ns, db, "--batch", "100", "--lease", "1s", crash_at="dispatch-mid-batch:2")
     assert CRASHED == crashed.returncode, crashed.stderr[-2000:]
-    marked = {r[0] for r in sql(db, "SELECT event_id FROM outbox WHERE published_at IS NOT NULL")}
+    marked = {r[0] for r in read_rows(db, "outbox", "event_id", where="published_at IS NOT NULL")}
     assert set(ids[:100]) == marked
     at_crash = ns.count(ns.topology("catalog").queue)
     assert 200 <= at_crash <= 300
@@ -186,7 +177,7 @@ def test_two_dispatchers_on_one_database_publish_each_row_once(ns: Namespace) ->
     confirmed = [int(re.search(r"exiting: (\d+) published", err).group(1)) for _, err in outputs]  # type: ignore[union-attr]
     assert 2000 == sum(confirmed)
     assert Counter(dict.fromkeys(ids, 1)) == queued_ids(ns)
-    assert [(1,)] == sql(db, "SELECT DISTINCT attempts FROM outbox")
+    assert [(1,)] == read_rows(db, "outbox", "DISTINCT attempts")
 
 
 def test_an_unroutable_row_waits_with_its_article_while_the_others_go_on(ns: Namespace) -> None:
@@ -283,7 +274,7 @@ def test_end_to_end_catalog_equals_the_producers_table(ns: Namespace) -> None:
     assert 0 == done.returncode, done.stderr[-2000:]
     assert "402 published" in done.stderr
     assert Counter(dict.fromkeys(ids, 1)) == consume(ns, db, ids)
-    assert [(0, "Первый")] == sql(ns.db("catalog"), "SELECT published, title FROM catalog WHERE article_id = 'cli-1'")
+    assert [(0, "Первый")] == read_rows(ns.db("catalog"), "catalog", "published, title", where="article_id = 'cli-1'")
 
 
 def test_stream_publisher_keeps_the_order_of_overlapping_batches(ns: Namespace) -> None:
@@ -316,5 +307,5 @@ def test_dispatch_with_a_wrong_password_exits_2_with_one_line(ns: Namespace) -> 
     assert 2 == done.returncode, done.stderr
     assert "authentication failed" in done.stderr
     assert "Traceback" not in done.stderr
-    assert [(3, 0)] == sql(db, "SELECT count(*), count(lease_owner) FROM outbox WHERE published_at IS NULL")
+    assert [(3, 0)] == read_rows(db, "outbox", "count(*), count(lease_owner)", where="published_at IS NULL")
 

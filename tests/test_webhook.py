@@ -8,15 +8,13 @@ the first delay) is 0.4 s.
 from __future__ import annotations
 
 import signal
-import sqlite3
 import subprocess
 import time
-from pathlib import Path
 from typing import Any
 
 import orjson
 from brokerkit import Namespace, kill
-from support import new_event
+from support import new_event, read_rows
 from webhook_server import WebhookServer, free_port
 
 TIERS = ("--retry-delays", "500ms,1s")
@@ -24,14 +22,6 @@ TIERS = ("--retry-delays", "500ms,1s")
 
 def hook_env(ns: Namespace, server: WebhookServer, **extra: str) -> dict[str, str]:
     return ns.env(DELIVERY_WEBHOOK_URL=server.url, **extra)
-
-
-def query(db: Path, sql: str) -> list[tuple[Any, ...]]:
-    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        return conn.execute(sql).fetchall()
-    finally:
-        conn.close()
 
 
 def publish(ns: Namespace, *events: dict[str, Any]) -> list[str]:
@@ -70,7 +60,7 @@ def test_sigkill_after_the_answer_before_the_commit_notifies_once(ns: Namespace)
         assert 2 == server.calls()[first.key or ""]  # called again with the same key, same answer
         assert (first.response_id, "done") == (fence_of(ns, first.key or "")["providerId"],
                                                fence_of(ns, first.key or "")["state"])
-        assert [(5,)] == query(ns.db("webhook"), "SELECT count(*) FROM inbox WHERE result = 'notified'")
+        assert [(5,)] == read_rows(ns.db("webhook"), "inbox", "count(*)", where="result = 'notified'")
         assert 0 == ns.count(ns.topology("webhook").queue) + ns.count(ns.topology("webhook").dead_queue)
 
 
@@ -112,8 +102,8 @@ def test_an_endpoint_down_for_a_while_is_retried_through_the_tiers(ns: Namespace
     assert 0 == proc.returncode, err
     assert "retry copy sent" in err
     assert dict.fromkeys(keys, 1) == server.effects()
-    assert [(3,)] == query(ns.db("webhook"), "SELECT count(*) FROM inbox WHERE result = 'notified'")
-    assert query(ns.db("webhook"), "SELECT min(attempts) > 1 FROM deliveries WHERE last_outcome = 'notified'") == [
+    assert [(3,)] == read_rows(ns.db("webhook"), "inbox", "count(*)", where="result = 'notified'")
+    assert read_rows(ns.db("webhook"), "deliveries", "min(attempts) > 1", where="last_outcome = 'notified'") == [
         (1,)
     ]
 
@@ -129,7 +119,7 @@ def test_an_endpoint_rejection_is_dead_lettered_after_one_call(ns: Namespace) ->
         assert 0 == done.returncode, done.stderr
         assert {bad: 1, **dict.fromkeys(good, 1)} == server.calls()
         assert ["endpoint-rejected"] == dead_codes(ns)
-        assert [("endpoint-rejected",)] == query(ns.db("webhook"), "SELECT code FROM rejected")
+        assert [("endpoint-rejected",)] == read_rows(ns.db("webhook"), "rejected", "code")
         assert ("claimed", 400) == (fence_of(ns, bad)["state"], fence_of(ns, bad)["httpStatus"])
 
 
@@ -143,8 +133,8 @@ def test_an_unknown_outcome_at_a_non_idempotent_endpoint_is_dead_lettered_after_
         assert 0 == done.returncode, done.stderr
         assert {slow: 1, fine: 1} == server.calls()
         assert ["outcome-unknown"] == dead_codes(ns)
-        receipts = "SELECT f.article_id, i.result FROM inbox i JOIN fence f USING (event_id)"
-        assert [("fine", "notified")] == query(ns.db("webhook"), receipts)
+        receipts = "inbox i JOIN fence f USING (event_id)"
+        assert [("fine", "notified")] == read_rows(ns.db("webhook"), receipts, "f.article_id, i.result")
 
 
 def test_a_stale_revision_is_not_sent(ns: Namespace) -> None:
@@ -157,7 +147,7 @@ def test_a_stale_revision_is_not_sent(ns: Namespace) -> None:
         assert 0 == done.returncode, done.stderr
         assert {newer_key: 1} == server.calls()
         assert {(newer["eventId"], "notified"), (older["eventId"], "stale")} == set(
-            query(ns.db("webhook"), "SELECT event_id, result FROM inbox")
+            read_rows(ns.db("webhook"), "inbox", "event_id, result")
         )
 
 
@@ -224,5 +214,5 @@ def test_an_outcome_unknown_resolved_by_hand_completes_without_a_call(ns: Namesp
 
         assert 0 == done.returncode, done.stderr
         assert {key: 1} == server.calls()
-        assert [("notified",)] == query(ns.db("webhook"), "SELECT result FROM inbox")
+        assert [("notified",)] == read_rows(ns.db("webhook"), "inbox", "result")
         assert "ntf-by-hand" == fence_of(ns, key)["providerId"]
