@@ -15,10 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import body, make_envelope, read_rows
 
-from delivery_consumer import envelope
-from delivery_consumer.broker import declare
+from delivery_consumer import deadletters, envelope
+from delivery_consumer.broker import HeldMessage, declare
 from delivery_consumer.envelope import decode_body, parse
 from delivery_consumer.errors import Rejection
+from delivery_consumer.topology import Topology
 
 
 def raw_deflate(data: bytes) -> bytes:
@@ -157,6 +158,24 @@ def test_an_undeclared_gzip_body_says_what_it_looks_like() -> None:
 def test_the_kombu_header_name_is_the_one_kombu_writes() -> None:
     """kombu puts the compression in the 'compression' header."""
     assert "compression" == envelope.KOMBU_COMPRESSION_HEADER
+
+
+@pytest.mark.parametrize(("encoding", "header", "compress"), ENCODERS, ids=IDS)
+def test_a_compressed_dead_letter_keeps_its_identity_and_its_encoding(
+        encoding: str, header: str | None, compress: Callable[[bytes], bytes]) -> None:
+    """dead list reads the eventId of a compressed dead letter; dead requeue sends it with its encoding."""
+    env = make_envelope(event_id=None)
+    held = HeldMessage(tag=1, body=compress(body(env)), message_id=None,
+                       headers={"compression": header} if header else {}, content_type="application/json",
+                       redelivered=False, exchange="", routing_key="material.published",
+                       content_encoding=encoding)
+
+    letter = deadletters.describe(0, held)
+    copy = deadletters.requeue_copy(held, letter, Topology(consumer="catalog"), "2026-12-01T00:00:00Z")
+
+    assert env["eventId"] == letter.event_id
+    assert (held.body, encoding) == (copy.body, copy.content_encoding)
+    assert header == copy.properties().headers.get("compression")
 
 
 # -- through the broker ------------------------------------------------------------------------------
