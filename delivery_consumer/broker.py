@@ -1064,3 +1064,49 @@ class StreamPublisher(Publisher):
         except BrokerUnavailable as exc:
             return [PublishResult("unconfirmed", str(exc)) for _ in messages]
         return self.collect(self.send(messages))
+
+
+# =============================================================================
+# Queue counts for the system view (status, console): a passive declare per
+# queue, which needs no plugin. It reports ready messages and consumers; the
+# unacknowledged count is only in the management API.
+# =============================================================================
+
+
+@dataclass(frozen=True, slots=True)
+class QueueCount:
+    """What a passive declare tells about one queue."""
+
+    ready: int
+    consumers: int
+
+
+def queue_counts(url: str, queues: Sequence[str], *, name: str = "delivery-consumer status",
+                 timeout_s: float = 10.0) -> dict[str, QueueCount | None]:
+    """Ready messages and consumers of each queue; None for a queue that does not exist."""
+    params = parameters(url, name=name)
+    params.socket_timeout = params.blocked_connection_timeout = timeout_s
+    out: dict[str, QueueCount | None] = {}
+    conn: Any = None
+    try:
+        conn = pika.BlockingConnection(params)
+        channel = conn.channel()
+        for queue in queues:
+            try:
+                frame = channel.queue_declare(queue, passive=True)
+            except pex.ChannelClosedByBroker as exc:
+                if exc.reply_code != 404:
+                    raise
+                out[queue] = None
+                channel = conn.channel()  # a refused passive declare closes the channel
+                continue
+            out[queue] = QueueCount(int(frame.method.message_count), int(frame.method.consumer_count))
+    except (pex.AMQPError, OSError) as exc:
+        raise classify(exc, url=url) from None
+    finally:
+        if conn is not None and conn.is_open:
+            from contextlib import suppress
+
+            with suppress(pex.AMQPError, OSError):
+                conn.close()
+    return out

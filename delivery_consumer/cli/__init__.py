@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from .. import __version__
+from ._common import config_option
 
 # command name -> "module:attribute" (relative to this package)
 COMMANDS: dict[str, str] = {
@@ -22,7 +23,7 @@ COMMANDS: dict[str, str] = {
     "audit": "inbox:audit",
     "rejected": "inbox:rejected",
     "query": "inbox:query",
-    "trace": "ops:trace",
+    "trace": "system:trace",
     "dead": "ops:dead",
     "run": "rabbit:run",
     "publish": "rabbit:publish",
@@ -31,6 +32,9 @@ COMMANDS: dict[str, str] = {
     "dispatch": "outbox:dispatch",
     "outbox": "outbox:outbox",
     "produce": "outbox:produce",
+    "config": "system:config",
+    "status": "system:status",
+    "console": "console:console",
 }
 
 
@@ -55,6 +59,7 @@ class LazyGroup(click.Group):
 
 @click.group(cls=LazyGroup, lazy=COMMANDS, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="delivery-consumer")
+@config_option
 def main() -> None:
     """RabbitMQ consumers with a per-consumer SQLite inbox: every event is
     applied once, acknowledged only after its commit, and never lost."""

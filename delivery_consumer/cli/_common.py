@@ -6,13 +6,16 @@ import functools
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 import orjson
 
 from ..errors import ConfigError, DatabaseError, DeliveryError
 from ..store import ConsumerDB
+
+if TYPE_CHECKING:
+    from ..config import Deployment
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -63,7 +66,8 @@ def db_option(fn: F, *, help: str = "Database file (default: state/<consumer>/in
         envvar="DELIVERY_DB",
         show_envvar=True,
         type=click.Path(path_type=Path),
-        help=help,
+        callback=from_deployment("db"),
+        help=help + " The deployment file's [consumers.<consumer>] db when not given.",
     )(fn)
 
 
@@ -80,7 +84,113 @@ def open_db(
     try:
         return ConsumerDB.open(db_path, consumer, create=create, readonly=readonly)
     except (DatabaseError, ConfigError) as exc:
+        raise Fatal(_from_file(db_path) + str(exc)) from None
+
+
+# -- the deployment file ---------------------------------------------------------
+#
+# The root group's --config loads the file once (config_option); each shared
+# option factory (db_option, amqp_options, the producer's --db, run's
+# consumer options) takes its value from it through from_deployment, only when
+# neither the command line nor the option's environment variable gave one:
+# command line > environment > deployment file > built-in default.
+
+_DEPLOYMENT = "delivery_consumer.deployment"
+_FROM_FILE = "delivery_consumer.from_file"
+
+
+def _load_deployment(ctx: click.Context, _param: click.Parameter, value: str | None) -> Deployment | None:
+    from .. import config
+
+    try:
+        deployment = config.load(value)
+    except ConfigError as exc:
         raise Fatal(str(exc)) from None
+    ctx.meta[_DEPLOYMENT] = deployment
+    return deployment
+
+
+def config_option(fn: F) -> F:
+    """``--config PATH`` of the root group (``$DELIVERY_CONFIG``, else ``./delivery.toml`` if present)."""
+    return click.option(
+        "--config", "config_path", metavar="PATH", expose_value=False, callback=_load_deployment,
+        help="Deployment file (default: $DELIVERY_CONFIG, else ./delivery.toml when it exists).",
+    )(fn)
+
+
+def deployment() -> Deployment | None:
+    """The deployment file of the running command, or None."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return None
+    if _DEPLOYMENT not in ctx.meta:  # a command invoked without the root group (tests)
+        _load_deployment(ctx, click.Option(["--config"]), None)
+    found: Deployment | None = ctx.meta[_DEPLOYMENT]
+    return found
+
+
+def _from_file(db_path: Path | None) -> str:
+    """``<file>: <key>: `` when *db_path* came from the deployment file, else ''."""
+    ctx = click.get_current_context(silent=True)
+    source = ctx.meta.get(_FROM_FILE, {}) if ctx is not None else {}
+    where = source.get(str(db_path)) if db_path is not None else None
+    return f"{where}: " if where else ""
+
+
+def _given(ctx: click.Context, name: str | None) -> bool:
+    from click.core import ParameterSource
+
+    source = ctx.get_parameter_source(name) if name else None
+    return source in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT, ParameterSource.PROMPT)
+
+
+def from_deployment(key: str) -> Callable[[click.Context, click.Parameter, Any], Any]:
+    """An option callback: the deployment file's value of *key* when the option was not given.
+
+    ``amqp_url``, ``exchange``, ``queue_prefix``: the file's top level.
+    ``producer_db``: the producer's database when the file names one producer.
+    Any other key (``db``, ``webhook_url``, ``metrics_port``): the table
+    ``[consumers.<consumer>]`` of the command's ``--consumer``.
+    """
+
+    def callback(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+        if _given(ctx, param.name):
+            return value
+        found = deployment()
+        if found is None:
+            return value
+        if key in ("amqp_url", "exchange", "queue_prefix"):
+            return getattr(found, key)
+        if key == "producer_db":
+            producer = found.single_producer()
+            if producer is None:
+                return value
+            ctx.meta.setdefault(_FROM_FILE, {})[str(producer.db)] = found.key(f"producers.{producer.name}.db")
+            return producer.db
+        consumer = ctx.params.get("consumer")
+        entry = found.consumer(consumer) if isinstance(consumer, str) else None
+        if entry is None:
+            return value
+        if key == "db":
+            ctx.meta.setdefault(_FROM_FILE, {})[str(entry.db)] = found.key(f"consumers.{entry.name}.db")
+            _check_owner(found, entry.name, entry.db)
+            return entry.db
+        return entry.options.get(key, value)
+
+    return callback
+
+
+def _check_owner(found: Deployment, consumer: str, db_path: Path) -> None:
+    """A database named in the file for *consumer* that belongs to another one: exit 2 now,
+    naming the key (``run`` would only find out in its worker process)."""
+    if not db_path.is_file():
+        return
+    try:
+        ConsumerDB.open(db_path, consumer, readonly=True).close()
+    except (DatabaseError, ConfigError) as exc:
+        if "belongs to consumer" in str(exc):
+            raise Fatal(f"{found.key(f'consumers.{consumer}.db')}: {exc}") from None
+        # anything else: the command itself says what is wrong, naming the key
 
 
 def emit_json(value: Any) -> None:

@@ -27,7 +27,7 @@ from .. import producer as producer_lib
 from ..durations import Duration
 from ..errors import ConfigError
 from ..queries import NotFound
-from ._common import F, Fatal, emit_json, handle_errors, json_option
+from ._common import F, Fatal, emit_json, from_deployment, handle_errors, json_option
 from ._output import echo_record, echo_table
 from .inbox import Missing, limit_option
 from .rabbit import _setup_logging, _topology, amqp_options
@@ -41,10 +41,18 @@ def producer_db_option(fn: F) -> F:
         "db_path",
         envvar="DELIVERY_PRODUCER_DB",
         show_envvar=True,
-        required=True,
         type=click.Path(path_type=Path),
-        help="The producer's SQLite database (holds the outbox table).",
+        callback=_producer_db,
+        help="The producer's SQLite database (holds the outbox table); required unless the deployment file "
+             "names exactly one producer.",
     )(fn)
+
+
+def _producer_db(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path:
+    value = from_deployment("producer_db")(ctx, param, value)
+    if value is None:
+        raise click.MissingParameter(ctx=ctx, param=param)
+    return Path(value)
 
 
 @contextmanager

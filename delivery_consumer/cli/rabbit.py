@@ -28,7 +28,16 @@ from ..topology import (
     DEFAULT_PREFIX,
     Topology,
 )
-from ._common import EXIT_OK, EXIT_REJECTED, Fatal, consumer_option, db_option, emit_json, handle_errors
+from ._common import (
+    EXIT_OK,
+    EXIT_REJECTED,
+    Fatal,
+    consumer_option,
+    db_option,
+    emit_json,
+    from_deployment,
+    handle_errors,
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
@@ -39,11 +48,13 @@ RETRY_DELAYS = Duration(minimum=0.001, maximum=7 * 86400, many=True, millisecond
 def amqp_options(fn: F) -> F:
     """--amqp-url, --exchange and --queue-prefix, shared by every broker command."""
     fn = click.option("--queue-prefix", default=DEFAULT_PREFIX, show_default=True, envvar="DELIVERY_QUEUE_PREFIX",
+                      callback=from_deployment("queue_prefix"),
                       help="Queues are <prefix>.<consumer>[.dead|.retry.<delay>].")(fn)
     fn = click.option("--exchange", default=DEFAULT_EXCHANGE, show_default=True, envvar="DELIVERY_EXCHANGE",
-                      help="Topic exchange the events are published to.")(fn)
+                      callback=from_deployment("exchange"), help="Topic exchange the events are published to.")(fn)
     fn = click.option("--amqp-url", default=DEFAULT_URL, envvar="DELIVERY_AMQP_URL", show_envvar=True,
-                      help="Broker URL (default: guest on 127.0.0.1:5672, vhost /).")(fn)
+                      callback=from_deployment("amqp_url"),
+                      help="Broker URL (default: the deployment file's, else guest on 127.0.0.1:5672, vhost /).")(fn)
     return fn
 
 
@@ -76,6 +87,7 @@ def external_options(fn: F) -> F:
     wrapped: Any = wrapper
     for option in reversed([
         click.option("--webhook-url", envvar="DELIVERY_WEBHOOK_URL", show_envvar=True,
+                     callback=from_deployment("webhook_url"),
                      help="webhook consumer: the endpoint each notification is POSTed to."),
         click.option("--endpoint-idempotent/--no-endpoint-idempotent", default=True, show_default=True,
                      help="webhook consumer: whether the endpoint honours Idempotency-Key. If not, a call whose "
@@ -142,7 +154,7 @@ def _setup_logging(level: str, fmt: str = "text", consumer: str | None = None) -
               type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--log-format", default="text", show_default=True, type=click.Choice(["text", "json"]),
               help="text: one line per batch or problem; json: one object per event or problem.")
-@click.option("--metrics-port", type=click.IntRange(0, 65535),
+@click.option("--metrics-port", type=click.IntRange(0, 65535), callback=from_deployment("metrics_port"),
               help="Expose Prometheus metrics on this port (/metrics).")
 @click.option("--metrics-host", default="127.0.0.1", show_default=True, help="Address the metrics listen on.")
 @external_options

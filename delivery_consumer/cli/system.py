@@ -1,0 +1,274 @@
+"""The system view: ``trace`` across the deployment, ``status``, ``config check``.
+
+Each command is a few lines around :mod:`delivery_consumer.system` or
+:mod:`delivery_consumer.config`. ``trace`` with ``--consumer`` or ``--db``
+is the per-consumer trace of :mod:`.ops`, unchanged.
+
+Exit codes: 0; 1 when ``trace`` finds the id nowhere or ``status`` finds
+something that needs a person; 2 for usage, a bad deployment file or an
+unusable database.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from .. import system
+from ..config import Deployment
+from ..queries import NotFound
+from ._common import EXIT_ERROR, EXIT_OK, EXIT_REJECTED, Fatal, deployment, emit_json, handle_errors
+from ._output import cell, echo_record, echo_table
+from .inbox import Missing, read_options
+from .ops import trace as consumer_trace
+
+
+def _deployment() -> Deployment:
+    found = deployment()
+    if found is None:
+        raise Fatal("no deployment file: give --config PATH (or DELIVERY_CONFIG), or run where ./delivery.toml is")
+    return found
+
+
+def _age(seconds: float | None) -> str:
+    from .inbox import _age as age
+
+    return age(seconds)
+
+
+# -- trace -------------------------------------------------------------------------------
+
+
+@click.command()
+@read_options()
+@click.option("--article", "article_id",
+              help="Without EVENT_ID: every event of this article across the deployment, by revision. "
+                   "With --consumer catalog: show this article beside the event.")
+@click.option("--offline", is_flag=True, help="Do not read the dead queues from the broker.")
+@click.argument("event_id", required=False)
+@click.pass_context
+@handle_errors
+def trace(ctx: click.Context, consumer: str | None, db_path: Path | None, as_json: bool, article_id: str | None,
+          offline: bool, event_id: str | None) -> None:
+    """Everything known about EVENT_ID: the producer's outbox row, then each
+    consumer's receipt, deliveries, rejections and dead letter, and a one-line
+    verdict per consumer (needs a deployment file).
+
+    With --consumer or --db: what that one database knows (the receipt,
+    deliveries, rejections, effect rows). An id nobody knows: exit 1.
+    """
+    if consumer is not None or db_path is not None:
+        if event_id is None:
+            raise click.UsageError("give the EVENT_ID to trace in this consumer's database")
+        ctx.invoke(consumer_trace, consumer=consumer, db_path=db_path, as_json=as_json, article_id=article_id,
+                   event_id=event_id)
+        return
+    dep = _deployment()
+    try:
+        if event_id is None:
+            if article_id is None:
+                raise click.UsageError("give an EVENT_ID, or --article ID")
+            shown = system.trace_article(dep, article_id)
+            emit_json(shown) if as_json else _echo_article(shown)
+            return
+        shown = system.trace_event(dep, event_id, article_id=article_id, broker=not offline)
+    except NotFound as exc:
+        raise Missing(str(exc)) from None
+    if as_json:
+        emit_json(shown)
+    else:
+        _echo_event(shown)
+
+
+def _echo_event(shown: dict[str, Any]) -> None:
+    click.echo(f"eventId {shown['eventId']} in {shown['deployment']}")
+    for row in shown["outbox"]:
+        click.echo(f"outbox of producer {row['producer']} ({row['database']}):")
+        if "error" in row:
+            click.echo(f"  cannot read it: {row['error']}")
+            continue
+        keys = ["state", "type", "articleId", "revision", "createdAt", "publishedAt", "attempts", "lastError",
+                "lastAttemptAt"]
+        keys += [k for k in row if k.startswith("quarantine")]  # when the outbox has such a state
+        echo_record([("enqueued" if k == "createdAt" else "published at" if k == "publishedAt" else k, row[k])
+                     for k in keys if k in row], indent="  ")
+    if not shown["outbox"]:
+        click.echo("outbox: no producer of the deployment has this eventId")
+    for item in shown["consumers"]:
+        where = item["consumer"] + (f"/{item['partition']}" if item["partition"] else "")
+        click.echo(f"consumer {where} ({item['database']}):")
+        if "error" in item:
+            click.echo(f"  cannot read it: {item['error']}")
+        elif item["trace"] is None:
+            click.echo(f"  {item.get('note') or 'no receipt, delivery or rejection'}")
+        else:
+            _echo_consumer(item["trace"])
+        dead = item.get("deadQueue")
+        if dead is not None:
+            if dead["error"]:
+                click.echo(f"  dead queue {dead['queue']}: not read: {dead['error']}")
+            elif dead["letters"]:
+                for letter in dead["letters"]:
+                    click.echo(f"  dead letter NOW in {dead['queue']} (position {letter['position']}): "
+                               f"{letter['code']}: {cell(letter['reason'])}")
+            else:
+                partial = "" if dead["complete"] else " (read partly)"
+                click.echo(f"  dead queue {dead['queue']}: no dead letter with this eventId{partial}")
+    click.echo("verdict:")
+    width = max((len(i["consumer"]) + len(i["partition"] or "") + 1 for i in shown["consumers"]), default=0)
+    for item in shown["consumers"]:
+        where = item["consumer"] + (f"/{item['partition']}" if item["partition"] else "")
+        click.echo(f"  {where:<{width}}  {cell(item['verdict'])}")
+
+
+def _echo_consumer(shown: dict[str, Any]) -> None:
+    receipt = shown["receipt"]
+    click.echo(f"  receipt: {receipt['result']} at {receipt['receivedAt']}" if receipt else "  receipt: none")
+    d = shown["deliveries"]
+    if d["deliveries"]:
+        click.echo(f"  deliveries: {d['deliveries']} (redeliveries {d['redeliveries']}, attempts {d['attempts']}, "
+                   f"crashes {d['crashes']}), last {d['lastAt']}: {d['lastOutcome']}")
+    for rej in shown["rejections"]:
+        click.echo(f"  rejection #{rej['id']} {rej['code']} at {rej['rejectedAt']}: {cell(rej['reason'])}")
+        click.echo(f"    copy: {rej['deadLetter'] or 'none'}; resolved: {rej['resolvedAt'] or 'no'}")
+
+
+def _echo_article(shown: dict[str, Any]) -> None:
+    labels = sorted({label for event in shown["events"] for label in event["consumers"]})
+    rows = []
+    for event in shown["events"]:
+        box = event["outbox"]
+        state = None if box is None else (f"published {box['publishedAt']}" if box["publishedAt"]
+                                          else f"unpublished ({box['lastError'] or 'waiting'})")
+        receipts = [(event["consumers"].get(label) or {}).get("result") for label in labels]
+        rows.append([event["revision"], event["eventId"], event["type"], state, *receipts])
+    click.echo(f"articleId {shown['articleId']} in {shown['deployment']}")
+    echo_table(["revision", "eventId", "type", "outbox", *labels], rows)
+
+
+# -- status ------------------------------------------------------------------------------
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON on stdout.")
+@click.option("--offline", is_flag=True, help="Do not ask the broker (queues and dead letters unknown).")
+@handle_errors
+def status(as_json: bool, offline: bool) -> None:
+    """One screen for the deployment: queues, dead letters, receipts, outbox.
+
+    Exit 0 when healthy, 1 when something needs a person: a dead letter, an
+    outbox row older than [status] outbox_max_age, messages waiting with no
+    consumer connected, a database or broker that cannot be read.
+    """
+    shown = system.status(_deployment(), broker=not offline)
+    if as_json:
+        emit_json(shown)
+    else:
+        _echo_status(shown)
+    sys.exit(EXIT_OK if shown["healthy"] else EXIT_REJECTED)
+
+
+def _echo_status(shown: dict[str, Any]) -> None:
+    click.echo(f"deployment {shown['deployment']} at {shown['now']}")
+    rows = []
+    for item in shown["consumers"]:
+        codes = item["deadByCode"]
+        dead = item["deadLetters"]
+        dead_text = (None if dead is None else f"{dead}" + (
+            f" ({', '.join(f'{n} {c}' for c, n in codes.items())})" if codes else ""))
+        for db in item["databases"]:
+            label = item["consumer"] + (f"/{db['partition']}" if db["partition"] else "")
+            unresolved = sum((db.get("unresolvedRejections") or {}).values())
+            rows.append([label, item["ready"], item["unacked"], item["consumersConnected"], dead_text,
+                         db.get("receiptsLastMinute"), db.get("receiptsLastHour"),
+                         _age(db.get("newestAgeSeconds")) if db.get("newestReceivedAt") else None, unresolved,
+                         db.get("error") or db.get("note") or item.get("note")])
+    if rows:
+        echo_table(["consumer", "ready", "unacked", "consumers", "dead letters", "last min", "last hour",
+                    "newest", "unresolved", "note"], rows)
+    prows = []
+    for item in shown["producers"]:
+        age = item.get("oldestUnpublishedAgeSeconds")
+        prows.append([item["producer"], item.get("unpublished"), _age(age) if age is not None else None,
+                      item.get("failed"), item.get("quarantined"), item.get("error")])
+    if prows:
+        click.echo()
+        echo_table(["producer", "unpublished", "oldest", "with errors", "quarantined", "note"], prows)
+    click.echo()
+    if shown["healthy"]:
+        click.echo("healthy")
+    for problem in shown["problems"]:
+        click.echo(f"NEEDS A PERSON: {cell(problem)}")
+
+
+# -- config check ------------------------------------------------------------------------
+
+
+@click.group()
+def config() -> None:
+    """The deployment file (--config, DELIVERY_CONFIG, ./delivery.toml)."""
+
+
+@config.command("check")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON on stdout.")
+@handle_errors
+def config_check(as_json: bool) -> None:
+    """Validate the deployment file and show what each command would use.
+
+    Opens every database that exists, read-only: one of another consumer, or
+    a producer database without an outbox, is an error (exit 2).
+    """
+    from .. import config as config_lib
+    from .. import outbox
+    from ..broker import redact
+
+    dep = _deployment()
+    problems: list[str] = []
+    consumers = []
+    for name, entry in dep.consumers.items():
+        problems += config_lib.check_database(dep, entry)
+        topo = system.topology(dep, name)
+        run = ["delivery-consumer", "run", "--consumer", name, "--db", str(entry.db)]
+        run += [f"--{k.replace('_', '-')}={v}" for k, v in entry.options.items()]
+        consumers.append({"consumer": name, "db": str(entry.db), "exists": entry.db.exists(),
+                          "databases": [str(p) for _, p in entry.databases()], "queue": topo.queue,
+                          "deadQueue": topo.dead_queue, "options": entry.options, "run": " ".join(run)})
+    producers = []
+    for name, producer in dep.producers.items():
+        if producer.db.exists():
+            try:
+                outbox.connect(producer.db, readonly=True).close()
+            except Exception as exc:  # DatabaseError, or sqlite3's own for a damaged file
+                problems.append(f"{dep.key(f'producers.{name}.db')}: {exc}")
+        producers.append({"producer": name, "db": str(producer.db), "exists": producer.db.exists()})
+    single = dep.single_producer()
+    shown = {"file": str(dep.path), "amqpUrl": redact(dep.amqp_url), "exchange": dep.exchange,
+             "queuePrefix": dep.queue_prefix, "managementUrl": dep.management_url,
+             "outboxMaxAgeSeconds": dep.outbox_max_age_s, "backlogMax": dep.backlog_max,
+             "consumers": consumers, "producers": producers,
+             "producerCommandsUse": str(single.db) if single else None, "problems": problems}
+    if as_json:
+        emit_json(shown)
+    else:
+        echo_record([("file", shown["file"]), ("broker", shown["amqpUrl"]), ("exchange", dep.exchange),
+                     ("queue prefix", dep.queue_prefix), ("outbox max age", f"{dep.outbox_max_age_s:g}s")])
+        for c in consumers:
+            click.echo(f"consumer {c['consumer']}: {c['db']}" + ("" if c["exists"] else " (not created yet)"))
+            click.echo(f"  queues {c['queue']}, {c['deadQueue']}; run: {c['run']}")
+        for p in producers:
+            click.echo(f"producer {p['producer']}: {p['db']}" + ("" if p["exists"] else " (not created yet)"))
+        if single is not None:
+            click.echo(f"dispatch, outbox and produce use {single.db} unless --db is given")
+        elif producers:
+            click.echo("several producers: dispatch, outbox and produce need --db")
+        for problem in problems:
+            click.echo(f"delivery-consumer: {problem}", err=True)
+        if not problems:
+            click.echo("ok", err=True)
+    sys.exit(EXIT_ERROR if problems else EXIT_OK)
+
+
+__all__ = ["config", "status", "trace"]

@@ -1,0 +1,258 @@
+"""The deployment file: one deployment's broker, consumers and producers.
+
+``delivery.toml`` (read with :mod:`tomllib`) names where everything lives, so
+that the system-wide commands (``trace``, ``status``, ``console``) can look
+at every database and queue at once, and so that every other command finds
+its database and broker without flags::
+
+    amqp_url = "amqp://guest:guest@127.0.0.1:5672/%2F"   # exchange / queue_prefix optional
+    [consumers.catalog]
+    db = "state/catalog/inbox.db"       # a file, or a directory of partitions p<k>/inbox.db
+    [consumers.webhook]
+    db = "state/webhook/inbox.db"
+    webhook_url = "http://127.0.0.1:8080/notify"
+    [producers.material]
+    db = "producer.db"                  # a database holding an outbox
+    [status]
+    outbox_max_age = "5m"               # an unpublished row older than this needs a person
+
+Relative paths are relative to the file. Every mistake is one
+:class:`ConfigError` naming the file and the key. Which file: ``--config``,
+else ``$DELIVERY_CONFIG``, else ``./delivery.toml`` when it exists (the only
+one that may be absent). See docs/system-view.md.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+from .topology import DEFAULT_EXCHANGE, DEFAULT_PREFIX
+
+DEFAULT_NAME = "delivery.toml"
+ENV = "DELIVERY_CONFIG"
+DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
+#: An unpublished outbox row older than this makes ``status`` ask for a person.
+DEFAULT_OUTBOX_MAX_AGE_S = 300.0
+#: The database file inside each partition directory ``p<k>/``.
+PARTITION_DB = "inbox.db"
+
+_TOP_KEYS = ("amqp_url", "exchange", "queue_prefix", "management_url", "consumers", "producers", "status")
+#: Keys of ``[consumers.NAME]``, with the CLI option each one stands for.
+CONSUMER_KEYS: Mapping[str, str] = {"db": "db_path", "webhook_url": "webhook_url", "metrics_port": "metrics_port"}
+_PRODUCER_KEYS = ("db",)
+_STATUS_KEYS = ("outbox_max_age", "backlog_max")
+
+
+@dataclass(frozen=True)
+class ConsumerEntry:
+    """``[consumers.NAME]``: the consumer's database (file or partition directory) and its options."""
+
+    name: str
+    db: Path
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def databases(self) -> list[tuple[str | None, Path]]:
+        """``(partition, path)`` of every database: ``[(None, db)]`` for a file,
+        ``[("p0", db/p0/inbox.db), ...]`` for a partition directory."""
+        if self.db.is_dir():
+            parts = [p for p in self.db.iterdir() if p.is_dir() and p.name[:1] == "p" and p.name[1:].isdigit()]
+            return [(p.name, p / PARTITION_DB) for p in sorted(parts, key=lambda p: int(p.name[1:]))]
+        return [(None, self.db)]
+
+
+@dataclass(frozen=True)
+class ProducerEntry:
+    """``[producers.NAME]``: a database holding an outbox."""
+
+    name: str
+    db: Path
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """A parsed deployment file."""
+
+    path: Path
+    amqp_url: str = DEFAULT_URL
+    exchange: str = DEFAULT_EXCHANGE
+    queue_prefix: str = DEFAULT_PREFIX
+    management_url: str | None = None
+    consumers: dict[str, ConsumerEntry] = field(default_factory=dict)
+    producers: dict[str, ProducerEntry] = field(default_factory=dict)
+    outbox_max_age_s: float = DEFAULT_OUTBOX_MAX_AGE_S
+    #: Ready messages above which a queue with no consumer connected needs a person.
+    backlog_max: int = 0
+
+    def key(self, dotted: str) -> str:
+        """``<file>: <key>``, the prefix of every message about the file."""
+        return f"{self.path}: {dotted}"
+
+    def consumer(self, name: str) -> ConsumerEntry | None:
+        return self.consumers.get(name)
+
+    def single_producer(self) -> ProducerEntry | None:
+        """The producer, when the file names exactly one (the producer commands' default)."""
+        return next(iter(self.producers.values())) if len(self.producers) == 1 else None
+
+
+def locate(explicit: str | Path | None = None, *, cwd: Path | None = None) -> tuple[Path | None, bool]:
+    """Which file to read: ``(path, required)``; ``(None, False)`` when there is none."""
+    if explicit:
+        return Path(explicit), True
+    env = os.environ.get(ENV)
+    if env:
+        return Path(env), True
+    default = (cwd or Path.cwd()) / DEFAULT_NAME
+    return (Path(DEFAULT_NAME), False) if default.is_file() else (None, False)
+
+
+def load(explicit: str | Path | None = None) -> Deployment | None:
+    """The deployment named by ``--config`` / ``$DELIVERY_CONFIG`` / ``./delivery.toml``, or None."""
+    path, required = locate(explicit)
+    if path is None:
+        return None
+    if not path.is_file():
+        how = "--config" if explicit else f"${ENV}" if required else "the default"
+        raise ConfigError(f"{path}: no such deployment file (named by {how})")
+    return parse_file(path)
+
+
+def parse_file(path: Path) -> Deployment:
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read it: {getattr(exc, 'strerror', None) or exc}") from None
+    return parse(raw, path)
+
+
+def _table(value: Any, path: Path, key: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: {key}: must be a table ([{key}])")
+    return value
+
+
+def _known(table: Mapping[str, Any], allowed: Any, path: Path, prefix: str) -> None:
+    for key in table:
+        if key not in allowed:
+            where = f"{prefix}.{key}" if prefix else key
+            raise ConfigError(f"{path}: {where}: unknown key (known: {', '.join(allowed)})")
+
+
+def _string(table: Mapping[str, Any], key: str, path: Path, where: str) -> str | None:
+    value = table.get(key)
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ConfigError(f"{path}: {where}: must be a non-empty string")
+    return value
+
+
+def _db(table: Mapping[str, Any], base: Path, path: Path, where: str) -> Path:
+    text = _string(table, "db", path, f"{where}.db")
+    if text is None:
+        raise ConfigError(f"{path}: {where}.db: missing (the database path)")
+    db = Path(text).expanduser()
+    return db if db.is_absolute() else base / db
+
+
+def parse(raw: Mapping[str, Any], path: Path) -> Deployment:
+    """Check *raw* (the file's tables) and resolve its paths against the file's directory."""
+    from . import consumers as registry
+    from .retention import parse_duration
+
+    _known(raw, _TOP_KEYS, path, "")
+    base = path.parent
+    top = {key: _string(raw, key, path, key) for key in ("amqp_url", "exchange", "queue_prefix", "management_url")}
+    found: dict[str, ConsumerEntry] = {}
+    for name, table in _table(raw.get("consumers", {}), path, "consumers").items():
+        where = f"consumers.{name}"
+        table = _table(table, path, where)
+        _known(table, CONSUMER_KEYS, path, where)
+        try:
+            registry.get(name)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {where}: {exc}") from None
+        options = {k: v for k, v in table.items() if k != "db"}
+        if "webhook_url" in options:
+            _string(table, "webhook_url", path, f"{where}.webhook_url")
+        port = options.get("metrics_port")
+        if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535):
+            raise ConfigError(f"{path}: {where}.metrics_port: must be a port number (0-65535)")
+        found[name] = ConsumerEntry(name, _db(table, base, path, where), options)
+    producers: dict[str, ProducerEntry] = {}
+    for name, table in _table(raw.get("producers", {}), path, "producers").items():
+        where = f"producers.{name}"
+        table = _table(table, path, where)
+        _known(table, _PRODUCER_KEYS, path, where)
+        producers[name] = ProducerEntry(name, _db(table, base, path, where))
+    status = _table(raw.get("status", {}), path, "status")
+    _known(status, _STATUS_KEYS, path, "status")
+    max_age = DEFAULT_OUTBOX_MAX_AGE_S
+    if "outbox_max_age" in status:
+        text = _string(status, "outbox_max_age", path, "status.outbox_max_age")
+        try:
+            max_age = parse_duration(str(text))
+        except ValueError as exc:
+            raise ConfigError(f"{path}: status.outbox_max_age: {exc}") from None
+    backlog = status.get("backlog_max", 0)
+    if not isinstance(backlog, int) or isinstance(backlog, bool) or backlog < 0:
+        raise ConfigError(f"{path}: status.backlog_max: must be a whole number >= 0")
+    seen: dict[Path, str] = {}
+    for where, db in [*((f"consumers.{n}.db", c.db) for n, c in found.items()),
+                      *((f"producers.{n}.db", p.db) for n, p in producers.items())]:
+        resolved = db.resolve()
+        if resolved in seen:
+            raise ConfigError(f"{path}: {where}: the same database as {seen[resolved]}")
+        seen[resolved] = where
+    return Deployment(
+        path=path,
+        amqp_url=top["amqp_url"] or DEFAULT_URL,
+        exchange=top["exchange"] or DEFAULT_EXCHANGE,
+        queue_prefix=top["queue_prefix"] or DEFAULT_PREFIX,
+        management_url=top["management_url"],
+        consumers=found,
+        producers=producers,
+        outbox_max_age_s=max_age,
+        backlog_max=backlog,
+    )
+
+
+def check_database(deployment: Deployment, entry: ConsumerEntry) -> list[str]:
+    """Problems of one consumer's databases (each one line naming the file and key); [] when fine.
+
+    A database not created yet is fine (``run`` creates it); one of another
+    consumer, or not a consumer database at all, is not.
+    """
+    from .store import ConsumerDB
+
+    problems = []
+    for partition, db_path in entry.databases():
+        if not db_path.exists():
+            continue
+        where = f"consumers.{entry.name}.db" + (f" ({partition})" if partition else "")
+        try:
+            ConsumerDB.open(db_path, entry.name, readonly=True).close()
+        except Exception as exc:  # a DatabaseError, or sqlite3's own for a damaged file
+            problems.append(f"{deployment.key(where)}: {exc}")
+    return problems
+
+
+__all__ = [
+    "CONSUMER_KEYS",
+    "DEFAULT_NAME",
+    "ENV",
+    "ConsumerEntry",
+    "Deployment",
+    "ProducerEntry",
+    "check_database",
+    "load",
+    "locate",
+    "parse",
+    "parse_file",
+]

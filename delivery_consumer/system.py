@@ -1,0 +1,379 @@
+"""The system view: one eventId (or articleId) across the producer and every
+consumer, and the health of the whole deployment.
+
+Everything here reads: producer databases through :mod:`outbox`'s queries,
+consumer databases read-only through :func:`trace.trace` and short
+statements, dead queues through :func:`deadletters.list_dead` (every message
+is given back in place), queue depths through a passive declare. The
+functions return plain dicts for ``--json``, the text commands and the
+console alike. Rationale in docs/system-view.md.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Iterator
+from contextlib import closing, contextmanager
+from typing import Any
+
+import orjson
+
+from . import consumers as registry
+from .config import ConsumerEntry, Deployment
+from .errors import DeliveryError
+from .queries import NotFound, _records, _snapshot
+from .store import ConsumerDB, now_iso
+from .topology import Topology
+from .trace import trace as trace_one
+
+Row = dict[str, Any]
+
+#: At most this many dead letters are read from one dead queue per look.
+DEAD_SCAN_LIMIT = 10_000
+#: Receipt windows of ``status``, in seconds.
+MINUTE_S, HOUR_S = 60, 3600
+
+
+def topology(dep: Deployment, consumer: str) -> Topology:
+    spec = registry.get(consumer)
+    return Topology(consumer=consumer, binding_keys=tuple(spec.binding_keys), exchange=dep.exchange,
+                    prefix=dep.queue_prefix)
+
+
+def topic_matches(pattern: str, key: str) -> bool:
+    """AMQP topic matching: ``*`` one word, ``#`` zero or more."""
+
+    def match(p: list[str], k: list[str]) -> bool:
+        if not p:
+            return not k
+        if p[0] == "#":
+            return any(match(p[1:], k[i:]) for i in range(len(k) + 1))
+        return bool(k) and (p[0] == "*" or p[0] == k[0]) and match(p[1:], k[1:])
+
+    return match(pattern.split("."), key.split("."))
+
+
+@contextmanager
+def _consumer_db(path: Any, consumer: str) -> Iterator[ConsumerDB]:
+    with ConsumerDB.open(path, consumer, readonly=True) as db:
+        yield db
+
+
+def _label(entry: ConsumerEntry, partition: str | None) -> str:
+    return f"{entry.name}/{partition}" if partition else entry.name
+
+
+# -- dead letters ------------------------------------------------------------------------
+
+
+def dead_letters(dep: Deployment, consumer: str) -> Row:
+    """The dead queue of *consumer* as read now: ``{"queue", "letters", "complete"}`` or ``{"error"}``."""
+    from .broker import BrokerError
+    from .deadletters import list_dead
+
+    topo = topology(dep, consumer)
+    try:
+        snapshot = list_dead(dep.amqp_url, topo, max_messages=DEAD_SCAN_LIMIT)
+    except BrokerError as exc:
+        return {"queue": topo.dead_queue, "error": str(exc)}
+    return {"queue": snapshot.queue, "letters": snapshot.letters,
+            "complete": snapshot.complete and len(snapshot.letters) >= snapshot.count_at_open}
+
+
+# -- trace -------------------------------------------------------------------------------
+
+
+def _outbox_rows(dep: Deployment, event_id: str) -> list[Row]:
+    from . import outbox
+
+    rows = []
+    for name, producer in dep.producers.items():
+        try:
+            with closing(outbox.connect(producer.db, readonly=True)) as conn:
+                row = outbox.show(conn, event_id)
+        except NotFound:
+            continue
+        except (DeliveryError, sqlite3.Error) as exc:
+            rows.append({"producer": name, "database": str(producer.db), "error": str(exc)})
+            continue
+        body = row.pop("body", None)
+        if isinstance(body, dict):
+            row.update({k: body.get(k) for k in ("type", "articleId", "revision")})
+        rows.append({"producer": name, "database": str(producer.db), **row})
+    return rows
+
+
+def _verdict(shown: Row | None, letters: list[Row], routed: bool, published: list[Row],
+             unpublished: list[Row]) -> str:
+    if letters:
+        return f"dead-lettered {letters[0]['code']}"
+    if shown is not None:
+        receipt = shown["receipt"]
+        if receipt is not None:
+            return f"applied {receipt['result']}"
+        unresolved = [r for r in shown["rejections"] if r["resolvedAt"] is None]
+        if unresolved:
+            last = unresolved[-1]
+            return f"rejected {last['code']}" + ("" if last["deadLetter"] else " (no dead-letter copy)")
+        return f"{shown['status']}: {shown['summary']}"
+    if not routed:
+        return "not routed to this consumer"
+    if published:
+        return "published, not yet received"
+    if unpublished:
+        error = unpublished[0].get("lastError")
+        return f"not published: {error}" if error else "not published yet"
+    return "unknown here"
+
+
+def trace_event(dep: Deployment, event_id: str, *, article_id: str | None = None,
+                broker: bool = True) -> Row:
+    """The whole story of *event_id*; :class:`NotFound` when nobody knows it."""
+    outbox_rows = _outbox_rows(dep, event_id)
+    known = [r for r in outbox_rows if "error" not in r]
+    published = [r for r in known if r.get("publishedAt")]
+    unpublished = [r for r in known if not r.get("publishedAt")]
+    routing_key = next((r.get("routingKey") for r in known), None)
+    result: Row = {"eventId": event_id, "deployment": str(dep.path), "outbox": outbox_rows, "consumers": []}
+    found = bool(known)
+    for name, entry in dep.consumers.items():
+        spec = registry.get(name)
+        routed = routing_key is None or any(topic_matches(k, routing_key) for k in spec.binding_keys)
+        letters: list[Row] = []
+        dead: Row | None = None
+        if broker:
+            dead = dead_letters(dep, name)
+            letters = [letter.to_json() for letter in dead.get("letters", [])
+                       if event_id in (letter.event_id, letter.message_id)]
+            found = found or bool(letters)
+        for partition, path in entry.databases():
+            item: Row = {"consumer": name, "partition": partition, "database": str(path), "trace": None}
+            if not path.exists():
+                item["note"] = "no database yet"
+            else:
+                try:
+                    with _consumer_db(path, name) as db:
+                        item["trace"] = trace_one(db, event_id, article_id=article_id)
+                except NotFound:
+                    pass
+                except DeliveryError as exc:
+                    item["error"] = str(exc)
+            found = found or item["trace"] is not None
+            if dead is not None:
+                item["deadQueue"] = {"queue": dead["queue"], "error": dead.get("error"),
+                                     "complete": dead.get("complete"), "letters": letters}
+            if "error" in item:
+                item["verdict"] = f"error: {item['error']}"
+            elif "note" in item and not letters:
+                item["verdict"] = item["note"]
+            else:
+                item["verdict"] = _verdict(item["trace"], letters, routed, published, unpublished)
+            result["consumers"].append(item)
+    if not found:
+        raise NotFound(f"eventId {event_id} is known to no producer and no consumer of {dep.path}")
+    return result
+
+
+def _article_rows(db: ConsumerDB, article_id: str) -> dict[str, Row]:
+    """eventId -> {revision, type} from every effect table with article_id and event_id columns."""
+    out: dict[str, Row] = {}
+    for table in db.spec.tables:
+        columns = {row[1] for row in db.conn.execute(f'PRAGMA table_info("{table}")').fetchall()}
+        if not {"article_id", "event_id"} <= columns:
+            continue
+        picks = ["event_id", "revision" if "revision" in columns else "NULL",
+                 "event_type" if "event_type" in columns else "NULL"]
+        for event_id, revision, event_type in db.conn.execute(
+                f'SELECT {", ".join(picks)} FROM "{table}" WHERE article_id = ?', (article_id,)).fetchall():
+            seen = out.setdefault(event_id, {})
+            seen.setdefault("revision", revision)
+            if event_type:
+                seen["type"] = event_type
+    return out
+
+
+def _receipts(db: ConsumerDB, event_ids: list[str]) -> dict[str, Row]:
+    if not event_ids:
+        return {}
+    rows = db.conn.execute(
+        "SELECT event_id, result, received_at FROM inbox WHERE event_id IN (SELECT value FROM json_each(?))",
+        (orjson.dumps(event_ids).decode(),)).fetchall()
+    return {r[0]: {"result": r[1], "receivedAt": r[2]} for r in rows}
+
+
+def trace_article(dep: Deployment, article_id: str) -> Row:
+    """An article's events across the producers and every consumer, by revision."""
+    from . import outbox
+
+    events: dict[str, Row] = {}
+    for name, producer in dep.producers.items():
+        try:
+            with closing(outbox.connect(producer.db, readonly=True)) as conn:
+                rows = conn.execute(
+                    "SELECT event_id, routing_key, body, created_at, published_at, attempts, last_error"
+                    " FROM outbox WHERE ordering_key = ?", (article_id,)).fetchall()
+        except (DeliveryError, sqlite3.Error):
+            continue
+        for event_id, key, body, created, published, attempts, error in rows:
+            revision = orjson.loads(body).get("revision")
+            events.setdefault(event_id, {"revision": revision, "type": key})["outbox"] = {
+                "producer": name, "createdAt": created, "publishedAt": published, "attempts": attempts,
+                "lastError": error}
+    dbs = [(_label(entry, partition), name, path) for name, entry in dep.consumers.items()
+           for partition, path in entry.databases() if path.exists()]
+    for _, name, path in dbs:  # first every eventId of the article, from every database
+        try:
+            with _consumer_db(path, name) as db, _snapshot(db.conn):
+                for event_id, seen in _article_rows(db, article_id).items():
+                    known = events.setdefault(event_id, {"revision": seen.get("revision")})
+                    known.setdefault("type", seen.get("type"))
+                    if known.get("revision") is None:
+                        known["revision"] = seen.get("revision")
+        except DeliveryError:
+            continue
+    per_consumer: dict[str, dict[str, Row]] = {}
+    for label, name, path in dbs:  # then each database's receipts of them
+        try:
+            with _consumer_db(path, name) as db:
+                per_consumer.setdefault(label, {}).update(_receipts(db, list(events)))
+        except DeliveryError:
+            continue
+    if not events:
+        raise NotFound(f"articleId {article_id} is known to no producer and no consumer of {dep.path}")
+    out = []
+    for event_id, known in events.items():
+        out.append({"eventId": event_id, "revision": known.get("revision"), "type": known.get("type"),
+                    "outbox": known.get("outbox"),
+                    "consumers": {label: receipts.get(event_id) for label, receipts in per_consumer.items()}})
+    out.sort(key=lambda e: (e["revision"] is None, e["revision"] or 0, e["eventId"]))
+    return {"articleId": article_id, "deployment": str(dep.path), "events": out}
+
+
+# -- status ------------------------------------------------------------------------------
+
+
+def _consumer_db_status(db: ConsumerDB, now: float) -> Row:
+    conn = db.conn
+    with _snapshot(conn):
+        last_minute, last_hour = conn.execute(
+            "SELECT count(*) FILTER (WHERE received_at >= ?), count(*) FROM inbox WHERE received_at >= ?",
+            (now_iso(now - MINUTE_S), now_iso(now - HOUR_S))).fetchone()
+        (newest,) = conn.execute("SELECT max(received_at) FROM inbox").fetchone()
+        unresolved = _records(conn.execute(
+            "SELECT code, count(*) AS n FROM rejected WHERE resolved_at IS NULL GROUP BY code ORDER BY code"))
+    from datetime import datetime
+
+    age = None if newest is None else round(now - datetime.fromisoformat(newest).timestamp(), 3)
+    return {"receiptsLastMinute": last_minute, "receiptsLastHour": last_hour, "newestReceivedAt": newest,
+            "newestAgeSeconds": age, "unresolvedRejections": {r["code"]: r["n"] for r in unresolved}}
+
+
+def _management(dep: Deployment, queue: str) -> int | None:
+    """Unacknowledged messages from the management API, when the file names it."""
+    if not dep.management_url:
+        return None
+    from urllib.parse import quote, urlparse
+
+    import httpx
+
+    amqp = urlparse(dep.amqp_url)
+    vhost = amqp.path[1:] or "%2F"
+    url = f"{dep.management_url.rstrip('/')}/api/queues/{vhost}/{quote(queue, safe='')}"
+    try:
+        answer = httpx.get(url, auth=(amqp.username or "guest", amqp.password or "guest"), timeout=5)
+        answer.raise_for_status()
+        value = answer.json().get("messages_unacknowledged")
+    except (httpx.HTTPError, ValueError):
+        return None
+    return value if isinstance(value, int) else None
+
+
+def status(dep: Deployment, *, now: float | None = None, broker: bool = True) -> Row:
+    """Every consumer and producer of *dep*, and the problems that need a person."""
+    from . import outbox
+    from .broker import BrokerError, queue_counts
+
+    now = time.time() if now is None else now
+    problems: list[str] = []
+    counts: dict[str, Any] = {}
+    broker_error = None
+    if broker and dep.consumers:
+        queues = [q for name in dep.consumers for q in (topology(dep, name).queue, topology(dep, name).dead_queue)]
+        try:
+            counts = queue_counts(dep.amqp_url, queues)
+        except BrokerError as exc:
+            broker_error = str(exc)
+            problems.append(f"broker: {exc}")
+    out_consumers = []
+    for name, entry in dep.consumers.items():
+        topo = topology(dep, name)
+        item: Row = {"consumer": name, "queue": topo.queue, "deadQueue": topo.dead_queue}
+        main, dead = counts.get(topo.queue), counts.get(topo.dead_queue)
+        item["ready"] = main.ready if main else None
+        item["consumersConnected"] = main.consumers if main else None
+        item["unacked"] = _management(dep, topo.queue) if main else None
+        item["deadLetters"] = dead.ready if dead else None
+        item["deadByCode"] = {}
+        if broker and not broker_error and main is None:
+            item["note"] = f"queue {topo.queue} does not exist yet (start the consumer or topology declare)"
+        if dead is not None and dead.ready:
+            letters = dead_letters(dep, name)
+            if "error" in letters:
+                item["deadByCode"] = None
+                item["deadNote"] = letters["error"]
+            else:
+                by_code: dict[str, int] = {}
+                for letter in letters["letters"]:
+                    by_code[letter.code] = by_code.get(letter.code, 0) + 1
+                item["deadByCode"] = dict(sorted(by_code.items(), key=lambda kv: (-kv[1], kv[0])))
+            codes = ", ".join(f"{n} {c}" for c, n in (item["deadByCode"] or {}).items()) or f"{dead.ready}"
+            problems.append(f"{name}: {dead.ready} dead letters in {topo.dead_queue} ({codes})")
+        if main is not None and main.ready > dep.backlog_max and main.consumers == 0:
+            problems.append(f"{name}: {main.ready} messages wait in {topo.queue} and no consumer is connected")
+        item["databases"] = []
+        for partition, path in entry.databases():
+            db_item: Row = {"partition": partition, "database": str(path)}
+            if not path.exists():
+                db_item["note"] = "no database yet"
+            else:
+                try:
+                    with _consumer_db(path, name) as db:
+                        db_item.update(_consumer_db_status(db, now))
+                except DeliveryError as exc:
+                    db_item["error"] = str(exc)
+                    problems.append(f"{_label(entry, partition)}: {exc}")
+            item["databases"].append(db_item)
+        out_consumers.append(item)
+    out_producers = []
+    for name, producer in dep.producers.items():
+        p_item: Row = {"producer": name, "database": str(producer.db)}
+        try:
+            with closing(outbox.connect(producer.db, readonly=True)) as conn:
+                stats = outbox.stats(conn, now=now)
+        except (DeliveryError, sqlite3.Error) as exc:
+            p_item["error"] = str(exc)
+            problems.append(f"producer {name}: {exc}")
+            out_producers.append(p_item)
+            continue
+        p_item.update({k: v for k, v in stats.items() if k != "database"})
+        age = stats.get("oldestUnpublishedAgeSeconds")
+        if age is not None and age > dep.outbox_max_age_s:
+            problems.append(f"producer {name}: {stats['unpublished']} unpublished rows, the oldest "
+                            f"{age:.0f}s old (more than {dep.outbox_max_age_s:g}s)")
+        quarantined = stats.get("quarantined")
+        if isinstance(quarantined, int) and quarantined:
+            problems.append(f"producer {name}: {quarantined} quarantined outbox rows")
+        out_producers.append(p_item)
+    return {"deployment": str(dep.path), "now": now_iso(now), "healthy": not problems, "problems": problems,
+            "broker": {"url": _redacted(dep.amqp_url), "error": broker_error} if broker else None,
+            "consumers": out_consumers, "producers": out_producers}
+
+
+def _redacted(url: str) -> str:
+    from .broker import redact
+
+    return redact(url)
+
+
+__all__ = ["dead_letters", "status", "topic_matches", "topology", "trace_article", "trace_event"]
