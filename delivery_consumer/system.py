@@ -81,6 +81,23 @@ def dead_letters(dep: Deployment, consumer: str) -> Row:
             "complete": snapshot.complete and len(snapshot.letters) >= snapshot.count_at_open}
 
 
+#: Reasons and eventIds shown per group of dead letters.
+GROUP_SAMPLES = 5
+
+
+def group_dead_letters(letters: list[Any]) -> list[Row]:
+    """Dead letters grouped by code, largest group first: count, distinct reasons, some eventIds."""
+    groups: dict[str, Row] = {}
+    for letter in letters:
+        group = groups.setdefault(letter.code, {"code": letter.code, "count": 0, "reasons": [], "eventIds": []})
+        group["count"] += 1
+        if letter.reason not in group["reasons"] and len(group["reasons"]) < GROUP_SAMPLES:
+            group["reasons"].append(letter.reason)
+        if letter.event_id and len(group["eventIds"]) < GROUP_SAMPLES:
+            group["eventIds"].append(letter.event_id)
+    return sorted(groups.values(), key=lambda g: (-g["count"], g["code"]))
+
+
 # -- trace -------------------------------------------------------------------------------
 
 
@@ -315,6 +332,7 @@ def status(dep: Deployment, *, now: float | None = None, broker: bool = True) ->
         item["unacked"] = _management(dep, topo.queue) if main else None
         item["deadLetters"] = dead.ready if dead else None
         item["deadByCode"] = {}
+        item["deadGroups"] = []
         if broker and not broker_error and main is None:
             item["note"] = f"queue {topo.queue} does not exist yet (start the consumer or topology declare)"
         if dead is not None and dead.ready:
@@ -323,10 +341,9 @@ def status(dep: Deployment, *, now: float | None = None, broker: bool = True) ->
                 item["deadByCode"] = None
                 item["deadNote"] = letters["error"]
             else:
-                by_code: dict[str, int] = {}
-                for letter in letters["letters"]:
-                    by_code[letter.code] = by_code.get(letter.code, 0) + 1
-                item["deadByCode"] = dict(sorted(by_code.items(), key=lambda kv: (-kv[1], kv[0])))
+                groups = group_dead_letters(letters["letters"])
+                item["deadByCode"] = {g["code"]: g["count"] for g in groups}
+                item["deadGroups"] = groups
             codes = ", ".join(f"{n} {c}" for c, n in (item["deadByCode"] or {}).items()) or f"{dead.ready}"
             problems.append(f"{name}: {dead.ready} dead letters in {topo.dead_queue} ({codes})")
         if main is not None and main.ready > dep.backlog_max and main.consumers == 0:
@@ -376,4 +393,4 @@ def _redacted(url: str) -> str:
     return redact(url)
 
 
-__all__ = ["dead_letters", "status", "topic_matches", "topology", "trace_article", "trace_event"]
+__all__ = ["dead_letters", "group_dead_letters", "status", "topic_matches", "topology", "trace_article", "trace_event"]

@@ -1,0 +1,60 @@
+"""``console``: serve the deployment's page until SIGTERM/SIGINT (exit 0)."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import signal
+from types import FrameType
+
+import click
+
+from ._common import Fatal, handle_errors
+from .system import _deployment
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+@click.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8470, show_default=True, type=click.IntRange(0, 65535),
+              help="Port to listen on (0: any free port, printed on stderr).")
+@click.option("--hours", default=3.0, show_default=True, type=click.FloatRange(0.1, 48),
+              help="Window of the outcomes chart.")
+@click.option("--allow-actions", is_flag=True,
+              help="Allow requeue and purge of dead letters (POST with a confirmation step and a CSRF token).")
+@handle_errors
+def console(host: str, port: int, hours: float, allow_actions: bool) -> None:
+    """A local web page for the deployment: status, outcomes per minute, dead
+    letters by code, trace search; read-only unless --allow-actions."""
+    from ..console import Console, make_server
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    app = Console(_deployment(), allow_actions=allow_actions, hours=hours)
+    try:
+        server = make_server(app, host, port)
+    except OSError as exc:
+        raise Fatal(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    if allow_actions and not _loopback(host):
+        click.echo(f"delivery-consumer: warning: actions are allowed and {host} is not a loopback address", err=True)
+
+    def stop(signum: int, _frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    mode = "actions allowed" if allow_actions else "read-only"
+    click.echo(f"console on http://{app.address}/ ({mode}); Ctrl-C to stop", err=True)
+    try:
+        server.serve_forever(poll_interval=0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+
+
+__all__ = ["console"]

@@ -1,0 +1,406 @@
+"""The console's HTTP server: the standard library's ThreadingHTTPServer,
+pages rendered on the server (HTML with inline SVG and CSS, no script).
+
+Routes: ``GET /`` status, chart and dead letters; ``GET /trace?q=ID`` an
+eventId or articleId; ``GET /dead/confirm`` the confirmation step of an
+action; ``POST /dead/requeue`` and ``POST /dead/purge``; ``GET /healthz``.
+Actions need ``--allow-actions``, the form's CSRF token and a ``Host``
+header naming this server; otherwise every POST is refused (403).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from html import escape
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlencode, urlsplit
+
+from .. import system
+from ..config import Deployment
+from ..errors import DeliveryError
+from ..queries import NotFound
+from ..store import ConsumerDB
+from . import chart
+
+log = logging.getLogger("delivery_consumer.console")
+
+#: Largest POST body read (a form with a few fields).
+MAX_FORM_BYTES = 16 * 1024
+
+CSS = """
+body{font:14px/1.4 system-ui,sans-serif;margin:0;color:#222}
+header{background:#263238;color:#fff;padding:8px 16px;display:flex;gap:16px;align-items:center}
+header a{color:#fff;text-decoration:none;font-weight:600}
+header form{margin-left:auto}
+header input[type=search]{width:22em}
+main{padding:8px 16px}
+table{border-collapse:collapse;margin:4px 0 12px}
+td,th{border-bottom:1px solid #ddd;padding:3px 8px;text-align:left;vertical-align:top}
+th{background:#f5f5f5}
+td.n{text-align:right;font-variant-numeric:tabular-nums}
+.bad{color:#b71c1c;font-weight:600}.ok{color:#1b5e20;font-weight:600}
+.key{display:inline-block;width:10px;height:10px;margin:0 4px 0 10px}
+.mode{font-size:12px;padding:2px 6px;border-radius:3px;background:#455a64}
+.mode.on{background:#b71c1c}
+code{font-size:12px}
+section{margin-bottom:18px}
+button{cursor:pointer}
+"""
+
+
+def _e(value: Any) -> str:
+    return "-" if value is None else escape(str(value))
+
+
+def _table(columns: list[str], rows: list[list[Any]], *, numeric: set[int] | None = None,
+           raw: set[int] | None = None) -> str:
+    numeric, raw = numeric or set(), raw or set()
+    head = "".join(f"<th>{escape(c)}</th>" for c in columns)
+    body = "".join("<tr>" + "".join(
+        f'<td{" class=n" if i in numeric else ""}>{v if i in raw else _e(v)}</td>' for i, v in enumerate(row))
+        + "</tr>" for row in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+class Console:
+    """What the pages need: the deployment, the mode, the CSRF token, the minute cache."""
+
+    def __init__(self, dep: Deployment, *, allow_actions: bool = False, hours: float = 3.0) -> None:
+        self.dep = dep
+        self.allow_actions = allow_actions
+        self.hours = hours
+        self.token = secrets.token_urlsafe(32)
+        self.minutes = chart.MinuteCache()
+        self.address = ""
+        #: Host headers that name this console (a defence against DNS rebinding).
+        self.hosts: set[str] = set()
+
+    # -- layout ------------------------------------------------------------------------
+
+    def page(self, title: str, body: str, query: str = "") -> str:
+        mode = ('<span class="mode on">actions allowed</span>' if self.allow_actions
+                else '<span class="mode">read-only</span>')
+        return (f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{escape(title)} · '
+                f'delivery-consumer</title><style>{CSS}</style></head><body><header>'
+                f'<a href="/">delivery-consumer</a>{mode}<span>{escape(str(self.dep.path))}</span>'
+                f'<form action="/trace" method="get"><input type="search" name="q" id="q" value="{escape(query)}" '
+                f'placeholder="eventId or articleId"> <button id="search">Trace</button></form></header>'
+                f"<main><h1>{escape(title)}</h1>{body}</main></body></html>")
+
+    # -- the status page ------------------------------------------------------------------
+
+    def status_page(self) -> str:
+        started = time.perf_counter()
+        shown = system.status(self.dep)
+        parts = []
+        if shown["healthy"]:
+            parts.append('<p class="ok" id="verdict">healthy</p>')
+        else:
+            items = "".join(f"<li>{_e(p)}</li>" for p in shown["problems"])
+            parts.append(f'<div id="verdict"><p class="bad">needs a person</p><ul>{items}</ul></div>')
+        rows = []
+        for item in shown["consumers"]:
+            for db in item["databases"]:
+                label = item["consumer"] + (f"/{db['partition']}" if db["partition"] else "")
+                rows.append([label, item["ready"], item["unacked"], item["consumersConnected"], item["deadLetters"],
+                             db.get("receiptsLastMinute"), db.get("receiptsLastHour"), db.get("newestReceivedAt"),
+                             sum((db.get("unresolvedRejections") or {}).values()),
+                             db.get("error") or db.get("note") or item.get("note")])
+        parts.append("<section><h2>Consumers</h2>" + _table(
+            ["consumer", "ready", "unacked", "consumers", "dead letters", "last minute", "last hour", "newest receipt",
+             "unresolved", "note"], rows, numeric={1, 2, 3, 4, 5, 6, 8}) + "</section>")
+        prows = [[p["producer"], p.get("unpublished"), p.get("oldestUnpublishedAt"), p.get("failed"),
+                  p.get("quarantined"), p.get("lastPublishedAt"), p.get("error")] for p in shown["producers"]]
+        if prows:
+            parts.append("<section><h2>Producers</h2>" + _table(
+                ["producer", "unpublished", "oldest unpublished", "with errors", "quarantined", "last published",
+                 "note"], prows, numeric={1, 3, 4}) + "</section>")
+        parts.append(self._charts())
+        parts.append(self._dead_letters(shown))
+        elapsed = (time.perf_counter() - started) * 1000
+        parts.append(f'<p><small>at {_e(shown["now"])}, built in <span id="built-ms">{elapsed:.0f}</span> ms'
+                     "</small></p>")
+        return self.page("Status", "".join(parts))
+
+    def _charts(self) -> str:
+        parts = [f"<section><h2>Outcomes per minute, last {self.hours:g} h</h2><p>{chart.legend()}</p>"]
+        now = time.time()
+        for name, entry in self.dep.consumers.items():
+            for partition, path in entry.databases():
+                label = name + (f"/{partition}" if partition else "")
+                if not path.exists():
+                    parts.append(f"<h3>{_e(label)}</h3><p>no database yet</p>")
+                    continue
+                try:
+                    with ConsumerDB.open(path, name, readonly=True) as db:
+                        minutes = self.minutes.minutes(db, self.hours, now)
+                except DeliveryError as exc:
+                    parts.append(f"<h3>{_e(label)}</h3><p class=bad>{_e(exc)}</p>")
+                    continue
+                total = ", ".join(f"{n} {c}" for c, n in chart.totals(minutes).items()) or "nothing"
+                parts.append(f"<h3>{_e(label)} <small>({_e(total)})</small></h3>"
+                             + chart.svg(minutes, self.hours, now))
+        return "".join(parts) + "</section>"
+
+    def _dead_letters(self, shown: dict[str, Any]) -> str:
+        parts = ['<section id="dead"><h2>Dead letters</h2>']
+        any_letters = False
+        for item in shown["consumers"]:
+            groups = item.get("deadGroups") or []
+            if not groups:
+                continue
+            any_letters = True
+            parts.append(f"<h3>{_e(item['consumer'])} <small>{_e(item['deadQueue'])}</small></h3>")
+            rows = []
+            for group in groups:
+                reasons = "<br>".join(_e(r) for r in group["reasons"])
+                ids = " ".join(f'<a href="/trace?{urlencode({"q": i})}"><code>{_e(i)}</code></a>'
+                               for i in group["eventIds"])
+                rows.append([group["code"], group["count"], reasons, ids,
+                             self._action_links(item["consumer"], code=group["code"])])
+            parts.append(_table(["code", "count", "reasons", "eventIds", ""], rows, numeric={1}, raw={2, 3, 4}))
+        if not any_letters:
+            parts.append("<p>none</p>")
+        return "".join(parts) + "</section>"
+
+    def _action_links(self, consumer: str, *, code: str | None = None, event_id: str | None = None) -> str:
+        if not self.allow_actions:
+            return ""
+        out = []
+        for action in ("requeue", "purge"):
+            query = {"consumer": consumer, "action": action, **({"code": code} if code else {}),
+                     **({"event": event_id} if event_id else {})}
+            out.append(f'<a class="action" href="/dead/confirm?{escape(urlencode(query))}">{action}…</a>')
+        return " ".join(out)
+
+    # -- trace ------------------------------------------------------------------------------
+
+    def trace_page(self, query: str) -> tuple[HTTPStatus, str]:
+        query = query.strip()
+        if not query:
+            return HTTPStatus.OK, self.page("Trace", "<p>give an eventId or an articleId</p>")
+        try:
+            shown = system.trace_event(self.dep, query)
+        except NotFound:
+            try:
+                return HTTPStatus.OK, self.page(f"Article {query}", self._article(system.trace_article(self.dep,
+                                                                                                       query)), query)
+            except NotFound:
+                return HTTPStatus.NOT_FOUND, self.page(
+                    "Not found", f'<p class="bad" id="not-found">{_e(query)}: no producer and no consumer of this '
+                                 "deployment knows this eventId or articleId</p>", query)
+        return HTTPStatus.OK, self.page(f"Event {query}", self._event(shown), query)
+
+    def _event(self, shown: dict[str, Any]) -> str:
+        verdicts = [[i["consumer"] + (f"/{i['partition']}" if i["partition"] else ""), i["verdict"]]
+                    for i in shown["consumers"]]
+        parts = ['<section id="verdicts"><h2>Verdict</h2>' + _table(["consumer", "verdict"], verdicts) + "</section>"]
+        rows = [[r["producer"], r.get("state"), r.get("createdAt"), r.get("publishedAt"), r.get("attempts"),
+                 r.get("lastError") or r.get("error")] for r in shown["outbox"]]
+        parts.append("<section><h2>Outbox</h2>" + (_table(
+            ["producer", "state", "enqueued", "published at", "attempts", "last error"], rows, numeric={4})
+            if rows else "<p>no producer of the deployment has this eventId</p>") + "</section>")
+        for item in shown["consumers"]:
+            label = item["consumer"] + (f"/{item['partition']}" if item["partition"] else "")
+            parts.append(f"<section><h2>{_e(label)}</h2>")
+            trace = item["trace"]
+            if trace is not None:
+                receipt = trace["receipt"]
+                d = trace["deliveries"]
+                parts.append(_table(["receipt", "at", "deliveries", "redeliveries", "attempts", "crashes"], [[
+                    receipt and receipt["result"], receipt and receipt["receivedAt"], d["deliveries"],
+                    d["redeliveries"], d["attempts"], d["crashes"]]], numeric={2, 3, 4, 5}))
+                if trace["rejections"]:
+                    parts.append(_table(["rejection", "at", "reason", "copy", "resolved"], [
+                        [r["code"], r["rejectedAt"], r["reason"], r["deadLetter"], r["resolvedAt"] or "no"]
+                        for r in trace["rejections"]]))
+            else:
+                parts.append(f"<p>{_e(item.get('error') or item.get('note') or 'no receipt, delivery or rejection')}"
+                             "</p>")
+            dead = item.get("deadQueue") or {}
+            for letter in dead.get("letters", []):
+                parts.append(f'<p class="bad dead-letter">dead letter now in {_e(dead["queue"])}: '
+                             f"{_e(letter['code'])}: {_e(letter['reason'])} "
+                             f"{self._action_links(item['consumer'], event_id=shown['eventId'])}</p>")
+            if dead.get("error"):
+                parts.append(f"<p>dead queue not read: {_e(dead['error'])}</p>")
+            parts.append("</section>")
+        return "".join(parts)
+
+    def _article(self, shown: dict[str, Any]) -> str:
+        labels = sorted({label for event in shown["events"] for label in event["consumers"]})
+        rows = []
+        for event in shown["events"]:
+            box = event["outbox"]
+            state = None if box is None else ("published " + box["publishedAt"] if box["publishedAt"]
+                                              else f"unpublished {box['lastError'] or ''}")
+            link = f'<a href="/trace?{urlencode({"q": event["eventId"]})}"><code>{_e(event["eventId"])}</code></a>'
+            rows.append([event["revision"], link, _e(event["type"]), _e(state),
+                         *(_e((event["consumers"].get(label) or {}).get("result")) for label in labels)])
+        return _table(["revision", "eventId", "type", "outbox", *labels], rows, numeric={0},
+                      raw=set(range(1, 4 + len(labels))))
+
+    # -- actions ------------------------------------------------------------------------------
+
+    def _selection(self, form: dict[str, str]) -> tuple[str, Any]:
+        from ..deadletters import Selection
+
+        consumer = form.get("consumer", "")
+        if consumer not in self.dep.consumers:
+            raise ValueError(f"unknown consumer {consumer!r}")
+        if form.get("event"):
+            return consumer, Selection(event_ids=frozenset([form["event"]]))
+        if form.get("code"):
+            return consumer, Selection(code=form["code"])
+        raise ValueError("choose the dead letters by code or eventId")
+
+    def confirm_page(self, form: dict[str, str]) -> tuple[HTTPStatus, str]:
+        from ..deadletters import list_dead
+
+        action = form.get("action", "")
+        if action not in ("requeue", "purge"):
+            return HTTPStatus.BAD_REQUEST, self.page("Bad request", "<p>unknown action</p>")
+        try:
+            consumer, selection = self._selection(form)
+            snapshot = list_dead(self.dep.amqp_url, system.topology(self.dep, consumer))
+        except (ValueError, DeliveryError) as exc:
+            return HTTPStatus.BAD_REQUEST, self.page("Cannot do that", f'<p class="bad">{_e(exc)}</p>')
+        chosen = [letter for letter, _ in snapshot.select(selection)]
+        rows = [[c.position, c.code, c.event_id, c.reason] for c in chosen]
+        hidden = "".join(f'<input type="hidden" name="{k}" value="{escape(v)}">' for k, v in form.items()
+                         if k in ("consumer", "code", "event"))
+        verb = "Requeue" if action == "requeue" else "Purge for good"
+        body = (f"<p>{len(chosen)} dead letters of <b>{_e(consumer)}</b> selected ({_e(selection.describe())}) in "
+                f"{_e(snapshot.queue)}:</p>" + _table(["#", "code", "eventId", "reason"], rows, numeric={0})
+                + f'<form method="post" action="/dead/{action}">{hidden}'
+                f'<input type="hidden" name="csrf" value="{escape(self.token)}">'
+                f'<button id="confirm" {"disabled" if not chosen else ""}>{verb} {len(chosen)} dead letters</button>'
+                ' <a href="/">cancel</a></form>')
+        return HTTPStatus.OK, self.page(f"Confirm: {action}", body)
+
+    def act(self, action: str, form: dict[str, str]) -> tuple[HTTPStatus, str]:
+        from .. import deadletters
+
+        try:
+            consumer, selection = self._selection(form)
+            entry = self.dep.consumers[consumer]
+            if entry.db.is_dir():
+                raise ValueError("a partitioned consumer: use dead requeue/purge on the command line")
+            topo = system.topology(self.dep, consumer)
+            with ExitStack() as stack:
+                db = stack.enter_context(ConsumerDB.open(entry.db, consumer)) if entry.db.exists() else None
+                dq, snapshot = stack.enter_context(deadletters.reading(self.dep.amqp_url, topo))
+                if action == "requeue":
+                    if db is None:
+                        raise ValueError(f"{entry.db}: no such database; requeue needs it")
+                    report = deadletters.requeue(db, dq, snapshot, topo, selection)
+                else:
+                    report = deadletters.purge(db, dq, snapshot, selection)
+        except (ValueError, DeliveryError) as exc:
+            return HTTPStatus.CONFLICT, self.page("Not done", f'<p class="bad">{_e(exc)}</p>')
+        log.info("console %s %s (%s): %s", action, consumer, selection.describe(), report.counts())
+        rows = [[i.outcome, i.letter.event_id, i.letter.code, i.detail] for i in report.items]
+        rows += [["not-found", e, None, None] for e in report.missing]
+        counts = ", ".join(f"{n} {k}" for k, n in sorted(report.counts().items())) or "nothing selected"
+        return HTTPStatus.OK, self.page(f"Done: {action}", f'<p id="result">{_e(counts)}</p>'
+                                        + _table(["outcome", "eventId", "code", "detail"], rows)
+                                        + '<p><a href="/">back to the status</a></p>')
+
+    def check_post(self, host: str | None, form: dict[str, str]) -> str | None:
+        """Why a POST is refused, or None."""
+        if not self.allow_actions:
+            return "read-only console: started without --allow-actions"
+        if host not in self.hosts:
+            return "the Host header does not name this console"
+        if not hmac.compare_digest(form.get("csrf", ""), self.token):
+            return "missing or wrong CSRF token: start again from the confirmation page"
+        return None
+
+
+def handler(console: Console) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "delivery-consumer-console"
+
+        def log_message(self, format: str, *args: Any) -> None:
+            log.debug("%s %s", self.address_string(), format % args)
+
+        def _send(self, status: HTTPStatus, html: str, content_type: str = "text/html; charset=utf-8") -> None:
+            data = html.encode("utf-8")
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(data)))
+            self.send_header("Cache-Control", "no-store")
+            self.send_header("X-Content-Type-Options", "nosniff")
+            self.send_header("Referrer-Policy", "no-referrer")
+            self.send_header("Content-Security-Policy", "default-src 'none'; style-src 'unsafe-inline'; "
+                             "img-src data:; form-action 'self'; frame-ancestors 'none'")
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _guard(self, work: Callable[[], tuple[HTTPStatus, str]]) -> None:
+            try:
+                status, html = work()
+            except Exception as exc:  # one page with one line, never a traceback to the browser
+                log.exception("console page failed")
+                status, html = HTTPStatus.INTERNAL_SERVER_ERROR, console.page("Error", f"<p>{_e(exc)}</p>")
+            self._send(status, html)
+
+        def do_GET(self) -> None:
+            url = urlsplit(self.path)
+            query = {k: v[-1] for k, v in parse_qs(url.query).items()}
+            if url.path == "/":
+                self._guard(lambda: (HTTPStatus.OK, console.status_page()))
+            elif url.path == "/trace":
+                self._guard(lambda: console.trace_page(query.get("q", "")))
+            elif url.path == "/dead/confirm":
+                if not console.allow_actions:
+                    self._send(HTTPStatus.FORBIDDEN, console.page(
+                        "Refused", '<p class="bad" id="refused">read-only console: started without '
+                                   "--allow-actions</p>"))
+                else:
+                    self._guard(lambda: console.confirm_page(query))
+            elif url.path == "/healthz":
+                self._send(HTTPStatus.OK, "ok\n", "text/plain; charset=utf-8")
+            else:
+                self._send(HTTPStatus.NOT_FOUND, console.page("Not found", "<p>no such page</p>"))
+
+        def do_POST(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            if length > MAX_FORM_BYTES:
+                self._send(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, console.page("Refused", "<p>form too large</p>"))
+                return
+            raw = self.rfile.read(length).decode("utf-8", "replace")
+            form = {k: v[-1] for k, v in parse_qs(raw).items()}
+            why = console.check_post(self.headers.get("Host"), form)
+            if why is not None:
+                self._send(HTTPStatus.FORBIDDEN, console.page("Refused", f'<p class="bad" id="refused">{_e(why)}</p>'))
+                return
+            action = urlsplit(self.path).path.removeprefix("/dead/")
+            if action not in ("requeue", "purge"):
+                self._send(HTTPStatus.NOT_FOUND, console.page("Not found", "<p>no such action</p>"))
+                return
+            self._guard(lambda: console.act(action, form))
+
+    return Handler
+
+
+def make_server(console: Console, host: str, port: int) -> ThreadingHTTPServer:
+    """Bind (port 0: any free port); ``console.address`` becomes ``host:port``."""
+    server = ThreadingHTTPServer((host, port), handler(console))
+    server.daemon_threads = True
+    bound_port = server.server_address[1]
+    console.address = f"{host}:{bound_port}" if ":" not in host else f"[{host}]:{bound_port}"
+    console.hosts = {console.address}
+    if host in ("127.0.0.1", "localhost", "::1"):
+        console.hosts |= {f"127.0.0.1:{bound_port}", f"localhost:{bound_port}", f"[::1]:{bound_port}"}
+    return server
+
+
+__all__ = ["Console", "make_server"]
