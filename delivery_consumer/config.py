@@ -164,7 +164,7 @@ def _db(table: Mapping[str, Any], base: Path, path: Path, where: str) -> Path:
 def parse(raw: Mapping[str, Any], path: Path) -> Deployment:
     """Check *raw* (the file's tables) and resolve its paths against the file's directory."""
     from . import consumers as registry
-    from .retention import parse_duration
+    from .durations import parse as parse_duration
 
     _known(raw, _TOP_KEYS, path, "")
     base = path.parent
