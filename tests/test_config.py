@@ -1,0 +1,174 @@
+"""The deployment file: where it is read from, what it sets, what it refuses;
+and the system view offline (trace and status without the broker)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import orjson
+import pytest
+from deploykit import write_deployment
+from hypothesis import given
+from hypothesis import strategies as st
+from support import EVENT_ID, SAMPLES, cli
+
+from delivery_consumer.system import topic_matches
+
+
+def with_config(config: Path, *args: str, **env: str) -> tuple[int, str, str]:
+    result = cli(["--config", str(config), *args], env=env or None)
+    return result.exit_code, result.stdout, result.stderr
+
+
+def one_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert 1 == len(lines), text
+    return lines[0]
+
+
+def test_an_unknown_key_is_one_line_naming_the_file_and_the_key(tmp_path: Path) -> None:
+    """A misspelt key: exit 2, one line with the file and the dotted key, for any command."""
+    config = write_deployment(tmp_path, extra="")
+    config.write_text(config.read_text() + "dbb = 'x'\n")  # lands in [producers.material]
+    code, _out, err = with_config(config, "inbox", "list", "--consumer", "catalog")
+    assert 2 == code
+    line = one_line(err)
+    assert f"{config}: producers.material.dbb: unknown key" in line, line
+
+
+@pytest.mark.parametrize("text, key", [
+    ("amqp_url = 5\n", "amqp_url"),
+    ("[consumers.nosuch]\ndb = 'x.db'\n", "consumers.nosuch"),
+    ("[consumers.catalog]\n", "consumers.catalog.db"),
+    ("[status]\noutbox_max_age = 'soon'\n", "status.outbox_max_age"),
+    ("[consumers.catalog]\ndb = 'a.db'\n[producers.p]\ndb = 'a.db'\n", "producers.p.db"),
+    ("amqp_url = \n", "not valid TOML"),
+])
+def test_every_mistake_names_its_key(tmp_path: Path, text: str, key: str) -> None:
+    """Wrong types, unknown consumers, a missing db, a bad duration, one file named twice,
+    broken TOML: each is one line naming the file and what is wrong, exit 2."""
+    config = tmp_path / "delivery.toml"
+    config.write_text(text)
+    code, _out, err = with_config(config, "config", "check")
+    assert 2 == code
+    assert one_line(err).startswith(f"delivery-consumer: {config}: {key}"), err
+
+
+def test_a_missing_file_named_by_flag_or_environment_is_an_error(tmp_path: Path) -> None:
+    """--config and DELIVERY_CONFIG must name a file that exists; only the default may be absent."""
+    missing = tmp_path / "nope.toml"
+    code, _out, err = with_config(missing, "status")
+    assert 2 == code and f"{missing}: no such deployment file (named by --config)" in one_line(err)
+    result = cli(["status"], env={"DELIVERY_CONFIG": str(missing)})
+    assert 2 == result.exit_code and "named by $DELIVERY_CONFIG" in one_line(result.stderr)
+
+
+def test_paths_are_relative_to_the_file_and_flags_override_it(tmp_path: Path) -> None:
+    """replay and catalog list find state/catalog/inbox.db beside the file, from any
+    working directory; an explicit --db wins over the file."""
+    deploy = tmp_path / "deploy"
+    deploy.mkdir()
+    config = write_deployment(deploy)
+    code, _out, _err = with_config(config, "replay", "--consumer", "catalog", str(SAMPLES))
+    assert 1 == code  # the samples hold two rejections
+    assert (deploy / "state" / "catalog" / "inbox.db").is_file()
+    code, out, _err = with_config(config, "catalog", "list", "--json")
+    assert 0 == code and 4 == len(orjson.loads(out))
+    other = tmp_path / "other.db"
+    code, _out, _err = with_config(config, "init", "--consumer", "catalog", "--db", str(other))
+    assert 0 == code and other.is_file()
+    code, out, _err = with_config(config, "catalog", "list", "--json", "--db", str(other))
+    assert 0 == code and [] == orjson.loads(out)
+
+
+def test_a_database_of_another_consumer_is_refused_naming_the_key(tmp_path: Path) -> None:
+    """The file names a catalog database for audit: every command using it, and
+    config check, exit 2 with one line naming the file and consumers.audit.db."""
+    config = write_deployment(tmp_path, consumers=("catalog", "audit"))
+    assert 0 == with_config(config, "init", "--consumer", "catalog", "--db", str(tmp_path / "state/audit/inbox.db"))[0]
+    for args in (["inbox", "list", "--consumer", "audit"], ["run", "--consumer", "audit", "--exit-when-idle", "1"],
+                 ["config", "check"]):
+        code, _out, err = with_config(config, *args)
+        assert 2 == code, (args, err)
+        line = [x for x in err.splitlines() if "consumers.audit.db" in x]
+        assert line and "belongs to consumer 'catalog'" in line[0], err
+
+
+def test_the_broker_options_come_from_the_file_unless_given(tmp_path: Path) -> None:
+    """Precedence: command line > environment > file > default (unreachable ports show which won)."""
+    config = write_deployment(tmp_path, extra='amqp_url = "amqp://guest:guest@127.0.0.1:9/%2F"')
+    _code, _out, err = with_config(config, "dead", "list", "--consumer", "catalog")
+    assert "127.0.0.1:9/" in err, err
+    _code, _out, err = with_config(config, "dead", "list", "--consumer", "catalog",
+                                   DELIVERY_AMQP_URL="amqp://guest:guest@127.0.0.1:7/%2F")
+    assert "127.0.0.1:7/" in err, err
+    _code, _out, err = with_config(config, "dead", "list", "--consumer", "catalog",
+                                   "--amqp-url", "amqp://guest:guest@127.0.0.1:13/%2F",
+                                   DELIVERY_AMQP_URL="amqp://guest:guest@127.0.0.1:7/%2F")
+    assert "127.0.0.1:13/" in err, err
+
+
+def test_config_check_shows_what_each_command_would_use(tmp_path: Path) -> None:
+    """Resolved paths, queues, the run command line and the producer default."""
+    config = write_deployment(tmp_path, webhook_url="http://127.0.0.1:1/notify")
+    code, out, _err = with_config(config, "config", "check", "--json")
+    assert 0 == code
+    shown = orjson.loads(out)
+    hook = next(c for c in shown["consumers"] if c["consumer"] == "webhook")
+    assert str(tmp_path / "state/webhook/inbox.db") == hook["db"]
+    assert "--webhook-url=http://127.0.0.1:1/notify" in hook["run"]
+    assert str(tmp_path / "producer.db") == shown["producerCommandsUse"]
+    code, out, _err = with_config(config, "config", "check")
+    assert 0 == code and "delivery.catalog.dead" in out and "(not created yet)" in out
+
+
+def test_trace_and_status_offline_across_producer_and_consumer(tmp_path: Path) -> None:
+    """produce (its --db from the file), replay into catalog: trace shows the outbox row
+    unpublished and the receipt; an unknown id exits 1; status --offline is healthy."""
+    config = write_deployment(tmp_path, consumers=("catalog", "audit"))
+    code, out, _err = with_config(config, "produce", "--article", "a-1", "--title", "T", "--url", "https://x/1",
+                                  "--json")
+    assert 0 == code, out
+    produced = orjson.loads(out)["eventId"]
+    with_config(config, "replay", "--consumer", "catalog", str(SAMPLES))
+    code, out, _err = with_config(config, "trace", produced, "--offline", "--json")
+    assert 0 == code
+    shown = orjson.loads(out)
+    assert shown["outbox"][0]["publishedAt"] is None and "a-1" == shown["outbox"][0]["articleId"]
+    assert {"catalog": "not published yet", "audit": "no database yet"} == {
+        c["consumer"]: c["verdict"] for c in shown["consumers"]}
+    code, out, _err = with_config(config, "trace", EVENT_ID, "--offline")
+    assert 0 == code and re.search(r"catalog\s+applied updated", out), out
+    code, _out, err = with_config(config, "trace", "no-such-id", "--offline")
+    assert 1 == code and "known to no producer and no consumer" in one_line(err)
+    code, out, _err = with_config(config, "trace", "--article", "a-1", "--json")
+    assert 0 == code and [produced] == [e["eventId"] for e in orjson.loads(out)["events"]]
+    code, out, _err = with_config(config, "status", "--offline", "--json")
+    assert 0 == code and orjson.loads(out)["healthy"]
+
+
+def test_trace_without_a_deployment_file_or_consumer_says_what_to_give(tmp_path: Path) -> None:
+    """No file, no --consumer: exit 2 with one line; with --consumer the per-consumer trace runs."""
+    result = cli(["trace", "some-id"])
+    assert 2 == result.exit_code and "no deployment file" in one_line(result.stderr)
+
+
+WORDS = st.sampled_from(["a", "b", "material"])
+
+
+@given(st.lists(st.one_of(WORDS, st.just("*")), min_size=1, max_size=4), st.lists(WORDS, min_size=1, max_size=4))
+def test_topic_matching_without_hash_is_word_by_word(pattern: list[str], key: list[str]) -> None:
+    """Without #, a pattern matches exactly the keys of its length whose words equal
+    its words where it has no *."""
+    expected = len(pattern) == len(key) and all(p in ("*", k) for p, k in zip(pattern, key, strict=True))
+    assert expected == topic_matches(".".join(pattern), ".".join(key))
+
+
+@given(st.lists(WORDS, max_size=3), st.lists(WORDS, max_size=3), st.lists(WORDS, min_size=0, max_size=3))
+def test_hash_matches_any_number_of_words(head: list[str], tail: list[str], middle: list[str]) -> None:
+    """head.#.tail matches head + anything + tail."""
+    pattern = ".".join([*head, "#", *tail])
+    key = ".".join([*head, *middle, *tail])
+    if key:
+        assert topic_matches(pattern, key)
