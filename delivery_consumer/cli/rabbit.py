@@ -102,14 +102,20 @@ def external_options(fn: F) -> F:
     return wrapped  # type: ignore[no-any-return]
 
 
-def _metrics_factory(consumer: str, port: int, host: str) -> Callable[[], Any]:
-    """Metrics are kept where the work happens: in run's worker process."""
+def _metrics_factory(consumer: str, port: int, host: str, queues: tuple[str, Topology] | None = None
+                     ) -> Callable[[], Any]:
+    """Metrics are kept where the work happens: in run's worker process.
+    *queues* (url, topology): also the queue depths, asked at scrape time."""
 
     def make() -> Any:
         from ..errors import ConfigError
         from ..metrics import Metrics
 
         metrics = Metrics(consumer)
+        if queues is not None:
+            from ..queue_metrics import QueueCollector
+
+            metrics.registry.register(QueueCollector(*queues))
         try:
             metrics.serve(port, host)
         except OSError as exc:
@@ -189,7 +195,8 @@ def run(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue
     )
     observer_factory = None
     if metrics_port is not None:
-        observer_factory = _metrics_factory(consumer, metrics_port, metrics_host)
+        observer_factory = _metrics_factory(consumer, metrics_port, metrics_host,
+                                            (amqp_url, _topology(consumer, exchange, queue_prefix)))
     try:
         code = run_consumer(config, observer_factory)
     except BrokerError as exc:

@@ -1,0 +1,61 @@
+"""Queue depths in ``run``'s Prometheus metrics, read from the broker at scrape time.
+
+The worker knows what it committed, not what waits for it: the backlog of the
+main queue and the dead letters waiting for a person are the broker's to tell.
+:class:`QueueCollector` asks with a passive declare (no plugin needed) when
+Prometheus scrapes, so the figures are as fresh as the scrape and cost one
+short connection per scrape, nothing between scrapes. When the broker cannot
+be asked, ``delivery_queue_up`` is 0 and the depths are left out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .topology import Topology
+
+#: A scrape must not hang on a broker that does not answer.
+SCRAPE_TIMEOUT_S = 3.0
+
+
+class QueueCollector(Collector):
+    """``delivery_queue_ready``, ``delivery_queue_consumers`` and ``delivery_queue_up``
+    for the consumer's main queue (``kind="main"``) and dead queue (``kind="dead"``)."""
+
+    def __init__(self, url: str, topology: Topology) -> None:
+        self.url = url
+        self.topology = topology
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        from .broker import BrokerError, queue_counts
+
+        labels = ["consumer", "queue", "kind"]
+        ready = GaugeMetricFamily("delivery_queue_ready", "Messages ready in the queue (passive declare at scrape).",
+                                  labels=labels)
+        consumers = GaugeMetricFamily("delivery_queue_consumers", "Consumers attached to the queue.", labels=labels)
+        up = GaugeMetricFamily("delivery_queue_up", "1 when the broker answered the scrape's passive declare.",
+                               labels=["consumer"])
+        queues = {self.topology.queue: "main", self.topology.dead_queue: "dead"}
+        try:
+            counts = queue_counts(self.url, list(queues), name=f"delivery-consumer metrics {self.topology.consumer}",
+                                  timeout_s=SCRAPE_TIMEOUT_S)
+        except BrokerError:
+            up.add_metric([self.topology.consumer], 0)
+            yield up
+            return
+        up.add_metric([self.topology.consumer], 1)
+        for queue, kind in queues.items():
+            count = counts.get(queue)
+            if count is not None:
+                ready.add_metric([self.topology.consumer, queue, kind], count.ready)
+                consumers.add_metric([self.topology.consumer, queue, kind], count.consumers)
+        yield from (ready, consumers, up)
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        return iter(())  # no collect() at registration: that would connect to the broker
+
+
+__all__ = ["QueueCollector"]

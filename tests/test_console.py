@@ -1,0 +1,168 @@
+"""The console in a real headless browser (Debian's chromium driven by
+Playwright, nothing downloaded): the page loads with the deployment's state,
+a trace is found by eventId, a dead letter is requeued through the
+confirmation step when actions are allowed, and refused when they are not.
+Screenshots go to the test's tmp_path (pytest's output directory)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from brokerkit import Namespace, RunProcess
+from deploykit import dc, deploy_env, run_until_idle, write_deployment
+from webhook_server import WebhookServer
+
+pytestmark = pytest.mark.broker
+
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+def _need_browser() -> Any:
+    """Playwright's sync API, or a skip (a failure under CI, which installs both)."""
+    why = None
+    try:
+        from playwright import sync_api
+    except ImportError:
+        why = "the playwright package is not installed (pip install '.[test]')"
+    if why is None and not CHROMIUM.exists():
+        why = f"{CHROMIUM} is missing (apt-get install chromium; .ci/run does it)"
+    if why is not None:
+        if os.environ.get("CI"):
+            pytest.fail(why)
+        pytest.skip(why)
+    return sync_api
+
+
+class ConsoleProcess:
+    """``delivery-consumer console --port 0`` as a real process; its URL from its first line."""
+
+    def __init__(self, config: Path, *args: str) -> None:
+        self.proc = RunProcess([sys.executable, "-m", "delivery_consumer", "console", "--port", "0", *args],
+                               cwd=config.parent, env=deploy_env(config))
+        deadline = time.monotonic() + 60
+        while True:
+            found = re.search(r"console on (http://\S+/)", self.proc.output()[1])
+            if found:
+                self.url = found.group(1)
+                return
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"console did not start: {self.proc.output()[1]}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.communicate()
+
+
+@pytest.fixture
+def browser() -> Iterator[Any]:
+    """A headless chromium page, closed at teardown."""
+    sync_api = _need_browser()
+    with sync_api.sync_playwright() as pw:
+        launched = pw.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
+        try:
+            yield launched.new_page()
+        finally:
+            launched.close()
+
+
+@pytest.fixture
+def deployment(ns: Namespace, tmp_path: Path) -> Iterator[tuple[Path, str, str]]:
+    """catalog and webhook fed through the outbox; the eventIds of an applied event and
+    of one dead-lettered endpoint-rejected (the endpoint is healed afterwards)."""
+    with WebhookServer() as server:
+        config = write_deployment(tmp_path, ns=ns, webhook_url=server.url, consumers=("catalog", "webhook"))
+        ids = []
+        for article, title in (("a-1", "Fine"), ("a-2", "reject")):
+            done = dc(config, "produce", "--article", article, "--title", title, "--url", "https://x/y", "--json")
+            ids.append(orjson.loads(done.stdout)["eventId"])
+        assert 0 == dc(config, "dispatch", "--exit-when-idle", "1s", "-c", "catalog", "-c", "webhook").returncode
+        for consumer in ("catalog", "webhook"):
+            assert 0 == run_until_idle(config, consumer).returncode
+        server.healed = True
+        yield config, ids[0], ids[1]
+
+
+@pytest.fixture
+def start_console() -> Iterator[Any]:
+    started: list[ConsoleProcess] = []
+
+    def start(config: Path, *args: str) -> ConsoleProcess:
+        started.append(ConsoleProcess(config, *args))
+        return started[-1]
+
+    yield start
+    for console in started:
+        console.stop()
+
+
+def test_the_page_traces_and_requeues_with_actions_allowed(
+        deployment: tuple[Path, str, str], browser: Any, start_console: Any, ns: Namespace, tmp_path: Path) -> None:
+    """Status with the dead letter grouped by code, a trace by eventId, then requeue through
+    the confirmation step: the dead queue is empty and the consumer applies the event."""
+    config, fine, refused = deployment
+    shots = tmp_path / "screenshots"
+    console = start_console(config, "--allow-actions")
+    page = browser
+    page.goto(console.url)
+    assert "needs a person" in page.inner_text("#verdict")
+    dead = page.inner_text("#dead")
+    assert "endpoint-rejected" in dead and refused in dead and "400" in dead
+    page.screenshot(path=str(shots / "1-status.png"), full_page=True)
+
+    page.fill("#q", fine)
+    page.click("#search")
+    verdicts = page.inner_text("#verdicts")
+    assert re.search(r"catalog\s+applied updated", verdicts) and re.search(r"webhook\s+applied notified", verdicts)
+    page.fill("#q", refused)
+    page.click("#search")
+    assert "dead-lettered endpoint-rejected" in page.inner_text("#verdicts")
+    page.screenshot(path=str(shots / "2-trace.png"), full_page=True)
+
+    page.click("a.action:text('requeue')")
+    assert refused in page.inner_text("main")
+    page.screenshot(path=str(shots / "3-confirm.png"), full_page=True)
+    page.click("#confirm")
+    assert "1 requeued" in page.inner_text("#result")
+    page.screenshot(path=str(shots / "4-done.png"), full_page=True)
+    assert 0 == ns.count(f"{ns.prefix}.webhook.dead")
+
+    assert 0 == run_until_idle(config, "webhook").returncode
+    page.goto(console.url)
+    assert "healthy" == page.inner_text("#verdict")
+
+    forged = page.request.post(console.url + "dead/purge", form={"consumer": "webhook", "code": "x"})
+    assert 403 == forged.status and "CSRF" in forged.text()
+
+
+def test_without_actions_the_console_is_read_only(
+        deployment: tuple[Path, str, str], browser: Any, start_console: Any, ns: Namespace, tmp_path: Path) -> None:
+    """No action links, the confirmation page and every POST refused (403), the dead letter stays."""
+    config, _fine, refused = deployment
+    console = start_console(config)
+    page = browser
+    page.goto(console.url)
+    assert "read-only" in page.inner_text("header")
+    assert 0 == page.locator("a.action").count()
+    answer = page.goto(console.url + f"dead/confirm?consumer=webhook&action=requeue&event={refused}")
+    assert 403 == answer.status and "read-only" in page.inner_text("#refused")
+    posted = page.request.post(console.url + "dead/requeue", form={"consumer": "webhook", "event": refused})
+    assert 403 == posted.status and "--allow-actions" in posted.text()
+    page.screenshot(path=str(tmp_path / "screenshots" / "read-only.png"), full_page=True)
+    assert 1 == ns.count(f"{ns.prefix}.webhook.dead")
