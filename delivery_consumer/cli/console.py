@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import signal
+import threading
 from types import FrameType
 
 import click
@@ -47,6 +48,7 @@ def console(host: str, port: int, hours: float, allow_actions: bool) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
+    threading.Thread(target=app.warm, name="console-warm-up", daemon=True).start()
     mode = "actions allowed" if allow_actions else "read-only"
     click.echo(f"console on http://{app.address}/ ({mode}); Ctrl-C to stop", err=True)
     try:

@@ -82,6 +82,17 @@ class Console:
         #: Host headers that name this console (a defence against DNS rebinding).
         self.hosts: set[str] = set()
 
+    def warm(self) -> None:
+        """Read the settled minutes of every database once (a background thread at start-up),
+        so that the first page is as fast as the next ones."""
+        for name, entry in self.dep.consumers.items():
+            for _partition, path in entry.databases():
+                try:
+                    with ConsumerDB.open(path, name, readonly=True) as db:
+                        self.minutes.minutes(db, self.hours)
+                except DeliveryError:
+                    continue  # the page says what is wrong with it
+
     # -- layout ------------------------------------------------------------------------
 
     def page(self, title: str, body: str, query: str = "") -> str:
