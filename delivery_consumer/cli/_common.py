@@ -96,35 +96,38 @@ def open_db(
 # command line > environment > deployment file > built-in default.
 
 _DEPLOYMENT = "delivery_consumer.deployment"
+_CONFIG_ARG = "delivery_consumer.config_arg"
 _FROM_FILE = "delivery_consumer.from_file"
 
 
-def _load_deployment(ctx: click.Context, _param: click.Parameter, value: str | None) -> Deployment | None:
-    from .. import config
-
-    try:
-        deployment = config.load(value)
-    except ConfigError as exc:
-        raise Fatal(str(exc)) from None
-    ctx.meta[_DEPLOYMENT] = deployment
-    return deployment
+def _remember_config(ctx: click.Context, _param: click.Parameter, value: str | None) -> None:
+    ctx.meta[_CONFIG_ARG] = value
 
 
 def config_option(fn: F) -> F:
-    """``--config PATH`` of the root group (``$DELIVERY_CONFIG``, else ``./delivery.toml`` if present)."""
+    """``--config PATH`` of the root group (``$DELIVERY_CONFIG``, else ``./delivery.toml`` if present).
+
+    The file is read on first use (by an option that takes its value from it,
+    or a command that needs it), so ``--help`` works whatever the file says.
+    """
     return click.option(
-        "--config", "config_path", metavar="PATH", expose_value=False, callback=_load_deployment,
+        "--config", "config_path", metavar="PATH", expose_value=False, callback=_remember_config,
         help="Deployment file (default: $DELIVERY_CONFIG, else ./delivery.toml when it exists).",
     )(fn)
 
 
 def deployment() -> Deployment | None:
-    """The deployment file of the running command, or None."""
+    """The deployment file of the running command, or None; a bad file exits 2 with one line."""
+    from .. import config
+
     ctx = click.get_current_context(silent=True)
     if ctx is None:
         return None
-    if _DEPLOYMENT not in ctx.meta:  # a command invoked without the root group (tests)
-        _load_deployment(ctx, click.Option(["--config"]), None)
+    if _DEPLOYMENT not in ctx.meta:
+        try:
+            ctx.meta[_DEPLOYMENT] = config.load(ctx.meta.get(_CONFIG_ARG))
+        except ConfigError as exc:
+            raise Fatal(str(exc)) from None
     found: Deployment | None = ctx.meta[_DEPLOYMENT]
     return found
 
