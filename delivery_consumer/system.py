@@ -139,7 +139,11 @@ def _verdict(shown: Row | None, letters: list[Row], routed: bool, published: lis
     if published:
         return "published, not yet received"
     if unpublished:
-        error = unpublished[0].get("lastError")
+        row = unpublished[0]
+        if row.get("state") in ("quarantined", "dropped"):  # an outbox that has these states
+            why = row.get("quarantineReason") or row.get("dropReason") or row.get("lastError")
+            return f"not published: {row['state']}" + (f" ({why})" if why else "")
+        error = row.get("lastError")
         return f"not published: {error}" if error else "not published yet"
     return "unknown here"
 

@@ -92,7 +92,8 @@ def _echo_event(shown: dict[str, Any]) -> None:
             continue
         keys = ["state", "type", "articleId", "revision", "createdAt", "publishedAt", "attempts", "lastError",
                 "lastAttemptAt"]
-        keys += [k for k in row if k.startswith("quarantine")]  # when the outbox has such a state
+        # an outbox with a quarantine (or drop) state: its columns, when there
+        keys += [k for k in row if k.startswith(("quarantine", "drop")) or k == "detail"]
         echo_record([("enqueued" if k == "createdAt" else "published at" if k == "publishedAt" else k, row[k])
                      for k in keys if k in row], indent="  ")
     if not shown["outbox"]:
