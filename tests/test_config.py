@@ -172,3 +172,22 @@ def test_hash_matches_any_number_of_words(head: list[str], tail: list[str], midd
     key = ".".join([*head, *middle, *tail])
     if key:
         assert topic_matches(pattern, key)
+
+
+def test_a_partition_directory_is_read_database_by_database(tmp_path: Path) -> None:
+    """db naming a directory of p<k>/inbox.db: status and trace show one line per
+    partition, in partition order (p2 before p10)."""
+    config = tmp_path / "delivery.toml"
+    config.write_text('[consumers.catalog]\ndb = "state/catalog"\n')
+    for k in (10, 0, 2):
+        assert 0 == with_config(config, "init", "--consumer", "catalog", "--db",
+                                str(tmp_path / f"state/catalog/p{k}/inbox.db"))[0]
+    with_config(config, "replay", "--consumer", "catalog", "--db", str(tmp_path / "state/catalog/p2/inbox.db"),
+                str(SAMPLES))
+    code, out, _err = with_config(config, "status", "--offline", "--json")
+    assert 0 == code
+    dbs = orjson.loads(out)["consumers"][0]["databases"]
+    assert ["p0", "p2", "p10"] == [db["partition"] for db in dbs]
+    assert [0, 9, 0] == [db["receiptsLastHour"] for db in dbs]
+    code, out, _err = with_config(config, "trace", EVENT_ID, "--offline")
+    assert 0 == code and re.search(r"catalog/p2\s+applied updated", out) and "catalog/p0" in out, out
