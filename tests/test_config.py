@@ -191,3 +191,43 @@ def test_a_partition_directory_is_read_database_by_database(tmp_path: Path) -> N
     assert [0, 9, 0] == [db["receiptsLastHour"] for db in dbs]
     code, out, _err = with_config(config, "trace", EVENT_ID, "--offline")
     assert 0 == code and re.search(r"catalog/p2\s+applied updated", out) and "catalog/p0" in out, out
+
+
+def test_unacked_counts_come_from_the_management_api_when_it_is_named(tmp_path: Path) -> None:
+    """management_url set: the queue's messages_unacknowledged, asked with the AMQP URL's
+    user and vhost; an endpoint that fails gives None (unknown), never an error."""
+    import base64
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from delivery_consumer.config import parse_file
+    from delivery_consumer.system import _management
+
+    asked: list[tuple[str, str | None]] = []
+
+    class Api(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            asked.append((self.path, self.headers.get("Authorization")))
+            body = b'{"messages_unacknowledged": 7}' if "catalog" in self.path else b"{}"
+            self.send_response(200 if "catalog" in self.path else 500)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Api)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        config = tmp_path / "delivery.toml"
+        config.write_text(f'amqp_url = "amqp://bob:pw@127.0.0.1:5672/v1"\n'
+                          f'management_url = "http://127.0.0.1:{server.server_address[1]}"\n')
+        dep = parse_file(config)
+        assert 7 == _management(dep, "delivery.catalog")
+        assert _management(dep, "delivery.audit") is None
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert "/api/queues/v1/delivery.catalog" == asked[0][0]
+    assert "Basic " + base64.b64encode(b"bob:pw").decode() == asked[0][1]

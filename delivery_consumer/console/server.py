@@ -383,9 +383,13 @@ def handler(console: Console) -> type[BaseHTTPRequestHandler]:
                 self._send(HTTPStatus.NOT_FOUND, console.page("Not found", "<p>no such page</p>"))
 
         def do_POST(self) -> None:
-            length = int(self.headers.get("Content-Length") or 0)
-            if length > MAX_FORM_BYTES:
-                self._send(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, console.page("Refused", "<p>form too large</p>"))
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                length = -1
+            if not 0 <= length <= MAX_FORM_BYTES:
+                status = HTTPStatus.BAD_REQUEST if length < 0 else HTTPStatus.REQUEST_ENTITY_TOO_LARGE
+                self._send(status, console.page("Refused", "<p>no form, or one too large</p>"))
                 return
             raw = self.rfile.read(length).decode("utf-8", "replace")
             form = {k: v[-1] for k, v in parse_qs(raw).items()}
