@@ -1,0 +1,56 @@
+"""The console's outcomes per minute: the minute cache gives what a fresh read
+of the whole window gives, as time moves and receipts arrive."""
+
+from __future__ import annotations
+
+import time
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from support import OpenDB
+
+from delivery_consumer.console import chart
+from delivery_consumer.store import ConsumerDB, now_iso
+
+RESULTS = st.sampled_from(["updated", "duplicate:updated", "stale", "same-state"])
+
+
+def add(db: ConsumerDB, stamps: list[tuple[float, str]]) -> None:
+    with db.transaction() as tx:
+        for i, (when, result) in enumerate(stamps):
+            key = f"{when:.6f}-{i}-{result}"
+            tx.conn.execute("INSERT OR IGNORE INTO inbox (event_id, fingerprint, result, event_type, received_at)"
+                            " VALUES (?, 'f', ?, 'material.published', ?)", (key, result, now_iso(when)))
+
+
+def window(db: ConsumerDB, hours: float, now: float) -> chart.Minutes:
+    return chart.read_minutes(db, now_iso(now - hours * 3600)[:16])
+
+
+# Each example opens a database of its own in the fixture's directory.
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(before=st.lists(st.tuples(st.floats(0, 4 * 3600), RESULTS), max_size=40),
+       later=st.lists(st.tuples(st.floats(0, chart.SETTLE_S - 1), RESULTS), max_size=20),
+       step=st.floats(0, 600))
+def test_the_cache_equals_a_fresh_read(open_db: OpenDB, before: list[tuple[float, str]],
+                                       later: list[tuple[float, str]], step: float) -> None:
+    """Receipts over four hours; the cache agrees with a fresh read of the 3-hour window, then again
+    after new receipts in the unsettled minutes and the clock moving on by up to ten minutes."""
+    db = open_db("catalog", name=f"chart-{time.monotonic_ns()}.db")
+    now = 1_800_000_000.0
+    add(db, [(now - ago, result) for ago, result in before])
+    cache = chart.MinuteCache()
+    assert window(db, 3, now) == cache.minutes(db, 3, now)
+    now += step
+    add(db, [(now - ago, result) for ago, result in later])
+    assert window(db, 3, now) == cache.minutes(db, 3, now)
+
+
+def test_the_chart_draws_one_bar_per_minute_with_a_tooltip(open_db: OpenDB) -> None:
+    """The SVG has a bar per category of a minute with receipts, and the hour marks."""
+    db = open_db("catalog")
+    now = time.time()
+    add(db, [(now - 30, "updated"), (now - 31, "stale"), (now - 3600, "updated")])
+    svg = chart.svg(chart.MinuteCache().minutes(db, 3, now), 3, now)
+    assert svg.startswith("<svg") and svg.count("<rect") == 1 + 3
+    assert "1 applied, 1 stale" in svg or "1 stale, 1 applied" in svg
