@@ -27,6 +27,7 @@ for each confirm in turn:
 from __future__ import annotations
 
 import logging
+import struct
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -38,7 +39,7 @@ import pika.exceptions as pex
 from pika import spec
 from pika.adapters.select_connection import IOLoop, PollEvents
 
-from .errors import DeliveryError
+from .errors import DeliveryError, safe_reason
 from .retry import reconnect_delay_s
 from .topology import Topology
 
@@ -94,7 +95,7 @@ class OutMessage:
 class PublishResult:
     """The fate of one published message."""
 
-    status: str  # "confirmed" | "returned" | "nacked" | "unconfirmed"
+    status: str  # "confirmed" | "returned" | "nacked" | "unconfirmed" | "unencodable"
     reason: str = ""
 
     @property
@@ -964,8 +965,8 @@ class DeadQueue:
 
 
 # =============================================================================
-# Overlapping batches for the outbox dispatcher (issue 5). Kept in this
-# section, apart from the rest of the module.
+# Overlapping batches for the outbox dispatcher. Kept in this section, apart
+# from the rest of the module.
 #
 # Publisher.publish() returns when the last confirm of its batch is in, so a
 # caller publishing batch after batch leaves the broker idle at every batch
@@ -977,6 +978,11 @@ class DeadQueue:
 # returns its results. One channel, one window: the broker receives the
 # batches in the order they were sent. It builds on Publisher's own state
 # (window, confirm and return tracking); publish() keeps its contract.
+#
+# A message pika cannot encode (a routing key over 255 bytes, a lone
+# surrogate) fails alone as "unencodable": pika marshals every frame of a
+# message before writing any (pika/connection.py, _send_message), so nothing
+# of it reached the wire and the channel stays usable.
 # =============================================================================
 
 
@@ -986,6 +992,10 @@ class Ticket:
 
     start: int
     end: int
+
+
+#: What pika raises while encoding one message's frames.
+_UNENCODABLE = (pex.ShortStringTooLong, UnicodeError, struct.error, TypeError, ValueError, OverflowError)
 
 
 class StreamPublisher(Publisher):
@@ -1051,6 +1061,21 @@ class StreamPublisher(Publisher):
         self._pending = {tag: index - end for tag, index in self._pending.items()}
         self._offset = ticket.end
         return results
+
+    def _pump(self) -> None:
+        channel = self._channel
+        while self._next < len(self._batch) and len(self._pending) < self.window and self._ready:
+            msg = self._batch[self._next]
+            try:
+                channel.basic_publish(msg.exchange, msg.routing_key, msg.body, msg.properties(), mandatory=True)
+            except _UNENCODABLE as exc:  # a closed channel raises other errors: those propagate
+                self._results[self._next] = PublishResult(
+                    "unencodable", safe_reason(f"{type(exc).__name__}: {exc}", 120))
+                self._next += 1
+                continue
+            self._seq += 1
+            self._pending[self._seq] = self._next
+            self._next += 1
 
     def __enter__(self) -> StreamPublisher:
         return self

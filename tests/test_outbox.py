@@ -144,7 +144,7 @@ def test_install_is_idempotent_strict_and_leaves_user_version_alone(conn: sqlite
     assert outbox.VERSION == outbox.install(conn)
     assert outbox.VERSION == outbox.installed_version(conn)
     strict = dict(conn.execute("SELECT name, strict FROM pragma_table_list WHERE name LIKE 'outbox%'").fetchall())
-    assert {"outbox": 1, "outbox_meta": 1} == strict
+    assert {"outbox": 1, "outbox_meta": 1, "outbox_owners": 1} == strict
     assert 0 == conn.execute("PRAGMA user_version").fetchone()[0]
     assert "wal" == conn.execute("PRAGMA journal_mode").fetchone()[0]
     assert 2 == conn.execute("PRAGMA synchronous").fetchone()[0]  # FULL
@@ -242,7 +242,8 @@ def test_the_stored_body_is_canonical_and_keeps_the_fingerprint(conn: sqlite3.Co
 
 
 def test_rows_go_out_in_creation_order_and_only_confirmed_ones_are_marked(conn: sqlite3.Connection) -> None:
-    """Publication follows creation order; published_at only for confirmed rows, the others get attempts and error."""
+    """Publication follows creation order; published_at only for confirmed rows; a returned row is quarantined at
+    once, a nacked one gets a failure and a backoff."""
     ids = add(conn, *(envelope(f"a{i}") for i in range(6)))
     pub, clock = FakePublisher(), Clock()
     pub.verdicts = {ids[1]: "returned", ids[4]: "nacked"}
@@ -253,10 +254,14 @@ def test_rows_go_out_in_creation_order_and_only_confirmed_ones_are_marked(conn: 
         r = row(conn, event_id)
         assert 1 == r["attempts"]
         assert r["leaseOwner"] is None
-        if i in (1, 4):
-            assert r["publishedAt"] is None
+        if i == 1:
+            assert (None, "quarantined", None) == (r["publishedAt"], r["status"], r["nextAttemptAt"])
+            assert r["quarantineReason"] == r["lastError"] == "returned: unroutable: 312 NO_ROUTE"
+            assert now_iso(clock.now) == r["quarantinedAt"]
+        elif i == 4:
+            assert (None, "pending", 1) == (r["publishedAt"], r["status"], r["failures"])
             assert r["nextAttemptAt"] > now_iso(clock.now)
-            assert r["lastError"].startswith("returned: unroutable" if i == 1 else "nacked")
+            assert r["lastError"].startswith("nacked")
         else:
             assert now_iso(clock.now) == r["publishedAt"]
             assert r["lastError"] is None
@@ -290,11 +295,12 @@ def test_a_stop_settles_the_batches_in_flight_and_claims_no_more(conn: sqlite3.C
 
 
 def test_a_failing_row_holds_back_its_article_but_not_the_others(conn: sqlite3.Connection) -> None:
-    """While a row waits for its backoff, later rows of its article wait too; other articles go on."""
+    """While a row waits for its backoff, later rows of its article wait too; other articles go on; the retry goes
+    out alone, and the later rows only once it is confirmed."""
     first = add(conn, envelope("a", 1))[0]
     pub, clock = FakePublisher(), Clock()
     d = dispatcher(conn, pub, clock, retry_base_s=10)
-    pub.verdicts[first] = "returned"
+    pub.verdicts[first] = "nacked"
     d.step()
     later_a, other = add(conn, envelope("a", 2), envelope("b", 1))
     pub.sent.clear()
@@ -303,9 +309,10 @@ def test_a_failing_row_holds_back_its_article_but_not_the_others(conn: sqlite3.C
     assert row(conn, later_a)["attempts"] == 0
     del pub.verdicts[first]
     clock.now += 10.01  # past the first backoff (at most retry_base_s)
-    pub.sent.clear()
+    pub.log.clear()
     d.step()
-    assert [first, later_a] == [m.message_id for m in pub.sent]
+    d.step()
+    assert [("send", [first]), ("collect", [first]), ("send", [later_a]), ("collect", [later_a])] == pub.log
     assert 0 == outbox.unpublished(conn)
 
 
@@ -324,10 +331,10 @@ def test_a_claim_stops_at_its_byte_budget_but_takes_at_least_one_row(conn: sqlit
 
 
 def test_a_row_backoff_grows_with_its_attempts(conn: sqlite3.Connection) -> None:
-    """An unroutable row is retried after base*2^(n-1) (jittered into its upper half), capped."""
+    """A nacked row is retried after base*2^(n-1) (jittered into its upper half), capped."""
     event_id = add(conn, envelope())[0]
     pub, clock = FakePublisher(), Clock()
-    pub.verdicts[event_id] = "returned"
+    pub.verdicts[event_id] = "nacked"
     d = dispatcher(conn, pub, clock, retry_base_s=1, retry_cap_s=4)
     for attempt, ceiling in enumerate([1, 2, 4, 4, 4], start=1):
         assert 1 == d.step()
@@ -538,15 +545,16 @@ def test_list_stats_show_and_prune(conn: sqlite3.Connection) -> None:
     d = dispatcher(conn, pub, clock, batch=3, depth=1)
     d.step()  # a0, a1 published, a2 returned; a3 untouched
     states = {r["eventId"]: r["state"] for r in outbox.list_rows(conn, now=clock.now)}
-    assert {ids[0]: "published", ids[1]: "published", ids[2]: "retrying", ids[3]: "pending"} == states
+    assert {ids[0]: "published", ids[1]: "published", ids[2]: "quarantined", ids[3]: "pending"} == states
     assert [ids[2], ids[3]] == [r["eventId"] for r in outbox.list_rows(conn, state="unpublished")]
     assert [ids[2]] == [r["eventId"] for r in outbox.list_rows(conn, state="failed")]
+    assert [ids[2]] == [r["eventId"] for r in outbox.list_rows(conn, state="quarantined")]
     assert [ids[1], ids[0]] == [r["eventId"] for r in outbox.list_rows(conn, state="published")]
     assert 1 == len(outbox.list_rows(conn, limit=1))
     stats = outbox.stats(conn, now=clock.now)
-    assert (4, 2, 2, 1, 0) == (stats["rows"], stats["published"], stats["unpublished"], stats["failed"],
-                               stats["leased"])
-    assert {"returned: unroutable: 312 NO_ROUTE": 1} == stats["errors"]
+    assert (4, 2, 2, 0, 1, 0) == (stats["rows"], stats["published"], stats["unpublished"], stats["failed"],
+                                  stats["quarantined"], stats["leased"])
+    assert {"returned: unroutable: 312 NO_ROUTE": 1} == stats["quarantineReasons"]
     shown = outbox.show(conn, ids[0])
     assert ids[0] == shown["body"]["eventId"]
     with pytest.raises(NotFound):

@@ -1,0 +1,88 @@
+"""The producer side: a transactional outbox in the producer's own SQLite
+database, and the dispatcher that moves its rows to RabbitMQ.
+
+The producer writes its own change and the event in **one** transaction::
+
+    conn = outbox.connect("producer.db")            # WAL, synchronous=FULL, outbox installed
+    with outbox.transaction(conn):                  # BEGIN IMMEDIATE ... COMMIT
+        conn.execute("UPDATE material SET ...")
+        outbox.enqueue(conn, envelope)               # validated, canonical bytes stored
+
+so the change and the event commit together or not at all.
+
+* :mod:`.table` -- the schema (versioned, forward-only), ``connect``,
+  ``transaction``, ``enqueue`` and the routing-key check;
+* :mod:`.dispatcher` -- ``delivery-consumer dispatch``: leases, batches in
+  flight, order per article, quarantine, exit when idle;
+* :mod:`.owners` -- which dispatcher holds a lease and whether it is alive;
+* :mod:`.queries` -- ``outbox list | stats | show | prune | requeue | drop``
+  and the read functions other views call.
+
+Design notes: docs/outbox.md.
+"""
+
+from __future__ import annotations
+
+from .dispatcher import PERMANENT, Claimed, DispatchConfig, Dispatcher, DispatchStats, PublisherLike, default_owner
+from .queries import (
+    STATES,
+    Row,
+    describe_waiting,
+    drop,
+    list_rows,
+    pending_states,
+    prune,
+    quarantined_ids,
+    requeue,
+    show,
+    stats,
+    unpublished,
+    waiting,
+)
+from .table import (
+    MAX_ERROR_CHARS,
+    MAX_ROUTING_KEY_BYTES,
+    MIGRATIONS,
+    VERSION,
+    OutboxError,
+    connect,
+    enqueue,
+    install,
+    installed_version,
+    routing_key_problem,
+    transaction,
+)
+
+__all__ = [
+    "MAX_ERROR_CHARS",
+    "MAX_ROUTING_KEY_BYTES",
+    "MIGRATIONS",
+    "PERMANENT",
+    "STATES",
+    "VERSION",
+    "Claimed",
+    "DispatchConfig",
+    "DispatchStats",
+    "Dispatcher",
+    "OutboxError",
+    "PublisherLike",
+    "Row",
+    "connect",
+    "default_owner",
+    "describe_waiting",
+    "drop",
+    "enqueue",
+    "install",
+    "installed_version",
+    "list_rows",
+    "pending_states",
+    "prune",
+    "quarantined_ids",
+    "requeue",
+    "routing_key_problem",
+    "show",
+    "stats",
+    "transaction",
+    "unpublished",
+    "waiting",
+]

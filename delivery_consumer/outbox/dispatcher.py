@@ -1,0 +1,613 @@
+"""The dispatcher: moves the outbox's pending rows to RabbitMQ.
+
+It publishes rows persistent and mandatory with ``message_id`` = eventId and
+pipelined publisher confirms, and sets ``published_at`` only for rows whose
+confirm arrived. A row is therefore published *at least* once; the
+consumer's inbox absorbs the duplicates (same eventId, same fingerprint).
+
+Rounds
+------
+A round claims a batch (``batch`` rows, at most 16 MiB of bodies), sends it
+through :class:`~delivery_consumer.broker.StreamPublisher`, and -- once its
+confirms are all in -- marks it. Up to ``depth`` batches (2 by default) are in
+flight: the next one is claimed and sent behind the previous one on the same
+channel while that one waits for its confirms, so the broker never idles at
+a batch boundary (``bench/bench_dispatch.py``). Batches are collected and
+marked in the order they were sent.
+
+Lease (several dispatchers on one database)
+-------------------------------------------
+A dispatcher *claims* rows in one ``BEGIN IMMEDIATE`` transaction by writing
+its owner id (``host:pid:random``) and ``lease_until = now + lease``; other
+dispatchers skip leased rows, so in normal operation no row is published by
+two dispatchers at once. The publisher's timeout is ``lease / (depth + 2)``
+(at most 30 s), so a live dispatcher connects and collects every batch in
+flight well before its leases end. Marking clears the lease.
+
+* A dispatcher that **dies** holding leases (at most ``depth`` batches)
+  leaves those rows leased. :meth:`Dispatcher.run` registers its host, pid,
+  process start time and a heartbeat (:mod:`.owners`), so another dispatcher
+  takes those leases back within about a second when the pid is gone (same
+  host) or within ``5 x heartbeat`` when the heartbeat stopped (any host);
+  an unregistered owner's rows wait until ``lease_until``. Rows the dead one
+  had already sent are published a second time: one duplicate each, which
+  the consumer's inbox absorbs. ``last_error`` says who held the lease and why
+  it was taken back.
+* A dispatcher **stalled** (SIGSTOP, a paused VM) can find another one
+  publishing the same rows: duplicates, never a loss. Its late marks cannot
+  undo the other's work: ``published_at`` is only ever set once
+  (``coalesce``), and a failure is recorded only while the marker still owns
+  the lease.
+
+Order per article
+-----------------
+Rows are claimed in creation order and sent in that order on one channel,
+so first publications reach the broker in creation order. Within one
+**ordering key** (the articleId) a row is never claimed while an earlier
+pending row of its key is leased (another dispatcher's, or this one's batch
+in flight) or waiting for its backoff, and a row being *retried* goes out
+alone for its key (later rows wait until it is confirmed or quarantined):
+while a row is in retry, nothing later of its article overtakes it. Rows
+already sent in the same batch as its first, failed, attempt are ahead of
+it (they were on the wire when it failed); ``outbox show`` names them.
+A **quarantined** row leaves the stream, and the later rows of its article
+go on: consumers order by ``revision`` (the catalog keeps the newest), so a
+row requeued later arrives as an older revision and changes nothing there.
+After a connection loss the unconfirmed rows go again, in order, possibly
+twice.
+
+Failures
+--------
+* broker unreachable -> no row is claimed; the dispatcher waits
+  ``retry.reconnect_delay_s(failures)`` (exponential, jittered, capped) and
+  tries again: an outage is waited out, never spun on, and spends no row's
+  attempts toward quarantine;
+* unconfirmed (the connection died with the message in flight) ->
+  ``attempts + 1`` and ``last_error`` for it and every batch behind it, the
+  leases are released, and the dispatcher backs off as for an outage;
+* **permanent**, quarantined at once: returned unroutable (``312
+  NO_ROUTE``: no queue is bound for its routing key), unencodable (pika
+  cannot put it in a frame), or refused by the routing-key check at claim
+  (a row written by older code or by hand);
+* **transient**, the row's own: nacked (the queue refused it: full with
+  ``reject-publish``, an internal error) -> ``failures + 1`` and a growing
+  backoff (``retry_base_s * 2^(n-1)``, jittered, capped at
+  ``retry_cap_s``); at ``max_attempts`` failures the row is quarantined;
+* the database busy past its timeout -> backoff and retry; a batch sent but
+  not marked keeps its lease and goes again after it (duplicates, no loss);
+* fatal broker errors (credentials, vhost, permissions) -> the leases in
+  flight are released and :class:`~delivery_consumer.broker.BrokerFatal`
+  propagates.
+
+Crash points (:func:`delivery_consumer.faults.crashpoint`):
+``dispatch-before-publish`` (a batch leased, not sent), ``dispatch-after-confirm``
+(a batch's confirms all in, not marked; the batch behind it possibly sent)
+and ``dispatch-mid-batch`` (half of a batch marked inside the uncommitted mark
+transaction: the whole mark is lost, none of it half-applied). Whatever the
+moment of a SIGKILL, at most ``depth * batch`` rows are published twice.
+
+pika is never imported here: :mod:`delivery_consumer.broker` is imported
+lazily by the dispatcher, so producers calling ``enqueue`` and the
+``outbox`` read commands do not load it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import sqlite3
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import suppress
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, Protocol
+
+from ..errors import DeliveryError, TransientError, safe_reason
+from ..faults import crashpoint
+from ..retry import reconnect_delay_s
+from ..store import now_iso
+from . import owners
+from .table import MAX_ERROR_CHARS, _path_of, routing_key_problem, transaction
+
+if TYPE_CHECKING:
+    from ..broker import OutMessage, PublishResult
+
+log = logging.getLogger("delivery_consumer.dispatch")
+
+#: Publication results that retrying the same row cannot change.
+PERMANENT: Final = frozenset({"returned", "unencodable"})
+#: How often (seconds of the dispatcher's clock) registered owners are checked for death.
+REAP_EVERY_S: Final = 1.0
+
+
+class PublisherLike(Protocol):
+    """What the dispatcher needs of :class:`delivery_consumer.broker.StreamPublisher`:
+    batches sent one behind the other on one channel, collected in order."""
+
+    def connect(self) -> None: ...
+
+    def send(self, messages: Sequence[OutMessage]) -> Any: ...
+
+    def collect(self, ticket: Any) -> list[PublishResult]: ...
+
+    def idle(self, seconds: float) -> None: ...
+
+
+class Claimed(NamedTuple):
+    """One row leased by this dispatcher (a tuple: made once per row, cheaply)."""
+
+    seq: int
+    event_id: str
+    routing_key: str
+    body: bytes
+    attempts: int
+    failures: int = 0
+
+
+@dataclass
+class DispatchConfig:
+    """How the dispatcher works; every duration in seconds."""
+
+    exchange: str
+    #: Rows per batch: each batch costs two commits (lease, mark), so small
+    #: batches cost throughput (bench/RESULTS_dispatch.md).
+    batch: int = 1000
+    #: A claim also stops at this many body bytes (a body may be 1 MiB), so
+    #: a batch never holds much memory; it always takes at least one row.
+    batch_bytes: int = 16 << 20
+    #: Batches in flight: the next batch is claimed and sent while the one
+    #: before waits for its confirms, so the broker never idles at a batch
+    #: boundary. A crash duplicates at most depth * batch rows.
+    depth: int = 2
+    lease_s: float = 60.0
+    poll_s: float = 0.5
+    #: Exit after this long without progress (a row published or quarantined).
+    exit_when_idle_s: float | None = None
+    #: Backoff of a row's transient failures: base * 2^(n-1), jittered, capped.
+    retry_base_s: float = 1.0
+    retry_cap_s: float = 300.0
+    #: Transient failures of one row (nacks) before it is quarantined; with
+    #: the default backoff, 20 take half an hour to an hour.
+    max_attempts: int = 20
+    #: How often a running dispatcher proves it is alive (see .owners).
+    heartbeat_s: float = 2.0
+    owner: str = field(default_factory=lambda: default_owner())
+
+    def __post_init__(self) -> None:
+        if self.batch < 1 or self.batch_bytes < 1 or self.depth < 1 or self.max_attempts < 1:
+            raise ValueError("batch, batch_bytes, depth and max_attempts must be >= 1")
+        if min(self.lease_s, self.poll_s, self.retry_base_s, self.retry_cap_s, self.heartbeat_s) <= 0:
+            raise ValueError("lease, poll, retry and heartbeat durations must be positive")
+        problem = routing_key_problem(self.exchange)
+        if problem is not None:
+            raise ValueError(f"exchange name: {problem.removeprefix('routing key ')}")
+
+    @property
+    def publish_timeout_s(self) -> float:
+        """The publisher's timeout: a connect plus the confirms of every
+        batch in flight fit in the lease with room to spare, so a live
+        dispatcher never outlives its lease."""
+        return max(0.5, min(30.0, self.lease_s / (self.depth + 2)))
+
+
+def default_owner() -> str:
+    """A dispatcher's lease owner id: host, pid and a random part."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+
+
+@dataclass
+class DispatchStats:
+    """Totals of one dispatcher run (the exit line and the benchmark read them)."""
+
+    results: Counter[str] = field(default_factory=Counter)
+    batches: int = 0
+    outages: int = 0
+    #: Rows this dispatcher quarantined (a permanent failure, or max_attempts).
+    quarantined: int = 0
+    #: Whether the broker was reached at least once, and the last outage's reason.
+    connected: bool = False
+    last_outage: str = ""
+    #: time.perf_counter() of the first claim and of the last mark.
+    first_claim: float = 0.0
+    last_mark: float = 0.0
+
+    @property
+    def published(self) -> int:
+        return self.results["confirmed"]
+
+    @property
+    def progress(self) -> int:
+        """Rows that left the stream for good: published or quarantined."""
+        return self.published + self.quarantined
+
+    def line(self) -> str:
+        span = self.last_mark - self.first_claim if self.batches else 0.0
+        rate = f" ({self.published / span:.0f}/s)" if span > 0 and self.published else ""
+        failed = ", ".join(f"{n} {k}" for k, n in sorted(self.results.items()) if k != "confirmed") or "0 failed"
+        return (f"{self.published} published in {self.batches} batches, {failed}, {self.quarantined} quarantined; "
+                f"{self.outages} broker outages; first claim to last mark {span:.3f}s{rate}")
+
+
+#: One UPDATE for a whole batch: the seqs travel as one JSON array, which
+#: costs a fraction of an ``executemany`` with a statement per row.
+_SEQS: Final = "(SELECT value FROM json_each(?))"
+
+
+def _seqs(seqs: Iterable[int]) -> str:
+    return "[" + ",".join(map(str, seqs)) + "]"
+
+
+class Dispatcher:
+    """Moves outbox rows to the broker; one per process, single-threaded
+    (plus the heartbeat thread of :meth:`run`).
+
+    *conn* must be this thread's own writable connection
+    (:func:`~delivery_consumer.outbox.connect`); *publisher* is a
+    :class:`delivery_consumer.broker.StreamPublisher` (or a fake in tests);
+    *clock* (seconds since the epoch) and *sleep* are replaceable for tests.
+    """
+
+    def __init__(
+        self,
+        conn: sqlite3.Connection,
+        publisher: PublisherLike,
+        config: DispatchConfig,
+        *,
+        clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], None] | None = None,
+    ) -> None:
+        self.conn = conn
+        self.publisher = publisher
+        self.config = config
+        self.clock = clock
+        self.sleep = sleep or self._nap
+        self.stats = DispatchStats()
+        self.stopping = False
+        self.identity = owners.Identity.mine(config.owner)
+        self._failures = 0  # consecutive broker failures, for the backoff
+        self._db_failures = 0  # consecutive database-busy failures
+        self._connected = False
+        self._inflight: deque[tuple[list[Claimed], Any]] = deque()  # sent, not yet collected
+        self._reaped_at = float("-inf")
+        self._key_problems: dict[str, str | None] = {}
+        self._idle_deadline: float | None = None  # when run() gives up for want of progress
+
+    def stop(self) -> None:
+        """Claim no more; :meth:`run` settles the batches in flight and returns (signal-safe)."""
+        self.stopping = True
+
+    # -- claim and mark (each one BEGIN IMMEDIATE transaction) --
+
+    def _key_problem(self, key: str) -> str | None:
+        problems = self._key_problems
+        if key not in problems:
+            if len(problems) > 10_000:
+                problems.clear()
+            problems[key] = routing_key_problem(key)
+        return problems[key]
+
+    def claim(self) -> list[Claimed]:
+        """Lease up to ``batch`` publishable rows, in creation order.
+
+        A row is publishable when it is pending, not under a live lease, past
+        its backoff, and no earlier pending row of its ordering key is under
+        a live lease (another dispatcher's, or this one's batch in flight),
+        waiting for its backoff, or being retried in this batch. A row whose
+        routing key AMQP cannot carry is quarantined here. Leases of owners
+        known dead are taken back first (:func:`.owners.reap`).
+        """
+        now = self.clock()
+        if now - self._reaped_at >= REAP_EVERY_S:
+            self._reaped_at = now
+            owners.reap(self.conn, self.identity, now)
+        now_s, until = now_iso(now), now_iso(now + self.config.lease_s)
+        taken: list[Claimed] = []
+        expired: list[tuple[str, int]] = []
+        invalid: list[tuple[str, str, int]] = []
+        # An idle poll only reads: the write lock (which the producer needs
+        # for its own transactions) is taken only when some row is due.
+        due = self.conn.execute(
+            "SELECT 1 FROM outbox WHERE status = 'pending' AND coalesce(next_attempt_at, '') <= ?1"
+            " AND coalesce(lease_until, '') <= ?1 LIMIT 1", (now_s,)).fetchone()
+        if due is None:
+            return taken
+        with transaction(self.conn) as conn:
+            blocked: set[str] = set()
+            size = 0
+            cur = conn.execute(
+                "SELECT seq, event_id, routing_key, ordering_key, body, attempts, failures, next_attempt_at,"
+                " lease_owner, lease_until FROM outbox WHERE status = 'pending' ORDER BY seq"
+            )
+            try:
+                for seq, event_id, routing_key, key, body, attempts, failures, next_at, owner, lease_until in cur:
+                    if key in blocked:
+                        continue
+                    if (next_at is not None and next_at > now_s) or (lease_until is not None and lease_until > now_s):
+                        blocked.add(key)
+                        continue
+                    problem = self._key_problem(routing_key)
+                    if problem is not None:
+                        reason = safe_reason(f"invalid: {problem}", MAX_ERROR_CHARS)
+                        invalid.append((reason, now_s, seq))
+                        continue
+                    if taken and size + len(body) > self.config.batch_bytes:
+                        break
+                    size += len(body)
+                    taken.append(Claimed(seq, event_id, routing_key, body, attempts, failures))
+                    if next_at is not None:  # a retry goes out alone for its article
+                        blocked.add(key)
+                    if owner is not None:
+                        expired.append((safe_reason(f"lease of {owner} expired before it marked this row",
+                                                    MAX_ERROR_CHARS), seq))
+                    if len(taken) >= self.config.batch:
+                        break
+            finally:
+                cur.close()
+            conn.execute(
+                f"UPDATE outbox SET lease_owner = ?, lease_until = ? WHERE seq IN {_SEQS}",
+                (self.config.owner, until, _seqs(row.seq for row in taken)),
+            )
+            conn.executemany("UPDATE outbox SET last_error = ? WHERE seq = ?", expired)
+            conn.executemany(
+                "UPDATE outbox SET status = 'quarantined', quarantined_at = ?2, quarantine_reason = ?1,"
+                " last_error = ?1, lease_owner = NULL, lease_until = NULL WHERE seq = ?3 AND status = 'pending'",
+                invalid)
+        if expired:
+            log.warning("claimed %d rows whose previous dispatcher died or stalled holding them", len(expired))
+        if invalid:
+            self.stats.quarantined += len(invalid)
+            log.warning("quarantined %d rows at claim: %s", len(invalid), invalid[0][0])
+        return taken
+
+    def mark(self, rows: Sequence[Claimed], results: Sequence[PublishResult]) -> None:
+        """Record the fate of each claimed row and release the leases.
+
+        Confirmed: ``published_at`` (kept if another dispatcher set it first).
+        Otherwise ``published_at`` stays empty, ``attempts + 1`` and a short
+        ``last_error``; a permanent failure quarantines the row; a nack adds
+        a failure and a backoff, or quarantines at ``max_attempts``; an
+        unconfirmed row (connection lost) goes again without either. A
+        failure is recorded only while this dispatcher still owns the row.
+        """
+        now = self.clock()
+        now_s = now_iso(now)
+        cfg = self.config
+        published: list[int] = []
+        failed: list[tuple[str, str | None, int, str, int]] = []
+        quarantined: list[tuple[str, str, int, str]] = []
+        for row, result in zip(rows, results, strict=True):
+            if result.ok:
+                published.append(row.seq)
+                continue
+            error = safe_reason(f"{result.status}: {result.reason}" if result.reason else result.status,
+                                MAX_ERROR_CHARS)
+            if result.status == "unconfirmed":  # an outage is backed off by the loop, not per row
+                failed.append((error, None, row.seq, cfg.owner, 0))
+            elif result.status in PERMANENT:
+                quarantined.append((error, error, row.seq, cfg.owner))
+            elif row.failures + 1 >= cfg.max_attempts:
+                reason = safe_reason(f"{error} (failed {row.failures + 1} times, max-attempts {cfg.max_attempts})",
+                                     MAX_ERROR_CHARS)
+                quarantined.append((error, reason, row.seq, cfg.owner))
+            else:
+                delay = reconnect_delay_s(row.failures + 1, base_s=cfg.retry_base_s, cap_s=cfg.retry_cap_s)
+                failed.append((error, now_iso(now + delay), row.seq, cfg.owner, 1))
+        half = len(published) // 2
+        with transaction(self.conn) as conn:
+            sql = ("UPDATE outbox SET published_at = coalesce(published_at, ?1), status = 'published',"
+                   " attempts = attempts + 1, last_attempt_at = ?1, next_attempt_at = NULL, lease_owner = NULL,"
+                   f" lease_until = NULL WHERE seq IN {_SEQS.replace('?', '?2')}")
+            conn.execute(sql, (now_s, _seqs(published[:half])))
+            crashpoint("dispatch-mid-batch")
+            conn.execute(sql, (now_s, _seqs(published[half:])))
+            conn.executemany(
+                "UPDATE outbox SET attempts = attempts + 1, failures = failures + ?5, last_error = ?1,"
+                " last_attempt_at = ?6, next_attempt_at = ?2, lease_owner = NULL, lease_until = NULL"
+                " WHERE seq = ?3 AND status = 'pending' AND lease_owner = ?4",
+                [(*f, now_s) for f in failed],
+            )
+            cur = conn.executemany(
+                "UPDATE outbox SET status = 'quarantined', attempts = attempts + 1, failures = failures + 1,"
+                " last_error = ?1, quarantine_reason = ?2, quarantined_at = ?5, last_attempt_at = ?5,"
+                " next_attempt_at = NULL, lease_owner = NULL, lease_until = NULL"
+                " WHERE seq = ?3 AND status = 'pending' AND lease_owner = ?4",
+                [(*q, now_s) for q in quarantined],
+            )
+        if quarantined:
+            self.stats.quarantined += max(0, cur.rowcount)
+
+    def release(self, rows: Sequence[Claimed]) -> None:
+        """Give up the leases of *rows* without publishing them."""
+        with transaction(self.conn) as conn:
+            conn.executemany(
+                "UPDATE outbox SET lease_owner = NULL, lease_until = NULL WHERE seq = ? AND lease_owner = ?",
+                [(row.seq, self.config.owner) for row in rows],
+            )
+
+    # -- the loop --
+
+    def step(self) -> int:
+        """One round: connect if needed; claim and send batches until
+        ``depth`` are in flight; collect the oldest and mark it.
+
+        Returns the number of rows marked (0: nothing in flight, or the
+        broker is unreachable and the backoff was waited). Raises BrokerFatal
+        (every lease in flight released).
+        """
+        from ..broker import BrokerUnavailable, OutMessage
+
+        if not self._connected:
+            # Batches left by a lost connection come back at once (unconfirmed
+            # or not sent); they must be settled before connecting again.
+            while self._inflight:
+                later, ticket = self._inflight.popleft()
+                self._settle(later, self.publisher.collect(ticket))
+            try:
+                self.publisher.connect()
+            except BrokerUnavailable as exc:
+                self._outage(str(exc))
+                return 0
+            self._connected = self.stats.connected = True
+        while len(self._inflight) < self.config.depth and not self.stopping:
+            rows = self.claim()  # a busy database raises here; what is in flight stays in flight
+            if not rows:
+                break
+            if not self.stats.batches and not self._inflight:
+                self.stats.first_claim = time.perf_counter()
+            crashpoint("dispatch-before-publish")
+            exchange = self.config.exchange
+            try:
+                ticket = self.publisher.send([OutMessage(routing_key=r.routing_key, body=r.body,
+                                                         exchange=exchange, message_id=r.event_id) for r in rows])
+            except BaseException:
+                self._abandon(rows)
+                raise
+            self._inflight.append((rows, ticket))
+        if not self._inflight:
+            return 0
+        rows, ticket = self._inflight[0]
+        try:
+            results = self.publisher.collect(ticket)
+        except BaseException:
+            self._abandon([])
+            raise
+        self._inflight.popleft()
+        crashpoint("dispatch-after-confirm")
+        lost = next((r.reason for r in results if r.status == "unconfirmed"), None)
+        if lost is not None:
+            self._connected = False  # also if the mark below fails: the next step settles the rest
+        self._settle(rows, results)
+        if lost is None:
+            self._failures = 0
+            return len(rows)
+        # The connection is gone: the batches behind this one come back at
+        # once (unconfirmed, or not sent); record them, then wait it out.
+        while self._inflight:
+            later, ticket = self._inflight.popleft()
+            self._settle(later, self.publisher.collect(ticket))
+        self._outage(lost)
+        return len(rows)
+
+    def _abandon(self, rows: list[Claimed]) -> None:
+        """The publisher failed for good (BrokerFatal, an interrupt): give up
+        the leases of *rows* and of every batch in flight."""
+        self._connected = False
+        with suppress(DeliveryError):
+            self.release([*rows, *(row for batch, _ in self._inflight for row in batch)])
+        self._inflight.clear()
+
+    def _settle(self, rows: list[Claimed], results: list[PublishResult]) -> None:
+        self.mark(rows, results)
+        self.stats.last_mark = time.perf_counter()
+        self.stats.batches += 1
+        self.stats.results.update(r.status for r in results)
+        bad = [(row, r) for row, r in zip(rows, results, strict=True) if not r.ok]
+        for row, r in bad[:3]:
+            log.warning("%s not published: %s %s", row.event_id, r.status, r.reason)
+        log.debug("batch of %d: %d confirmed", len(rows), len(rows) - len(bad))
+
+    def _outage(self, why: str) -> None:
+        self._failures += 1
+        self.stats.outages += 1
+        self.stats.last_outage = why
+        delay = reconnect_delay_s(self._failures)
+        if self._idle_deadline is not None:  # never wait past the time --exit-when-idle allows
+            delay = min(delay, max(0.01, self._idle_deadline - self.clock()))
+        log.warning("%s; retrying in %.1fs (attempt %d)", why, delay, self._failures)
+        self.sleep(delay)
+
+    def _pause(self, seconds: float) -> None:
+        """Wait between passes, servicing the connection's heartbeats.
+
+        ``Publisher.idle`` returns at once when the connection is gone: then
+        the rest is slept, and the next pass reconnects (never a spin).
+        """
+        if self._connected:
+            started = time.monotonic()
+            self.publisher.idle(seconds)
+            left = seconds - (time.monotonic() - started)
+            if left <= seconds / 10:
+                return
+            self._connected = False
+            seconds = left
+        self.sleep(seconds)
+
+    def _nap(self, seconds: float) -> None:
+        """time.sleep in slices, so that a SIGTERM during a long backoff
+        stops the dispatcher at once (the handler only sets a flag)."""
+        deadline = time.monotonic() + seconds
+        while not self.stopping:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(left, 0.2))
+
+    def _register(self) -> owners.Heartbeat | None:
+        """Make this dispatcher's leases reclaimable at once if it dies:
+        register it and start its heartbeat (skipped for a database without
+        a file). A busy database only delays the registration: the first
+        heartbeat makes it."""
+        path = _path_of(self.conn)
+        if not os.path.isfile(path):
+            return None
+        with suppress(DeliveryError):
+            owners.register(self.conn, self.identity, self.config.heartbeat_s, self.clock())
+        beat = owners.Heartbeat(path, self.identity, self.config.heartbeat_s, self.clock)
+        beat.start()
+        return beat
+
+    def run(self) -> DispatchStats:
+        """Dispatch until :meth:`stop`, or ``exit_when_idle_s`` without
+        progress (a row published or quarantined).
+
+        Broker outages and a busy database are waited out with backoff;
+        BrokerFatal and DatabaseError propagate. On the way out the
+        dispatcher gives back any lease it still holds and unregisters.
+        """
+        beat = self._register()
+        try:
+            self._loop()
+        finally:
+            if beat is not None:
+                beat.stop()
+                with suppress(DeliveryError, sqlite3.Error):
+                    owners.unregister(self.conn, self.config.owner)
+        return self.stats
+
+    def _loop(self) -> None:
+        limit = self.config.exit_when_idle_s
+        seen = self.stats.progress
+        idle_since = self.clock()
+        while not self.stopping or self._inflight:  # a stop still settles what is in flight
+            self._idle_deadline = None if limit is None else idle_since + limit
+            try:
+                settled = self.step()
+            except TransientError as exc:
+                # The database is busy past its timeout, or the disk is full:
+                # wait and try again. Rows published but not marked stay
+                # leased; after the lease they go again (duplicates, no loss).
+                self._db_failures += 1
+                delay = reconnect_delay_s(self._db_failures)
+                log.warning("%s; retrying in %.1fs", exc, delay)
+                self.sleep(delay)
+                continue
+            self._db_failures = 0
+            now = self.clock()
+            if self.stats.progress != seen:
+                seen, idle_since = self.stats.progress, now
+            if limit is not None and now - idle_since >= limit and not self._inflight:
+                log.info("no row published or quarantined for %.1fs; exiting", limit)
+                break
+            if settled:
+                continue
+            pause = self.config.poll_s
+            if limit is not None:
+                pause = min(pause, max(0.01, limit - (now - idle_since)))
+            self._pause(pause)
+
+
+__all__ = ["PERMANENT", "Claimed", "DispatchConfig", "DispatchStats", "Dispatcher", "PublisherLike",
+           "default_owner"]

@@ -1,0 +1,190 @@
+"""Who holds a lease, and whether that process is still alive.
+
+A running dispatcher registers in ``outbox_owners``: its owner id (the
+``lease_owner`` it writes), host name and boot id, pid and the process start
+time (``/proc/<pid>/stat`` field 22, so a reused pid is not mistaken for
+it), and a heartbeat that a thread refreshes every ``heartbeat_s``
+(:class:`Heartbeat`). Another dispatcher takes its leases back **at once**
+(:func:`reap`) when it is known dead:
+
+* same host and boot: the pid is gone, a zombie, or another process;
+* any host: the heartbeat is older than ``STALE_BEATS`` beats.
+
+A lease whose owner is not registered (older code, a bare ``Dispatcher``
+driven by hand) still ends only at ``lease_until``. A process that is merely
+stopped (SIGSTOP, a paused VM) looks dead after the stale time: its rows go
+again, as duplicates the consumer's inbox absorbs, never as a loss (its late
+marks cannot undo the other's, see the dispatcher).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sqlite3
+import threading
+from collections.abc import Callable
+from contextlib import suppress
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Final
+
+from ..errors import DeliveryError, safe_reason
+from ..store import now_iso
+from .table import MAX_ERROR_CHARS, connect, transaction
+
+log = logging.getLogger("delivery_consumer.dispatch")
+
+#: An owner whose heartbeat is older than this many of its own beats is dead.
+STALE_BEATS: Final = 5
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="ascii", errors="replace") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def boot_id() -> str | None:
+    """The kernel's boot id (Linux): a reboot makes every old pid meaningless."""
+    return _read("/proc/sys/kernel/random/boot_id")
+
+
+def proc_start(pid: int) -> str | None:
+    """Start time of *pid* in clock ticks since boot (``/proc/<pid>/stat``
+    field 22), or None when unknown; ``"zombie"`` for a process that has
+    exited and waits to be reaped."""
+    stat = _read(f"/proc/{pid}/stat")
+    if stat is None:
+        return None
+    fields = stat.rpartition(")")[2].split()  # the command name may hold spaces and parentheses
+    if len(fields) < 20:
+        return None
+    return "zombie" if fields[0] in ("Z", "X") else fields[19]
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """This process as an owner of leases."""
+
+    owner: str
+    host: str
+    boot_id: str | None
+    pid: int
+    proc_start: str | None
+
+    @classmethod
+    def mine(cls, owner: str) -> Identity:
+        pid = os.getpid()
+        return cls(owner, socket.gethostname(), boot_id(), pid, proc_start(pid))
+
+
+def death(me: Identity, host: str, boot: str | None, pid: int, started: str | None,
+          heartbeat_s: float, heartbeat_at: str, now: float) -> str | None:
+    """Why the registered owner is known dead (None: alive, or cannot tell)."""
+    if host == me.host and boot is not None and boot == me.boot_id:
+        current = proc_start(pid)
+        if current is None:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return f"its process {pid} on {host} is gone"
+            except PermissionError:
+                pass
+        elif current == "zombie":
+            return f"its process {pid} on {host} has exited"
+        elif started is not None and current != started:
+            return f"its process {pid} on {host} is gone (the pid now belongs to another process)"
+    elif host == me.host and boot is not None and me.boot_id is not None:
+        return f"{host} was restarted since it registered"
+    silent = now - datetime.fromisoformat(heartbeat_at).timestamp()
+    if silent > STALE_BEATS * heartbeat_s:
+        return f"no heartbeat for {silent:.0f}s"
+    return None
+
+
+def register(conn: sqlite3.Connection, me: Identity, heartbeat_s: float, now: float) -> None:
+    """Record this dispatcher (and forget owners that are dead and hold nothing)."""
+    stamp = now_iso(now)
+    with transaction(conn):
+        conn.execute(
+            "INSERT OR REPLACE INTO outbox_owners (owner, host, boot_id, pid, proc_start, heartbeat_s, started_at,"
+            " heartbeat_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (me.owner, me.host, me.boot_id, me.pid, me.proc_start, heartbeat_s, stamp, stamp))
+
+
+def unregister(conn: sqlite3.Connection, owner: str) -> None:
+    """A clean exit: give back every lease still held and leave the table."""
+    with transaction(conn):
+        conn.execute("UPDATE outbox SET lease_owner = NULL, lease_until = NULL WHERE lease_owner = ?"
+                     " AND status = 'pending'", (owner,))
+        conn.execute("DELETE FROM outbox_owners WHERE owner = ?", (owner,))
+
+
+def reap(conn: sqlite3.Connection, me: Identity, now: float) -> int:
+    """Take back the leases of every registered owner known dead; returns
+    how many rows were freed. Each freed row records why in ``last_error``."""
+    others = conn.execute(
+        "SELECT owner, host, boot_id, pid, proc_start, heartbeat_s, heartbeat_at FROM outbox_owners"
+        " WHERE owner != ?", (me.owner,)).fetchall()
+    dead = [(owner, why) for owner, host, boot, pid, started, beat_s, beat_at in others
+            if (why := death(me, host, boot, pid, started, beat_s, beat_at, now)) is not None]
+    if not dead:
+        return 0
+    freed = 0
+    with transaction(conn):
+        for owner, why in dead:
+            reason = safe_reason(f"lease of {owner} taken back: {why}", MAX_ERROR_CHARS)
+            cur = conn.execute(
+                "UPDATE outbox SET lease_owner = NULL, lease_until = NULL, last_error = ?"
+                " WHERE lease_owner = ? AND status = 'pending'", (reason, owner))
+            freed += cur.rowcount
+            conn.execute("DELETE FROM outbox_owners WHERE owner = ?", (owner,))
+            if cur.rowcount:
+                log.warning("took back %d rows leased by %s: %s", cur.rowcount, owner, why)
+    return freed
+
+
+class Heartbeat:
+    """A thread that refreshes the owner's heartbeat every ``interval_s``
+    on its own connection, whatever the dispatcher is waiting for (a broker
+    confirm, a busy database). Re-registers if someone removed the row."""
+
+    def __init__(self, path: Path | str, me: Identity, interval_s: float,
+                 clock: Callable[[], float]) -> None:
+        self.path, self.me, self.interval_s, self.clock = path, me, interval_s, clock
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="outbox-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        conn: sqlite3.Connection | None = None
+        try:
+            while not self._stop.wait(self.interval_s):
+                try:
+                    if conn is None:
+                        conn = connect(self.path, install_tables=False)
+                    cur = conn.execute("UPDATE outbox_owners SET heartbeat_at = ? WHERE owner = ?",
+                                       (now_iso(self.clock()), self.me.owner))
+                    if cur.rowcount == 0:
+                        register(conn, self.me, self.interval_s, self.clock())
+                except (sqlite3.Error, DeliveryError) as exc:  # busy or full: the next beat tries again
+                    log.debug("heartbeat not written: %s", exc)
+        finally:
+            if conn is not None:
+                with suppress(sqlite3.Error):
+                    conn.close()
+
+
+__all__ = ["STALE_BEATS", "Heartbeat", "Identity", "boot_id", "death", "proc_start", "reap", "register",
+           "unregister"]

@@ -1,0 +1,292 @@
+"""Reading the outbox, and the operator's actions on it: ``outbox list |
+stats | show | prune | requeue | drop``.
+
+Each row is a dict with camelCase keys (what ``--json`` prints). Its
+``state`` says where it is *now*: ``published``, ``quarantined``,
+``dropped``, or for a pending row ``leased`` (a dispatcher holds it),
+``retrying`` (waiting for its backoff), ``held`` (behind an earlier row of
+its article that is leased or retrying) or ``pending`` (due: the next
+claim takes it); ``detail`` says it in words: ``leased by <owner> until
+<time>``, ``held behind <eventId>``, ``next attempt at <time>``, the
+quarantine reason, who dropped it. In plain SQL the lasting part is the
+``status`` column (``pending | published | quarantined | dropped``).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Any, Final
+
+import orjson
+
+from ..errors import safe_reason
+from ..queries import NotFound
+from ..store import now_iso
+from .table import _path_of, _rollback, transaction
+
+Row = dict[str, Any]
+STATES: Final = ("all", "unpublished", "pending", "leased", "retrying", "held", "failed", "quarantined", "dropped",
+                 "published")
+
+_FIELDS: Final = (
+    ("seq", "seq"), ("eventId", "event_id"), ("status", "status"), ("routingKey", "routing_key"),
+    ("orderingKey", "ordering_key"), ("createdAt", "created_at"), ("attempts", "attempts"),
+    ("failures", "failures"), ("lastError", "last_error"), ("lastAttemptAt", "last_attempt_at"),
+    ("nextAttemptAt", "next_attempt_at"), ("leaseOwner", "lease_owner"), ("leaseUntil", "lease_until"),
+    ("publishedAt", "published_at"), ("quarantinedAt", "quarantined_at"), ("quarantineReason", "quarantine_reason"),
+    ("requeuedAt", "requeued_at"), ("requeuedBy", "requeued_by"), ("droppedAt", "dropped_at"),
+    ("droppedBy", "dropped_by"), ("dropReason", "drop_reason"),
+)
+_COLUMNS: Final = ", ".join(column for _, column in _FIELDS)
+
+
+@contextmanager
+def _snapshot(conn: sqlite3.Connection) -> Iterator[None]:
+    """Several reads from one snapshot (inside the caller's transaction if one is open)."""
+    if conn.in_transaction:
+        yield
+        return
+    conn.execute("BEGIN DEFERRED")
+    try:
+        yield
+    finally:
+        _rollback(conn)
+
+
+def pending_states(conn: sqlite3.Connection, now_s: str) -> dict[int, tuple[str, str | None]]:
+    """seq -> (state, detail) of every pending row, in one pass in creation
+    order: the dispatcher's own rule for what may be claimed."""
+    out: dict[int, tuple[str, str | None]] = {}
+    holder: dict[str, str] = {}  # ordering key -> eventId of the earliest row holding it back
+    rows = conn.execute("SELECT seq, event_id, ordering_key, next_attempt_at, lease_owner, lease_until FROM outbox"
+                        " WHERE status = 'pending' ORDER BY seq")
+    for seq, event_id, key, next_at, owner, until in rows:
+        if until is not None and until > now_s:
+            state, detail = "leased", f"leased by {owner} until {until}"
+        elif next_at is not None and next_at > now_s:
+            state, detail = "retrying", f"next attempt at {next_at}"
+        elif key in holder:
+            state, detail = "held", f"held behind {holder[key]}"
+        else:
+            state, detail = "pending", None
+        if state in ("leased", "retrying"):
+            holder.setdefault(key, event_id)
+        out[seq] = (state, detail)
+    return out
+
+
+def _row(values: Sequence[Any], states: dict[int, tuple[str, str | None]]) -> Row:
+    out: Row = {key: value for (key, _), value in zip(_FIELDS, values, strict=True)}
+    status = out["status"]
+    if status == "pending":
+        out["state"], out["detail"] = states.get(out["seq"], ("pending", None))
+    else:
+        out["state"] = status
+        out["detail"] = {
+            "quarantined": f"quarantined: {out['quarantineReason']}",
+            "dropped": f"dropped by {out['droppedBy']}: {out['dropReason'] or 'no reason given'}",
+        }.get(status)
+    return out
+
+
+def list_rows(
+    conn: sqlite3.Connection, *, state: str = "all", limit: int | None = 50, now: float | None = None
+) -> list[Row]:
+    """Rows of the outbox. States that wait (everything but ``all`` and
+    ``published``) in creation order (the order they go out), ``published``
+    and ``all`` newest first."""
+    if state not in STATES:
+        raise ValueError(f"unknown state {state!r}: one of {', '.join(STATES)}")
+    now_s = now_iso(now)
+    where, order = {
+        "all": ("1", "seq DESC"),
+        "unpublished": ("status IN ('pending', 'quarantined')", "seq"),
+        "failed": ("status IN ('pending', 'quarantined') AND attempts > 0", "seq"),
+        "quarantined": ("status = 'quarantined'", "seq"),
+        "dropped": ("status = 'dropped'", "seq"),
+        "published": ("status = 'published'", "seq DESC"),
+    }.get(state, ("status = 'pending'", "seq"))
+    with _snapshot(conn):  # the states and the rows from one snapshot
+        states = pending_states(conn, now_s) if state not in ("quarantined", "dropped", "published") else {}
+        wanted = None if state not in ("leased", "retrying", "held") else state
+        sql_limit = limit if limit and wanted is None else -1
+        rows = conn.execute(f"SELECT {_COLUMNS} FROM outbox WHERE {where} ORDER BY {order} LIMIT ?",
+                            (sql_limit,)).fetchall()
+    out = [_row(r, states) for r in rows]
+    if wanted is not None:
+        out = [r for r in out if r["state"] == wanted][:limit or None]
+    return out
+
+
+def show(conn: sqlite3.Connection, event_id: str, *, now: float | None = None, body: bool = True) -> Row:
+    """One row with its fingerprint and (unless ``body=False``) its body;
+    ``passedBy``: the later rows of its article published before it (all of
+    them while it is unpublished). :class:`NotFound` otherwise."""
+    with _snapshot(conn):
+        row = conn.execute(f"SELECT {_COLUMNS}, fingerprint, body FROM outbox WHERE event_id = ?",
+                           (event_id,)).fetchone()
+        if row is None:
+            raise NotFound(f"{event_id}: not in the outbox")
+        out = _row(row[:-2], pending_states(conn, now_iso(now)) if row[2] == "pending" else {})
+        passed = conn.execute(
+            "SELECT event_id FROM outbox WHERE ordering_key = ?1 AND seq > ?2 AND status = 'published'"
+            " AND (?3 IS NULL OR published_at < ?3) ORDER BY seq LIMIT 100",
+            (out["orderingKey"], out["seq"], out["publishedAt"])).fetchall()
+    out["passedBy"] = [r[0] for r in passed]
+    out["fingerprint"] = row[-2]
+    if body:
+        out["body"] = orjson.loads(row[-1])
+    return out
+
+
+def _age_s(stamp: str | None, now: float) -> float | None:
+    if stamp is None:
+        return None
+    return round(now - datetime.fromisoformat(stamp).timestamp(), 3)
+
+
+def waiting(conn: sqlite3.Connection, *, now: float | None = None) -> Counter[str]:
+    """How many rows are not published, by what they wait for: ``pending``
+    (due), ``leased``, ``retrying`` (backoff), ``held`` (behind an earlier row
+    of their article), ``quarantined`` (a person must act). Empty: every row
+    is published (or dropped)."""
+    with _snapshot(conn):
+        counts = Counter(state for state, _ in pending_states(conn, now_iso(now)).values())
+        quarantined = conn.execute("SELECT count(*) FROM outbox WHERE status = 'quarantined'").fetchone()[0]
+    if quarantined:
+        counts["quarantined"] = quarantined
+    return counts
+
+
+def describe_waiting(counts: Counter[str]) -> str:
+    """``3 rows left: 1 quarantined, 2 retrying`` (for exit messages)."""
+    words = {"pending": "due now", "leased": "leased by another dispatcher", "retrying": "waiting for their backoff",
+             "held": "held behind an earlier row of their article", "quarantined": "quarantined"}
+    parts = ", ".join(f"{counts[k]} {words[k]}" for k in words if counts.get(k))
+    return f"{sum(counts.values())} rows left: {parts}"
+
+
+def stats(conn: sqlite3.Connection, *, now: float | None = None) -> Row:
+    """Counts by status and state, the oldest waiting row, the commonest
+    errors of pending rows and reasons of quarantined ones."""
+    now = time.time() if now is None else now
+    now_s = now_iso(now)
+    with _snapshot(conn):  # one snapshot for every read
+        total, published, quarantined, dropped, oldest, max_attempts, last_published = conn.execute(
+            "SELECT count(*), coalesce(sum(status = 'published'), 0), coalesce(sum(status = 'quarantined'), 0),"
+            " coalesce(sum(status = 'dropped'), 0),"
+            " min(CASE WHEN status IN ('pending', 'quarantined') THEN created_at END),"
+            " coalesce(max(CASE WHEN status IN ('pending', 'quarantined') THEN attempts END), 0),"
+            " max(published_at) FROM outbox",
+        ).fetchone()
+        states = Counter(state for state, _ in pending_states(conn, now_s).values())
+        failed = conn.execute("SELECT count(*) FROM outbox WHERE status = 'pending' AND attempts > 0").fetchone()[0]
+        errors = conn.execute(
+            "SELECT last_error, count(*) FROM outbox WHERE status = 'pending' AND last_error IS NOT NULL"
+            " GROUP BY last_error ORDER BY count(*) DESC, last_error LIMIT 5"
+        ).fetchall()
+        reasons = conn.execute(
+            "SELECT quarantine_reason, count(*) FROM outbox WHERE status = 'quarantined'"
+            " GROUP BY quarantine_reason ORDER BY count(*) DESC, quarantine_reason LIMIT 5"
+        ).fetchall()
+    return {
+        "database": _path_of(conn),
+        "rows": total,
+        "published": published,
+        "unpublished": total - published - dropped,
+        "pending": sum(states.values()),
+        "due": states["pending"],
+        "leased": states["leased"],
+        "retrying": states["retrying"],
+        "held": states["held"],
+        "failed": failed,
+        "quarantined": quarantined,
+        "dropped": dropped,
+        "oldestUnpublishedAt": oldest,
+        "oldestUnpublishedAgeSeconds": _age_s(oldest, now),
+        "maxAttemptsUnpublished": max_attempts,
+        "lastPublishedAt": last_published,
+        "errors": {error: n for error, n in errors},
+        "quarantineReasons": {reason: n for reason, n in reasons},
+    }
+
+
+def unpublished(conn: sqlite3.Connection) -> int:
+    """How many rows are neither published nor dropped (pending or quarantined)."""
+    return int(conn.execute("SELECT count(*) FROM outbox WHERE status IN ('pending', 'quarantined')").fetchone()[0])
+
+
+def prune(conn: sqlite3.Connection, *, older_than_s: float, now: float | None = None) -> int:
+    """Delete rows published (or dropped) more than *older_than_s* ago;
+    returns how many. Pending and quarantined rows are never deleted."""
+    if older_than_s < 0:
+        raise ValueError("older_than_s must be >= 0")
+    cutoff = now_iso((time.time() if now is None else now) - older_than_s)
+    with transaction(conn):
+        cur = conn.execute(
+            "DELETE FROM outbox WHERE (status = 'published' AND published_at < ?1)"
+            " OR (status = 'dropped' AND dropped_at < ?1)", (cutoff,)
+        )
+    return cur.rowcount
+
+
+# -- the operator's actions -----------------------------------------------------------
+
+
+def _act(conn: sqlite3.Connection, event_ids: Iterable[str], allowed: tuple[str, ...], verb: str, sql: str,
+         params: dict[str, Any], dry_run: bool) -> list[Row]:
+    """For each eventId: apply *sql* (``:seq`` and *params*) when its status is
+    in *allowed*; one result row each: eventId, outcome, status before."""
+    results: list[Row] = []
+    with transaction(conn):
+        for event_id in dict.fromkeys(event_ids):
+            found = conn.execute("SELECT seq, status FROM outbox WHERE event_id = ?", (event_id,)).fetchone()
+            if found is None:
+                results.append({"eventId": event_id, "outcome": "not-found", "status": None})
+                continue
+            seq, status = found
+            if status not in allowed:
+                results.append({"eventId": event_id, "outcome": f"not-{verb}able", "status": status})
+                continue
+            if not dry_run:
+                conn.execute(sql, {**params, "seq": seq})
+            results.append({"eventId": event_id, "outcome": "would-be-" + verb + "d" if dry_run else verb + "d",
+                            "status": status})
+    return results
+
+
+def quarantined_ids(conn: sqlite3.Connection) -> list[str]:
+    """eventIds of every quarantined row, in creation order."""
+    return [r[0] for r in conn.execute("SELECT event_id FROM outbox WHERE status = 'quarantined' ORDER BY seq")]
+
+
+def requeue(conn: sqlite3.Connection, event_ids: Iterable[str], *, by: str, dry_run: bool = False,
+            now: float | None = None) -> list[Row]:
+    """Put quarantined (or dropped) rows back in the stream after a fix: the
+    row becomes pending with its failures reset and goes out as a retry
+    (alone for its article); attempts and the last quarantine stay as
+    history, ``requeued_at`` / ``requeued_by`` record the act."""
+    sql = ("UPDATE outbox SET status = 'pending', failures = 0, next_attempt_at = :now, lease_owner = NULL,"
+           " lease_until = NULL, requeued_at = :now, requeued_by = :by WHERE seq = :seq")
+    return _act(conn, event_ids, ("quarantined", "dropped"), "requeue", sql,
+                {"now": now_iso(now), "by": safe_reason(by, 100)}, dry_run)
+
+
+def drop(conn: sqlite3.Connection, event_ids: Iterable[str], *, by: str, reason: str | None = None,
+         dry_run: bool = False, now: float | None = None) -> list[Row]:
+    """Give up quarantined rows on purpose, recording who, when and why; a
+    dropped row is never published (``requeue`` undoes it)."""
+    sql = "UPDATE outbox SET status = 'dropped', dropped_at = :now, dropped_by = :by, drop_reason = :reason" \
+          " WHERE seq = :seq"
+    return _act(conn, event_ids, ("quarantined",), "drop", sql,
+                {"now": now_iso(now), "by": safe_reason(by, 100),
+                 "reason": safe_reason(reason, 200) if reason else None}, dry_run)
+
+
+__all__ = ["STATES", "Row", "describe_waiting", "drop", "list_rows", "pending_states", "prune",
+           "quarantined_ids", "requeue", "show", "stats", "unpublished", "waiting"]

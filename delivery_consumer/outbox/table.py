@@ -1,0 +1,358 @@
+"""The outbox table in the producer's database: schema, connection,
+transaction and :func:`enqueue`.
+
+The outbox is a guest in the producer's database, so it does not touch
+``PRAGMA user_version`` (the producer's own): its schema version is the key
+``version`` of the table ``outbox_meta``, with forward-only migrations like
+the store's. A database written by older code is upgraded when it is opened
+for writing; a newer one is refused.
+
+``outbox`` (STRICT), one row per eventId; ``seq`` is the creation order.
+``status`` is the row's place in the stream, plain SQL for anyone reading it:
+
+* ``pending`` -- waits for the dispatcher (maybe leased, in backoff, or held
+  behind an earlier row of its article);
+* ``published`` -- confirmed by the broker (``published_at``);
+* ``quarantined`` -- left the stream after a permanent failure, or after
+  ``max_attempts`` transient ones (``quarantined_at``, ``quarantine_reason``);
+  ``outbox requeue`` puts it back (``requeued_at``, ``requeued_by``);
+* ``dropped`` -- given up on purpose by a person (``dropped_at``,
+  ``dropped_by``, ``drop_reason``).
+"""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any, Final
+from urllib.parse import quote
+
+from ..envelope import Envelope, from_mapping, parse
+from ..errors import EVENT_ID_REUSED, DatabaseError, DeliveryError, Rejection
+from ..store import DEFAULT_BUSY_TIMEOUT_MS, _statements, now_iso, translate
+
+#: Forward-only migrations of the outbox tables; ``outbox_meta.version`` is
+#: the number applied. Never edit an entry: append one.
+MIGRATIONS: tuple[str, ...] = (
+    """
+    CREATE TABLE outbox_meta (
+        key   TEXT PRIMARY KEY,
+        value TEXT NOT NULL
+    ) STRICT;
+    CREATE TABLE outbox (
+        seq             INTEGER PRIMARY KEY AUTOINCREMENT,
+        event_id        TEXT NOT NULL UNIQUE,
+        routing_key     TEXT NOT NULL,
+        ordering_key    TEXT NOT NULL,
+        body            BLOB NOT NULL,
+        fingerprint     TEXT NOT NULL,
+        created_at      TEXT NOT NULL,
+        attempts        INTEGER NOT NULL DEFAULT 0 CHECK (attempts >= 0),
+        last_error      TEXT,
+        last_attempt_at TEXT,
+        next_attempt_at TEXT,
+        lease_owner     TEXT,
+        lease_until     TEXT,
+        published_at    TEXT
+    ) STRICT;
+    CREATE INDEX outbox_unpublished ON outbox (seq) WHERE published_at IS NULL;
+    CREATE INDEX outbox_published_at ON outbox (published_at) WHERE published_at IS NOT NULL;
+    """,
+    # Quarantine, drop and requeue; the failures that count toward quarantine
+    # (an outage does not); the dispatchers' identities and heartbeats, so
+    # that the leases of a dead one are taken back at once.
+    """
+    ALTER TABLE outbox ADD COLUMN status TEXT NOT NULL DEFAULT 'pending'
+        CHECK (status IN ('pending', 'published', 'quarantined', 'dropped'));
+    UPDATE outbox SET status = 'published' WHERE published_at IS NOT NULL;
+    ALTER TABLE outbox ADD COLUMN failures INTEGER NOT NULL DEFAULT 0 CHECK (failures >= 0);
+    ALTER TABLE outbox ADD COLUMN quarantined_at TEXT;
+    ALTER TABLE outbox ADD COLUMN quarantine_reason TEXT;
+    ALTER TABLE outbox ADD COLUMN requeued_at TEXT;
+    ALTER TABLE outbox ADD COLUMN requeued_by TEXT;
+    ALTER TABLE outbox ADD COLUMN dropped_at TEXT;
+    ALTER TABLE outbox ADD COLUMN dropped_by TEXT;
+    ALTER TABLE outbox ADD COLUMN drop_reason TEXT;
+    DROP INDEX outbox_unpublished;
+    CREATE INDEX outbox_pending ON outbox (seq) WHERE status = 'pending';
+    CREATE INDEX outbox_quarantined ON outbox (seq) WHERE status = 'quarantined';
+    CREATE TABLE outbox_owners (
+        owner        TEXT PRIMARY KEY,
+        host         TEXT NOT NULL,
+        boot_id      TEXT,
+        pid          INTEGER NOT NULL,
+        proc_start   TEXT,
+        heartbeat_s  REAL NOT NULL CHECK (heartbeat_s > 0),
+        started_at   TEXT NOT NULL,
+        heartbeat_at TEXT NOT NULL
+    ) STRICT;
+    """,
+)
+VERSION: Final = len(MIGRATIONS)
+
+#: Longest ``last_error`` / ``quarantine_reason`` kept (``outbox list`` shows them).
+MAX_ERROR_CHARS: Final = 160
+
+#: AMQP 0-9-1 short strings (routing keys, message ids) are at most 255 bytes.
+MAX_ROUTING_KEY_BYTES: Final = 255
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+class OutboxError(DeliveryError):
+    """The outbox was used the wrong way (enqueue outside a transaction,
+    nested transactions, no outbox installed, an envelope of the wrong type,
+    a routing key AMQP cannot carry)."""
+
+
+def routing_key_problem(key: object) -> str | None:
+    """Why *key* cannot be a routing key (None when it can): AMQP carries it
+    as a short string (at most 255 UTF-8 bytes); control characters are
+    refused as well (they break logs, and nobody binds to them on purpose)."""
+    if not isinstance(key, str):
+        return f"routing key must be a string, not {type(key).__name__}"
+    try:
+        size = len(key.encode("utf-8"))
+    except UnicodeEncodeError:
+        return "routing key is not valid UTF-8 (it contains a lone surrogate)"
+    if size > MAX_ROUTING_KEY_BYTES:
+        return f"routing key is {size} bytes in UTF-8, over AMQP's limit of {MAX_ROUTING_KEY_BYTES}"
+    if _CONTROL.search(key):
+        return "routing key contains a control character"
+    return None
+
+
+# -- the database ----------------------------------------------------------------
+
+
+def connect(
+    path: Path | str, *, readonly: bool = False, install_tables: bool = True,
+    busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS,
+) -> sqlite3.Connection:
+    """Open the producer's database the way the store opens a consumer's.
+
+    Autocommit mode (``isolation_level=None``) with explicit ``BEGIN
+    IMMEDIATE`` / ``COMMIT`` (see :func:`transaction`), WAL with
+    ``synchronous=FULL`` (a row the producer committed survives power loss),
+    ``busy_timeout``. Writable connections create the file and install (or
+    upgrade) the outbox tables (``install_tables=False`` to leave that to the
+    caller); read-only ones (``mode=ro``) require them.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise DatabaseError(f"{path}: is a directory, not a database file")
+    if readonly and not path.is_file():
+        raise DatabaseError(f"{path}: no such database")
+    try:
+        if readonly:
+            uri = f"file:{quote(str(path.resolve()))}?mode=ro"
+            conn = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=busy_timeout_ms / 1000)
+        else:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise DatabaseError(f"{path}: cannot create its directory: {exc.strerror or exc}") from None
+            conn = sqlite3.connect(path, isolation_level=None, timeout=busy_timeout_ms / 1000)
+    except sqlite3.Error as exc:
+        raise DatabaseError(f"{path}: cannot open database: {exc}") from None
+    try:
+        conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
+        if readonly:
+            version = installed_version(conn)
+            if version == 0:
+                raise DatabaseError(f"{path}: no outbox in this database")
+            if version > VERSION:
+                raise DatabaseError(f"{path}: outbox schema version {version} is newer than this code's {VERSION}")
+            if version < VERSION:
+                raise DatabaseError(f"{path}: outbox schema version {version} is older than this code's {VERSION};"
+                                    " open it once for writing (e.g. run dispatch) to upgrade it")
+        else:
+            _check_foreign(conn, path)
+            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            if mode != "wal":
+                raise DatabaseError(f"{path}: cannot switch to WAL mode (got {mode!r})")
+            conn.execute("PRAGMA synchronous = FULL")
+            if install_tables:
+                install(conn)
+    except sqlite3.Error as exc:
+        conn.close()
+        raise DatabaseError(f"{path}: cannot use this database: {exc}") from None
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _check_foreign(conn: sqlite3.Connection, path: Path) -> None:
+    """Refuse a consumer's inbox database before switching anything in it."""
+    names = {row[0] for row in conn.execute("SELECT name FROM sqlite_schema WHERE type = 'table'")}
+    if "inbox" in names and "meta" in names:
+        raise DatabaseError(f"{path}: this is a consumer's inbox database, not a producer's")
+
+
+@contextmanager
+def transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    """``BEGIN IMMEDIATE`` ... ``COMMIT`` (or ``ROLLBACK``) on *conn*.
+
+    IMMEDIATE takes the write lock at once, so the read-then-write of
+    :func:`enqueue` never hits the deferred upgrade that fails without
+    waiting in WAL mode (https://sqlite.org/lang_transaction.html).
+
+    Transactions do not nest: on a connection with a transaction already
+    open this raises :class:`OutboxError` and leaves that transaction as it
+    is (open, with everything written in it), so the caller decides. Only
+    what this call began is ever rolled back.
+    """
+    if conn.in_transaction:
+        raise OutboxError("outbox.transaction cannot be nested: this connection already has an open transaction"
+                          " (call outbox.enqueue inside it instead)")
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+    except sqlite3.Error as exc:  # nothing was begun: nothing to roll back
+        raise translate(exc, _path_of(conn)) from None
+    try:
+        yield conn
+        conn.execute("COMMIT")
+    except sqlite3.Error as exc:
+        _rollback(conn)
+        raise translate(exc, _path_of(conn)) from None
+    except BaseException:
+        _rollback(conn)
+        raise
+
+
+def _rollback(conn: sqlite3.Connection) -> None:
+    if conn.in_transaction:
+        with suppress(sqlite3.Error):  # SQLite may have rolled back by itself
+            conn.execute("ROLLBACK")
+
+
+def _path_of(conn: sqlite3.Connection) -> str:
+    with suppress(sqlite3.Error):
+        row = conn.execute("PRAGMA database_list").fetchone()
+        if row and row[2]:
+            return str(row[2])
+    return "producer database"
+
+
+def installed_version(conn: sqlite3.Connection) -> int:
+    """The outbox schema version of the database (0: not installed)."""
+    exists = conn.execute(
+        "SELECT 1 FROM sqlite_schema WHERE type = 'table' AND name = 'outbox_meta'"
+    ).fetchone()
+    if exists is None:
+        return 0
+    row = conn.execute("SELECT value FROM outbox_meta WHERE key = 'version'").fetchone()
+    return int(row[0]) if row else 0
+
+
+def install(conn: sqlite3.Connection) -> int:
+    """Create or upgrade the outbox tables; returns the version now installed.
+
+    Runs inside the caller's open transaction if there is one (the caller
+    commits), otherwise in its own ``BEGIN IMMEDIATE`` transaction.
+    Idempotent. Refuses a database whose outbox is newer than this code.
+    """
+    own = not conn.in_transaction
+    if own:
+        conn.execute("BEGIN IMMEDIATE")
+    try:
+        version = installed_version(conn)
+        if version > VERSION:
+            raise DatabaseError(
+                f"{_path_of(conn)}: outbox schema version {version} is newer than this code's {VERSION}; upgrade it"
+            )
+        for script in MIGRATIONS[version:]:
+            for statement in _statements(script):
+                conn.execute(statement)
+        if version < VERSION:
+            conn.execute("INSERT OR REPLACE INTO outbox_meta (key, value) VALUES ('version', ?)", (str(VERSION),))
+            if version == 0:
+                conn.execute("INSERT INTO outbox_meta (key, value) VALUES ('created_at', ?)", (now_iso(),))
+        if own:
+            conn.execute("COMMIT")
+    except BaseException:
+        if own:
+            _rollback(conn)
+        raise
+    return VERSION
+
+
+# -- enqueue ------------------------------------------------------------------------
+
+
+def enqueue(
+    conn: sqlite3.Connection, envelope: Envelope | Mapping[str, Any] | bytes, *, routing_key: str | None = None
+) -> bool:
+    """Add *envelope* to the outbox inside the caller's open transaction.
+
+    The envelope (an :class:`Envelope`, a dict or raw JSON bytes) is validated
+    against the schema (:class:`Rejection` otherwise) and stored as its
+    canonical bytes. The routing key defaults to the event type; one AMQP
+    cannot carry (over 255 UTF-8 bytes, control characters) is refused with
+    :class:`OutboxError`. The ordering key is the articleId.
+
+    Returns True when a row was added, False when the same eventId is already
+    there with the same fingerprint (a no-op). The same eventId with another
+    body raises :class:`Rejection` ``event-id-reused``; the caller's
+    transaction is left open for it to roll back.
+
+    Raises :class:`OutboxError` outside a transaction (the row would commit
+    on its own, apart from the producer's change it must go with), on a
+    database without the outbox installed, and for an envelope that is not an
+    Envelope, a mapping or bytes.
+    """
+    if not conn.in_transaction:
+        raise OutboxError("enqueue needs the caller's open transaction (BEGIN IMMEDIATE first)")
+    if isinstance(envelope, Envelope):
+        env = envelope
+    elif isinstance(envelope, bytes | bytearray | memoryview):
+        env = parse(bytes(envelope))
+    elif isinstance(envelope, Mapping):
+        env = from_mapping(envelope)
+    else:
+        raise OutboxError(f"enqueue takes an Envelope, a dict or JSON bytes, not {type(envelope).__name__}")
+    key = env.type if routing_key is None or routing_key == "" else routing_key
+    problem = routing_key_problem(key)
+    if problem is not None:
+        raise OutboxError(f"cannot enqueue {env.event_id}: {problem}")
+    try:
+        cur = conn.execute(
+            "INSERT INTO outbox (event_id, routing_key, ordering_key, body, fingerprint, created_at)"
+            " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (event_id) DO NOTHING",
+            (env.event_id, key, env.article_id, env.canonical, env.fingerprint, now_iso()),
+        )
+    except sqlite3.OperationalError as exc:
+        if installed_version(conn) == 0:
+            raise OutboxError(f"{_path_of(conn)}: the outbox is not installed in this database"
+                              " (open it with outbox.connect, or call outbox.install first)") from None
+        raise translate(exc, _path_of(conn)) from None
+    if cur.rowcount == 1:
+        return True
+    row = conn.execute("SELECT fingerprint FROM outbox WHERE event_id = ?", (env.event_id,)).fetchone()
+    if row is not None and row[0] == env.fingerprint:
+        return False
+    stored = row[0][:12] if row else "?"
+    raise Rejection(
+        EVENT_ID_REUSED,
+        f"eventId is already in the outbox with fingerprint {stored}…, this body differs",
+        event_id=env.event_id,
+        fingerprint=env.fingerprint,
+    )
+
+
+__all__ = [
+    "MAX_ERROR_CHARS",
+    "MAX_ROUTING_KEY_BYTES",
+    "MIGRATIONS",
+    "VERSION",
+    "OutboxError",
+    "connect",
+    "enqueue",
+    "install",
+    "installed_version",
+    "routing_key_problem",
+    "transaction",
+]
