@@ -1,16 +1,20 @@
-"""The producer's commands: ``dispatch``, ``outbox list|stats|show|prune`` and
-the demo ``produce``. Each is a few lines around one call into
-:mod:`delivery_consumer.outbox` (or :mod:`delivery_consumer.producer`);
+"""The producer's commands: ``dispatch``, ``outbox list|stats|show|prune|
+requeue|drop`` and the demo ``produce``. Each is a few lines around one call
+into :mod:`delivery_consumer.outbox` (or :mod:`delivery_consumer.producer`);
 pika is loaded only by ``dispatch``, through the library.
 
-Exit codes: 0; 1 when ``outbox show`` finds no such eventId, or when
-``dispatch --exit-when-idle`` leaves unpublished rows behind; 2 for usage,
-database or fatal broker errors.
+Exit codes: 0; 1 when ``outbox show`` finds no such eventId, when ``outbox
+requeue|drop`` could not act on every eventId given, or when ``dispatch
+--exit-when-idle`` leaves rows unpublished (pending or quarantined); 2 for
+usage, database or fatal broker errors, and for ``dispatch
+--exit-when-idle`` that never reached the broker.
 """
 
 from __future__ import annotations
 
+import getpass
 import logging
+import os
 import signal
 import sqlite3
 import sys
@@ -84,27 +88,33 @@ def reading(db_path: Path) -> Iterator[sqlite3.Connection]:
 @click.option("--poll", "poll_s", default="500ms", show_default=True, type=Duration(),
               help="Pause between looks at the outbox when there is nothing to publish.")
 @click.option("--retry-base", "retry_base_s", default="1s", show_default=True, type=Duration(),
-              help="First backoff of an unroutable or nacked row (doubles per attempt, jittered).")
+              help="First backoff of a nacked row (doubles per failure, jittered).")
 @click.option("--retry-cap", "retry_cap_s", default="5m", show_default=True, type=Duration(),
               help="Longest backoff of one row.")
+@click.option("--max-attempts", default=20, show_default=True, type=click.IntRange(1),
+              help="Nacks of one row before it is quarantined (an outage counts none).")
 @click.option("--exit-when-idle", "exit_when_idle_s", type=Duration(),
-              help="Exit after nothing could be published for this long (e.g. 2s).")
+              help="Exit after no row was published or quarantined for this long (e.g. 2s).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 @handle_errors
 def dispatch(db_path: Path, amqp_url: str, exchange: str, queue_prefix: str, declare_for: tuple[str, ...],
              batch: int, depth: int, lease_s: float, poll_s: float, retry_base_s: float, retry_cap_s: float,
-             exit_when_idle_s: float | None, log_level: str) -> None:
-    """Publish the outbox's unpublished rows, in creation order.
+             max_attempts: int, exit_when_idle_s: float | None, log_level: str) -> None:
+    """Publish the outbox's pending rows, in creation order.
 
     Persistent, mandatory, message_id = eventId, pipelined publisher
-    confirms; published_at is set only when the confirm arrived. Unroutable
-    or nacked rows are retried with backoff; a broker outage is waited out.
+    confirms; published_at is set only when the confirm arrived. An
+    unroutable or unencodable row is quarantined at once, a nacked one is
+    retried with backoff and quarantined after --max-attempts; later rows of
+    its article wait while it is retried. A broker outage is waited out.
     Several dispatchers may share a database: each leases the rows it
-    publishes. Runs until SIGTERM/SIGINT (settles the batches in flight,
-    exit 0) or --exit-when-idle (exit 1 when rows are left unpublished).
-    Bad credentials, a missing vhost or an unusable database: one line on
-    stderr, exit 2.
+    publishes, and takes back at once the leases of one that died. Runs
+    until SIGTERM/SIGINT (settles the batches in flight, exit 0) or
+    --exit-when-idle: exit 0 when every row is published, 1 when rows are
+    left (it says how many wait for what), 2 when the broker was never
+    reached. Bad credentials, a missing vhost or an unusable database: one
+    line on stderr, exit 2.
     """
     from ..broker import BrokerFatal, StreamPublisher
 
@@ -113,7 +123,7 @@ def dispatch(db_path: Path, amqp_url: str, exchange: str, queue_prefix: str, dec
         topologies = [_topology(c, exchange, queue_prefix) for c in declare_for]
         config = outbox_lib.DispatchConfig(
             exchange=exchange, batch=batch, depth=depth, lease_s=lease_s, poll_s=poll_s, retry_base_s=retry_base_s,
-            retry_cap_s=retry_cap_s, exit_when_idle_s=exit_when_idle_s)
+            retry_cap_s=retry_cap_s, max_attempts=max_attempts, exit_when_idle_s=exit_when_idle_s)
     except (ConfigError, ValueError) as exc:
         raise click.BadParameter(str(exc)) from None
     with closing(outbox_lib.connect(db_path)) as conn:
@@ -138,9 +148,14 @@ def dispatch(db_path: Path, amqp_url: str, exchange: str, queue_prefix: str, dec
             raise Fatal(str(exc)) from None
         finally:
             publisher.close()
-        left = outbox_lib.unpublished(conn)
-    log.info("exiting: %s; %d rows unpublished", stats.line(), left)
-    sys.exit(1 if exit_when_idle_s is not None and left else 0)
+        left = outbox_lib.waiting(conn)
+    log.info("exiting: %s; %s", stats.line(), outbox_lib.describe_waiting(left) if left else "nothing left")
+    if exit_when_idle_s is None:
+        sys.exit(0)
+    if not stats.connected:
+        raise Fatal(f"the broker could not be reached in {exit_when_idle_s:g}s: {stats.last_outage}"
+                    + (f"; {outbox_lib.describe_waiting(left)}" if left else ""))
+    sys.exit(1 if left else 0)
 
 
 # -- outbox list | stats | show | prune ------------------------------------------------------
@@ -159,17 +174,20 @@ def _cells(rows: list[dict[str, Any]], keys: list[str]) -> list[list[Any]]:
 @producer_db_option
 @json_option
 @click.option("--state", "-s", default="all", show_default=True, type=click.Choice(outbox_lib.STATES),
-              help="unpublished, failed (tried, not published), leased, published, or all.")
+              help="unpublished (pending or quarantined), pending (leased, retrying, held or due), leased, retrying,"
+                   " held, failed (tried, not published), quarantined, dropped, published, or all.")
 @limit_option
 @handle_errors
 def outbox_list(db_path: Path, as_json: bool, state: str, limit: int) -> None:
-    """Rows; unpublished states in the order they go out, others newest first."""
+    """Rows; waiting states in the order they go out, others newest first.
+    DETAIL says why a row waits: leased by <owner> until <time>, held behind
+    <eventId>, next attempt at <time>, or its quarantine reason."""
     with reading(db_path) as conn:
         rows = outbox_lib.list_rows(conn, state=state, limit=limit)
     if as_json:
         emit_json(rows)
         return
-    keys = ["seq", "eventId", "state", "routingKey", "attempts", "createdAt", "publishedAt", "lastError"]
+    keys = ["seq", "eventId", "state", "routingKey", "attempts", "createdAt", "publishedAt", "detail", "lastError"]
     echo_table(keys, _cells(rows, keys), empty="no rows")
 
 
@@ -190,15 +208,23 @@ def outbox_stats(db_path: Path, as_json: bool) -> None:
         ("rows", stats["rows"]),
         ("published", stats["published"]),
         ("unpublished", stats["unpublished"]),
-        ("failed", stats["failed"]),
-        ("leased", stats["leased"]),
+        ("  due", stats["due"]),
+        ("  leased", stats["leased"]),
+        ("  retrying", stats["retrying"]),
+        ("  held", stats["held"]),
+        ("  quarantined", stats["quarantined"]),
+        ("failed (pending)", stats["failed"]),
+        ("dropped", stats["dropped"]),
         ("oldest unpublished", f"{stats['oldestUnpublishedAt']} ({age:.0f}s ago)" if age is not None else None),
         ("max attempts", stats["maxAttemptsUnpublished"]),
         ("last published", stats["lastPublishedAt"]),
     ])
     if stats["errors"]:
         click.echo()
-        echo_table(["last error of unpublished rows", "rows"], list(stats["errors"].items()))
+        echo_table(["last error of pending rows", "rows"], list(stats["errors"].items()))
+    if stats["quarantineReasons"]:
+        click.echo()
+        echo_table(["quarantine reason", "rows"], list(stats["quarantineReasons"].items()))
 
 
 @outbox.command("show")
@@ -207,13 +233,17 @@ def outbox_stats(db_path: Path, as_json: bool) -> None:
 @click.argument("event_id")
 @handle_errors
 def outbox_show(db_path: Path, as_json: bool, event_id: str) -> None:
-    """Everything about the row of EVENT_ID, with its body (exit 1 if absent)."""
+    """Everything about the row of EVENT_ID, with its body (exit 1 if absent);
+    passedBy: the later rows of its article that were published before it."""
     with reading(db_path) as conn:
         row = outbox_lib.show(conn, event_id)
     if as_json:
         emit_json(row)
         return
+    passed = row.pop("passedBy")
     echo_record([(key, value) for key, value in row.items()])
+    click.echo(f"passedBy: {len(passed)} later rows of its article published before it"
+               + ("".join(f"\n  {e}" for e in passed) if passed else ""))
 
 
 @outbox.command("prune")
@@ -231,6 +261,66 @@ def outbox_prune(db_path: Path, as_json: bool, older_than_s: float) -> None:
         emit_json({"deleted": deleted, "unpublished": left})
     else:
         click.echo(f"{deleted} published rows deleted; {left} unpublished rows kept")
+
+
+def _who() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid
+        return f"uid {os.getuid()}"
+
+
+def _acted(results: list[dict[str, Any]], as_json: bool) -> None:
+    if as_json:
+        emit_json(results)
+    else:
+        echo_table(["eventId", "outcome", "status"], _cells(results, ["eventId", "outcome", "status"]),
+                   empty="no quarantined rows")
+    missed = [r for r in results if r["outcome"].startswith("not-")]
+    if missed:
+        raise Missing(f"{len(missed)} of {len(results)} rows not acted on ({missed[0]['eventId']}: "
+                      f"{missed[0]['outcome']})")
+
+
+@outbox.command("requeue")
+@producer_db_option
+@json_option
+@click.argument("event_ids", nargs=-1)
+@click.option("--all", "every", is_flag=True, help="Every quarantined row (after fixing their common cause).")
+@click.option("--dry-run", is_flag=True, help="Say what would be requeued; change nothing.")
+@click.option("--by", default=None, help="Who requeues (recorded; default: the OS user).")
+@handle_errors
+def outbox_requeue(db_path: Path, as_json: bool, event_ids: tuple[str, ...], every: bool, dry_run: bool,
+                   by: str | None) -> None:
+    """Put quarantined (or dropped) rows back in the stream after a fix.
+
+    Each goes out again as a retry (alone for its article), with its
+    failures reset; requeued_at and requeued_by record the act. Exit 1 if
+    some EVENT_ID is unknown or not quarantined."""
+    if bool(event_ids) == every:
+        raise click.UsageError("give EVENT_ID... or --all")
+    with closing(outbox_lib.connect(db_path)) as conn:
+        ids = list(event_ids) or outbox_lib.quarantined_ids(conn)
+        results = outbox_lib.requeue(conn, ids, by=by or _who(), dry_run=dry_run)
+    _acted(results, as_json)
+
+
+@outbox.command("drop")
+@producer_db_option
+@json_option
+@click.argument("event_ids", nargs=-1, required=True)
+@click.option("--reason", help="Why (recorded with who and when).")
+@click.option("--dry-run", is_flag=True, help="Say what would be dropped; change nothing.")
+@click.option("--by", default=None, help="Who drops (recorded; default: the OS user).")
+@handle_errors
+def outbox_drop(db_path: Path, as_json: bool, event_ids: tuple[str, ...], reason: str | None, dry_run: bool,
+                by: str | None) -> None:
+    """Give up quarantined rows on purpose: never published, kept with who,
+    when and why (requeue undoes it). Exit 1 if some EVENT_ID is unknown or
+    not quarantined."""
+    with closing(outbox_lib.connect(db_path)) as conn:
+        results = outbox_lib.drop(conn, event_ids, by=by or _who(), reason=reason, dry_run=dry_run)
+    _acted(results, as_json)
 
 
 # -- produce ---------------------------------------------------------------------------------
