@@ -238,10 +238,12 @@ def prune(conn: sqlite3.Connection, *, older_than_s: float, now: float | None = 
 # -- the operator's actions -----------------------------------------------------------
 
 
-def _act(conn: sqlite3.Connection, event_ids: Iterable[str], allowed: tuple[str, ...], verb: str, sql: str,
+def _act(conn: sqlite3.Connection, event_ids: Iterable[str], allowed: tuple[str, ...], done: str, sql: str,
          params: dict[str, Any], dry_run: bool) -> list[Row]:
     """For each eventId: apply *sql* (``:seq`` and *params*) when its status is
-    in *allowed*; one result row each: eventId, outcome, status before."""
+    in *allowed*; one result row each: eventId, outcome (*done*,
+    ``would-be-<done>``, ``not-quarantined`` or ``not-found``) and the status
+    it had."""
     results: list[Row] = []
     with transaction(conn):
         for event_id in dict.fromkeys(event_ids):
@@ -251,11 +253,11 @@ def _act(conn: sqlite3.Connection, event_ids: Iterable[str], allowed: tuple[str,
                 continue
             seq, status = found
             if status not in allowed:
-                results.append({"eventId": event_id, "outcome": f"not-{verb}able", "status": status})
+                results.append({"eventId": event_id, "outcome": "not-quarantined", "status": status})
                 continue
             if not dry_run:
                 conn.execute(sql, {**params, "seq": seq})
-            results.append({"eventId": event_id, "outcome": "would-be-" + verb + "d" if dry_run else verb + "d",
+            results.append({"eventId": event_id, "outcome": f"would-be-{done}" if dry_run else done,
                             "status": status})
     return results
 
@@ -273,7 +275,7 @@ def requeue(conn: sqlite3.Connection, event_ids: Iterable[str], *, by: str, dry_
     history, ``requeued_at`` / ``requeued_by`` record the act."""
     sql = ("UPDATE outbox SET status = 'pending', failures = 0, next_attempt_at = :now, lease_owner = NULL,"
            " lease_until = NULL, requeued_at = :now, requeued_by = :by WHERE seq = :seq")
-    return _act(conn, event_ids, ("quarantined", "dropped"), "requeue", sql,
+    return _act(conn, event_ids, ("quarantined", "dropped"), "requeued", sql,
                 {"now": now_iso(now), "by": safe_reason(by, 100)}, dry_run)
 
 
@@ -283,7 +285,7 @@ def drop(conn: sqlite3.Connection, event_ids: Iterable[str], *, by: str, reason:
     dropped row is never published (``requeue`` undoes it)."""
     sql = "UPDATE outbox SET status = 'dropped', dropped_at = :now, dropped_by = :by, drop_reason = :reason" \
           " WHERE seq = :seq"
-    return _act(conn, event_ids, ("quarantined",), "drop", sql,
+    return _act(conn, event_ids, ("quarantined",), "dropped", sql,
                 {"now": now_iso(now), "by": safe_reason(by, 100),
                  "reason": safe_reason(reason, 200) if reason else None}, dry_run)
 
