@@ -74,7 +74,7 @@ def pending_states(conn: sqlite3.Connection, now_s: str) -> dict[int, tuple[str,
             state, detail = "held", f"held behind {holder[key]}"
         else:
             state, detail = "pending", None
-        if state in ("leased", "retrying"):
+        if state in ("leased", "retrying") or next_at is not None:  # a due retry goes out alone, too
             holder.setdefault(key, event_id)
         out[seq] = (state, detail)
     return out

@@ -1,0 +1,193 @@
+"""The producer side under faults, with the real broker and real processes:
+bad rows among good ones, requeue after the fix, order per article seen from
+the consumer's receipts while a row is retried, and a dispatcher SIGKILLed
+mid-batch whose leases another dispatcher takes back at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sqlite3
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from brokerkit import Namespace, kill
+from outboxkit import envelope
+from support import read_rows
+from test_outbox_broker import make_events, published, queued_ids, start_dispatch
+
+from delivery_consumer import outbox
+from delivery_consumer.store import now_iso
+
+pytestmark = pytest.mark.broker
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout: float = 60) -> None:
+    """Poll an observable condition (a row count, a receipt) until it holds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def extra_queue(ns: Namespace, name: str, key: str, **arguments: Any) -> Iterator[str]:
+    """A queue of this test's own, bound to the namespace's exchange; deleted afterwards."""
+    queue = f"{ns.prefix}.{name}"
+    conn, ch = ns.channel()
+    ch.exchange_declare(ns.exchange, exchange_type="topic", durable=True)
+    ch.queue_declare(queue, durable=True, arguments=arguments or None)
+    ch.queue_bind(queue, ns.exchange, routing_key=key)
+    conn.close()
+    try:
+        yield queue
+    finally:
+        conn, ch = ns.channel()
+        ch.queue_delete(queue)
+        conn.close()
+
+
+def rows(db: Path, state: str = "all") -> dict[str, dict[str, Any]]:
+    with contextlib.closing(outbox.connect(db, readonly=True)) as conn:
+        return {r["eventId"]: r for r in outbox.list_rows(conn, state=state, limit=0)}
+
+
+def test_bad_rows_among_good_ones_are_quarantined_and_a_requeue_after_the_fix_publishes_once(ns: Namespace) -> None:
+    """An unroutable row and a row with a 300-byte key among 100 good rows: every good row is published once, both
+    bad ones are quarantined with their reason, dispatch exits 1 on its own saying so; after binding the key,
+    requeue publishes that row exactly once, and after dropping the other, dispatch exits 0."""
+    db = ns.workdir / "producer.db"
+    good = make_events(db, 50, articles=20)
+    conn = outbox.connect(db)
+    with outbox.transaction(conn):
+        unroutable = envelope("article-1", 99)
+        outbox.enqueue(conn, unroutable, routing_key="nowhere.x")
+        too_long = envelope("article-2", 99)  # written as older code did, without the key check
+        conn.execute("INSERT INTO outbox (event_id, routing_key, ordering_key, body, fingerprint, created_at)"
+                     " VALUES (?, ?, 'article-2', ?, 'f', ?)",
+                     (too_long["eventId"], "x" * 300, orjson.dumps(too_long), now_iso()))
+    conn.close()
+    good += make_events(db, 50, articles=20, seed=2)
+    first = ns.cli("dispatch", "--db", str(db), "--consumer", "catalog", "--batch", "20", "--exit-when-idle", "1s",
+                   "--poll", "50ms")
+    assert 1 == first.returncode, first.stderr[-2000:]
+    assert "2 rows left: 2 quarantined" in first.stderr
+    assert "Traceback" not in first.stderr
+    assert Counter(dict.fromkeys(good, 1)) == queued_ids(ns)
+    quarantined = rows(db, "quarantined")
+    assert {unroutable["eventId"], too_long["eventId"]} == set(quarantined)
+    assert "returned: unroutable: 312 NO_ROUTE" == quarantined[unroutable["eventId"]]["quarantineReason"]
+    assert quarantined[too_long["eventId"]]["quarantineReason"].startswith("invalid: routing key is 300 bytes")
+    listed = ns.cli("outbox", "list", "--db", str(db), "--state", "quarantined")
+    assert "quarantined: returned: unroutable: 312 NO_ROUTE" in listed.stdout
+
+    with extra_queue(ns, "nowhere", "nowhere.x") as fixed:
+        requeued = ns.cli("outbox", "requeue", "--db", str(db), unroutable["eventId"])
+        assert 0 == requeued.returncode, requeued.stderr
+        dropped = ns.cli("outbox", "drop", "--db", str(db), too_long["eventId"], "--reason", "key too long")
+        assert 0 == dropped.returncode, dropped.stderr
+        second = ns.cli("dispatch", "--db", str(db), "--consumer", "catalog", "--exit-when-idle", "1s",
+                        "--poll", "50ms")
+        assert 0 == second.returncode, second.stderr[-2000:]
+        assert [unroutable["eventId"]] == [props.message_id for props, _ in ns.drain(fixed)]
+    assert Counter(dict.fromkeys(good, 1)) == queued_ids(ns)
+    final = rows(db)
+    assert "published" == final[unroutable["eventId"]]["state"]
+    assert ("dropped", "key too long") == (final[too_long["eventId"]]["state"],
+                                           final[too_long["eventId"]]["dropReason"])
+
+
+def test_later_rows_of_an_article_reach_the_consumer_only_after_the_row_in_retry(ns: Namespace) -> None:
+    """a1 is nacked (its queue refuses everything) and retried; rows the producer writes meanwhile: the catalog
+    receives the other article's but nothing later of article a, which outbox list shows held behind a1; once the
+    queue accepts a1, a2 and a3 follow, received after a1 was published."""
+    db = ns.workdir / "producer.db"
+    conn = outbox.connect(db)
+    a1, a2, b1, a3, b2 = (envelope("a", 1), envelope("a", 2), envelope("b", 1), envelope("a", 3), envelope("b", 2))
+    with outbox.transaction(conn):
+        outbox.enqueue(conn, a1, routing_key="slow.a")
+        outbox.enqueue(conn, b1)
+    inbox = ns.db("catalog")
+
+    def receipts() -> dict[str, str]:
+        if not inbox.exists():
+            return {}
+        with contextlib.closing(sqlite3.connect(f"file:{inbox}?mode=ro", uri=True)) as c:
+            return dict(c.execute("SELECT event_id, received_at FROM inbox").fetchall())
+
+    def attempts(env: dict[str, Any]) -> int:
+        return int(read_rows(db, "outbox", "attempts", where="event_id = ?", params=(env["eventId"],))[0][0])
+
+    with extra_queue(ns, "slow", "slow.a", **{"x-max-length": 0, "x-overflow": "reject-publish"}):
+        consumer = ns.start_run("catalog")
+        dispatcher = start_dispatch(ns, db, "--retry-base", "100ms", "--retry-cap", "300ms", "--max-attempts",
+                                    "1000", "--poll", "50ms")
+        try:
+            wait_for("a1 nacked once", lambda: attempts(a1) >= 1)
+            with outbox.transaction(conn):  # the producer goes on writing while a1 is in retry
+                for env in (a2, a3, b2):
+                    outbox.enqueue(conn, env)
+            conn.close()
+            wait_for("b1 and b2 received, a1 tried 3 times",
+                     lambda: {b1["eventId"], b2["eventId"]} <= set(receipts()) and attempts(a1) >= 3)
+            assert not {a2["eventId"], a3["eventId"]} & set(receipts())
+            waiting = rows(db, "pending")
+            assert f"held behind {a1['eventId']}" == waiting[a2["eventId"]]["detail"]
+            assert "nacked" in waiting[a1["eventId"]]["lastError"]
+            amqp, ch = ns.channel()
+            ch.queue_delete(f"{ns.prefix}.slow")  # the fix: a queue that accepts it
+            ch.queue_declare(f"{ns.prefix}.slow", durable=True)
+            ch.queue_bind(f"{ns.prefix}.slow", ns.exchange, routing_key="slow.a")
+            amqp.close()
+            wait_for("a3 received", lambda: a3["eventId"] in receipts())
+        finally:
+            kill(dispatcher)  # type: ignore[arg-type]
+            kill(consumer)
+            conn.close()
+        a1_published = str(read_rows(db, "outbox", "published_at", where="event_id = ?", params=(a1["eventId"],))[0][0])
+        got = receipts()
+        assert a1_published <= got[a2["eventId"]] and a1_published <= got[a3["eventId"]]
+
+
+def test_a_dispatcher_killed_mid_batch_has_its_leases_taken_back_at_once(ns: Namespace) -> None:
+    """SIGKILL of the dispatcher's main PID while it holds leases of 10 minutes: a second dispatcher on this host
+    takes them back at once (the pid is gone) and publishes everything, far within the lease."""
+    db = ns.workdir / "producer.db"
+    ids = make_events(db, 3000, articles=1000, seed=5)
+
+    def leased() -> int:
+        return int(read_rows(db, "outbox", "count(*)", where="status = 'pending' AND lease_owner IS NOT NULL")[0][0])
+
+    first = start_dispatch(ns, db, "--batch", "100", "--lease", "10m", "--poll", "50ms")
+    try:
+        wait_for("the first dispatcher publishing", lambda: (published(db) > 0 and leased() > 0)
+                 or first.poll() is not None)
+        os.kill(first.pid, signal.SIGKILL)  # the main PID alone, as an operator's kill -9
+        first.wait(timeout=30)
+    finally:
+        if first.poll() is None:
+            kill(first)  # type: ignore[arg-type]
+        first.communicate()
+    held = leased()
+    assert held > 0 and published(db) < len(ids), "the kill did not land mid-batch"
+    started = time.monotonic()
+    second = ns.cli("dispatch", "--db", str(db), "--consumer", "catalog", "--lease", "10m", "--exit-when-idle", "1s",
+                    "--poll", "50ms")
+    assert 0 == second.returncode, second.stderr[-2000:]
+    assert time.monotonic() - started < 300  # far within the 10-minute lease (the test's timeout is lower)
+    assert len(ids) == published(db)
+    taken = read_rows(db, "outbox", "count(*)", where="last_error LIKE 'lease of % taken back: its process % is gone'")
+    assert [(held,)] == taken
+    copies = queued_ids(ns)
+    assert set(ids) == set(copies)
+    assert sum(copies.values()) - len(ids) <= 2 * 100  # at most the batches in flight went twice
+    assert [] == read_rows(db, "outbox_owners")
+
