@@ -29,6 +29,14 @@ done again.
 
     python bench/bench_dispatch.py [--messages 20000] [--repeat 3] [--batches 100,500,1000,2000]
     python bench/bench_dispatch.py --ab-depth 10   # only depth 1 vs 2 at batch 1000, in adjacent pairs
+    python bench/bench_dispatch.py --ab-ref main --pairs 5   # this code against another commit's, same work
+
+``--ab-ref REF`` exports the package at git commit REF (``git archive``) and
+times the library dispatcher (batch 1000, depth 2) of both versions on the
+same events, each in a fresh process with its own producer database made by
+its own code, in adjacent pairs (order alternating): it prints
+``this / REF`` throughput per pair and the median. The limit of a change
+that adds bookkeeping is 1.0 (no slower), within the noise the pairs show.
 """
 
 from __future__ import annotations
@@ -36,12 +44,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import io
 import os
 import re
 import shutil
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import uuid
@@ -180,6 +190,72 @@ def make_outbox(path: Path, bodies: list[bytes]) -> None:
     conn.close()
 
 
+def export(ref: str, into: Path) -> Path:
+    """The package as it is at git commit *ref*, unpacked under *into*."""
+    repo = Path(__file__).resolve().parent.parent
+    tar = subprocess.run(["git", "-C", str(repo), "archive", ref, "delivery_consumer", "schemas"],
+                         capture_output=True, check=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
+        archive.extractall(into, filter="data")
+    return into  # envelope.py finds schemas/ beside the package, as in a checkout
+
+
+def in_process_of(code: Path | None, *args: str) -> str:
+    """Run this script's hidden ``--worker`` mode with the package from *code*
+    (None: this checkout) first on the path; its stdout."""
+    env = dict(os.environ)
+    if code is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(code), env.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, __file__, "--worker", *args], capture_output=True, text=True, env=env,
+                          timeout=900)
+    if proc.returncode != 0:
+        raise SystemExit(f"worker {args[0]} failed:\n{proc.stderr[-2000:]}")
+    return proc.stdout.strip()
+
+
+def worker(args: list[str]) -> None:
+    """``--worker make DB N`` (an outbox of make_events(N) with this code) or
+    ``--worker dispatch DB URL EXCHANGE`` (seconds of dispatching it)."""
+    if args[0] == "make":
+        make_outbox(Path(args[1]), make_events(int(args[2])))
+    else:
+        print(dispatched(args[2], args[3], Path(args[1]), 1000, 2))
+
+
+def ab_ref(url: str, n: int, pairs: int, ref: str) -> None:
+    """This code's dispatcher against REF's, measured back to back in fresh processes."""
+    prefix = f"bench{uuid.uuid4().hex[:6]}"
+    topo = Topology(consumer="catalog", binding_keys=("material.*",), exchange=f"{prefix}.events", prefix=prefix)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        old = export(ref, work / "ref")
+        templates = {"this": work / "this.db", ref: work / "ref.db"}
+        in_process_of(None, "make", str(templates["this"]), str(n))
+        in_process_of(old, "make", str(templates[ref]), str(n))
+
+        def run(side: str) -> float:
+            db = work / f"{uuid.uuid4().hex[:8]}.db"
+            shutil.copyfile(templates[side], db)
+            code = None if side == "this" else old
+            return measure(url, topo, n, side, lambda: float(in_process_of(code, "dispatch", str(db), url,
+                                                                            topo.exchange)))
+
+        ratios = []
+        try:
+            for i in range(pairs):
+                seconds = {side: run(side) for side in (("this", ref) if i % 2 == 0 else (ref, "this"))}
+                ratios.append(seconds[ref] / seconds["this"])
+                print(f"  pair {i + 1}  this {n / seconds['this']:>7.0f} msg/s  {ref} {n / seconds[ref]:>7.0f} msg/s"
+                      f"  this / {ref} {ratios[-1]:.2f}", flush=True)
+        finally:
+            with contextlib.suppress(pika.exceptions.AMQPError):
+                delete_queues(url, topo)
+    print(f"\n{dt.datetime.now().isoformat(timespec='minutes')} · {os.cpu_count()} cores · {n} messages · "
+          f"batch 1000, depth 2 · load average {os.getloadavg()[0]:.1f}")
+    print(f"this / {ref} (limit 1.00): median {statistics.median(ratios):.2f}, range {min(ratios):.2f}-"
+          f"{max(ratios):.2f}, {sum(r >= 1 for r in ratios)} of {pairs} pairs at or above 1")
+
+
 def ab_depth(url: str, n: int, pairs: int) -> None:
     """depth 2 against depth 1, measured back to back so that both see the same load."""
     prefix = f"bench{uuid.uuid4().hex[:6]}"
@@ -210,6 +286,9 @@ def ab_depth(url: str, n: int, pairs: int) -> None:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--worker"]:
+        worker(sys.argv[2:])
+        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--messages", type=int, default=20_000)
     parser.add_argument("--repeat", type=int, default=3)
@@ -217,8 +296,13 @@ def main() -> None:
     parser.add_argument("--amqp-url", default=os.environ.get("DELIVERY_AMQP_URL", DEFAULT_URL))
     parser.add_argument("--ab-depth", type=int, default=0, metavar="PAIRS",
                         help="instead: dispatch --depth 1 vs 2 at batch 1000, PAIRS adjacent pairs (order alternating)")
+    parser.add_argument("--ab-ref", metavar="REF", help="instead: this code's dispatcher vs git commit REF's")
+    parser.add_argument("--pairs", type=int, default=5, help="pairs for --ab-ref")
     args = parser.parse_args()
     url, n = args.amqp_url, args.messages
+    if args.ab_ref:
+        ab_ref(url, n, args.pairs, args.ab_ref)
+        return
     if args.ab_depth:
         ab_depth(url, n, args.ab_depth)
         return
