@@ -438,6 +438,23 @@ def test_a_live_owner_keeps_its_lease_and_a_reused_pid_does_not_count(conn: sqli
     assert 1 == d.step()
 
 
+def test_a_pid_in_another_pid_namespace_is_never_checked_here(conn: sqlite3.Connection) -> None:
+    """An owner on this host name and boot but in another pid namespace (another container) is judged by its
+    heartbeat only, however dead its pid looks here; one registered in an earlier boot is dead."""
+    add(conn, envelope())
+    clock = Clock()
+    me = owners.Identity.mine("me")
+    assert me.boot_id is not None
+    registered(conn, "container", pid=gone_pid(), beat_at=clock.now, boot=me.boot_id.split()[0] + " pid:[1]")
+    lease_to(conn, "container", clock.now + 3600)
+    d = dispatcher(conn, FakePublisher(), clock)
+    assert 0 == d.step()
+    conn.execute("UPDATE outbox_owners SET boot_id = 'earlier-boot pid:[1]'")
+    clock.now += 1.5
+    assert 1 == d.step()
+    assert "was restarted" in conn.execute("SELECT last_error FROM outbox").fetchone()[0]
+
+
 def test_an_owner_whose_heartbeat_stopped_is_dead_on_any_host(conn: sqlite3.Connection) -> None:
     """On another host only the heartbeat tells: fresh keeps the lease, older than 5 beats loses it."""
     add(conn, envelope())

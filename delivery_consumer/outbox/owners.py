@@ -7,7 +7,8 @@ it), and a heartbeat that a thread refreshes every ``heartbeat_s``
 (:class:`Heartbeat`). Another dispatcher takes its leases back **at once**
 (:func:`reap`) when it is known dead:
 
-* same host and boot: the pid is gone, a zombie, or another process;
+* same host, boot and pid namespace: the pid is gone, a zombie, or another
+  process; same host, earlier boot: dead too;
 * any host: the heartbeat is older than ``STALE_BEATS`` beats.
 
 A lease whose owner is not registered (older code, a bare ``Dispatcher``
@@ -50,8 +51,18 @@ def _read(path: str) -> str | None:
 
 
 def boot_id() -> str | None:
-    """The kernel's boot id (Linux): a reboot makes every old pid meaningless."""
-    return _read("/proc/sys/kernel/random/boot_id")
+    """The kernel's boot id and this process's pid namespace (Linux), as
+    ``"<boot id> <namespace>"``: a reboot makes every old pid meaningless, and
+    a pid means something only inside its namespace (two containers may share
+    a host name and a kernel, not their pids)."""
+    boot = _read("/proc/sys/kernel/random/boot_id")
+    if boot is None:
+        return None
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = "?"
+    return f"{boot} {namespace}"
 
 
 def proc_start(pid: int) -> str | None:
@@ -86,6 +97,7 @@ class Identity:
 def death(me: Identity, host: str, boot: str | None, pid: int, started: str | None,
           heartbeat_s: float, heartbeat_at: str, now: float) -> str | None:
     """Why the registered owner is known dead (None: alive, or cannot tell)."""
+    same_boot = boot is not None and me.boot_id is not None and boot.split()[0] == me.boot_id.split()[0]
     if host == me.host and boot is not None and boot == me.boot_id:
         current = proc_start(pid)
         if current is None:
@@ -99,7 +111,7 @@ def death(me: Identity, host: str, boot: str | None, pid: int, started: str | No
             return f"its process {pid} on {host} has exited"
         elif started is not None and current != started:
             return f"its process {pid} on {host} is gone (the pid now belongs to another process)"
-    elif host == me.host and boot is not None and me.boot_id is not None:
+    elif host == me.host and boot is not None and me.boot_id is not None and not same_boot:
         return f"{host} was restarted since it registered"
     silent = now - datetime.fromisoformat(heartbeat_at).timestamp()
     if silent > STALE_BEATS * heartbeat_s:
