@@ -567,3 +567,52 @@ def test_a_version_1_database_is_upgraded_and_keeps_its_rows(tmp_path: Path) -> 
     assert ids[1:] == [m.message_id for m in pub.sent]
     assert 0 == outbox.unpublished(conn)
     conn.close()
+
+
+MISUSE = """
+import sys
+from delivery_consumer import outbox, producer
+conn = producer.open_db(sys.argv[1])
+with outbox.transaction(conn):
+    conn.execute("INSERT INTO material VALUES ('a', 1, 't', 'u', 1, ?, 'now')", (sys.argv[2],))
+    try:
+        with outbox.transaction(conn):  # the misuse: refused, the outer transaction goes on
+            pass
+    except outbox.OutboxError as exc:
+        print("refused:", exc, flush=True)
+    outbox.enqueue(conn, {"eventId": sys.argv[2], "type": "material.published", "articleId": "a", "revision": 1,
+                          "occurredAt": "2026-11-29T10:00:00Z", "data": {"title": "t", "url": "u"}})
+    print("written", flush=True)
+    if sys.stdin.readline().strip() != "commit":
+        raise SystemExit("told not to commit")
+print("committed", flush=True)
+"""
+
+
+@pytest.mark.parametrize("end", ["commit", "sigkill", "abort"])
+def test_nested_transaction_misuse_in_a_real_process_keeps_change_and_event_together(tmp_path: Path,
+                                                                                      end: str) -> None:
+    """A producer process that misuses outbox.transaction, then commits, is SIGKILLed or gives up: its material
+    row and its event are both committed or both absent."""
+    db, event_id = tmp_path / "p.db", "0b7f3b1e-0000-4000-8000-000000000001"
+    proc = subprocess.Popen([sys.executable, "-c", MISUSE, str(db), event_id], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline().startswith("refused: outbox.transaction cannot be nested")
+        assert "written\n" == proc.stdout.readline()
+        if end == "sigkill":
+            os.kill(proc.pid, 9)
+        else:
+            proc.stdin.write(f"{end}\n")
+            proc.stdin.flush()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+    with closing(sqlite3.connect(db)) as conn:
+        material = conn.execute("SELECT count(*) FROM material").fetchone()[0]
+        events = conn.execute("SELECT count(*) FROM outbox WHERE event_id = ?", (event_id,)).fetchone()[0]
+    expected = (1, 1) if end == "commit" else (0, 0)
+    assert expected == (material, events)
