@@ -191,3 +191,24 @@ def test_a_dispatcher_killed_mid_batch_has_its_leases_taken_back_at_once(ns: Nam
     assert sum(copies.values()) - len(ids) <= 2 * 100  # at most the batches in flight went twice
     assert [] == read_rows(db, "outbox_owners")
 
+
+
+def test_stream_publisher_fails_an_unencodable_message_alone(ns: Namespace) -> None:
+    """Messages pika cannot encode (a 300-byte routing key, a 300-byte message_id, a lone surrogate) come back
+    'unencodable' alone; the messages around them are confirmed, in order, on the same channel, exactly once."""
+    from delivery_consumer.broker import OutMessage, StreamPublisher
+
+    def message(tag: str, key: str = "material.published", mid: str | None = None) -> OutMessage:
+        return OutMessage(routing_key=key, body=b"{}", exchange=ns.exchange, message_id=mid or tag)
+
+    batch = [message("a0"), message("bad-key", key="k" * 300), message("a1"), message("bad-id", mid="m" * 300),
+             message("bad-utf8", key="material.\ud800"), message("a2")]
+    with StreamPublisher(ns.url, topologies=[ns.topology("catalog")], window=2) as pub:
+        pub.connect()
+        first = pub.collect(pub.send(batch))
+        second = pub.collect(pub.send([message("a3")]))
+    assert ["confirmed", "unencodable", "confirmed", "unencodable", "unencodable", "confirmed"] == [
+        r.status for r in first]
+    assert "ShortStringTooLong" in first[1].reason
+    assert ["confirmed"] == [r.status for r in second]
+    assert ["a0", "a1", "a2", "a3"] == [props.message_id for props, _ in ns.drain(ns.topology("catalog").queue)]
