@@ -7,8 +7,8 @@ Each row is a dict with camelCase keys (what ``--json`` prints). Its
 ``retrying`` (waiting for its backoff), ``held`` (behind an earlier row of
 its article that is leased or retrying) or ``pending`` (due: the next
 claim takes it); ``detail`` says it in words: ``leased by <owner> until
-<time>``, ``held behind <eventId>``, ``next attempt at <time>``, the
-quarantine reason, who dropped it. In plain SQL the lasting part is the
+<time>``, ``held behind <eventId>``, ``next attempt at <time>``, when and
+why it was quarantined, who dropped it when and why. In plain SQL the lasting part is the
 ``status`` column (``pending | published | quarantined | dropped``).
 """
 
@@ -88,8 +88,8 @@ def _row(values: Sequence[Any], states: dict[int, tuple[str, str | None]]) -> Ro
     else:
         out["state"] = status
         out["detail"] = {
-            "quarantined": f"quarantined: {out['quarantineReason']}",
-            "dropped": f"dropped by {out['droppedBy']}: {out['dropReason'] or 'no reason given'}",
+            "quarantined": f"quarantined at {out['quarantinedAt']}: {out['quarantineReason']}",
+            "dropped": f"dropped by {out['droppedBy']} at {out['droppedAt']}: {out['dropReason'] or 'no reason given'}",
         }.get(status)
     return out
 
