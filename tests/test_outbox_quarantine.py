@@ -13,6 +13,7 @@ import socket
 import sqlite3
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import closing
@@ -571,6 +572,7 @@ def test_a_version_1_database_is_upgraded_and_keeps_its_rows(tmp_path: Path) -> 
 
 MISUSE = """
 import sys
+import time
 from delivery_consumer import outbox, producer
 conn = producer.open_db(sys.argv[1])
 with outbox.transaction(conn):
@@ -616,3 +618,59 @@ def test_nested_transaction_misuse_in_a_real_process_keeps_change_and_event_toge
         events = conn.execute("SELECT count(*) FROM outbox WHERE event_id = ?", (event_id,)).fetchone()[0]
     expected = (1, 1) if end == "commit" else (0, 0)
     assert expected == (material, events)
+
+
+# -- metrics ----------------------------------------------------------------------------------------------
+
+
+def test_metrics_count_rows_by_state_and_this_dispatchers_results(conn: sqlite3.Connection, tmp_path: Path) -> None:
+    """The collector reads rows by state from the database (quarantined included) and this process's counters."""
+    from prometheus_client import generate_latest
+
+    from delivery_consumer.outbox import metrics
+
+    ids = add(conn, envelope("a"), envelope("b"), envelope("c"))
+    pub, clock = FakePublisher(), Clock()
+    pub.verdicts = {ids[0]: "returned", ids[1]: "nacked"}
+    d = dispatcher(conn, pub, clock)
+    d.step()
+    text = generate_latest(metrics.registry(tmp_path / "producer.db", d.stats)).decode()
+    for line in ('outbox_rows{state="quarantined"} 1.0', 'outbox_rows{state="published"} 1.0',
+                 'outbox_rows{state="retrying"} 1.0', 'outbox_rows{state="due"} 0.0',
+                 'outbox_dispatch_results_total{result="nacked"} 1.0', "outbox_dispatch_quarantined_total 1.0"):
+        assert line in text
+
+
+def test_dispatch_serves_metrics_while_it_waits_for_the_broker(tmp_path: Path) -> None:
+    """dispatch --metrics-port answers /metrics with the quarantined rows while the broker is unreachable."""
+    import urllib.request
+
+    db = tmp_path / "p.db"
+    conn = outbox.connect(db)
+    ids = add(conn, envelope("a"), envelope("b"))
+    pub = FakePublisher()
+    pub.verdicts = {ids[0]: "returned"}
+    dispatcher(conn, pub, Clock()).step()
+    conn.close()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "delivery_consumer", "dispatch", "--db", str(db), "--amqp-url",
+                             "amqp://guest:guest@127.0.0.1:1/%2F", "--exit-when-idle", "30s", "--metrics-port",
+                             str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        text = ""
+        for _ in range(600):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+                    text = answer.read().decode()
+                break
+            except OSError:
+                if proc.poll() is not None:
+                    break
+                time.sleep(0.05)
+        assert 'outbox_rows{state="quarantined"} 1.0' in text, proc.stderr.read() if proc.poll() is not None else ""
+        assert 'outbox_rows{state="published"} 1.0' in text
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=60)

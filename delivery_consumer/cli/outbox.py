@@ -95,12 +95,16 @@ def reading(db_path: Path) -> Iterator[sqlite3.Connection]:
               help="Nacks of one row before it is quarantined (an outage counts none).")
 @click.option("--exit-when-idle", "exit_when_idle_s", type=Duration(),
               help="Exit after no row was published or quarantined for this long (e.g. 2s).")
+@click.option("--metrics-port", type=click.IntRange(0, 65535),
+              help="Serve Prometheus metrics on this port (rows by state, quarantined included).")
+@click.option("--metrics-host", default="127.0.0.1", show_default=True, help="Address the metrics listen on.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 @handle_errors
 def dispatch(db_path: Path, amqp_url: str, exchange: str, queue_prefix: str, declare_for: tuple[str, ...],
              batch: int, depth: int, lease_s: float, poll_s: float, retry_base_s: float, retry_cap_s: float,
-             max_attempts: int, exit_when_idle_s: float | None, log_level: str) -> None:
+             max_attempts: int, exit_when_idle_s: float | None, metrics_port: int | None, metrics_host: str,
+             log_level: str) -> None:
     """Publish the outbox's pending rows, in creation order.
 
     Persistent, mandatory, message_id = eventId, pipelined publisher
@@ -131,6 +135,10 @@ def dispatch(db_path: Path, amqp_url: str, exchange: str, queue_prefix: str, dec
                               name=f"delivery-consumer dispatch {config.owner}",
                               timeout_s=config.publish_timeout_s, window=min(1000, batch))
         dispatcher = outbox_lib.Dispatcher(conn, publisher, config)
+        if metrics_port is not None:
+            from ..outbox import metrics
+
+            metrics.serve(metrics.registry(db_path, dispatcher.stats), metrics_port, metrics_host)
 
         def on_signal(signum: int, _frame: FrameType | None) -> None:
             if dispatcher.stopping:  # a second signal: stop now; the leases expire
