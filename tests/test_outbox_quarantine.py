@@ -370,7 +370,7 @@ def test_cli_requeue_drop_list_and_show(tmp_path: Path) -> None:
         return runner.invoke(main, [*args[:2], "--db", str(db), *args[2:]])
 
     listed = cli("outbox", "list", "--state", "quarantined")
-    assert 0 == listed.exit_code and ": returned: unroutable: 312 NO_ROUTE" in listed.output
+    assert 0 == listed.exit_code and "returned: unroutable: 312 NO_ROUTE" in listed.output
     shown = orjson.loads(cli("outbox", "show", ids[0], "--json").output)
     assert [ids[1]] == shown["passedBy"]
     assert "passedBy: 1 later rows" in cli("outbox", "show", ids[0]).output
