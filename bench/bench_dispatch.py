@@ -37,6 +37,9 @@ same events, each in a fresh process with its own producer database made by
 its own code, in adjacent pairs (order alternating): it prints
 ``this / REF`` throughput per pair and the median. The limit of a change
 that adds bookkeeping is 1.0 (no slower), within the noise the pairs show.
+With ``--db-only`` the publisher is an in-process stand-in that confirms
+every message at once: only the dispatcher's own work (claim and mark
+transactions, per-row checks) is timed, without the broker's noise.
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ import orjson
 import pika
 
 from delivery_consumer import outbox
-from delivery_consumer.broker import DEFAULT_URL, BrokerError, OutMessage, Publisher, StreamPublisher
+from delivery_consumer.broker import DEFAULT_URL, BrokerError, OutMessage, Publisher, PublishResult, StreamPublisher
 from delivery_consumer.topology import Topology
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -213,16 +216,51 @@ def in_process_of(code: Path | None, *args: str) -> str:
     return proc.stdout.strip()
 
 
+class InstantPublisher:
+    """Confirms every message at once (``--db-only``): the dispatcher's own cost alone."""
+
+    def connect(self) -> None:
+        pass
+
+    def send(self, messages: list[OutMessage]) -> int:
+        return len(messages)
+
+    def collect(self, ticket: int) -> list[PublishResult]:
+        return [PublishResult("confirmed")] * ticket
+
+    def idle(self, seconds: float) -> None:
+        pass
+
+
+def dispatched_db_only(db: Path) -> float:
+    conn = outbox.connect(db)
+    try:
+        dispatcher = outbox.Dispatcher(conn, InstantPublisher(), outbox.DispatchConfig(exchange="x"))
+        started = time.perf_counter()
+        while dispatcher.step():
+            pass
+        elapsed = time.perf_counter() - started
+        left = outbox.unpublished(conn)
+    finally:
+        conn.close()
+    if left:
+        raise SystemExit(f"dispatch: {left} rows left unpublished")
+    return elapsed
+
+
 def worker(args: list[str]) -> None:
-    """``--worker make DB N`` (an outbox of make_events(N) with this code) or
-    ``--worker dispatch DB URL EXCHANGE`` (seconds of dispatching it)."""
+    """``--worker make DB N`` (an outbox of make_events(N) with this code),
+    ``--worker dispatch DB URL EXCHANGE`` (seconds of dispatching it) or
+    ``--worker dispatch-db DB`` (the same with :class:`InstantPublisher`)."""
     if args[0] == "make":
         make_outbox(Path(args[1]), make_events(int(args[2])))
+    elif args[0] == "dispatch-db":
+        print(dispatched_db_only(Path(args[1])))
     else:
         print(dispatched(args[2], args[3], Path(args[1]), 1000, 2))
 
 
-def ab_ref(url: str, n: int, pairs: int, ref: str) -> None:
+def ab_ref(url: str, n: int, pairs: int, ref: str, db_only: bool = False) -> None:
     """This code's dispatcher against REF's, measured back to back in fresh processes."""
     prefix = f"bench{uuid.uuid4().hex[:6]}"
     topo = Topology(consumer="catalog", binding_keys=("material.*",), exchange=f"{prefix}.events", prefix=prefix)
@@ -237,6 +275,8 @@ def ab_ref(url: str, n: int, pairs: int, ref: str) -> None:
             db = work / f"{uuid.uuid4().hex[:8]}.db"
             shutil.copyfile(templates[side], db)
             code = None if side == "this" else old
+            if db_only:
+                return float(in_process_of(code, "dispatch-db", str(db)))
             return measure(url, topo, n, side, lambda: float(in_process_of(code, "dispatch", str(db), url,
                                                                             topo.exchange)))
 
@@ -251,7 +291,8 @@ def ab_ref(url: str, n: int, pairs: int, ref: str) -> None:
             with contextlib.suppress(pika.exceptions.AMQPError):
                 delete_queues(url, topo)
     print(f"\n{dt.datetime.now().isoformat(timespec='minutes')} · {os.cpu_count()} cores · {n} messages · "
-          f"batch 1000, depth 2 · load average {os.getloadavg()[0]:.1f}")
+          f"batch 1000, depth 2 · {'no broker (instant confirms)' if db_only else 'quorum queue'} · "
+          f"load average {os.getloadavg()[0]:.1f}")
     print(f"this / {ref} (limit 1.00): median {statistics.median(ratios):.2f}, range {min(ratios):.2f}-"
           f"{max(ratios):.2f}, {sum(r >= 1 for r in ratios)} of {pairs} pairs at or above 1")
 
@@ -298,10 +339,11 @@ def main() -> None:
                         help="instead: dispatch --depth 1 vs 2 at batch 1000, PAIRS adjacent pairs (order alternating)")
     parser.add_argument("--ab-ref", metavar="REF", help="instead: this code's dispatcher vs git commit REF's")
     parser.add_argument("--pairs", type=int, default=5, help="pairs for --ab-ref")
+    parser.add_argument("--db-only", action="store_true", help="--ab-ref without the broker: instant confirms")
     args = parser.parse_args()
     url, n = args.amqp_url, args.messages
     if args.ab_ref:
-        ab_ref(url, n, args.pairs, args.ab_ref)
+        ab_ref(url, n, args.pairs, args.ab_ref, args.db_only)
         return
     if args.ab_depth:
         ab_depth(url, n, args.ab_depth)
