@@ -9,6 +9,7 @@ eventId) and the clock is the test's, so every decision is checked exactly.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sqlite3
 import subprocess
@@ -437,6 +438,32 @@ def test_a_live_owner_keeps_its_lease_and_a_reused_pid_does_not_count(conn: sqli
     conn.execute("UPDATE outbox_owners SET proc_start = '1'")
     clock.now += 1.5  # the next reap
     assert 1 == d.step()
+
+
+def test_a_running_owner_here_keeps_its_lease_without_heartbeat_a_stopped_one_loses_it(
+    conn: sqlite3.Connection,
+) -> None:
+    """On this host a running owner is alive even with a stale heartbeat (its writes may be starved by a long
+    transaction); once SIGSTOPped, the stale heartbeat makes it dead."""
+    add(conn, envelope())
+    clock = Clock()
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        registered(conn, "sleepy", pid=owner.pid, proc_start=owners.proc_start(owner.pid), beat_at=clock.now - 60)
+        lease_to(conn, "sleepy", clock.now + 3600)
+        d = dispatcher(conn, FakePublisher(), clock)
+        assert 0 == d.step()
+        os.kill(owner.pid, signal.SIGSTOP)
+        for _ in range(500):  # the stop is asynchronous: wait for the state to show it
+            if (owners.proc_stat(owner.pid) or ("?",))[0] in ("T", "t"):
+                break
+            time.sleep(0.01)
+        clock.now += 1.5
+        assert 1 == d.step()
+        assert "no heartbeat for" in conn.execute("SELECT last_error FROM outbox").fetchone()[0]
+    finally:
+        owner.kill()
+        owner.wait()
 
 
 def test_a_pid_in_another_pid_namespace_is_never_checked_here(conn: sqlite3.Connection) -> None:

@@ -8,8 +8,9 @@ it), and a heartbeat that a thread refreshes every ``heartbeat_s``
 (:func:`reap`) when it is known dead:
 
 * same host, boot and pid namespace: the pid is gone, a zombie, or another
-  process; same host, earlier boot: dead too;
-* any host: the heartbeat is older than ``STALE_BEATS`` beats.
+  process; a running one is alive; a stopped one (SIGSTOP) is judged by its
+  heartbeat; same host, earlier boot: dead too;
+* another host: the heartbeat is older than ``STALE_BEATS`` beats.
 
 A lease whose owner is not registered (older code, a bare ``Dispatcher``
 driven by hand) still ends only at ``lease_until``. A process that is merely
@@ -65,17 +66,23 @@ def boot_id() -> str | None:
     return f"{boot} {namespace}"
 
 
-def proc_start(pid: int) -> str | None:
-    """Start time of *pid* in clock ticks since boot (``/proc/<pid>/stat``
-    field 22), or None when unknown; ``"zombie"`` for a process that has
-    exited and waits to be reaped."""
+def proc_stat(pid: int) -> tuple[str, str] | None:
+    """State and start time of *pid* (``/proc/<pid>/stat`` fields 3 and 22:
+    ``R``/``S``/``D`` running or waiting, ``T``/``t`` stopped, ``Z``/``X``
+    exited; clock ticks since boot), or None when unknown."""
     stat = _read(f"/proc/{pid}/stat")
     if stat is None:
         return None
     fields = stat.rpartition(")")[2].split()  # the command name may hold spaces and parentheses
     if len(fields) < 20:
         return None
-    return "zombie" if fields[0] in ("Z", "X") else fields[19]
+    return fields[0], fields[19]
+
+
+def proc_start(pid: int) -> str | None:
+    """Start time of *pid* in clock ticks since boot, or None when unknown."""
+    stat = proc_stat(pid)
+    return None if stat is None else stat[1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,10 +103,15 @@ class Identity:
 
 def death(me: Identity, host: str, boot: str | None, pid: int, started: str | None,
           heartbeat_s: float, heartbeat_at: str, now: float) -> str | None:
-    """Why the registered owner is known dead (None: alive, or cannot tell)."""
+    """Why the registered owner is known dead (None: alive, or cannot tell).
+
+    On this host (same boot and pid namespace) the process itself answers: a
+    running one is alive whatever its heartbeat (a long producer transaction
+    may starve the heartbeat's writes); a stopped one (SIGSTOP) is judged by
+    its heartbeat. Elsewhere only the heartbeat tells."""
     same_boot = boot is not None and me.boot_id is not None and boot.split()[0] == me.boot_id.split()[0]
     if host == me.host and boot is not None and boot == me.boot_id:
-        current = proc_start(pid)
+        current = proc_stat(pid)
         if current is None:
             try:
                 os.kill(pid, 0)
@@ -107,10 +119,12 @@ def death(me: Identity, host: str, boot: str | None, pid: int, started: str | No
                 return f"its process {pid} on {host} is gone"
             except PermissionError:
                 pass
-        elif current == "zombie":
+        elif current[0] in ("Z", "X"):
             return f"its process {pid} on {host} has exited"
-        elif started is not None and current != started:
+        elif started is not None and current[1] != started:
             return f"its process {pid} on {host} is gone (the pid now belongs to another process)"
+        elif current[0] not in ("T", "t"):
+            return None
     elif host == me.host and boot is not None and me.boot_id is not None and not same_boot:
         return f"{host} was restarted since it registered"
     silent = now - datetime.fromisoformat(heartbeat_at).timestamp()
