@@ -121,6 +121,7 @@ log = logging.getLogger("delivery_consumer.dispatch")
 PERMANENT: Final = frozenset({"returned", "unencodable"})
 #: How often (seconds of the dispatcher's clock) registered owners are checked for death.
 REAP_EVERY_S: Final = 1.0
+_UNSEEN: Final = "?"  # a routing key not checked yet (a problem is never this short)
 
 
 class PublisherLike(Protocol):
@@ -144,7 +145,6 @@ class Claimed(NamedTuple):
     routing_key: str
     body: bytes
     attempts: int
-    failures: int = 0
 
 
 @dataclass
@@ -314,21 +314,24 @@ class Dispatcher:
             " AND coalesce(lease_until, '') <= ?1 LIMIT 1", (now_s,)).fetchone()
         if due is None:
             return taken
+        problems = self._key_problems
         with transaction(self.conn) as conn:
             blocked: set[str] = set()
             size = 0
             cur = conn.execute(
-                "SELECT seq, event_id, routing_key, ordering_key, body, attempts, failures, next_attempt_at,"
+                "SELECT seq, event_id, routing_key, ordering_key, body, attempts, next_attempt_at,"
                 " lease_owner, lease_until FROM outbox WHERE status = 'pending' ORDER BY seq"
             )
             try:
-                for seq, event_id, routing_key, key, body, attempts, failures, next_at, owner, lease_until in cur:
+                for seq, event_id, routing_key, key, body, attempts, next_at, owner, lease_until in cur:
                     if key in blocked:
                         continue
                     if (next_at is not None and next_at > now_s) or (lease_until is not None and lease_until > now_s):
                         blocked.add(key)
                         continue
-                    problem = self._key_problem(routing_key)
+                    problem = problems.get(routing_key, _UNSEEN)
+                    if problem is _UNSEEN:
+                        problem = self._key_problem(routing_key)
                     if problem is not None:
                         reason = safe_reason(f"invalid: {problem}", MAX_ERROR_CHARS)
                         invalid.append((reason, now_s, seq))
@@ -336,7 +339,7 @@ class Dispatcher:
                     if taken and size + len(body) > self.config.batch_bytes:
                         break
                     size += len(body)
-                    taken.append(Claimed(seq, event_id, routing_key, body, attempts, failures))
+                    taken.append(Claimed(seq, event_id, routing_key, body, attempts))
                     if next_at is not None:  # a retry goes out alone for its article
                         blocked.add(key)
                     if owner is not None:
@@ -378,6 +381,7 @@ class Dispatcher:
         published: list[int] = []
         failed: list[tuple[str, str | None, int, str, int]] = []
         quarantined: list[tuple[str, str, int, str]] = []
+        nacked: list[tuple[int, str]] = []
         for row, result in zip(rows, results, strict=True):
             if result.ok:
                 published.append(row.seq)
@@ -388,15 +392,23 @@ class Dispatcher:
                 failed.append((error, None, row.seq, cfg.owner, 0))
             elif result.status in PERMANENT:
                 quarantined.append((error, error, row.seq, cfg.owner))
-            elif row.failures + 1 >= cfg.max_attempts:
-                reason = safe_reason(f"{error} (failed {row.failures + 1} times, max-attempts {cfg.max_attempts})",
-                                     MAX_ERROR_CHARS)
-                quarantined.append((error, reason, row.seq, cfg.owner))
             else:
-                delay = reconnect_delay_s(row.failures + 1, base_s=cfg.retry_base_s, cap_s=cfg.retry_cap_s)
-                failed.append((error, now_iso(now + delay), row.seq, cfg.owner, 1))
+                nacked.append((row.seq, error))
         half = len(published) // 2
         with transaction(self.conn) as conn:
+            # The failure count is read only for the rows that need it (rare),
+            # so the claim of every row does not carry it.
+            failures = dict(conn.execute(f"SELECT seq, failures FROM outbox WHERE seq IN {_SEQS}",
+                                         (_seqs(seq for seq, _ in nacked),)).fetchall()) if nacked else {}
+            for seq, error in nacked:
+                n = failures.get(seq, 0) + 1
+                if n >= cfg.max_attempts:
+                    reason = safe_reason(f"{error} (failed {n} times, max-attempts {cfg.max_attempts})",
+                                         MAX_ERROR_CHARS)
+                    quarantined.append((error, reason, seq, cfg.owner))
+                else:
+                    delay = reconnect_delay_s(n, base_s=cfg.retry_base_s, cap_s=cfg.retry_cap_s)
+                    failed.append((error, now_iso(now + delay), seq, cfg.owner, 1))
             sql = ("UPDATE outbox SET published_at = coalesce(published_at, ?1), status = 'published',"
                    " attempts = attempts + 1, last_attempt_at = ?1, next_attempt_at = NULL, lease_owner = NULL,"
                    f" lease_until = NULL WHERE seq IN {_SEQS.replace('?', '?2')}")
