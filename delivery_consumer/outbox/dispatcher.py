@@ -121,7 +121,6 @@ log = logging.getLogger("delivery_consumer.dispatch")
 PERMANENT: Final = frozenset({"returned", "unencodable"})
 #: How often (seconds of the dispatcher's clock) registered owners are checked for death.
 REAP_EVERY_S: Final = 1.0
-_UNSEEN: Final = "?"  # a routing key not checked yet (a problem is never this short)
 
 
 class PublisherLike(Protocol):
@@ -272,7 +271,7 @@ class Dispatcher:
         self._connected = False
         self._inflight: deque[tuple[list[Claimed], Any]] = deque()  # sent, not yet collected
         self._reaped_at = float("-inf")
-        self._key_problems: dict[str, str | None] = {}
+        self._good_keys: set[str] = set()  # routing keys already checked and found good
         self._idle_deadline: float | None = None  # when run() gives up for want of progress
 
     def stop(self) -> None:
@@ -282,12 +281,13 @@ class Dispatcher:
     # -- claim and mark (each one BEGIN IMMEDIATE transaction) --
 
     def _key_problem(self, key: str) -> str | None:
-        problems = self._key_problems
-        if key not in problems:
-            if len(problems) > 10_000:
-                problems.clear()
-            problems[key] = routing_key_problem(key)
-        return problems[key]
+        """routing_key_problem, remembering good keys (a few, used by every row)."""
+        problem = routing_key_problem(key)
+        if problem is None:
+            if len(self._good_keys) > 10_000:
+                self._good_keys.clear()
+            self._good_keys.add(key)
+        return problem
 
     def claim(self) -> list[Claimed]:
         """Lease up to ``batch`` publishable rows, in creation order.
@@ -314,7 +314,7 @@ class Dispatcher:
             " AND coalesce(lease_until, '') <= ?1 LIMIT 1", (now_s,)).fetchone()
         if due is None:
             return taken
-        problems = self._key_problems
+        good = self._good_keys
         with transaction(self.conn) as conn:
             blocked: set[str] = set()
             size = 0
@@ -329,10 +329,7 @@ class Dispatcher:
                     if (next_at is not None and next_at > now_s) or (lease_until is not None and lease_until > now_s):
                         blocked.add(key)
                         continue
-                    problem = problems.get(routing_key, _UNSEEN)
-                    if problem is _UNSEEN:
-                        problem = self._key_problem(routing_key)
-                    if problem is not None:
+                    if routing_key not in good and (problem := self._key_problem(routing_key)) is not None:
                         reason = safe_reason(f"invalid: {problem}", MAX_ERROR_CHARS)
                         invalid.append((reason, now_s, seq))
                         continue
