@@ -413,8 +413,11 @@ class Dispatcher:
             crashpoint("dispatch-mid-batch")
             conn.execute(sql, (now_s, _seqs(published[half:])))
             conn.executemany(
+                # An unconfirmed row keeps its next_attempt_at: a retry stays a
+                # retry (alone for its article) through an outage.
                 "UPDATE outbox SET attempts = attempts + 1, failures = failures + ?5, last_error = ?1,"
-                " last_attempt_at = ?6, next_attempt_at = ?2, lease_owner = NULL, lease_until = NULL"
+                " last_attempt_at = ?6, next_attempt_at = coalesce(?2, next_attempt_at), lease_owner = NULL,"
+                " lease_until = NULL"
                 " WHERE seq = ?3 AND status = 'pending' AND lease_owner = ?4",
                 [(*f, now_s) for f in failed],
             )
