@@ -212,3 +212,40 @@ def test_stream_publisher_fails_an_unencodable_message_alone(ns: Namespace) -> N
     assert "ShortStringTooLong" in first[1].reason
     assert ["confirmed"] == [r.status for r in second]
     assert ["a0", "a1", "a2", "a3"] == [props.message_id for props, _ in ns.drain(ns.topology("catalog").queue)]
+
+
+def test_two_dispatchers_one_killed_the_other_takes_its_leases_and_finishes(ns: Namespace) -> None:
+    """Two dispatchers share the outbox with 10-minute leases; one is SIGKILLed (main PID) while it holds rows: the
+    survivor takes exactly those leases back and publishes every row, with no copy lost."""
+    db = ns.workdir / "producer.db"
+    ids = make_events(db, 1500, articles=500, seed=9)
+    victim = start_dispatch(ns, db, "--batch", "50", "--lease", "10m", "--poll", "50ms")
+    survivor = start_dispatch(ns, db, "--batch", "50", "--lease", "10m", "--poll", "50ms", "--exit-when-idle", "3s")
+
+    def held_by_victim() -> list[tuple[object, ...]]:
+        return sql(db, "SELECT o.seq FROM outbox o JOIN outbox_owners w ON w.owner = o.lease_owner"
+                       f" WHERE w.pid = {victim.pid} AND o.status = 'pending'")
+
+    try:
+        registered = f"SELECT 1 FROM outbox_owners WHERE pid = {victim.pid}"
+        wait_for("the victim registered", lambda: bool(sql(db, registered)))
+        held: list[tuple[object, ...]] = []
+        while not held:  # freeze it (SIGSTOP) at a moment it holds rows, then kill it there
+            assert published(db) < len(ids), "everything was published before the victim held a row"
+            os.kill(victim.pid, signal.SIGSTOP)
+            held = held_by_victim()
+            if not held:
+                os.kill(victim.pid, signal.SIGCONT)
+                time.sleep(0.01)
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait(timeout=30)
+        _, err = survivor.communicate(timeout=240)
+    finally:
+        for proc in (victim, survivor):
+            if proc.poll() is None:
+                kill(proc)  # type: ignore[arg-type]
+    assert 0 == survivor.returncode, err[-2000:]
+    assert len(ids) == published(db), "the survivor left rows behind"
+    assert set(ids) == set(queued_ids(ns))
+    taken = sql(db, "SELECT seq FROM outbox WHERE last_error LIKE 'lease of % taken back: its process % is gone'")
+    assert sorted(held) == sorted(taken)
