@@ -223,12 +223,12 @@ def test_two_dispatchers_one_killed_the_other_takes_its_leases_and_finishes(ns: 
     survivor = start_dispatch(ns, db, "--batch", "50", "--lease", "10m", "--poll", "50ms", "--exit-when-idle", "3s")
 
     def held_by_victim() -> list[tuple[object, ...]]:
-        return sql(db, "SELECT o.seq FROM outbox o JOIN outbox_owners w ON w.owner = o.lease_owner"
-                       f" WHERE w.pid = {victim.pid} AND o.status = 'pending'")
+        return read_rows(db, "outbox o JOIN outbox_owners w ON w.owner = o.lease_owner", "o.seq",
+                         where="w.pid = ? AND o.status = 'pending'", params=(victim.pid,))
 
     try:
-        registered = f"SELECT 1 FROM outbox_owners WHERE pid = {victim.pid}"
-        wait_for("the victim registered", lambda: bool(sql(db, registered)))
+        wait_for("the victim registered",
+                 lambda: bool(read_rows(db, "outbox_owners", "1", where="pid = ?", params=(victim.pid,))))
         held: list[tuple[object, ...]] = []
         while not held:  # freeze it (SIGSTOP) at a moment it holds rows, then kill it there
             assert published(db) < len(ids), "everything was published before the victim held a row"
@@ -247,5 +247,5 @@ def test_two_dispatchers_one_killed_the_other_takes_its_leases_and_finishes(ns: 
     assert 0 == survivor.returncode, err[-2000:]
     assert len(ids) == published(db), "the survivor left rows behind"
     assert set(ids) == set(queued_ids(ns))
-    taken = sql(db, "SELECT seq FROM outbox WHERE last_error LIKE 'lease of % taken back: its process % is gone'")
+    taken = read_rows(db, "outbox", "seq", where="last_error LIKE 'lease of % taken back: its process % is gone'")
     assert sorted(held) == sorted(taken)
