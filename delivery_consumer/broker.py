@@ -41,7 +41,7 @@ from pika.adapters.select_connection import IOLoop, PollEvents
 
 from .errors import DeliveryError, safe_reason
 from .retry import reconnect_delay_s
-from .topology import Topology
+from .topology import Binding, Route, Topology
 
 log = logging.getLogger("delivery_consumer.broker")
 
@@ -213,23 +213,37 @@ class _Steps:
         step(self._next)
 
 
-def declare_steps(channel: Any, topologies: Sequence[Topology], exchanges: Sequence[str] = ()) -> list[Step]:
+def declare_steps(channel: Any, topologies: Sequence[Topology], exchanges: Sequence[str] = (),
+                  routes: Sequence[Route] = ()) -> list[Step]:
     """The declare operations for *topologies* (idempotent; a mismatch of
-    arguments closes the channel with 406, which is reported as fatal)."""
+    arguments closes the channel with 406, which is reported as fatal), then
+    those of *routes* (a partitioned consumer's slot routing)."""
 
-    def exchange_step(name: str) -> Step:
-        return lambda cb: channel.exchange_declare(name, exchange_type="topic", durable=True, callback=cb)
+    def exchange_step(name: str, kind: str = "topic", args: dict[str, Any] | None = None) -> Step:
+        return lambda cb: channel.exchange_declare(name, exchange_type=kind, durable=True, arguments=args,
+                                                   callback=cb)
 
     def queue_step(name: str, args: dict[str, Any]) -> Step:
         return lambda cb: channel.queue_declare(name, durable=True, arguments=args, callback=cb)
 
-    def bind_step(topo: Topology, key: str) -> Step:
-        return lambda cb: channel.queue_bind(topo.queue, topo.exchange, routing_key=key, callback=cb)
+    def bind_step(b: Binding, unbind: bool = False) -> Step:
+        if b.to_exchange:
+            call = channel.exchange_unbind if unbind else channel.exchange_bind
+            return lambda cb: call(b.destination, b.source, routing_key=b.routing_key, arguments=b.arguments,
+                                   callback=cb)
+        qcall = channel.queue_unbind if unbind else channel.queue_bind
+        return lambda cb: qcall(b.destination, b.source, routing_key=b.routing_key, arguments=b.arguments,
+                                callback=cb)
 
     steps: list[Step] = [exchange_step(ex) for ex in dict.fromkeys([*exchanges, *(t.exchange for t in topologies)])]
     for topo in topologies:
         steps.extend(queue_step(q, a) for q, a in topo.queues())
-        steps.extend(bind_step(topo, key) for key in topo.binding_keys)
+        steps.extend(bind_step(Binding(topo.exchange, topo.queue, key)) for key in topo.queue_binding_keys)
+    for route in routes:
+        steps.extend(exchange_step(name, kind, args) for name, kind, args in route.exchanges)
+        steps.extend(queue_step(q, a) for q, a in route.queues)
+        steps.extend(bind_step(b) for b in route.bind)
+        steps.extend(bind_step(b, unbind=True) for b in route.unbind)
     return steps
 
 
@@ -249,6 +263,7 @@ class Publisher:
         *,
         topologies: Sequence[Topology] = (),
         exchanges: Sequence[str] = (),
+        routes: Sequence[Route] = (),
         name: str = "delivery-consumer publisher",
         timeout_s: float = 30.0,
         window: int = 1000,
@@ -257,6 +272,7 @@ class Publisher:
         self._params = parameters(url, name=name)
         self._topologies = list(topologies)
         self._exchanges = list(exchanges)
+        self._routes = list(routes)
         self._timeout_s = timeout_s
         self.window = window
         self._ioloop = IOLoop()
@@ -323,7 +339,7 @@ class Publisher:
 
         def confirmed(_frame: Any) -> None:
             self._seq = 0
-            _Steps(declare_steps(channel, self._topologies, self._exchanges), self._on_ready).start()
+            _Steps(declare_steps(channel, self._topologies, self._exchanges, self._routes), self._on_ready).start()
 
         channel.confirm_delivery(ack_nack_callback=self._on_confirm, callback=confirmed)
 
@@ -457,9 +473,12 @@ class Publisher:
         self.close()
 
 
-def declare(url: str, topologies: Sequence[Topology], *, exchanges: Sequence[str] = ()) -> None:
-    """Declare exchanges and queues idempotently, then disconnect."""
-    with Publisher(url, topologies=topologies, exchanges=exchanges, name="delivery-consumer topology") as pub:
+def declare(url: str, topologies: Sequence[Topology], *, exchanges: Sequence[str] = (),
+            routes: Sequence[Route] = ()) -> None:
+    """Declare exchanges and queues idempotently (and add or remove the
+    bindings of *routes*), then disconnect."""
+    with Publisher(url, topologies=topologies, exchanges=exchanges, routes=routes,
+                   name="delivery-consumer topology") as pub:
         pub.connect()
 
 

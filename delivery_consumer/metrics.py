@@ -27,49 +27,53 @@ _BATCH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
 class Metrics(Observer):
     """An :class:`runner.Observer` that keeps Prometheus metrics."""
 
-    def __init__(self, consumer: str) -> None:
+    def __init__(self, consumer: str, partition: int | None = None) -> None:
         self.consumer = consumer
+        #: Label values every series starts with: the consumer, and the
+        #: partition when the run serves one (label ``partition``).
+        base = ["consumer"] if partition is None else ["consumer", "partition"]
+        c = self._base = (consumer,) if partition is None else (consumer, str(partition))
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
         r = self.registry
         self.events = Counter("delivery_events", "Events handled, by outcome (a result, a rejection code, "
-                              "or transient:<code>).", ["consumer", "outcome"], registry=r)
+                              "or transient:<code>).", [*base, "outcome"], registry=r)
         self.rejections = Counter("delivery_rejections", "Events rejected permanently, by code.",
-                                  ["consumer", "code"], registry=r)
-        self.retries = Counter("delivery_retries", "Copies sent to a retry tier.", ["consumer"], registry=r)
+                                  [*base, "code"], registry=r)
+        self.retries = Counter("delivery_retries", "Copies sent to a retry tier.", base, registry=r)
         self.dead_letters = Counter("delivery_dead_letters", "Copies sent to the dead-letter queue, by code.",
-                                    ["consumer", "code"], registry=r)
+                                    [*base, "code"], registry=r)
         self.apply_seconds = Histogram("delivery_apply_seconds", "Time to apply and commit one batch.",
-                                       ["consumer"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.batch_size = Histogram("delivery_batch_size", "Deliveries per transaction.", ["consumer"],
+                                       base, buckets=_LATENCY_BUCKETS, registry=r)
+        self.batch_size = Histogram("delivery_batch_size", "Deliveries per transaction.", base,
                                     buckets=_BATCH_BUCKETS, registry=r)
         self.last_commit = Gauge("delivery_last_commit_timestamp_seconds", "Unix time of the last commit.",
-                                 ["consumer"], registry=r)
+                                 base, registry=r)
         self.connected = Gauge("delivery_connected", "1 while consuming from the broker, else 0.",
-                               ["consumer"], registry=r)
-        self.connected.labels(consumer).set(0)
-        self.last_commit.labels(consumer).set(0)
+                               base, registry=r)
+        self.connected.labels(*c).set(0)
+        self.last_commit.labels(*c).set(0)
 
     def batch_committed(self, outcomes: Sequence[Outcome], seconds: float, committed_at: float = 0.0) -> None:
-        c = self.consumer
+        c = self._base
         for status, n in Tally(o.status for o in outcomes).items():
-            self.events.labels(c, status).inc(n)
+            self.events.labels(*c, status).inc(n)
         for o in outcomes:
             if o.rejection is not None:
-                self.rejections.labels(c, o.rejection.code).inc()
-        self.apply_seconds.labels(c).observe(seconds)
-        self.batch_size.labels(c).observe(len(outcomes))
+                self.rejections.labels(*c, o.rejection.code).inc()
+        self.apply_seconds.labels(*c).observe(seconds)
+        self.batch_size.labels(*c).observe(len(outcomes))
         if committed_at:
-            self.last_commit.labels(c).set(committed_at)
+            self.last_commit.labels(*c).set(committed_at)
 
     def copy_published(self, kind: str, code: str) -> None:
         if kind == "retry":
-            self.retries.labels(self.consumer).inc()
+            self.retries.labels(*self._base).inc()
         else:
-            self.dead_letters.labels(self.consumer, code).inc()
+            self.dead_letters.labels(*self._base, code).inc()
 
     def connection_state(self, connected: bool) -> None:
-        self.connected.labels(self.consumer).set(1 if connected else 0)
+        self.connected.labels(*self._base).set(1 if connected else 0)
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> Any:
         """Expose ``/metrics`` on *addr*:*port* from a daemon thread."""

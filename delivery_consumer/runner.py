@@ -57,6 +57,8 @@ from .broker import BrokerError, BrokerUnavailable, ConsumerIO, Delivery, OutMes
 from .envelope import KOMBU_COMPRESSION_HEADER, MAX_BODY_BYTES, Envelope, body_digest, parse
 from .errors import RETRIES_EXHAUSTED, DatabaseError, DeliveryError, Rejection, TransientError
 from .faults import crashpoint
+from .partitions import Identity
+from .partitions import db_path as partition_db_path
 from .retry import GiveUp, RetryPolicy, attempts_done, retry_after_tier
 from .store import ConsumerDB, DeliveryMark, Outcome, now_iso
 from .topology import (
@@ -105,6 +107,8 @@ class RunConfig:
     consumer_options: dict[str, Any] = field(default_factory=dict)
     #: Log one line per event (JSON logs) instead of one per batch.
     log_each_event: bool = False
+    #: This run serves one partition of a partitioned consumer (partitions.py).
+    partition: Identity | None = None
 
     def topology(self) -> Topology:
         spec = consumers.get(self.consumer)
@@ -115,7 +119,16 @@ class RunConfig:
             prefix=self.prefix,
             retry_delays_ms=self.retry_delays_ms,
             delivery_limit=self.delivery_limit,
+            partition=self.partition.partition if self.partition else None,
         )
+
+    def open_db(self) -> ConsumerDB:
+        """The run's database, checked to be this consumer's (and partition's)."""
+        path = self.db_path
+        if path is None and self.partition is not None:
+            path = partition_db_path(self.consumer, self.partition.partition)
+        return ConsumerDB.open(path, self.consumer, create=True, partition=self.partition,
+                               unpartitioned=self.partition is None)
 
 
 @dataclass
@@ -224,7 +237,7 @@ class Worker(threading.Thread):
     # -- the thread --
     def run(self) -> None:
         try:
-            self.db = ConsumerDB.open(self.config.db_path, self.config.consumer, create=True)
+            self.db = self.config.open_db()
         except DeliveryError as exc:
             self.error = exc
             self.ready.set()

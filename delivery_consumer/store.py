@@ -47,6 +47,7 @@ from .errors import (
     TransientError,
     safe_reason,
 )
+from .partitions import Identity, identity_from_meta
 
 #: How long a writer waits for another writer before giving up (ms). Kept well
 #: below the AMQP heartbeat (60 s) so that waiting never costs the connection.
@@ -105,6 +106,12 @@ CORE_MIGRATIONS: tuple[str, ...] = (
         last_outcome TEXT
     ) STRICT, WITHOUT ROWID;
     CREATE INDEX deliveries_last_at ON deliveries (last_at);
+    """,
+    # The key that places an event in a partition (its articleId), kept with
+    # its receipt so that changing the partition count can move receipts
+    # with their article (partitions.py). NULL in receipts written before.
+    """
+    ALTER TABLE inbox ADD COLUMN partition_key TEXT;
     """,
 )
 STORE_VERSION = len(CORE_MIGRATIONS)
@@ -202,13 +209,17 @@ class ConsumerDB:
         create: bool = False,
         readonly: bool = False,
         busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS,
+        partition: Identity | None = None,
+        unpartitioned: bool = False,
     ) -> ConsumerDB:
         """Open (and with ``create`` make) the database of *consumer*.
 
         Either argument may be omitted: the path defaults to
         ``state/<consumer>/inbox.db``; the consumer defaults to the one the
         database records. Raises :class:`DatabaseError` for a missing,
-        foreign, corrupt, newer or other consumer's database.
+        foreign, corrupt, newer or other consumer's database -- and, with
+        *partition*, for a database of another partition or count (a new one
+        records *partition*); with *unpartitioned*, for any partition's.
         """
         if path is None:
             if consumer is None:
@@ -236,11 +247,13 @@ class ConsumerDB:
             if readonly:
                 stored = cls._check_readable(conn, path)
             else:
-                stored = cls._prepare_writable(conn, path, consumer, spec)
+                stored = cls._prepare_writable(conn, path, consumer, spec, partition)
             if consumer is not None and stored != consumer:
                 raise DatabaseError(
                     f"{path}: this database belongs to consumer {stored!r}, not {consumer!r}"
                 )
+            if partition is not None or unpartitioned:
+                cls._check_partition(conn, path, stored, partition)
             spec = spec or consumers.get(stored)
             if readonly:
                 cls._check_consumer_version(conn, path, spec)
@@ -326,9 +339,20 @@ class ConsumerDB:
                 + ("; run init to upgrade them" if state == "older" else "")
             )
 
+    @staticmethod
+    def _check_partition(conn: sqlite3.Connection, path: Path, consumer: str, wanted: Identity | None) -> None:
+        meta = dict(conn.execute("SELECT key, value FROM meta WHERE key IN ('partition', 'partition_count')"))
+        stored = identity_from_meta(meta)
+        if stored == wanted:
+            return
+        what = f"{stored.describe()} of consumer {consumer!r}" if stored else f"the unpartitioned {consumer!r}"
+        asked = wanted.describe() if wanted else "the unpartitioned consumer"
+        raise DatabaseError(f"{path}: this database is {what}, not {asked}")
+
     @classmethod
     def _prepare_writable(
-        cls, conn: sqlite3.Connection, path: Path, consumer: str | None, spec: ConsumerSpec | None
+        cls, conn: sqlite3.Connection, path: Path, consumer: str | None, spec: ConsumerSpec | None,
+        partition: Identity | None = None,
     ) -> str:
         """Check identity and run pending migrations, all under one write lock."""
         conn.execute("BEGIN IMMEDIATE")
@@ -355,6 +379,8 @@ class ConsumerDB:
                         ("created_at", now_iso()),
                         ("created_by", f"delivery-consumer {__version__}"),
                         (_CONSUMER_VERSION_KEY, "0"),
+                        *([("partition", str(partition.partition)), ("partition_count", str(partition.count))]
+                          if partition is not None else []),
                     ],
                 )
             conn.execute(f"PRAGMA user_version = {STORE_VERSION}")
@@ -541,9 +567,9 @@ class Transaction:
             return _duplicate(row, env)
         result = self.spec.apply(conn, env)
         conn.execute(
-            "INSERT INTO inbox (event_id, fingerprint, result, event_type, received_at)"
-            " VALUES (?, ?, ?, ?, ?)",
-            (env.event_id, env.fingerprint, result, env.type, self.now),
+            "INSERT INTO inbox (event_id, fingerprint, result, event_type, received_at, partition_key)"
+            " VALUES (?, ?, ?, ?, ?, ?)",
+            (env.event_id, env.fingerprint, result, env.type, self.now, env.article_id),
         )
         if known is not None:
             known[env.event_id] = (env.fingerprint, result)
@@ -722,9 +748,9 @@ def write_receipt(tx: Transaction, env: Envelope, result: str) -> bool:
     """Write the receipt of *env*; False when it already had one (written by
     another process since :func:`receipt_of` looked), which is kept."""
     cur = tx.conn.execute(
-        "INSERT INTO inbox (event_id, fingerprint, result, event_type, received_at) VALUES (?, ?, ?, ?, ?)"
-        " ON CONFLICT (event_id) DO NOTHING",
-        (env.event_id, env.fingerprint, result, env.type, tx.now),
+        "INSERT INTO inbox (event_id, fingerprint, result, event_type, received_at, partition_key)"
+        " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (event_id) DO NOTHING",
+        (env.event_id, env.fingerprint, result, env.type, tx.now, env.article_id),
     )
     return cur.rowcount == 1
 

@@ -17,6 +17,12 @@ dead-lettering hop uses the at-least-once strategy (``overflow=reject-publish``)
 so a broker restart mid-hop cannot drop a message
 (https://www.rabbitmq.com/docs/quorum-queues).
 
+A *partitioned* consumer (partitions.py) has these queues once per
+partition, named ``delivery.<consumer>.p<k>[.dead|.retry.<ms>ms]``; its main
+queues are not bound to the exchange by key but by slot, through the
+consumer's headers exchange (see :class:`Route` and docs/partitions.md), and
+allow a single active consumer, so that a standby ``run`` waits on the queue.
+
 The dead queue is a durable *classic* queue, because ``dead list`` and
 ``dead requeue`` read it by taking every message unacknowledged and giving
 back the ones they leave. A classic queue puts a returned message back in its
@@ -61,10 +67,19 @@ class Topology:
     retry_delays_ms: tuple[int, ...] = DEFAULT_RETRY_DELAYS_MS
     delivery_limit: int = DEFAULT_DELIVERY_LIMIT
     extra_queue_args: dict[str, Any] = field(default_factory=dict)
+    #: The partition these queues serve (None: an unpartitioned consumer).
+    partition: int | None = None
 
     @property
     def queue(self) -> str:
-        return f"{self.prefix}.{self.consumer}"
+        base = f"{self.prefix}.{self.consumer}"
+        return base if self.partition is None else f"{base}.p{self.partition}"
+
+    @property
+    def queue_binding_keys(self) -> tuple[str, ...]:
+        """Keys binding the main queue to the exchange; none for a partition
+        (its messages come through the consumer's slot route)."""
+        return self.binding_keys if self.partition is None else ()
 
     @property
     def dead_queue(self) -> str:
@@ -89,6 +104,7 @@ class Topology:
             "x-dead-letter-exchange": "",
             "x-dead-letter-routing-key": self.dead_queue,
             **at_least_once,
+            **({"x-single-active-consumer": True} if self.partition is not None else {}),
             **self.extra_queue_args,
         }
         dead: dict[str, Any] = {"x-queue-type": "classic"}  # see the module docstring
@@ -107,3 +123,24 @@ class Topology:
                 )
             )
         return result
+
+
+@dataclass(frozen=True)
+class Binding:
+    """One binding: to a queue, or (``to_exchange``) exchange to exchange."""
+
+    source: str
+    destination: str
+    routing_key: str = ""
+    arguments: dict[str, Any] | None = None
+    to_exchange: bool = False
+
+
+@dataclass(frozen=True)
+class Route:
+    """Exchanges to declare (name, type, arguments) and bindings to add or remove."""
+
+    exchanges: tuple[tuple[str, str, dict[str, Any]], ...] = ()
+    queues: tuple[tuple[str, dict[str, Any]], ...] = ()
+    bind: tuple[Binding, ...] = ()
+    unbind: tuple[Binding, ...] = ()

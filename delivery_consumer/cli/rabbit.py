@@ -22,6 +22,7 @@ from .. import sources as sources_lib
 from ..durations import Duration
 from ..envelope import MAX_BODY_BYTES, parse
 from ..errors import ConfigError, Rejection
+from ..partitions import SLOT_HEADER, check_count, partition_topologies, route, slot_headers
 from ..topology import (
     DEFAULT_DELIVERY_LIMIT,
     DEFAULT_EXCHANGE,
@@ -38,6 +39,7 @@ from ._common import (
     from_deployment,
     handle_errors,
 )
+from ._partitions import partition_identity, partition_options
 
 F = TypeVar("F", bound=Callable[..., Any])
 DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
@@ -102,16 +104,17 @@ def external_options(fn: F) -> F:
     return wrapped  # type: ignore[no-any-return]
 
 
-def _metrics_factory(consumer: str, port: int, host: str, queues: tuple[str, Topology] | None = None
-                     ) -> Callable[[], Any]:
+def _metrics_factory(consumer: str, port: int, host: str, queues: tuple[str, Topology] | None = None,
+                     partition: int | None = None) -> Callable[[], Any]:
     """Metrics are kept where the work happens: in run's worker process.
-    *queues* (url, topology): also the queue depths, asked at scrape time."""
+    *queues* (url, topology): also the queue depths, asked at scrape time.
+    *partition*: every series is labelled with it."""
 
     def make() -> Any:
         from ..errors import ConfigError
         from ..metrics import Metrics
 
-        metrics = Metrics(consumer)
+        metrics = Metrics(consumer, partition=partition)
         if queues is not None:
             from ..queue_metrics import QueueCollector
 
@@ -163,17 +166,23 @@ def _setup_logging(level: str, fmt: str = "text", consumer: str | None = None) -
 @click.option("--metrics-port", type=click.IntRange(0, 65535), callback=from_deployment("metrics_port"),
               help="Expose Prometheus metrics on this port (/metrics).")
 @click.option("--metrics-host", default="127.0.0.1", show_default=True, help="Address the metrics listen on.")
+@partition_options
 @external_options
 @handle_errors
 def run(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue_prefix: str, prefetch: int,
         batch: int, batch_wait_ms: int, max_attempts: int, retry_delays: tuple[int, ...], delivery_limit: int,
         max_crashes: int, exit_when_idle: float | None, max_bytes: int, log_level: str, log_format: str,
-        metrics_port: int | None, metrics_host: str, consumer_options: dict[str, Any]) -> None:
+        metrics_port: int | None, metrics_host: str, partition: int | None, partitions: int | None,
+        consumer_options: dict[str, Any]) -> None:
     """Consume a consumer's queue: apply, commit, then acknowledge.
 
     Runs until SIGTERM/SIGINT (finishes and acks the current batch, exit 0)
     or --exit-when-idle. Bad credentials, a missing vhost, an incompatible
     queue or an unusable database: one line on stderr, exit 2.
+
+    With --partition K: serve partition K of a partitioned consumer (its
+    queue allows one active consumer: a second run of the same partition is
+    a standby that takes over when the first dies).
     """
     from ..broker import BrokerError
     from ..runner import RunConfig
@@ -192,11 +201,12 @@ def run(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue
         retry_delays_ms=retry_delays, delivery_limit=delivery_limit, max_crashes=max_crashes,
         exit_when_idle_s=exit_when_idle, max_bytes=max_bytes, log_each_event=log_format == "json",
         consumer_options=consumer_options,
+        partition=partition_identity(consumer, partition, partitions, db_path),
     )
     observer_factory = None
     if metrics_port is not None:
-        observer_factory = _metrics_factory(consumer, metrics_port, metrics_host,
-                                            (amqp_url, _topology(consumer, exchange, queue_prefix)))
+        observer_factory = _metrics_factory(consumer, metrics_port, metrics_host, (amqp_url, config.topology()),
+                                            partition)
     try:
         code = run_consumer(config, observer_factory)
     except BrokerError as exc:
@@ -242,7 +252,7 @@ def publish(amqp_url: str, exchange: str, queue_prefix: str, declare_for: tuple[
                               "source": item.location})
             continue
         messages.append(OutMessage(routing_key=env.type, body=item.body, exchange=exchange,
-                                   message_id=env.event_id))
+                                   message_id=env.event_id, headers=slot_headers(env.article_id)))
     try:
         with Publisher(amqp_url, topologies=topologies, exchanges=[exchange],
                        name="delivery-consumer publish") as publisher:
@@ -308,21 +318,36 @@ def topology() -> None:
 @amqp_options
 @click.option("--retry-delays", default="1s,10s,60s", show_default=True, type=RETRY_DELAYS)
 @click.option("--delivery-limit", default=DEFAULT_DELIVERY_LIMIT, show_default=True, type=click.IntRange(1))
+@click.option("--partitions", type=click.IntRange(1), envvar="DELIVERY_PARTITIONS",
+              help="Declare the consumer(s) as partitioned: queues <prefix>.<consumer>.p0 .. p<N-1>, each with a "
+                   "single active consumer, fed by slot (see docs/partitions.md).")
 @handle_errors
 def declare_cmd(names: tuple[str, ...], amqp_url: str, exchange: str, queue_prefix: str,
-                retry_delays: tuple[int, ...], delivery_limit: int) -> None:
+                retry_delays: tuple[int, ...], delivery_limit: int, partitions: int | None) -> None:
     """Declare the exchange and a consumer's queues (idempotent)."""
     from ..broker import BrokerError, declare
 
-    topologies = [_topology(n, exchange, queue_prefix, retry_delays_ms=retry_delays,
-                            delivery_limit=delivery_limit) for n in names]
+    bases = [_topology(n, exchange, queue_prefix, retry_delays_ms=retry_delays,
+                       delivery_limit=delivery_limit) for n in names]
+    if partitions is None:
+        topologies, routes = bases, []
+    else:
+        check_count(partitions)
+        topologies = [t for base in bases for t in partition_topologies(base, partitions)]
+        routes = [route(base, partitions) for base in bases]
     try:
-        declare(amqp_url, topologies)
+        declare(amqp_url, topologies, routes=routes)
     except BrokerError as exc:
         raise Fatal(str(exc)) from None
-    for topo in topologies:
+    for topo in bases if partitions is None else []:
         queues = ", ".join(q for q, _ in topo.queues())
         click.echo(f"{topo.consumer}: {exchange} -[{' '.join(topo.binding_keys)}]-> {queues}")
+    for base in bases:
+        if partitions is None:
+            break
+        first, last = (partition_topologies(base, partitions)[k].queue for k in (0, -1))
+        click.echo(f"{base.consumer}: {exchange} -[{' '.join(base.binding_keys)}]-> {base.prefix}.{base.consumer}"
+                   f".slots -[{SLOT_HEADER} mod {partitions}]-> {first} .. {last} (each with .dead and .retry.*)")
 
 
 __all__ = ["publish", "run", "topology"]

@@ -1,0 +1,172 @@
+"""Partitioned consumers: one consumer spread over a fixed set of partitions.
+
+Each partition has its own queues (``<prefix>.<consumer>.p<k>``, a quorum
+queue with a single active consumer) and its own database
+(``state/<consumer>/p<k>/inbox.db``); an article always lives in the same
+partition, so its events stay in order and its state in one file.
+
+The routing contract (docs/partitions.md says why it is not the
+consistent-hash exchange):
+
+* the **publisher** computes the article's *slot* -- the first 8 bytes of
+  SHA-256 of the UTF-8 ``articleId``, read as a big-endian unsigned integer,
+  modulo :data:`SLOT_COUNT` -- and sends it as the header
+  :data:`SLOT_HEADER` (a decimal string). It knows nothing of partitions;
+* each partitioned **consumer** has a headers exchange
+  ``<prefix>.<consumer>.slots``, bound to the events exchange with the
+  consumer's binding keys, and binds slot ``s`` to partition
+  ``s mod count``. A message without a bound slot goes to the exchange's
+  alternate exchange and waits in ``<prefix>.<consumer>.unrouted``: never
+  dropped.
+
+No pika here: the broker calls go through :mod:`delivery_consumer.broker`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+from .topology import Binding, Route, Topology
+
+#: Slots of the hash space. Fixed forever: changing it moves every article.
+#: Also the largest partition count.
+SLOT_COUNT = 256
+#: The header that carries an event's slot (a decimal string, "0".."255").
+SLOT_HEADER = "delivery-slot"
+
+
+def slot_of(article_id: str) -> int:
+    """The slot of *article_id*: SHA-256 of its UTF-8 bytes, first 8 bytes
+    as a big-endian unsigned integer, modulo :data:`SLOT_COUNT`."""
+    digest = hashlib.sha256(article_id.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") % SLOT_COUNT
+
+
+def partition_of_slot(slot: int, count: int) -> int:
+    """The partition that serves *slot* among *count* partitions."""
+    return slot % count
+
+
+def partition_of(article_id: str, count: int) -> int:
+    """The partition of *article_id* among *count* partitions."""
+    return partition_of_slot(slot_of(article_id), count)
+
+
+def slot_headers(article_id: str) -> dict[str, Any]:
+    """The headers a publisher adds to an event of *article_id*."""
+    return {SLOT_HEADER: str(slot_of(article_id))}
+
+
+def check_count(count: int) -> int:
+    """*count* if it is a valid partition count, else ConfigError."""
+    if not 1 <= count <= SLOT_COUNT:
+        raise ConfigError(f"partition count {count} is out of range (1 .. {SLOT_COUNT})")
+    return count
+
+
+def check_partition(partition: int, count: int) -> int:
+    """*partition* if it is one of *count* partitions, else ConfigError."""
+    check_count(count)
+    if not 0 <= partition < count:
+        raise ConfigError(f"partition {partition} does not exist among {count} (0 .. {count - 1})")
+    return partition
+
+
+# -- names and places -----------------------------------------------------------------
+
+
+def db_path(consumer: str, partition: int, root: Path | None = None) -> Path:
+    """``state/<consumer>/p<k>/inbox.db`` (or under *root* instead of ``state``)."""
+    return (root if root is not None else Path("state")) / consumer / f"p{partition}" / "inbox.db"
+
+
+def slots_exchange(topology: Topology) -> str:
+    return f"{topology.prefix}.{topology.consumer}.slots"
+
+
+def unrouted_name(topology: Topology) -> str:
+    """The alternate exchange (fanout) and queue of messages no slot binding matched."""
+    return f"{topology.prefix}.{topology.consumer}.unrouted"
+
+
+def partition_topology(base: Topology, partition: int) -> Topology:
+    """The queues of one partition of the consumer described by *base*."""
+    return replace(base, partition=partition)
+
+
+def partition_topologies(base: Topology, count: int) -> list[Topology]:
+    check_count(count)
+    return [partition_topology(base, k) for k in range(count)]
+
+
+def _slot_binding(base: Topology, slot: int, count: int) -> Binding:
+    queue = partition_topology(base, partition_of_slot(slot, count)).queue
+    return Binding(slots_exchange(base), queue, "", {"x-match": "all", SLOT_HEADER: str(slot)})
+
+
+def route(base: Topology, count: int, *, previous: int | None = None) -> Route:
+    """The slot routing of a consumer with *count* partitions.
+
+    With *previous* (a former count), the bindings of that count which the
+    new one does not have are removed -- after the new ones are added, so a
+    slot is never without a partition; declare this only while publishers
+    are stopped (docs/partitions.md: drain, then switch).
+    """
+    check_count(count)
+    unrouted = unrouted_name(base)
+    exchanges: tuple[tuple[str, str, dict[str, Any]], ...] = (
+        (unrouted, "fanout", {}),
+        (slots_exchange(base), "headers", {"alternate-exchange": unrouted}),
+    )
+    bind = [Binding(unrouted, unrouted)]
+    bind += [Binding(base.exchange, slots_exchange(base), key, to_exchange=True) for key in base.binding_keys]
+    wanted = [_slot_binding(base, s, count) for s in range(SLOT_COUNT)]
+    bind += wanted
+    unbind: list[Binding] = []
+    if previous is not None and previous != count:
+        unbind = [b for b in (_slot_binding(base, s, previous) for s in range(SLOT_COUNT)) if b not in wanted]
+    return Route(exchanges=exchanges, queues=((unrouted, {"x-queue-type": "quorum"}),), bind=tuple(bind),
+                 unbind=tuple(unbind))
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What a partition database records about itself."""
+
+    partition: int
+    count: int
+
+    def describe(self) -> str:
+        return f"partition {self.partition} of {self.count}"
+
+
+def identity_from_meta(meta: Mapping[str, str]) -> Identity | None:
+    """The partition identity recorded in a database's meta table, if any."""
+    if "partition" not in meta:
+        return None
+    return Identity(int(meta["partition"]), int(meta["partition_count"]))
+
+
+__all__ = [
+    "SLOT_COUNT",
+    "SLOT_HEADER",
+    "Identity",
+    "check_count",
+    "check_partition",
+    "db_path",
+    "identity_from_meta",
+    "partition_of",
+    "partition_of_slot",
+    "partition_topologies",
+    "partition_topology",
+    "route",
+    "slot_headers",
+    "slot_of",
+    "slots_exchange",
+    "unrouted_name",
+]
