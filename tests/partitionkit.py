@@ -1,0 +1,193 @@
+"""Helpers for tests and benchmarks of partitioned consumers on the real broker.
+
+A :class:`Cluster` is one partitioned consumer in a test namespace: its
+topology declared with ``topology declare --partitions``, ``run`` processes
+per partition (the first one started is the active one: single active
+consumer), events published with the ``publish`` command, and the partition
+databases read back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pika
+from brokerkit import Namespace, RunProcess
+
+from delivery_consumer.partitions import SLOT_COUNT, partition_of
+
+
+def make_events(n: int, articles: int, seed: int = 7) -> list[dict[str, Any]]:
+    """*n* events over *articles* articles, in revision order per article (interleaved)."""
+    rnd = random.Random(seed)
+    revision = [0] * articles
+    out = []
+    for i in range(n):
+        a = i % articles
+        revision[a] += 1
+        out.append({
+            "eventId": str(uuid.UUID(int=rnd.getrandbits(128), version=4)),
+            "type": "material.withdrawn" if rnd.random() < 0.1 else "material.published",
+            "articleId": f"article-{a}",
+            "revision": revision[a],
+            "occurredAt": "2026-12-01T10:00:00Z",
+            "data": {"title": f"Материал {a}, редакция {revision[a]}", "url": f"https://example.org/a/{a}"},
+        })
+    return out
+
+
+def model(events: list[dict[str, Any]]) -> dict[str, tuple[int, str, int]]:
+    """What the merged catalog must hold: the last revision of each article."""
+    out: dict[str, tuple[int, str, int]] = {}
+    for e in events:
+        out[e["articleId"]] = (e["revision"], e["data"]["title"], int(e["type"] == "material.published"))
+    return out
+
+
+def count_rows(path: Path, sql: str = "SELECT count(*) FROM inbox") -> int:
+    if not path.exists():
+        return 0
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
+        try:
+            return int(conn.execute(sql).fetchone()[0])
+        finally:
+            conn.close()
+    except sqlite3.OperationalError:  # not created yet
+        return 0
+
+
+def query(path: Path, sql: str) -> list[tuple[Any, ...]]:
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
+    try:
+        return conn.execute(sql).fetchall()
+    finally:
+        conn.close()
+
+
+def wait_until(what: str, condition: Callable[[], bool], timeout: float, procs: Sequence[RunProcess] = ()) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        dead = [p for p in procs if p.poll() is not None]
+        if dead:
+            raise AssertionError(f"a run exited while waiting for {what}:\n{dead[0].output()[1][-3000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+
+
+@dataclass
+class Cluster:
+    """One partitioned consumer in namespace *ns*."""
+
+    ns: Namespace
+    consumer: str
+    count: int
+    procs: list[RunProcess] = field(default_factory=list)
+
+    def db(self, k: int) -> Path:
+        return self.ns.workdir / "state" / self.consumer / f"p{k}" / "inbox.db"
+
+    def declare(self, count: int | None = None) -> None:
+        done = self.ns.cli("topology", "declare", "--consumer", self.consumer, "--partitions",
+                           str(count or self.count))
+        assert done.returncode == 0, done.stderr
+
+    def start(self, k: int, *args: str) -> RunProcess:
+        """Start ``run --partition k`` and wait until it is consuming (active or standby)."""
+        cmd = [sys.executable, "-m", "delivery_consumer", "run", "--consumer", self.consumer, "--partition", str(k),
+               "--partitions", str(self.count), *args]
+        proc = RunProcess(cmd, cwd=self.ns.workdir, env=self.ns.env())
+        self.procs.append(proc)
+        wait_until(f"run --partition {k} to consume", lambda: "consuming " in proc.output()[1], 60, [proc])
+        return proc
+
+    def publish(self, events: list[dict[str, Any]]) -> None:
+        """``publish`` the events (in order) and wait until every one is confirmed."""
+        proc = self.publish_async(events)
+        _out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+
+    def publish_async(self, events: list[dict[str, Any]]) -> subprocess.Popen[str]:
+        """Start ``publish`` of the events; the caller waits for it."""
+        path = self.ns.workdir / f"events-{uuid.uuid4().hex[:6]}.ndjson"
+        path.write_bytes(b"".join(orjson.dumps(e) + b"\n" for e in events))
+        return subprocess.Popen([sys.executable, "-m", "delivery_consumer", "publish", str(path)], cwd=self.ns.workdir,
+                                env=self.ns.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def receipts(self) -> int:
+        return sum(count_rows(self.db(k)) for k in range(self.count))
+
+    def stop(self) -> None:
+        """SIGTERM every run still alive and reap them all. A run whose main
+        process was killed may leave its worker process behind, in the run's
+        process group: that group is killed."""
+        for p in self.procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGTERM)
+            elif p.returncode < 0:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+        for p in self.procs:
+            try:
+                p.communicate(timeout=60)
+            except Exception:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()
+
+    def delete(self, counts: tuple[int, ...] = ()) -> None:
+        """Delete what the cluster declared on the shared broker."""
+        conn = pika.BlockingConnection(pika.URLParameters(self.ns.url))
+        try:
+            ch = conn.channel()
+            base = f"{self.ns.prefix}.{self.consumer}"
+            for k in range(max((self.count, *counts))):
+                topo = self.ns.topology(self.consumer, partition=k)
+                for queue, _ in topo.queues():
+                    ch.queue_delete(queue)
+            ch.queue_delete(f"{base}.unrouted")
+            ch.exchange_delete(f"{base}.slots")
+            ch.exchange_delete(f"{base}.unrouted")
+        finally:
+            conn.close()
+
+    # -- checks --
+    def check_exactly_once(self, events: list[dict[str, Any]]) -> dict[str, int]:
+        """Every event has one receipt in one partition DB, each article lives in
+        exactly its own partition, and the merged catalog equals the model.
+        Returns the receipts' results, counted."""
+        seen: dict[str, int] = {}
+        results: dict[str, int] = {}
+        catalog: dict[str, tuple[int, str, int]] = {}
+        for k in range(self.count):
+            for event_id, result, key in query(self.db(k), "SELECT event_id, result, partition_key FROM inbox"):
+                assert event_id not in seen, f"{event_id} has receipts in p{seen[event_id]} and p{k}"
+                seen[event_id] = k
+                results[result] = results.get(result, 0) + 1
+                assert partition_of(key, self.count) == k, f"{key} receipt in p{k}"
+            for article, revision, title, published in query(
+                    self.db(k), "SELECT article_id, revision, title, published FROM catalog"):
+                assert article not in catalog, f"{article} lives in two partitions"
+                assert partition_of(article, self.count) == k
+                catalog[article] = (revision, title, published)
+        assert set(seen) == {e["eventId"] for e in events}
+        assert catalog == model(events)
+        return results
+
+
+__all__ = ["SLOT_COUNT", "Cluster", "make_events", "model", "wait_until"]

@@ -1,0 +1,115 @@
+"""The routing contract of partitioned consumers, and the partition identity of a database."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from support import cli
+
+from delivery_consumer.errors import ConfigError, DatabaseError
+from delivery_consumer.partitions import (
+    SLOT_COUNT,
+    SLOT_HEADER,
+    Identity,
+    check_partition,
+    partition_of,
+    route,
+    slot_headers,
+    slot_of,
+)
+from delivery_consumer.store import ConsumerDB
+from delivery_consumer.topology import Topology
+
+articles = st.text(min_size=1, max_size=64)
+counts = st.integers(1, SLOT_COUNT)
+
+#: Fixed vectors, also printed in docs/partitions.md for producers in other languages.
+VECTORS = {"article-0": 219, "article-1": 80, "42": 141, "материал-7": 239}
+
+
+def independent_slot(article_id: str) -> int:
+    """The documented formula, written out again without the module's code."""
+    (value,) = struct.unpack(">Q", hashlib.sha256(article_id.encode("utf-8")).digest()[:8])
+    return int(value % 256)
+
+
+@given(articles)
+def test_slot_matches_the_documented_formula(article_id: str) -> None:
+    """slot = first 8 bytes of SHA-256(UTF-8 articleId), big-endian, mod 256; sent as a decimal string."""
+    assert slot_of(article_id) == independent_slot(article_id)
+    assert slot_headers(article_id) == {SLOT_HEADER: str(independent_slot(article_id))}
+
+
+def test_slot_vectors() -> None:
+    """The published test vectors hold (a producer in another language checks itself against them)."""
+    assert {a: slot_of(a) for a in VECTORS} == VECTORS
+
+
+@given(articles, counts)
+def test_every_article_in_exactly_one_partition(article_id: str, count: int) -> None:
+    """The route binds the article's slot to exactly one partition queue, the one partition_of names."""
+    base = Topology("catalog", binding_keys=("material.*",), exchange="x.events", prefix="x")
+    slot = str(slot_of(article_id))
+    queues = [b.destination for b in route(base, count).bind if b.arguments and b.arguments.get(SLOT_HEADER) == slot]
+    assert queues == [f"x.catalog.p{partition_of(article_id, count)}"]
+    assert 0 <= partition_of(article_id, count) < count
+
+
+@given(articles, st.integers(1, 16), st.integers(1, 16))
+def test_doubling_the_count_splits_each_partition_in_two(article_id: str, count: int, factor: int) -> None:
+    """With a count that is a multiple of the old one, an article moves only to k + i*old (a split)."""
+    if count * factor > SLOT_COUNT:
+        return
+    assert partition_of(article_id, count * factor) % count == partition_of(article_id, count)
+
+
+def test_route_switch_removes_only_moved_slots() -> None:
+    """Repartitioning 4 -> 8 unbinds exactly the slots that change partition, and binds every slot once."""
+    base = Topology("catalog", binding_keys=("material.*",), exchange="x.events", prefix="x")
+    r = route(base, 8, previous=4)
+    slot_bindings = [b for b in r.bind if b.arguments]
+    assert sorted(int(b.arguments[SLOT_HEADER]) for b in slot_bindings if b.arguments) == list(range(SLOT_COUNT))
+    assert {int(b.arguments[SLOT_HEADER]) for b in r.unbind if b.arguments} == {s for s in range(SLOT_COUNT)
+                                                                                 if s % 8 != s % 4}
+
+
+def test_partition_out_of_range() -> None:
+    """A partition outside 0 .. count-1, or a count outside 1 .. 256, is a ConfigError."""
+    with pytest.raises(ConfigError):
+        check_partition(4, 4)
+    with pytest.raises(ConfigError):
+        check_partition(0, SLOT_COUNT + 1)
+
+
+def test_database_refuses_another_partition(tmp_path: Path) -> None:
+    """A partition database records consumer, partition and count and refuses to be opened as another."""
+    path = tmp_path / "p1" / "inbox.db"
+    ConsumerDB.open(path, "catalog", create=True, partition=Identity(1, 4)).close()
+    ConsumerDB.open(path, "catalog", create=True, partition=Identity(1, 4)).close()
+    for other in (Identity(0, 4), Identity(1, 8)):
+        with pytest.raises(DatabaseError, match="is partition 1 of 4 of consumer 'catalog', not partition"):
+            ConsumerDB.open(path, "catalog", create=True, partition=other)
+    with pytest.raises(DatabaseError, match="not the unpartitioned consumer"):
+        ConsumerDB.open(path, "catalog", create=True, unpartitioned=True)
+    plain = tmp_path / "plain.db"
+    ConsumerDB.open(plain, "catalog", create=True).close()
+    with pytest.raises(DatabaseError, match="is the unpartitioned 'catalog', not partition 0 of 4"):
+        ConsumerDB.open(plain, "catalog", create=True, partition=Identity(0, 4))
+
+
+def test_run_refuses_another_partition_in_one_line(tmp_path: Path) -> None:
+    """run --partition on another partition's database: one line on stderr, exit 2 (before any broker call)."""
+    path = tmp_path / "inbox.db"
+    ConsumerDB.open(path, "catalog", create=True, partition=Identity(1, 4)).close()
+    result = cli(["run", "--consumer", "catalog", "--partition", "0", "--db", str(path),
+                  "--amqp-url", "amqp://guest:guest@127.0.0.1:1/%2F"])
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "is partition 1 of 4" in lines[0], result.stderr
+    result = cli(["run", "--consumer", "catalog", "--partition", "5", "--db", str(path)])
+    assert result.exit_code == 2 and "partition 5 does not exist among 4" in result.stderr
