@@ -10,13 +10,19 @@ committing meanwhile: nothing here takes a write lock or keeps a snapshot.
 
 Exit codes: 0, 1 when the record asked for does not exist, 2 when the
 database cannot be used, the SQL is refused or it ran past --timeout.
+
+A partitioned consumer (``state/<consumer>/p<k>/inbox.db``): ``--partition K``
+reads one partition; without it, ``catalog list|show``, ``inbox list|show``,
+``rejected list`` and ``trace`` read every partition, as one consumer.
 """
 
 from __future__ import annotations
 
+import functools
+import heapq
 import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +30,10 @@ import click
 
 from .. import queries
 from ..durations import Duration
+from ..errors import DeliveryError
+from ..partition_store import partitioned_paths
+from ..partitions import SLOT_COUNT, partition_of
+from ..partitions import db_path as partition_db_path
 from ..store import ConsumerDB, default_db_path
 from . import LazyGroup
 from ._common import EXIT_REJECTED, F, Fatal, consumer_option, db_option, emit_json, handle_errors, json_option, open_db
@@ -40,13 +50,36 @@ def _db_option(fn: F) -> F:
     return db_option(fn, help="Database file, opened read-only (default: state/<consumer>/inbox.db).")
 
 
+def _partition_option(fn: F) -> F:
+    """``--partition K``: read partition K's database (it becomes ``db_path``)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, partition: int | None, **kwargs: Any) -> Any:
+        if partition is not None and kwargs.get("db_path") is None:
+            if kwargs.get("consumer") is None:
+                raise Fatal("--partition needs --consumer NAME")
+            kwargs["db_path"] = partition_db_path(kwargs["consumer"], partition)
+        return fn(*args, **kwargs)
+
+    option = click.option("--partition", type=click.IntRange(0, SLOT_COUNT - 1), envvar="DELIVERY_PARTITION",
+                          help="Only partition K of a partitioned consumer (state/<consumer>/p<K>/inbox.db).")
+    return option(wrapper)  # type: ignore[return-value]
+
+
 def read_options(consumer: str | None = None) -> Callable[[F], F]:
-    """``--consumer``, ``--db`` and ``--json``, shared by every read command."""
+    """``--consumer``, ``--db``, ``--partition`` and ``--json``, shared by every read command."""
 
     def decorate(fn: F) -> F:
-        return consumer_option(default=consumer)(_db_option(json_option(fn)))
+        return consumer_option(default=consumer)(_db_option(_partition_option(json_option(fn))))
 
     return decorate
+
+
+def _partitions(consumer: str | None, db_path: Path | None) -> list[Path] | None:
+    try:
+        return partitioned_paths(consumer, db_path)
+    except DeliveryError as exc:
+        raise Fatal(str(exc)) from None
 
 
 def limit_option(fn: F) -> F:
@@ -56,6 +89,10 @@ def limit_option(fn: F) -> F:
 
 
 def _open_readonly(consumer: str | None, db_path: Path | None) -> ConsumerDB:
+    paths = _partitions(consumer, db_path)
+    if paths is not None:
+        raise Fatal(f"{consumer} is partitioned here ({len(paths)} partitions under {paths[0].parent.parent}): "
+                    "give --partition K")
     try:
         return open_db(consumer, db_path, readonly=True)
     except Fatal as exc:
@@ -83,6 +120,47 @@ def reading(consumer: str | None, db_path: Path | None) -> Iterator[ConsumerDB]:
             yield db
         except queries.NotFound as exc:
             raise Missing(str(exc)) from None
+
+
+@contextmanager
+def reading_all(consumer: str | None, db_path: Path | None) -> Iterator[list[tuple[int | None, ConsumerDB]]]:
+    """Every partition's database (partition, db) of a partitioned consumer,
+    or the one database as [(None, db)]; a NotFound exits 1."""
+    paths = _partitions(consumer, db_path)
+    if paths is None:
+        with reading(consumer, db_path) as db:
+            yield [(None, db)]
+        return
+    with ExitStack() as stack:
+        dbs: list[tuple[int | None, ConsumerDB]] = [(k, stack.enter_context(reading(consumer, path)))
+                                                    for k, path in enumerate(paths)]
+        try:
+            yield dbs
+        except queries.NotFound as exc:
+            raise Missing(str(exc)) from None
+
+
+def _merged(parts: Sequence[tuple[int | None, list[dict[str, Any]]]]) -> Iterator[dict[str, Any]]:
+    """Rows of every partition, each tagged with its partition when there are several."""
+    for k, rows in parts:
+        for row in rows:
+            yield row if k is None else {**row, "partition": k}
+
+
+def _find(dbs: list[tuple[int | None, ConsumerDB]], look: Callable[[ConsumerDB], dict[str, Any]]) -> dict[str, Any]:
+    """The first partition's answer to *look* (NotFound in all of them: NotFound)."""
+    missing: queries.NotFound | None = None
+    for k, db in dbs:
+        try:
+            found = look(db)
+        except queries.NotFound as exc:
+            missing = exc
+            continue
+        return found if k is None else {**found, "partition": k}
+    assert missing is not None
+    consumer = dbs[0][1].consumer
+    raise queries.NotFound(str(missing) if len(dbs) == 1 else
+                           f"{str(missing).rsplit(' in ', 1)[0]} in any of the {len(dbs)} partitions of {consumer}")
 
 
 def _columns(rows: list[dict[str, Any]], keys: list[str]) -> list[list[Any]]:
@@ -113,8 +191,11 @@ inbox = LazyGroup(
 @handle_errors
 def inbox_list(consumer: str | None, db_path: Path | None, as_json: bool, result: str | None, limit: int) -> None:
     """Receipts, newest first."""
-    with reading(consumer, db_path) as db:
-        rows = queries.inbox_list(db, result=result, limit=limit)
+    with reading_all(consumer, db_path) as dbs:
+        parts = [(k, queries.inbox_list(db, result=result, limit=limit)) for k, db in dbs]
+    rows = list(heapq.merge(*(list(_merged([part])) for part in parts),
+                            key=lambda r: (r["receivedAt"], r["eventId"]), reverse=True))
+    rows = rows[:limit] if limit else rows
     if as_json:
         emit_json(rows)
         return
@@ -128,8 +209,8 @@ def inbox_list(consumer: str | None, db_path: Path | None, as_json: bool, result
 @handle_errors
 def inbox_show(consumer: str | None, db_path: Path | None, as_json: bool, event_id: str) -> None:
     """The receipt of EVENT_ID, with its rejections and recorded deliveries."""
-    with reading(consumer, db_path) as db:
-        shown = queries.inbox_show(db, event_id)
+    with reading_all(consumer, db_path) as dbs:
+        shown = _find(dbs, lambda db: queries.inbox_show(db, event_id))
     if as_json:
         emit_json(shown)
         return
@@ -213,8 +294,11 @@ def rejected() -> None:
 @handle_errors
 def rejected_list(consumer: str | None, db_path: Path | None, as_json: bool, code: str | None, limit: int) -> None:
     """Rejections, newest first."""
-    with reading(consumer, db_path) as db:
-        rows = queries.rejected_list(db, code=code, limit=limit)
+    with reading_all(consumer, db_path) as dbs:
+        parts = [(k, queries.rejected_list(db, code=code, limit=limit)) for k, db in dbs]
+    rows = list(heapq.merge(*(list(_merged([part])) for part in parts),
+                            key=lambda r: (r["rejectedAt"], r["id"]), reverse=True))
+    rows = rows[:limit] if limit else rows
     if as_json:
         emit_json(rows)
         return
@@ -234,9 +318,10 @@ def catalog() -> None:
 @read_options("catalog")
 @handle_errors
 def catalog_list(consumer: str, db_path: Path | None, as_json: bool) -> None:
-    """Every material, by articleId."""
-    with reading(consumer, db_path) as db:
-        rows = queries.catalog_list(db)
+    """Every material, by articleId (of every partition, when partitioned)."""
+    with reading_all(consumer, db_path) as dbs:
+        parts = [(k, queries.catalog_list(db)) for k, db in dbs]
+    rows = list(heapq.merge(*(list(_merged([part])) for part in parts), key=lambda r: r["articleId"]))
     if as_json:
         emit_json(rows)
         return
@@ -249,9 +334,15 @@ def catalog_list(consumer: str, db_path: Path | None, as_json: bool) -> None:
 @click.argument("article_id")
 @handle_errors
 def catalog_show(consumer: str, db_path: Path | None, as_json: bool, article_id: str) -> None:
-    """The stored revision of ARTICLE_ID."""
-    with reading(consumer, db_path) as db:
-        article = queries.catalog_show(db, article_id)
+    """The stored revision of ARTICLE_ID (from its partition, when partitioned)."""
+    paths = _partitions(consumer, db_path)
+    if paths is not None:  # the article's own partition, by the routing function
+        k = partition_of(article_id, len(paths))
+        with reading(consumer, paths[k]) as db:
+            article = {**queries.catalog_show(db, article_id), "partition": k}
+    else:
+        with reading(consumer, db_path) as db:
+            article = queries.catalog_show(db, article_id)
     if as_json:
         emit_json(article)
         return

@@ -21,6 +21,10 @@ import click
 
 from .. import consumers
 from ..durations import Duration
+from ..errors import DeliveryError
+from ..partition_store import partitioned_paths
+from ..partitions import SLOT_COUNT
+from ..partitions import db_path as partition_db_path
 from ..topology import Topology
 from ._common import (
     EXIT_OK,
@@ -35,13 +39,37 @@ from ._common import (
     open_db,
 )
 from ._output import echo_record, echo_table
-from .inbox import read_options, reading
+from .inbox import _find, read_options, reading_all
 from .rabbit import amqp_options
 
 
-def _topology(consumer: str, exchange: str, prefix: str) -> Topology:
+def _topology(consumer: str, exchange: str, prefix: str, partition: int | None = None) -> Topology:
     spec = consumers.get(consumer)
-    return Topology(consumer=consumer, binding_keys=tuple(spec.binding_keys), exchange=exchange, prefix=prefix)
+    return Topology(consumer=consumer, binding_keys=tuple(spec.binding_keys), exchange=exchange, prefix=prefix,
+                    partition=partition)
+
+
+def _partition_option(fn: F) -> F:
+    return click.option("--partition", type=click.IntRange(0, SLOT_COUNT - 1), envvar="DELIVERY_PARTITION",
+                        help="Partition K of a partitioned consumer: its queues <prefix>.<consumer>.p<K>.* and "
+                             "its database state/<consumer>/p<K>/inbox.db.")(fn)
+
+
+def _one_partition(consumer: str | None, db_path: Path | None, partition: int | None, what: str) -> Path | None:
+    """The database a one-partition command uses; a partitioned consumer
+    without --partition (or --db) is refused in one line."""
+    if db_path is not None or consumer is None:
+        return db_path
+    if partition is not None:
+        return partition_db_path(consumer, partition)
+    try:
+        paths = partitioned_paths(consumer, None)
+    except DeliveryError as exc:
+        raise Fatal(str(exc)) from None
+    if paths is not None:
+        raise Fatal(f"{consumer} is partitioned here ({len(paths)} partitions): give --partition K to {what} "
+                    "(each partition has its own queues and database)")
+    return None
 
 
 # -- trace -----------------------------------------------------------------------
@@ -62,19 +90,23 @@ def trace(consumer: str | None, db_path: Path | None, as_json: bool, article_id:
     """
     from ..trace import trace as trace_event
 
-    with reading(consumer, db_path) as db:
-        shown = trace_event(db, event_id, article_id=article_id)
+    with reading_all(consumer, db_path) as dbs:  # a partitioned consumer: the partition that knows it
+        shown = _find(dbs, lambda db: trace_event(db, event_id, article_id=article_id))
     if as_json:
         emit_json(shown)
         return
     _echo_trace(shown)
 
 
+def _partition_text(shown: dict[str, Any]) -> str:
+    return f", partition {shown['partition']}" if "partition" in shown else ""
+
+
 def _echo_trace(shown: dict[str, Any]) -> None:
     deliveries = shown["deliveries"]
     echo_record([
         ("eventId", shown["eventId"]),
-        ("consumer", f"{shown['consumer']} ({shown['database']})"),
+        ("consumer", f"{shown['consumer']}{_partition_text(shown)} ({shown['database']})"),
         ("status", shown["status"]),
         ("summary", shown["summary"]),
     ])
@@ -159,11 +191,12 @@ def _letter_row(letter: Any) -> list[Any]:
 @dead.command("list")
 @consumer_option(required=True)
 @amqp_options
+@_partition_option
 @click.option("--code", help="Only dead letters with this code (the counts by code cover all).")
 @json_option
 @handle_errors
-def dead_list(consumer: str, amqp_url: str, exchange: str, queue_prefix: str, code: str | None,
-              as_json: bool) -> None:
+def dead_list(consumer: str, amqp_url: str, exchange: str, queue_prefix: str, partition: int | None,
+              code: str | None, as_json: bool) -> None:
     """What is in the dead queue, in queue order, and counts by code.
 
     Reads every message and gives it back in place: nothing is removed or
@@ -171,7 +204,8 @@ def dead_list(consumer: str, amqp_url: str, exchange: str, queue_prefix: str, co
     """
     from ..deadletters import list_dead
 
-    topology = _topology(consumer, exchange, queue_prefix)
+    _one_partition(consumer, None, partition, "read its dead queue")
+    topology = _topology(consumer, exchange, queue_prefix, partition)
     snapshot = _broker_call(list_dead, amqp_url, topology)
     letters = [letter for letter in snapshot.letters if code is None or letter.code == code]
     if as_json:
@@ -216,6 +250,7 @@ def _finish(report: Any, as_json: bool, summary: str) -> None:
 @consumer_option(required=True)
 @db_option
 @amqp_options
+@_partition_option
 @_selectors
 @click.option("--drop-applied", is_flag=True,
               help="Remove dead letters whose event is already applied (default: leave them and report).")
@@ -223,8 +258,8 @@ def _finish(report: Any, as_json: bool, summary: str) -> None:
 @json_option
 @handle_errors
 def dead_requeue(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue_prefix: str,
-                 event_ids: tuple[str, ...], code: str | None, select_all: bool, drop_applied: bool,
-                 dry_run: bool, as_json: bool) -> None:
+                 partition: int | None, event_ids: tuple[str, ...], code: str | None, select_all: bool,
+                 drop_applied: bool, dry_run: bool, as_json: bool) -> None:
     """Send dead letters back to the consumer's queue with a fresh attempt count.
 
     Each copy is confirmed by the broker before its dead letter is removed,
@@ -238,7 +273,8 @@ def dead_requeue(consumer: str, db_path: Path | None, amqp_url: str, exchange: s
     from .. import deadletters
 
     selection = _selection(event_ids, code, select_all)
-    topology = _topology(consumer, exchange, queue_prefix)
+    db_path = _one_partition(consumer, db_path, partition, "requeue its dead letters")
+    topology = _topology(consumer, exchange, queue_prefix, partition)
     with ExitStack() as stack:
         db = stack.enter_context(open_db(consumer, db_path))
         dq, snapshot = _broker_call(stack.enter_context, deadletters.reading(amqp_url, topology))
@@ -252,14 +288,15 @@ def dead_requeue(consumer: str, db_path: Path | None, amqp_url: str, exchange: s
 @consumer_option(required=True)
 @db_option
 @amqp_options
+@_partition_option
 @_selectors
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @click.option("--dry-run", is_flag=True, help="Show what would be purged; change nothing.")
 @json_option
 @handle_errors
 def dead_purge(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue_prefix: str,
-               event_ids: tuple[str, ...], code: str | None, select_all: bool, yes: bool, dry_run: bool,
-               as_json: bool) -> None:
+               partition: int | None, event_ids: tuple[str, ...], code: str | None, select_all: bool, yes: bool,
+               dry_run: bool, as_json: bool) -> None:
     """Remove dead letters for good (asks first unless --yes).
 
     Their rejections in the consumer's database (if it is here) are marked
@@ -268,7 +305,8 @@ def dead_purge(consumer: str, db_path: Path | None, amqp_url: str, exchange: str
     from .. import deadletters
 
     selection = _selection(event_ids, code, select_all)
-    topology = _topology(consumer, exchange, queue_prefix)
+    db_path = _one_partition(consumer, db_path, partition, "purge its dead letters")
+    topology = _topology(consumer, exchange, queue_prefix, partition)
     with ExitStack() as stack:
         db = None
         try:
@@ -300,6 +338,7 @@ def dead_purge(consumer: str, db_path: Path | None, amqp_url: str, exchange: str
 @consumer_option()
 @db_option
 @amqp_options
+@_partition_option
 @click.option("--older-than", required=True, type=Duration(),
               help="Prune what is older than this (90m, 12h, 30d, 2w); at least the horizon.")
 @click.option("--horizon", default="7d", show_default=True, type=Duration(),
@@ -314,8 +353,8 @@ def dead_purge(consumer: str, db_path: Path | None, amqp_url: str, exchange: str
 @json_option
 @handle_errors
 def inbox_prune(consumer: str | None, db_path: Path | None, amqp_url: str, exchange: str, queue_prefix: str,
-                older_than: float, horizon: float, batch: int, without_dead_queue: bool, dry_run: bool,
-                as_json: bool) -> None:
+                partition: int | None, older_than: float, horizon: float, batch: int, without_dead_queue: bool,
+                dry_run: bool, as_json: bool) -> None:
     """Delete old receipts, delivery records and resolved rejections, in small batches.
 
     Never a receipt younger than the redelivery horizon (a shorter
@@ -331,9 +370,12 @@ def inbox_prune(consumer: str | None, db_path: Path | None, amqp_url: str, excha
         retention.check_older_than(older_than, horizon)
     except retention.PruneRefused as exc:
         raise Fatal(f"refused: {exc}") from None
+    db_path = _one_partition(consumer, db_path, partition, "prune it")
     with ExitStack() as stack:
         db = stack.enter_context(open_db(consumer, db_path))
-        topology = _topology(db.consumer, exchange, queue_prefix)
+        if partition is None:  # a partition's database names its queues
+            partition = _stored_partition(db)
+        topology = _topology(db.consumer, exchange, queue_prefix, partition)
         keep: set[str] | None = None
         refresh: Any = lambda: ()  # noqa: E731
         try:
@@ -367,6 +409,13 @@ def inbox_prune(consumer: str | None, db_path: Path | None, amqp_url: str, excha
         emit_json(report.to_json())
         return
     _echo_prune(report)
+
+
+def _stored_partition(db: Any) -> int | None:
+    from ..partitions import identity_from_meta
+
+    identity = identity_from_meta(db.meta())
+    return identity.partition if identity is not None else None
 
 
 def _echo_prune(report: Any) -> None:
