@@ -1,0 +1,82 @@
+"""The operator's commands on a partitioned consumer: inspect, trace, dead, prune, metrics."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import orjson
+import pytest
+from brokerkit import Namespace
+from partitionkit import Cluster, make_events, wait_until
+from support import json_lines
+from test_broker_metrics import free_port, scrape
+
+from delivery_consumer.partitions import partition_of
+
+pytestmark = pytest.mark.broker
+
+COUNT = 2
+
+
+@pytest.fixture
+def cluster(ns: Namespace) -> Iterator[Cluster]:
+    c = Cluster(ns, "catalog", COUNT)
+    c.declare()
+    yield c
+    c.stop()
+    c.delete()
+
+
+def test_inspect_trace_dead_prune_and_metrics_of_a_partitioned_consumer(cluster: Cluster) -> None:
+    """catalog list merges the partitions, catalog show and trace find the article's partition, dead and
+    prune work per partition (and refuse, in one line, without --partition), metrics carry the partition."""
+    events = make_events(40, 8)
+    conflict = {**events[-1], "eventId": "0b1e9c1e-4a53-4f0e-9d2a-6f1f3f7b2c11",
+                "data": {"title": "another title", "url": "https://example.org/x"}}  # its last revision again, another state
+    home = partition_of(conflict["articleId"], COUNT)
+    port = free_port()
+    runs = [cluster.start(k, *(["--metrics-port", str(port)] if k == home else [])) for k in range(COUNT)]
+    cluster.publish([*events, conflict])
+    wait_until("every receipt", lambda: cluster.receipts() >= len(events), 120, runs)
+    wait_until("the conflict dead-lettered", lambda: cluster.ns.count(
+        f"{cluster.ns.prefix}.catalog.p{home}.dead") == 1, 60, runs)
+    m: dict[str, float] = {}
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not any("revision-conflict" in k for k in m):
+        m = scrape(port)
+    assert m[f'delivery_dead_letters_total{{code="revision-conflict",consumer="catalog",partition="{home}"}}'] == 1
+    cluster.stop()
+
+    ns = cluster.ns
+    listed = ns.cli("catalog", "list", "--consumer", "catalog", "--json")
+    assert listed.returncode == 0, listed.stderr
+    rows = orjson.loads(listed.stdout)
+    assert sorted(r["articleId"] for r in rows) == sorted({e["articleId"] for e in events})
+    assert all(r["partition"] == partition_of(r["articleId"], COUNT) for r in rows)
+
+    shown = ns.cli("catalog", "show", "--consumer", "catalog", "--json", events[1]["articleId"])
+    assert orjson.loads(shown.stdout)["partition"] == partition_of(events[1]["articleId"], COUNT)
+
+    traced = ns.cli("trace", "--consumer", "catalog", conflict["eventId"])
+    assert traced.returncode == 0, traced.stderr
+    assert f"catalog, partition {home} (" in traced.stdout and "revision-conflict" in traced.stdout
+    unknown = ns.cli("trace", "--consumer", "catalog", "00000000-0000-4000-8000-000000000000")
+    assert unknown.returncode == 1 and f"any of the {COUNT} partitions" in unknown.stderr
+
+    refused = ns.cli("dead", "list", "--consumer", "catalog")
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
+    assert "give --partition K" in refused.stderr
+    dead = ns.cli("dead", "list", "--consumer", "catalog", "--partition", str(home), "--json")
+    assert dead.returncode == 0, dead.stderr
+    assert [m["eventId"] for m in orjson.loads(dead.stdout)["messages"]] == [conflict["eventId"]]
+    requeue = ns.cli("dead", "requeue", "--consumer", "catalog", "--partition", str(home), "--all", "--dry-run")
+    assert f"-> {ns.prefix}.catalog.p{home} " in requeue.stderr, requeue.stderr
+
+    stats = ns.cli("inbox", "stats", "--consumer", "catalog", "--partition", str(home), "--json")
+    assert json_lines(stats.stdout)[0]["consumer"] == "catalog"
+    assert ns.cli("inbox", "prune", "--consumer", "catalog", "--older-than", "7d", "--dry-run").returncode == 2
+    pruned = ns.cli("inbox", "prune", "--consumer", "catalog", "--partition", str(home), "--older-than", "7d",
+                    "--dry-run")
+    assert pruned.returncode == 0, pruned.stderr
+    assert f"dead queue {ns.prefix}.catalog.p{home}.dead: 1 dead letters" in pruned.stdout
