@@ -1154,3 +1154,30 @@ def queue_counts(url: str, queues: Sequence[str], *, name: str = "delivery-consu
             with suppress(pex.AMQPError, OSError):
                 conn.close()
     return out
+
+
+def delete_unused_queues(url: str, queues: Sequence[str]) -> list[str]:
+    """Delete each queue that is empty and has no consumer; returns those kept.
+
+    Checked with a passive declare just before the delete: quorum queues
+    refuse the ``if-unused`` flag (540 NOT_IMPLEMENTED on RabbitMQ 3.10).
+    """
+    kept = []
+    states = queue_counts(url, queues, name="delivery-consumer repartition")
+    try:
+        conn = pika.BlockingConnection(parameters(url, name="delivery-consumer delete queues"))
+        try:
+            channel = conn.channel()
+            for queue, state in states.items():
+                if state is None:
+                    continue
+                if state.ready or state.consumers:
+                    kept.append(queue)
+                    continue
+                channel.queue_delete(queue)
+        finally:
+            if conn.is_open:
+                conn.close()
+    except (pex.AMQPError, OSError) as exc:
+        raise classify(exc, url=url) from None
+    return kept

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import re
 import sqlite3
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
 
-from .errors import DatabaseError
-from .partitions import Identity, identity_from_meta
+from .errors import ConfigError, DatabaseError
+from .partitions import SLOT_COUNT, Identity, check_count, identity_from_meta, partition_of, partition_of_slot
 from .partitions import db_path as partition_db_path
 
 _PARTITION_DIR = re.compile(r"p(\d+)")
@@ -64,3 +66,116 @@ def partitioned_paths(consumer: str | None, db_path: Path | None, root: Path | N
         raise DatabaseError(f"the partition databases of {consumer} do not agree ({found}); "
                             "a repartition may have been interrupted: run it again")
     return [partition_db_path(consumer, k, root) for k in range(len(paths))]
+
+
+# -- changing the partition count ---------------------------------------------------------
+
+
+@dataclass
+class Moved:
+    """What :func:`split_merge` wrote: rows per new partition and table."""
+
+    old_count: int
+    new_count: int
+    rows: dict[int, dict[str, int]] = field(default_factory=dict)
+    backup: Path | None = None
+
+
+def _candidates(old: int, old_count: int, new_count: int) -> list[int]:
+    """The new partitions that slots of old partition *old* go to."""
+    slots = [s for s in range(SLOT_COUNT) if partition_of_slot(s, old_count) == old]
+    return sorted({partition_of_slot(s, new_count) for s in slots})
+
+
+def _table_plan(conn: sqlite3.Connection, table: str) -> tuple[list[str], str]:
+    """Columns to copy (an INTEGER PRIMARY KEY gets new values) and the key expression."""
+    info = conn.execute(f'PRAGMA old.table_info("{table}")').fetchall()
+    names = [row[1] for row in info]
+    pks = [row for row in info if row[5]]
+    rowid_alias = len(pks) == 1 and str(pks[0][2]).upper() == "INTEGER"
+    columns = [row[1] for row in info if not (rowid_alias and row[5])]
+    if "partition_key" in names:
+        key = "t.partition_key"
+    elif "article_id" in names:
+        key = "t.article_id"
+    elif "event_id" in names:
+        key = "(SELECT i.partition_key FROM old.inbox i WHERE i.event_id = t.event_id)"
+    else:
+        key = "NULL"
+    return columns, key
+
+
+def split_merge(consumer: str, new_count: int, root: Path | None = None) -> Moved:
+    """Rewrite the partition databases of *consumer* for *new_count* partitions.
+
+    Every row follows its key: ``partition_key`` (receipts), ``article_id``
+    (catalog, audit, fence) or, for a row that only names an event, the key
+    of that event's receipt. A row without any key (a rejection of a body
+    that never parsed, a delivery count of such a body) stays with a new
+    partition that the old one's slots go to; a receipt without a key (one
+    written before keys were stored) is copied to every such partition, so
+    a redelivery is answered ``duplicate`` wherever it lands.
+
+    The new databases are built beside the old ones and swapped in by
+    renaming directories; the old ones are kept in ``<consumer>/repartitioned-
+    <old>to<new>-<time>/`` for the operator to delete. The caller has made sure
+    nothing runs on them (the queues are drained and unconsumed).
+    """
+    from .store import ConsumerDB  # store imports this package's partitions module
+
+    check_count(new_count)
+    paths = partitioned_paths(consumer, None, root)
+    if paths is None:
+        raise ConfigError(f"{consumer} has no partition databases under {(root or Path('state')) / consumer}")
+    old_count = len(paths)
+    base = (root if root is not None else Path("state")) / consumer
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    staging = base / f".repartition-{old_count}to{new_count}-{stamp}"
+    moved = Moved(old_count, new_count)
+    for k in range(new_count):
+        ConsumerDB.open(staging / f"p{k}" / "inbox.db", consumer, create=True,
+                        partition=Identity(k, new_count)).close()
+    for k in range(new_count):
+        conn = sqlite3.connect(staging / f"p{k}" / "inbox.db", isolation_level=None)
+        conn.create_function("dc_partition", 1, lambda key: partition_of(key, new_count) if key is not None else None,
+                             deterministic=True)
+        counts = moved.rows.setdefault(k, {})
+        try:
+            for old, path in enumerate(paths):
+                keyless = _candidates(old, old_count, new_count)
+                conn.execute("ATTACH DATABASE ? AS old", (str(path),))  # not inside a transaction
+                conn.execute("BEGIN IMMEDIATE")
+                tables = [r[0] for r in conn.execute(
+                    "SELECT name FROM old.sqlite_schema WHERE type = 'table' AND name NOT LIKE 'sqlite_%'"
+                    " AND name != 'meta'")]
+                for table in tables:
+                    columns, key = _table_plan(conn, table)
+                    cols = ", ".join(f'"{c}"' for c in columns)
+                    picked = ", ".join(f't."{c}"' for c in columns)
+                    # a keyless receipt: a copy in every candidate; any other keyless row: the first one
+                    stays = k in keyless if table == "inbox" else k == keyless[0]
+                    where = f"coalesce(dc_partition({key}) = {k}, {1 if stays else 0})"
+                    verb = "INSERT OR IGNORE" if table == "deliveries" else "INSERT"
+                    cur = conn.execute(f'{verb} INTO main."{table}" ({cols}) SELECT {picked} FROM old."{table}" t'
+                                       f" WHERE {where}")
+                    counts[table] = counts.get(table, 0) + max(cur.rowcount, 0)
+                conn.execute("COMMIT")
+                conn.execute("DETACH DATABASE old")
+            conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('repartitioned_from', ?)",
+                         (str(old_count),))
+        except sqlite3.Error as exc:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise DatabaseError(f"{staging / f'p{k}' / 'inbox.db'}: cannot move rows: {exc}; "
+                                f"the old databases are unchanged (delete {staging})") from None
+        finally:
+            conn.close()
+    backup = base / f"repartitioned-{old_count}to{new_count}-{stamp}"
+    backup.mkdir()
+    for k in range(old_count):
+        (base / f"p{k}").rename(backup / f"p{k}")
+    for k in range(new_count):
+        (staging / f"p{k}").rename(base / f"p{k}")
+    staging.rmdir()
+    moved.backup = backup
+    return moved

@@ -32,8 +32,9 @@ def test_inspect_trace_dead_prune_and_metrics_of_a_partitioned_consumer(cluster:
     """catalog list merges the partitions, catalog show and trace find the article's partition, dead and
     prune work per partition (and refuse, in one line, without --partition), metrics carry the partition."""
     events = make_events(40, 8)
+    # the last revision of an article again, with another state: a conflict, dead-lettered
     conflict = {**events[-1], "eventId": "0b1e9c1e-4a53-4f0e-9d2a-6f1f3f7b2c11",
-                "data": {"title": "another title", "url": "https://example.org/x"}}  # its last revision again, another state
+                "data": {"title": "another title", "url": "https://example.org/x"}}
     home = partition_of(conflict["articleId"], COUNT)
     port = free_port()
     runs = [cluster.start(k, *(["--metrics-port", str(port)] if k == home else [])) for k in range(COUNT)]

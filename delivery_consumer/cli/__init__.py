@@ -28,6 +28,7 @@ COMMANDS: dict[str, str] = {
     "run": "rabbit:run",
     "publish": "rabbit:publish",
     "topology": "rabbit:topology",
+    "repartition": "partitions:repartition",
     "fence": "fence:fence",
     "dispatch": "outbox:dispatch",
     "outbox": "outbox:outbox",

@@ -1,0 +1,89 @@
+"""``repartition``: change a partitioned consumer's partition count (drain, then switch)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ..errors import DeliveryError
+from ..partition_store import partitioned_paths, split_merge
+from ..partitions import SLOT_COUNT, partition_topologies, route
+from ._common import Fatal, consumer_option, handle_errors
+from .rabbit import _topology, amqp_options
+
+
+@click.command()
+@consumer_option(required=True)
+@amqp_options
+@click.option("--partitions", "count", required=True, type=click.IntRange(1, SLOT_COUNT),
+              help="The new partition count.")
+@click.option("--state", "root", type=click.Path(path_type=Path), default=Path("state"), show_default=True,
+              help="Directory holding <consumer>/p<k>/inbox.db.")
+@handle_errors
+def repartition(consumer: str, amqp_url: str, exchange: str, queue_prefix: str, count: int, root: Path) -> None:
+    """Move a partitioned consumer to COUNT partitions: its databases and its queues.
+
+    Refused unless every queue of the consumer (each partition's queue,
+    retry tiers and dead queue, and the unrouted queue) is empty and has no
+    consumer: stop the producers' dispatch, let the runs drain the queues,
+    stop them, then run this. Every article's catalog row, receipts and
+    fence rows move to their new partition; the new slot bindings are
+    declared before the old ones are removed, and queues no longer needed
+    are deleted. Run it again if it was interrupted.
+    """
+    from ..broker import BrokerError, declare, delete_unused_queues, queue_counts
+    from ..partitions import unrouted_name
+
+    base = _topology(consumer, exchange, queue_prefix)
+    paths = partitioned_paths(consumer, None, root)
+    if paths is None:
+        raise Fatal(f"{root / consumer}: no partition databases of {consumer} here (p0/inbox.db ...)")
+    old = len(paths)
+    previous = old
+    if old == count:  # done before, or nothing to do: finish the broker side again
+        meta_from = _repartitioned_from(paths[0])
+        previous = meta_from if meta_from is not None else old
+    old_queues = [q for t in partition_topologies(base, max(old, previous)) for q, _ in t.queues()]
+    old_queues.append(unrouted_name(base))
+    try:
+        states = queue_counts(amqp_url, old_queues, name="delivery-consumer repartition")
+    except BrokerError as exc:
+        raise Fatal(str(exc)) from None
+    busy = [f"{q} ({s.ready} messages, {s.consumers} consumers)" for q, s in states.items()
+            if s is not None and (s.ready or s.consumers)]
+    if busy:
+        raise Fatal(f"refused: drain the queues and stop every run first; still busy: {', '.join(busy)}")
+    if old != count:
+        try:
+            moved = split_merge(consumer, count, root)
+        except DeliveryError as exc:
+            raise Fatal(str(exc)) from None
+        for k, tables in sorted(moved.rows.items()):
+            rows = ", ".join(f"{n} {t}" for t, n in sorted(tables.items()))
+            click.echo(f"p{k}: {rows}")
+        click.echo(f"{consumer}: databases moved from {old} to {count} partitions; the old ones are in {moved.backup}",
+                   err=True)
+    try:
+        declare(amqp_url, partition_topologies(base, count), routes=[route(base, count, previous=previous)])
+        obsolete = [q for t in partition_topologies(base, previous)[count:] for q, _ in t.queues()]
+        kept = delete_unused_queues(amqp_url, obsolete)
+    except BrokerError as exc:
+        raise Fatal(f"{exc} (the databases are at {count} partitions: run repartition again)") from None
+    click.echo(f"{consumer}: queues {base.prefix}.{consumer}.p0 .. p{count - 1} routed by slot mod {count}"
+               + (f"; {len(obsolete) - len(kept)} queues of the old partitions deleted" if obsolete else "")
+               + (f"; kept (not empty or in use): {', '.join(kept)}" if kept else ""), err=True)
+
+
+def _repartitioned_from(path: Path) -> int | None:
+    import sqlite3
+
+    conn = sqlite3.connect(path)
+    try:
+        row = conn.execute("SELECT value FROM meta WHERE key = 'repartitioned_from'").fetchone()
+    finally:
+        conn.close()
+    return int(row[0]) if row else None
+
+
+__all__ = ["repartition"]

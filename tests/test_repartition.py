@@ -1,0 +1,105 @@
+"""Changing a partitioned consumer's count, 4 -> 8 -> 2, with a ledger before and after."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from brokerkit import Namespace
+from partitionkit import Cluster, make_events, query, wait_until
+
+from delivery_consumer.partition_store import split_merge, stored_identity
+from delivery_consumer.partitions import Identity, partition_of
+from delivery_consumer.store import ConsumerDB
+
+ARTICLES = 300
+
+
+def ledger(cluster: Cluster) -> tuple[dict[str, tuple[str, str]], dict[str, tuple[int, str]]]:
+    """Every receipt (eventId -> result, key) and catalog row (article -> revision, title), all partitions."""
+    receipts: dict[str, tuple[str, str]] = {}
+    catalog: dict[str, tuple[int, str]] = {}
+    for k in range(cluster.count):
+        for event_id, result, key in query(cluster.db(k), "SELECT event_id, result, partition_key FROM inbox"):
+            assert event_id not in receipts
+            receipts[event_id] = (result, key)
+        for article, revision, title in query(cluster.db(k), "SELECT article_id, revision, title FROM catalog"):
+            catalog[article] = (revision, title)
+    return receipts, catalog
+
+
+def consume(cluster: Cluster, events: list[dict[str, object]], expected: int) -> None:
+    for k in range(cluster.count):
+        cluster.start(k)
+    cluster.publish(events)
+    wait_until("every receipt", lambda: cluster.receipts() >= expected, 300, cluster.procs)
+    cluster.stop()
+    cluster.procs.clear()
+
+
+@pytest.fixture
+def cluster(ns: Namespace) -> Iterator[Cluster]:
+    c = Cluster(ns, "catalog", 4)
+    c.declare()
+    yield c
+    c.stop()
+    c.delete(counts=(8,))
+
+
+@pytest.mark.broker
+def test_repartition_4_8_2_keeps_the_ledger(cluster: Cluster) -> None:
+    """4 -> 8 -> 2: refused while a run holds a queue; afterwards every receipt and catalog row is in
+    its new partition, the ledger is unchanged, redelivered old events are duplicates, and new
+    revisions apply as `updated`."""
+    events = make_events(6 * ARTICLES, ARTICLES)
+    first, second, third = events[: 2 * ARTICLES], events[2 * ARTICLES: 4 * ARTICLES], events[4 * ARTICLES:]
+    consume(cluster, first, len(first))
+    before = ledger(cluster)
+
+    holder = cluster.start(2)
+    refused = cluster.ns.cli("repartition", "--consumer", "catalog", "--partitions", "8")
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert "refused: drain the queues and stop every run first" in refused.stderr
+    os.kill(holder.pid, signal.SIGTERM)
+    holder.communicate(timeout=60)
+    cluster.procs.clear()
+
+    for count, batch, done in ((8, second, first), (2, third, first + second)):
+        moved = cluster.ns.cli("repartition", "--consumer", "catalog", "--partitions", str(count))
+        assert moved.returncode == 0, moved.stderr
+        cluster.count = count
+        assert ledger(cluster) == before
+        for k in range(count):
+            assert stored_identity(cluster.db(k)) == Identity(k, count)
+            keys = query(cluster.db(k), "SELECT DISTINCT partition_key FROM inbox")
+            assert all(partition_of(key, count) == k for (key,) in keys)
+        again = cluster.ns.cli("repartition", "--consumer", "catalog", "--partitions", str(count))
+        assert again.returncode == 0, again.stderr  # idempotent
+        consume(cluster, done[:ARTICLES] + batch, len(done) + len(batch))  # old events again: duplicates
+        results = cluster.check_exactly_once(done + batch)
+        assert results == {"updated": len(done) + len(batch)}
+        before = ledger(cluster)
+    assert not (cluster.ns.workdir / "state" / "catalog" / "p2").exists()
+
+
+def test_split_merge_moves_keyless_rows_and_refuses_nothing(tmp_path: Path) -> None:
+    """Rows without a key (a rejection of an unparseable body, a receipt from before keys were stored)
+    land in a partition the old one's slots go to; a keyless receipt is kept in each of them."""
+    root = tmp_path / "state"
+    for k in range(2):
+        with ConsumerDB.open(root / "catalog" / f"p{k}" / "inbox.db", "catalog", create=True,
+                             partition=Identity(k, 2)) as db:
+            db.conn.execute("INSERT INTO inbox (event_id, fingerprint, result, event_type, received_at)"
+                            f" VALUES ('old-{k}', 'f', 'updated', 'material.published', 'now')")
+            db.conn.execute("INSERT INTO rejected (code, reason, rejected_at) VALUES ('malformed-json', 'x', 'now')")
+    moved = split_merge("catalog", 4, root)
+    assert moved.old_count == 2 and moved.backup is not None and moved.backup.is_dir()
+    receipts = {k: {r[0] for r in query(root / "catalog" / f"p{k}" / "inbox.db", "SELECT event_id FROM inbox")}
+                for k in range(4)}
+    assert receipts == {0: {"old-0"}, 1: {"old-1"}, 2: {"old-0"}, 3: {"old-1"}}
+    rejected = [query(root / "catalog" / f"p{k}" / "inbox.db", "SELECT count(*) FROM rejected")[0][0]
+                for k in range(4)]
+    assert rejected == [1, 1, 0, 0]
