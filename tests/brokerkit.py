@@ -33,6 +33,7 @@ import pytest
 
 from delivery_consumer import consumers
 from delivery_consumer.broker import OutMessage, Publisher
+from delivery_consumer.partitions import slot_headers
 from delivery_consumer.topology import Topology
 
 DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
@@ -141,16 +142,18 @@ class Namespace:
         for i, body in enumerate(bodies):
             key = routing_key
             mid = message_ids[i] if message_ids is not None else None
-            if key is None or mid is None:
-                try:
-                    obj = orjson.loads(body)
-                except orjson.JSONDecodeError:
-                    obj = {}
-                obj = obj if isinstance(obj, dict) else {}
-                key = key or str(obj.get("type") or "material.published")
-                if message_ids is None:
-                    mid = obj.get("eventId") if isinstance(obj.get("eventId"), str) else None
-            messages.append(OutMessage(routing_key=key, body=body, exchange=self.exchange, message_id=mid))
+            try:
+                obj = orjson.loads(body)
+            except orjson.JSONDecodeError:
+                obj = {}
+            obj = obj if isinstance(obj, dict) else {}
+            key = key or str(obj.get("type") or "material.published")
+            if message_ids is None:
+                mid = obj.get("eventId") if isinstance(obj.get("eventId"), str) else None
+            article = obj.get("articleId")
+            headers = slot_headers(article) if isinstance(article, str) else None  # for partitioned consumers
+            messages.append(OutMessage(routing_key=key, body=body, exchange=self.exchange, message_id=mid,
+                                       headers=headers))
         with Publisher(self.url, topologies=[self.topology(c) for c in declare], exchanges=[self.exchange]) as pub:
             results = pub.publish(messages)
         bad = [r for r in results if not r.ok]

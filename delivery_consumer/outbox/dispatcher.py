@@ -107,6 +107,7 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple, Protocol
 
 from ..errors import DeliveryError, TransientError, safe_reason
 from ..faults import crashpoint
+from ..partitions import slot_headers
 from ..retry import reconnect_delay_s
 from ..store import now_iso
 from . import owners
@@ -144,6 +145,8 @@ class Claimed(NamedTuple):
     routing_key: str
     body: bytes
     attempts: int
+    #: The articleId: the message carries its slot (partitions.py).
+    ordering_key: str = ""
 
 
 @dataclass
@@ -336,7 +339,7 @@ class Dispatcher:
                     if taken and size + len(body) > self.config.batch_bytes:
                         break
                     size += len(body)
-                    taken.append(Claimed(seq, event_id, routing_key, body, attempts))
+                    taken.append(Claimed(seq, event_id, routing_key, body, attempts, key))
                     if next_at is not None:  # a retry goes out alone for its article
                         blocked.add(key)
                     if owner is not None:
@@ -472,8 +475,9 @@ class Dispatcher:
             crashpoint("dispatch-before-publish")
             exchange = self.config.exchange
             try:
-                ticket = self.publisher.send([OutMessage(routing_key=r.routing_key, body=r.body,
-                                                         exchange=exchange, message_id=r.event_id) for r in rows])
+                ticket = self.publisher.send([OutMessage(routing_key=r.routing_key, body=r.body, exchange=exchange,
+                                                         message_id=r.event_id, headers=slot_headers(r.ordering_key))
+                                              for r in rows])
             except BaseException:
                 self._abandon(rows)
                 raise
