@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import orjson
 import pytest
 from brokerkit import Namespace
-from partitionkit import Cluster, make_events, wait_until
+from partitionkit import Cluster, make_events, query, wait_until
 from support import json_lines
 from test_broker_metrics import free_port, scrape
 
@@ -81,3 +81,23 @@ def test_inspect_trace_dead_prune_and_metrics_of_a_partitioned_consumer(cluster:
                     "--dry-run")
     assert pruned.returncode == 0, pruned.stderr
     assert f"dead queue {ns.prefix}.catalog.p{home}.dead: 1 dead letters" in pruned.stdout
+
+
+def test_the_outbox_dispatcher_routes_to_partitions(cluster: Cluster) -> None:
+    """Events written to a producer's outbox and dispatched reach their article's partition (the
+    dispatcher sends the slot header like publish), and the merged catalog equals the producer's."""
+    from test_outbox_broker import dispatch
+    from test_outbox_broker import make_events as produce_events
+
+    db = cluster.ns.workdir / "producer.db"
+    ids = produce_events(db, 60, articles=12)
+    runs = [cluster.start(k) for k in range(COUNT)]
+    done = dispatch(cluster.ns, db, "--exit-when-idle", "1s")
+    assert done.returncode == 0, done.stderr
+    wait_until("every receipt", lambda: cluster.receipts() >= len(ids), 120, runs)
+    cluster.stop()
+    listed = orjson.loads(cluster.ns.cli("catalog", "list", "--consumer", "catalog", "--json").stdout)
+    material = {a: (rev, title) for a, rev, title in query(db, "SELECT article_id, revision, title FROM material")}
+    assert {r["articleId"]: (r["revision"], r["title"]) for r in listed} == material
+    assert all(r["partition"] == partition_of(r["articleId"], COUNT) for r in listed)
+
