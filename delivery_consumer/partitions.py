@@ -10,14 +10,18 @@ consistent-hash exchange):
 
 * the **publisher** computes the article's *slot* -- the first 8 bytes of
   SHA-256 of the UTF-8 ``articleId``, read as a big-endian unsigned integer,
-  modulo :data:`SLOT_COUNT` -- and sends it as the header
-  :data:`SLOT_HEADER` (a decimal string). It knows nothing of partitions;
+  modulo :data:`SLOT_COUNT` -- and sends two headers: ``delivery-slot-<s>``
+  = ``"1"`` (what the broker routes on) and ``delivery-slot`` = ``"<s>"``
+  (for people). It knows nothing of partitions;
 * each partitioned **consumer** has a headers exchange
   ``<prefix>.<consumer>.slots``, bound to the events exchange with the
-  consumer's binding keys, and binds slot ``s`` to partition
-  ``s mod count``. A message without a bound slot goes to the exchange's
-  alternate exchange and waits in ``<prefix>.<consumer>.unrouted``: never
-  dropped.
+  consumer's binding keys, and binds each partition ``k`` once, with
+  ``x-match: any`` over the headers of its slots (``s mod count == k``).
+  One binding per partition, not per slot: the broker tries every binding
+  of a headers exchange for every message, and 256 bindings cost it three
+  times more than 4 (bench/bench_partitions.py). A message matching no
+  binding goes to the exchange's alternate exchange and waits in
+  ``<prefix>.<consumer>.unrouted``: never dropped.
 
 No pika here: the broker calls go through :mod:`delivery_consumer.broker`.
 """
@@ -36,7 +40,8 @@ from .topology import Binding, Route, Topology
 #: Slots of the hash space. Fixed forever: changing it moves every article.
 #: Also the largest partition count.
 SLOT_COUNT = 256
-#: The header that carries an event's slot (a decimal string, "0".."255").
+#: The header that carries an event's slot (a decimal string, "0".."255");
+#: the broker routes on the header named ``<SLOT_HEADER>-<slot>`` (value "1").
 SLOT_HEADER = "delivery-slot"
 
 
@@ -57,9 +62,15 @@ def partition_of(article_id: str, count: int) -> int:
     return partition_of_slot(slot_of(article_id), count)
 
 
+def slot_key(slot: int) -> str:
+    """The header (and binding argument) a message of *slot* is routed on."""
+    return f"{SLOT_HEADER}-{slot}"
+
+
 def slot_headers(article_id: str) -> dict[str, Any]:
     """The headers a publisher adds to an event of *article_id*."""
-    return {SLOT_HEADER: str(slot_of(article_id))}
+    slot = slot_of(article_id)
+    return {SLOT_HEADER: str(slot), slot_key(slot): "1"}
 
 
 def check_count(count: int) -> int:
@@ -104,9 +115,11 @@ def partition_topologies(base: Topology, count: int) -> list[Topology]:
     return [partition_topology(base, k) for k in range(count)]
 
 
-def _slot_binding(base: Topology, slot: int, count: int) -> Binding:
-    queue = partition_topology(base, partition_of_slot(slot, count)).queue
-    return Binding(slots_exchange(base), queue, "", {"x-match": "all", SLOT_HEADER: str(slot)})
+def _partition_binding(base: Topology, partition: int, count: int) -> Binding:
+    """Partition *partition*'s binding: any header of its slots."""
+    args: dict[str, Any] = {"x-match": "any"}
+    args.update({slot_key(s): "1" for s in range(SLOT_COUNT) if partition_of_slot(s, count) == partition})
+    return Binding(slots_exchange(base), partition_topology(base, partition).queue, "", args)
 
 
 def route(base: Topology, count: int, *, previous: int | None = None) -> Route:
@@ -125,11 +138,11 @@ def route(base: Topology, count: int, *, previous: int | None = None) -> Route:
     )
     bind = [Binding(unrouted, unrouted)]
     bind += [Binding(base.exchange, slots_exchange(base), key, to_exchange=True) for key in base.binding_keys]
-    wanted = [_slot_binding(base, s, count) for s in range(SLOT_COUNT)]
+    wanted = [_partition_binding(base, k, count) for k in range(count)]
     bind += wanted
     unbind: list[Binding] = []
     if previous is not None and previous != count:
-        unbind = [b for b in (_slot_binding(base, s, previous) for s in range(SLOT_COUNT)) if b not in wanted]
+        unbind = [b for b in (_partition_binding(base, k, previous) for k in range(previous)) if b not in wanted]
     return Route(exchanges=exchanges, queues=((unrouted, {"x-queue-type": "quorum"}),), bind=tuple(bind),
                  unbind=tuple(unbind))
 
@@ -166,6 +179,7 @@ __all__ = [
     "partition_topology",
     "route",
     "slot_headers",
+    "slot_key",
     "slot_of",
     "slots_exchange",
     "unrouted_name",

@@ -42,7 +42,8 @@ def independent_slot(article_id: str) -> int:
 def test_slot_matches_the_documented_formula(article_id: str) -> None:
     """slot = first 8 bytes of SHA-256(UTF-8 articleId), big-endian, mod 256; sent as a decimal string."""
     assert slot_of(article_id) == independent_slot(article_id)
-    assert slot_headers(article_id) == {SLOT_HEADER: str(independent_slot(article_id))}
+    slot = independent_slot(article_id)
+    assert slot_headers(article_id) == {SLOT_HEADER: str(slot), f"{SLOT_HEADER}-{slot}": "1"}
 
 
 def test_slot_vectors() -> None:
@@ -54,8 +55,10 @@ def test_slot_vectors() -> None:
 def test_every_article_in_exactly_one_partition(article_id: str, count: int) -> None:
     """The route binds the article's slot to exactly one partition queue, the one partition_of names."""
     base = Topology("catalog", binding_keys=("material.*",), exchange="x.events", prefix="x")
-    slot = str(slot_of(article_id))
-    queues = [b.destination for b in route(base, count).bind if b.arguments and b.arguments.get(SLOT_HEADER) == slot]
+    headers = slot_headers(article_id)
+    queues = [b.destination for b in route(base, count).bind
+              if b.arguments and b.arguments.get("x-match") == "any"
+              and any(b.arguments.get(h) == v for h, v in headers.items())]
     assert queues == [f"x.catalog.p{partition_of(article_id, count)}"]
     assert 0 <= partition_of(article_id, count) < count
 
@@ -68,14 +71,17 @@ def test_doubling_the_count_splits_each_partition_in_two(article_id: str, count:
     assert partition_of(article_id, count * factor) % count == partition_of(article_id, count)
 
 
-def test_route_switch_removes_only_moved_slots() -> None:
-    """Repartitioning 4 -> 8 unbinds exactly the slots that change partition, and binds every slot once."""
+def test_route_switch_binds_every_slot_once_and_removes_the_old_bindings() -> None:
+    """Repartitioning 4 -> 8 binds each of the 256 slots to one of 8 partitions (one binding each)
+    and removes the 4 old bindings; the same count removes nothing."""
     base = Topology("catalog", binding_keys=("material.*",), exchange="x.events", prefix="x")
     r = route(base, 8, previous=4)
-    slot_bindings = [b for b in r.bind if b.arguments]
-    assert sorted(int(b.arguments[SLOT_HEADER]) for b in slot_bindings if b.arguments) == list(range(SLOT_COUNT))
-    assert {int(b.arguments[SLOT_HEADER]) for b in r.unbind if b.arguments} == {s for s in range(SLOT_COUNT)
-                                                                                 if s % 8 != s % 4}
+    partition_bindings = [b for b in r.bind if b.arguments]
+    assert len(partition_bindings) == 8
+    slots = sorted(key for b in partition_bindings if b.arguments for key in b.arguments if key != "x-match")
+    assert slots == sorted(f"{SLOT_HEADER}-{s}" for s in range(SLOT_COUNT))
+    assert [b.destination for b in r.unbind] == [f"x.catalog.p{k}" for k in range(4)]
+    assert route(base, 4, previous=4).unbind == ()
 
 
 def test_partition_out_of_range() -> None:
