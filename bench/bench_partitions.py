@@ -159,10 +159,11 @@ def main() -> None:
     reference = statistics.median(rates[modes[0][0]])
     print(f"\n{dt.date.today()} · {os.cpu_count()} cores · {args.messages} events · median of {args.repeat} · "
           "WAL + synchronous=FULL · quorum queues")
-    print(f"{'consumer':<28} {'events/s':>9} {'ratio to unpartitioned':>23}")
+    print(f"{'consumer':<28} {'events/s':>9} {'ratio to unpartitioned':>23} {'min .. max':>16}")
     for name, _ in modes:
         median = statistics.median(rates[name])
-        print(f"{name:<28} {median:>9.0f} {median / reference:>23.2f}")
+        spread = f"{min(rates[name]):.0f} .. {max(rates[name]):.0f}"
+        print(f"{name:<28} {median:>9.0f} {median / reference:>23.2f} {spread:>16}")
     plain = statistics.median(publish["topic binding to one queue"])
     print(f"\n{'publisher, confirmed':<28} {'msgs/s':>9} {'ratio to plain binding':>23}")
     for name, values in publish.items():
