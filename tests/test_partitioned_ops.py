@@ -101,3 +101,50 @@ def test_the_outbox_dispatcher_routes_to_partitions(cluster: Cluster) -> None:
     assert {r["articleId"]: (r["revision"], r["title"]) for r in listed} == material
     assert all(r["partition"] == partition_of(r["articleId"], COUNT) for r in listed)
 
+
+
+def test_consumers_with_different_counts_share_the_exchange(cluster: Cluster) -> None:
+    """catalog in 2 partitions, audit in 3 and the unpartitioned catalog all bind the same exchange:
+    each gets every event once, each partitioned one in the article's partition for its own count."""
+    ns = cluster.ns
+    audit = Cluster(ns, "audit", 3)
+    audit.declare()
+    try:
+        assert ns.cli("topology", "declare", "--consumer", "catalog").returncode == 0  # the existing one
+        events = make_events(300, 30)
+        runs = [cluster.start(k) for k in range(COUNT)] + [audit.start(k) for k in range(3)]
+        cluster.publish(events)
+        plain = ns.run_until_idle("catalog", idle=2)
+        assert plain.returncode == 0, plain.stderr
+        wait_until("every receipt", lambda: cluster.receipts() >= len(events) and audit.receipts() >= len(events),
+                   120, runs)
+        assert cluster.check_exactly_once(events) == {"updated": len(events)}
+        for k in range(3):
+            keys = query(audit.db(k), "SELECT partition_key FROM inbox")
+            assert keys and all(partition_of(key, 3) == k for (key,) in keys)
+        assert audit.receipts() == len(events)
+        assert query(ns.db("catalog"), "SELECT count(*) FROM inbox") == [(len(events),)]
+    finally:
+        audit.stop()
+        audit.delete()
+
+
+def test_an_event_without_a_slot_waits_in_unrouted_and_blocks_repartition(cluster: Cluster) -> None:
+    """A message without the slot headers reaches no partition: it waits in <consumer>.unrouted (also
+    when another consumer took it, so no return could tell), and repartition refuses until it is gone."""
+    from delivery_consumer.broker import OutMessage, Publisher
+
+    ns = cluster.ns
+    assert ns.cli("topology", "declare", "--consumer", "audit").returncode == 0
+    event = make_events(1, 1)[0]
+    with Publisher(ns.url, exchanges=[ns.exchange]) as pub:
+        [result] = pub.publish([OutMessage("material.published", orjson.dumps(event), ns.exchange,
+                                           event["eventId"])])
+    assert result.ok  # audit took it: the broker returns nothing
+    unrouted = f"{ns.prefix}.catalog.unrouted"
+    wait_until("the message in unrouted", lambda: ns.count(unrouted) == 1, 30)
+    for k in range(COUNT):
+        cluster.start(k)
+    cluster.stop()  # creates the partition databases
+    refused = ns.cli("repartition", "--consumer", "catalog", "--partitions", "4")
+    assert refused.returncode == 2 and f"{unrouted} (1 messages, 0 consumers)" in refused.stderr
