@@ -105,14 +105,23 @@ def unrouted_name(topology: Topology) -> str:
     return f"{topology.prefix}.{topology.consumer}.unrouted"
 
 
-def partition_topology(base: Topology, partition: int) -> Topology:
-    """The queues of one partition of the consumer described by *base*."""
-    return replace(base, partition=partition)
+def partition_topology(base: Topology, partition: int, count: int | None = None) -> Topology:
+    """The queues of one partition of the consumer described by *base*
+    (with *count*, also the marker queue that records the count)."""
+    return replace(base, partition=partition, partition_count=count)
 
 
 def partition_topologies(base: Topology, count: int) -> list[Topology]:
     check_count(count)
-    return [partition_topology(base, k) for k in range(count)]
+    return [partition_topology(base, k, count) for k in range(count)]
+
+
+def explain(error: str, base: Topology) -> str:
+    """*error* in the operator's words when it is the count marker refusing another count."""
+    if "x-max-length" in error and f"'{base.prefix}.{base.consumer}.partitions'" in error:
+        return (f"{base.consumer} is partitioned with another count on this broker (the queue "
+                f"{base.prefix}.{base.consumer}.partitions records it); change the count with repartition")
+    return error
 
 
 def _partition_binding(base: Topology, partition: int, count: int) -> Binding:
@@ -172,6 +181,7 @@ __all__ = [
     "check_count",
     "check_partition",
     "db_path",
+    "explain",
     "identity_from_meta",
     "partition_of",
     "partition_of_slot",

@@ -120,6 +120,7 @@ class RunConfig:
             retry_delays_ms=self.retry_delays_ms,
             delivery_limit=self.delivery_limit,
             partition=self.partition.partition if self.partition else None,
+            partition_count=self.partition.count if self.partition else None,
         )
 
     def open_db(self) -> ConsumerDB:

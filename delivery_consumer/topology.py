@@ -69,6 +69,9 @@ class Topology:
     extra_queue_args: dict[str, Any] = field(default_factory=dict)
     #: The partition these queues serve (None: an unpartitioned consumer).
     partition: int | None = None
+    #: The consumer's partition count, recorded on the broker by a marker
+    #: queue (see :attr:`count_marker`).
+    partition_count: int | None = None
 
     @property
     def queue(self) -> str:
@@ -80,6 +83,13 @@ class Topology:
         """Keys binding the main queue to the exchange; none for a partition
         (its messages come through the consumer's slot route)."""
         return self.binding_keys if self.partition is None else ()
+
+    @property
+    def count_marker(self) -> str:
+        """A partitioned consumer's marker queue: never used, its ``x-max-length``
+        is the partition count, so that declaring another count fails
+        (406, inequivalent arg) instead of binding an article to two partitions."""
+        return f"{self.prefix}.{self.consumer}.partitions"
 
     @property
     def dead_queue(self) -> str:
@@ -109,6 +119,8 @@ class Topology:
         }
         dead: dict[str, Any] = {"x-queue-type": "classic"}  # see the module docstring
         result: list[tuple[str, dict[str, Any]]] = [(self.dead_queue, dead), (self.queue, main)]
+        if self.partition_count is not None:  # first: a wrong count fails before anything is declared
+            result.insert(0, (self.count_marker, {"x-queue-type": "classic", "x-max-length": self.partition_count}))
         for delay in dict.fromkeys(self.retry_delays_ms):
             result.append(
                 (

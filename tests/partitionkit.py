@@ -161,6 +161,7 @@ class Cluster:
                 for queue, _ in topo.queues():
                     ch.queue_delete(queue)
             ch.queue_delete(f"{base}.unrouted")
+            ch.queue_delete(f"{base}.partitions")
             ch.exchange_delete(f"{base}.slots")
             ch.exchange_delete(f"{base}.unrouted")
         finally:

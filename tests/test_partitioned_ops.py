@@ -148,3 +148,21 @@ def test_an_event_without_a_slot_waits_in_unrouted_and_blocks_repartition(cluste
     cluster.stop()  # creates the partition databases
     refused = ns.cli("repartition", "--consumer", "catalog", "--partitions", "4")
     assert refused.returncode == 2 and f"{unrouted} (1 messages, 0 consumers)" in refused.stderr
+
+
+def test_another_count_is_refused_by_the_broker(cluster: Cluster) -> None:
+    """Declaring (or running) a partitioned consumer with another count than the broker records is
+    refused in one line, exit 2, before anything is declared: no article can be bound to two partitions."""
+    ns = cluster.ns
+    declared = ns.cli("topology", "declare", "--consumer", "catalog", "--partitions", "4")
+    assert declared.returncode == 2, declared.stderr
+    assert declared.stderr.strip().splitlines() == [
+        f"delivery-consumer: catalog is partitioned with another count on this broker (the queue "
+        f"{ns.prefix}.catalog.partitions records it); change the count with repartition"]
+    from delivery_consumer.broker import queue_states
+
+    assert queue_states(ns.url, [f"{ns.prefix}.catalog.p3"]) == {f"{ns.prefix}.catalog.p3": None}
+    assert ns.cli("topology", "declare", "--consumer", "catalog", "--partitions", str(COUNT)).returncode == 0
+    ran = ns.cli("run", "--consumer", "catalog", "--partition", "0", "--partitions", "4", "--db",
+                 str(ns.workdir / "other.db"))
+    assert ran.returncode == 2 and "partitioned with another count" in ran.stderr, ran.stderr

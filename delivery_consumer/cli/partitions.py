@@ -64,9 +64,11 @@ def repartition(consumer: str, amqp_url: str, exchange: str, queue_prefix: str, 
             click.echo(f"p{k}: {rows}")
         click.echo(f"{consumer}: databases moved from {old} to {count} partitions; the old ones are in {moved.backup}",
                    err=True)
+    marker = partition_topologies(base, count)[0].count_marker
     try:
+        delete_unused_queues(amqp_url, [marker])  # it records the old count; empty, never consumed
         declare(amqp_url, partition_topologies(base, count), routes=[route(base, count, previous=previous)])
-        obsolete = [q for t in partition_topologies(base, previous)[count:] for q, _ in t.queues()]
+        obsolete = [q for t in partition_topologies(base, previous)[count:] for q, _ in t.queues() if q != marker]
         kept = delete_unused_queues(amqp_url, obsolete)
     except BrokerError as exc:
         raise Fatal(f"{exc} (the databases are at {count} partitions: run repartition again)") from None

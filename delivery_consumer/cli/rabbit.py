@@ -22,7 +22,7 @@ from .. import sources as sources_lib
 from ..durations import Duration
 from ..envelope import MAX_BODY_BYTES, parse
 from ..errors import ConfigError, Rejection
-from ..partitions import SLOT_HEADER, check_count, partition_topologies, route, slot_headers
+from ..partitions import SLOT_HEADER, check_count, explain, partition_topologies, route, slot_headers
 from ..topology import (
     DEFAULT_DELIVERY_LIMIT,
     DEFAULT_EXCHANGE,
@@ -210,7 +210,7 @@ def run(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue
     try:
         code = run_consumer(config, observer_factory)
     except BrokerError as exc:
-        raise Fatal(str(exc)) from None
+        raise Fatal(explain(str(exc), config.topology())) from None
     sys.exit(code)
 
 
@@ -338,7 +338,7 @@ def declare_cmd(names: tuple[str, ...], amqp_url: str, exchange: str, queue_pref
     try:
         declare(amqp_url, topologies, routes=routes)
     except BrokerError as exc:
-        raise Fatal(str(exc)) from None
+        raise Fatal(explain(str(exc), bases[0]) if len(bases) == 1 else str(exc)) from None
     for topo in bases if partitions is None else []:
         queues = ", ".join(q for q, _ in topo.queues())
         click.echo(f"{topo.consumer}: {exchange} -[{' '.join(topo.binding_keys)}]-> {queues}")
