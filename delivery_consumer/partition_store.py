@@ -79,6 +79,8 @@ class Moved:
     new_count: int
     rows: dict[int, dict[str, int]] = field(default_factory=dict)
     backup: Path | None = None
+    #: The consumer was not partitioned before (state/<consumer>/inbox.db).
+    from_unpartitioned: bool = False
 
 
 def _candidates(old: int, old_count: int, new_count: int) -> list[int]:
@@ -116,6 +118,9 @@ def split_merge(consumer: str, new_count: int, root: Path | None = None) -> Move
     written before keys were stored) is copied to every such partition, so
     a redelivery is answered ``duplicate`` wherever it lands.
 
+    An unpartitioned consumer (``<consumer>/inbox.db``) counts as one
+    partition: this is how a consumer that outgrew one process is split.
+
     The new databases are built beside the old ones and swapped in by
     renaming directories; the old ones are kept in ``<consumer>/repartitioned-
     <old>to<new>-<time>/`` for the operator to delete. The caller has made sure
@@ -124,14 +129,17 @@ def split_merge(consumer: str, new_count: int, root: Path | None = None) -> Move
     from .store import ConsumerDB  # store imports this package's partitions module
 
     check_count(new_count)
-    paths = partitioned_paths(consumer, None, root)
-    if paths is None:
-        raise ConfigError(f"{consumer} has no partition databases under {(root or Path('state')) / consumer}")
-    old_count = len(paths)
     base = (root if root is not None else Path("state")) / consumer
+    paths = partitioned_paths(consumer, None, root)
+    plain = base / "inbox.db"
+    if paths is None and plain.is_file():
+        paths = [plain]
+    if paths is None:
+        raise ConfigError(f"{base}: no database of {consumer} here (inbox.db or p0/inbox.db ...)")
+    old_count = len(paths)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     staging = base / f".repartition-{old_count}to{new_count}-{stamp}"
-    moved = Moved(old_count, new_count)
+    moved = Moved(old_count, new_count, from_unpartitioned=paths == [plain])
     for k in range(new_count):
         ConsumerDB.open(staging / f"p{k}" / "inbox.db", consumer, create=True,
                         partition=Identity(k, new_count)).close()
@@ -162,7 +170,7 @@ def split_merge(consumer: str, new_count: int, root: Path | None = None) -> Move
                 conn.execute("COMMIT")
                 conn.execute("DETACH DATABASE old")
             conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('repartitioned_from', ?)",
-                         (str(old_count),))
+                         ("unpartitioned" if moved.from_unpartitioned else str(old_count),))
         except sqlite3.Error as exc:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
@@ -172,7 +180,11 @@ def split_merge(consumer: str, new_count: int, root: Path | None = None) -> Move
             conn.close()
     backup = base / f"repartitioned-{old_count}to{new_count}-{stamp}"
     backup.mkdir()
-    for k in range(old_count):
+    if moved.from_unpartitioned:
+        for name in ("inbox.db", "inbox.db-wal", "inbox.db-shm"):  # the WAL belongs with its database
+            if (base / name).exists():
+                (base / name).rename(backup / name)
+    for k in range(0 if moved.from_unpartitioned else old_count):
         (base / f"p{k}").rename(backup / f"p{k}")
     for k in range(new_count):
         (staging / f"p{k}").rename(base / f"p{k}")

@@ -103,3 +103,40 @@ def test_split_merge_moves_keyless_rows_and_refuses_nothing(tmp_path: Path) -> N
     rejected = [query(root / "catalog" / f"p{k}" / "inbox.db", "SELECT count(*) FROM rejected")[0][0]
                 for k in range(4)]
     assert rejected == [1, 1, 0, 0]
+
+
+@pytest.fixture
+def undeclared(ns: Namespace) -> Iterator[Cluster]:
+    """A cluster whose partitions are not declared yet."""
+    c = Cluster(ns, "catalog", 4)
+    yield c
+    c.stop()
+    c.delete()
+
+
+@pytest.mark.broker
+def test_an_unpartitioned_consumer_is_split(undeclared: Cluster) -> None:
+    """A consumer that outgrew one run: its drained queue and database become 4 partitions (the old queue
+    is deleted), its ledger is unchanged, and it goes on with old events as duplicates and new ones `updated`."""
+    cluster = undeclared
+    ns = cluster.ns
+    events = make_events(4 * ARTICLES, ARTICLES)
+    first, second = events[: 2 * ARTICLES], events[2 * ARTICLES:]
+    plain_db = ns.workdir / "state" / "catalog" / "inbox.db"
+    assert ns.cli("topology", "declare", "--consumer", "catalog").returncode == 0
+    cluster.publish(first)
+    done = ns.cli("run", "--consumer", "catalog", "--exit-when-idle", "1.5")
+    assert done.returncode == 0, done.stderr
+    before = {r[0]: r[1] for r in query(plain_db, "SELECT event_id, result FROM inbox")}
+    assert len(before) == len(first)
+
+    moved = ns.cli("repartition", "--consumer", "catalog", "--partitions", "4")
+    assert moved.returncode == 0, moved.stderr
+    assert not plain_db.exists()
+    from delivery_consumer.broker import queue_states
+
+    assert queue_states(ns.url, [f"{ns.prefix}.catalog"]) == {f"{ns.prefix}.catalog": None}
+    after = {r[0]: r[1] for k in range(4) for r in query(cluster.db(k), "SELECT event_id, result FROM inbox")}
+    assert after == before
+    consume(cluster, first[:ARTICLES] + second, len(events))
+    assert cluster.check_exactly_once(events) == {"updated": len(events)}

@@ -37,14 +37,19 @@ def repartition(consumer: str, amqp_url: str, exchange: str, queue_prefix: str, 
 
     base = _topology(consumer, exchange, queue_prefix)
     paths = partitioned_paths(consumer, None, root)
+    unpartitioned = paths is None
     if paths is None:
-        raise Fatal(f"{root / consumer}: no partition databases of {consumer} here (p0/inbox.db ...)")
+        if not (root / consumer / "inbox.db").is_file():
+            raise Fatal(f"{root / consumer}: no database of {consumer} here (inbox.db or p0/inbox.db ...)")
+        paths = [root / consumer / "inbox.db"]
     old = len(paths)
-    previous = old
-    if old == count:  # done before, or nothing to do: finish the broker side again
+    previous: int | None = None if unpartitioned else old
+    if old == count and not unpartitioned:  # done before, or nothing to do: finish the broker side again
         meta_from = _repartitioned_from(paths[0])
-        previous = meta_from if meta_from is not None else old
-    old_queues = [q for t in partition_topologies(base, max(old, previous)) for q, _ in t.queues()]
+        unpartitioned = meta_from == "unpartitioned"
+        previous = None if unpartitioned else int(meta_from) if meta_from is not None else old
+    old_topologies = partition_topologies(base, max(old, previous or 0)) + ([base] if unpartitioned else [])
+    old_queues = [q for t in old_topologies for q, _ in t.queues()]
     old_queues.append(unrouted_name(base))
     try:
         states = queue_counts(amqp_url, old_queues, name="delivery-consumer repartition")
@@ -54,7 +59,7 @@ def repartition(consumer: str, amqp_url: str, exchange: str, queue_prefix: str, 
             if s is not None and (s.ready or s.consumers)]
     if busy:
         raise Fatal(f"refused: drain the queues and stop every run first; still busy: {', '.join(busy)}")
-    if old != count:
+    if old != count or paths == [root / consumer / "inbox.db"]:
         try:
             moved = split_merge(consumer, count, root)
         except DeliveryError as exc:
@@ -68,7 +73,8 @@ def repartition(consumer: str, amqp_url: str, exchange: str, queue_prefix: str, 
     try:
         delete_unused_queues(amqp_url, [marker])  # it records the old count; empty, never consumed
         declare(amqp_url, partition_topologies(base, count), routes=[route(base, count, previous=previous)])
-        obsolete = [q for t in partition_topologies(base, previous)[count:] for q, _ in t.queues() if q != marker]
+        gone = partition_topologies(base, previous)[count:] if previous is not None else [base]
+        obsolete = [q for t in gone for q, _ in t.queues() if q != marker]
         kept = delete_unused_queues(amqp_url, obsolete)
     except BrokerError as exc:
         raise Fatal(f"{exc} (the databases are at {count} partitions: run repartition again)") from None
@@ -77,7 +83,8 @@ def repartition(consumer: str, amqp_url: str, exchange: str, queue_prefix: str, 
                + (f"; kept (not empty or in use): {', '.join(kept)}" if kept else ""), err=True)
 
 
-def _repartitioned_from(path: Path) -> int | None:
+def _repartitioned_from(path: Path) -> str | None:
+    """The count a database was repartitioned from ("unpartitioned" from a plain consumer)."""
     import sqlite3
 
     conn = sqlite3.connect(path)
@@ -85,7 +92,7 @@ def _repartitioned_from(path: Path) -> int | None:
         row = conn.execute("SELECT value FROM meta WHERE key = 'repartitioned_from'").fetchone()
     finally:
         conn.close()
-    return int(row[0]) if row else None
+    return str(row[0]) if row else None
 
 
 __all__ = ["repartition"]
