@@ -157,6 +157,55 @@ def route(base: Topology, count: int, *, previous: int | None = None) -> Route:
 
 
 @dataclass(frozen=True)
+class Rerouted:
+    """What :func:`reroute` did with one message of the unrouted queue."""
+
+    event_id: str | None
+    outcome: str  # "rerouted" | "left: <why>"
+
+
+def reroute(url: str, base: Topology, *, dry_run: bool = False) -> list[Rerouted]:
+    """Send every message of the consumer's unrouted queue back through its slot route.
+
+    Each message's slot comes from its body's ``articleId``; the copy goes to
+    the consumer's slots exchange with the slot headers (mandatory, confirmed),
+    and only then is the original removed. A body that does not parse, or a
+    copy that is not confirmed, stays in the queue. The queue is held by one
+    exclusive reader meanwhile (see broker.DeadQueue).
+    """
+    from .broker import DeadQueue, OutMessage  # (the broker module imports pika)
+    from .envelope import KOMBU_COMPRESSION_HEADER, MAX_BODY_BYTES, parse
+    from .errors import Rejection
+
+    done: list[Rerouted] = []
+    with DeadQueue(url, unrouted_name(base), name=f"delivery-consumer reroute {base.consumer}") as queue:
+        queue.open()
+        for msg in queue.read():
+            try:
+                env = parse(msg.body, max_bytes=max(len(msg.body) + 1, MAX_BODY_BYTES),
+                            content_encoding=msg.content_encoding,
+                            compression=msg.headers.get(KOMBU_COMPRESSION_HEADER))
+            except Rejection as rej:
+                done.append(Rerouted(rej.event_id or msg.message_id, f"left: {rej.code}"))
+                continue
+            if dry_run:
+                done.append(Rerouted(env.event_id, f"would go to slot {slot_of(env.article_id)}"))
+                continue
+            copy = OutMessage(routing_key=msg.routing_key, body=msg.body, exchange=slots_exchange(base),
+                              message_id=msg.message_id, headers={**msg.headers, **slot_headers(env.article_id)},
+                              content_type=msg.content_type or "application/json",
+                              content_encoding=msg.content_encoding)
+            result = queue.publish(copy)
+            if not result.ok:
+                done.append(Rerouted(env.event_id, f"left: {result.status} {result.reason}"))
+                continue
+            queue.ack(msg.tag)
+            done.append(Rerouted(env.event_id, "rerouted"))
+        queue.flush()
+    return done
+
+
+@dataclass(frozen=True)
 class Identity:
     """What a partition database records about itself."""
 

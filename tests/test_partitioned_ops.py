@@ -129,9 +129,10 @@ def test_consumers_with_different_counts_share_the_exchange(cluster: Cluster) ->
         audit.delete()
 
 
-def test_an_event_without_a_slot_waits_in_unrouted_and_blocks_repartition(cluster: Cluster) -> None:
+def test_an_event_without_a_slot_waits_in_unrouted_until_rerouted(cluster: Cluster) -> None:
     """A message without the slot headers reaches no partition: it waits in <consumer>.unrouted (also
-    when another consumer took it, so no return could tell), and repartition refuses until it is gone."""
+    when another consumer took it, so no return could tell), repartition refuses until it is gone, and
+    reroute sends it to its article's partition."""
     from delivery_consumer.broker import OutMessage, Publisher
 
     ns = cluster.ns
@@ -148,6 +149,13 @@ def test_an_event_without_a_slot_waits_in_unrouted_and_blocks_repartition(cluste
     cluster.stop()  # creates the partition databases
     refused = ns.cli("repartition", "--consumer", "catalog", "--partitions", "4")
     assert refused.returncode == 2 and f"{unrouted} (1 messages, 0 consumers)" in refused.stderr
+
+    moved = ns.cli("reroute", "--consumer", "catalog")  # back through the slot route, by its articleId
+    assert moved.returncode == 0, moved.stderr
+    assert moved.stdout.split() == ["rerouted", event["eventId"]]
+    home = f"{ns.prefix}.catalog.p{partition_of(event['articleId'], COUNT)}"
+    wait_until("the message in its partition", lambda: ns.count(home) == 1, 30)
+    assert ns.count(unrouted) == 0
 
 
 def test_another_count_is_refused_by_the_broker(cluster: Cluster) -> None:

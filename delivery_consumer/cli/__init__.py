@@ -29,6 +29,7 @@ COMMANDS: dict[str, str] = {
     "publish": "rabbit:publish",
     "topology": "rabbit:topology",
     "repartition": "partitions:repartition",
+    "reroute": "partitions:reroute",
     "fence": "fence:fence",
     "dispatch": "outbox:dispatch",
     "outbox": "outbox:outbox",

@@ -1,15 +1,17 @@
-"""``repartition``: change a partitioned consumer's partition count (drain, then switch)."""
+"""``repartition`` (change a partitioned consumer's count: drain, then switch)
+and ``reroute`` (send what waits in its unrouted queue back through the slot route)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import click
 
 from ..errors import DeliveryError
 from ..partition_store import partitioned_paths, split_merge
-from ..partitions import SLOT_COUNT, partition_topologies, route
-from ._common import Fatal, consumer_option, handle_errors
+from ..partitions import SLOT_COUNT, partition_topologies, route, unrouted_name
+from ._common import EXIT_OK, EXIT_REJECTED, Fatal, consumer_option, handle_errors
 from .rabbit import _topology, amqp_options
 
 
@@ -33,7 +35,6 @@ def repartition(consumer: str, amqp_url: str, exchange: str, queue_prefix: str, 
     are deleted. Run it again if it was interrupted.
     """
     from ..broker import BrokerError, declare, delete_unused_queues, queue_counts
-    from ..partitions import unrouted_name
 
     base = _topology(consumer, exchange, queue_prefix)
     paths = partitioned_paths(consumer, None, root)
@@ -95,4 +96,34 @@ def _repartitioned_from(path: Path) -> str | None:
     return str(row[0]) if row else None
 
 
-__all__ = ["repartition"]
+@click.command()
+@consumer_option(required=True)
+@amqp_options
+@click.option("--dry-run", is_flag=True, help="Show what would be rerouted; change nothing.")
+@handle_errors
+def reroute(consumer: str, amqp_url: str, exchange: str, queue_prefix: str, dry_run: bool) -> None:
+    """Send the messages waiting in <prefix>.<consumer>.unrouted to their partitions.
+
+    They arrived without the slot headers (a producer that does not follow
+    the routing contract); each goes back through the consumer's slot route
+    with the headers of its articleId, confirmed before it leaves the queue.
+    Arriving late, an older revision may then be answered stale. Exit 1 if
+    any message was left in the queue.
+    """
+    from ..broker import BrokerError
+    from ..partitions import reroute as reroute_messages
+
+    base = _topology(consumer, exchange, queue_prefix)
+    try:
+        done = reroute_messages(amqp_url, base, dry_run=dry_run)
+    except BrokerError as exc:
+        raise Fatal(str(exc)) from None
+    for item in done:
+        click.echo(f"{item.outcome:<10} {item.event_id or '-'}")
+    left = [item for item in done if item.outcome.startswith("left")]
+    click.echo(f"{len(done) - len(left)} of {len(done)} messages from {unrouted_name(base)} "
+               + ("would be rerouted" if dry_run else "rerouted"), err=True)
+    sys.exit(EXIT_REJECTED if left else EXIT_OK)
+
+
+__all__ = ["repartition", "reroute"]
