@@ -119,3 +119,19 @@ def test_run_refuses_another_partition_in_one_line(tmp_path: Path) -> None:
     assert len(lines) == 1 and "is partition 1 of 4" in lines[0], result.stderr
     result = cli(["run", "--consumer", "catalog", "--partition", "5", "--db", str(path)])
     assert result.exit_code == 2 and "partition 5 does not exist among 4" in result.stderr
+
+
+def test_slots_are_the_same_in_another_process() -> None:
+    """The mapping does not depend on the process (no salted hash): a fresh interpreter with another
+    PYTHONHASHSEED computes the same slots."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    ids = [f"article-{i}" for i in range(200)] + ["материал-7", "42", ""]
+    code = "import json,sys; from delivery_consumer.partitions import slot_of; " \
+           "print(json.dumps([slot_of(a) for a in json.load(sys.stdin)]))"
+    out = subprocess.run([sys.executable, "-c", code], input=json.dumps(ids), capture_output=True, text=True,
+                         check=True, env={**os.environ, "PYTHONHASHSEED": "12345"}).stdout
+    assert json.loads(out) == [slot_of(a) for a in ids]
