@@ -36,26 +36,40 @@ def stored_identity(path: Path) -> Identity | None:
         raise DatabaseError(f"{path}: cannot read its partition: {exc}") from None
 
 
-def partition_paths(consumer: str, root: Path | None = None) -> list[Path]:
-    """The partition databases of *consumer* under *root* (``state``), by partition."""
-    base = (root if root is not None else Path("state")) / consumer
-    if not base.is_dir():
+def _directory_paths(directory: Path) -> list[Path]:
+    """The ``p<k>/inbox.db`` files in *directory*, by partition."""
+    if not directory.is_dir():
         return []
-    found = sorted((int(m.group(1)), d / "inbox.db") for d in base.iterdir()
+    found = sorted((int(m.group(1)), d / "inbox.db") for d in directory.iterdir()
                    if (m := _PARTITION_DIR.fullmatch(d.name)) and (d / "inbox.db").is_file())
     return [path for _k, path in found]
 
 
+def partition_db(consumer: str, partition: int, db_path: Path | None) -> Path:
+    """The database of *partition*: ``--db`` as given when it is a file,
+    ``p<k>/inbox.db`` inside it when it is a directory (a deployment file's
+    partition directory), else ``state/<consumer>/p<k>/inbox.db``."""
+    if db_path is None:
+        return partition_db_path(consumer, partition)
+    return db_path / f"p{partition}" / "inbox.db" if db_path.is_dir() else db_path
+
+
 def partitioned_paths(consumer: str | None, db_path: Path | None, root: Path | None = None) -> list[Path] | None:
-    """For a command given only ``--consumer``: the partition databases when
-    the consumer is partitioned here (no ``state/<consumer>/inbox.db``, some
-    ``p<k>/inbox.db``), else None. Checks that they agree on the count."""
-    if consumer is None or db_path is not None:
+    """The partition databases a command reads as one consumer: those in
+    ``--db`` when it is a directory, or, given only ``--consumer``, those of
+    ``state/<consumer>/`` when it has ``p<k>/inbox.db`` and no ``inbox.db``;
+    else None. Checks that they agree on the count."""
+    if db_path is not None:
+        if not db_path.is_dir():
+            return None
+        directory = db_path
+    elif consumer is None:
         return None
-    base = root if root is not None else Path("state")
-    if (base / consumer / "inbox.db").exists():
-        return None
-    paths = partition_paths(consumer, root)
+    else:
+        directory = (root if root is not None else Path("state")) / consumer
+        if (directory / "inbox.db").exists():
+            return None
+    paths = _directory_paths(directory)
     if not paths:
         return None
     identities = [stored_identity(p) for p in paths]
@@ -63,9 +77,9 @@ def partitioned_paths(consumer: str | None, db_path: Path | None, root: Path | N
     if len(counts) != 1 or len(paths) != counts.pop() or any(i is None for i in identities):
         found = ", ".join(f"{p}: {i.describe() if i else 'no partition'}"
                           for p, i in zip(paths, identities, strict=True))
-        raise DatabaseError(f"the partition databases of {consumer} do not agree ({found}); "
+        raise DatabaseError(f"the partition databases in {directory} do not agree ({found}); "
                             "a repartition may have been interrupted: run it again")
-    return [partition_db_path(consumer, k, root) for k in range(len(paths))]
+    return [directory / f"p{k}" / "inbox.db" for k in range(len(paths))]
 
 
 # -- changing the partition count ---------------------------------------------------------

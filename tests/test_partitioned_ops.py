@@ -167,9 +167,9 @@ def test_another_count_is_refused_by_the_broker(cluster: Cluster) -> None:
     assert declared.stderr.strip().splitlines() == [
         f"delivery-consumer: catalog is partitioned with another count on this broker (the queue "
         f"{ns.prefix}.catalog.partitions records it); change the count with repartition"]
-    from delivery_consumer.broker import queue_states
+    from delivery_consumer.broker import queue_counts
 
-    assert queue_states(ns.url, [f"{ns.prefix}.catalog.p3"]) == {f"{ns.prefix}.catalog.p3": None}
+    assert queue_counts(ns.url, [f"{ns.prefix}.catalog.p3"]) == {f"{ns.prefix}.catalog.p3": None}
     assert ns.cli("topology", "declare", "--consumer", "catalog", "--partitions", str(COUNT)).returncode == 0
     ran = ns.cli("run", "--consumer", "catalog", "--partition", "0", "--partitions", "4", "--db",
                  str(ns.workdir / "other.db"))

@@ -135,3 +135,33 @@ def test_slots_are_the_same_in_another_process() -> None:
     out = subprocess.run([sys.executable, "-c", code], input=json.dumps(ids), capture_output=True, text=True,
                          check=True, env={**os.environ, "PYTHONHASHSEED": "12345"}).stdout
     assert json.loads(out) == [slot_of(a) for a in ids]
+
+
+def test_a_partition_directory_given_as_db_reads_as_one_consumer(tmp_path: Path) -> None:
+    """--db naming a directory of p<k>/inbox.db (as a deployment file may): catalog list merges the
+    partitions, --partition K picks one, and a command that needs one partition says so in one line."""
+    import orjson
+
+    from delivery_consumer.envelope import parse
+    from delivery_consumer.store import apply_event
+
+    directory = tmp_path / "catalog"
+    articles = [f"article-{i}" for i in range(12)]
+    for k in range(3):
+        with ConsumerDB.open(directory / f"p{k}" / "inbox.db", "catalog", create=True,
+                             partition=Identity(k, 3)) as db:
+            for i, article in enumerate(a for a in articles if partition_of(a, 3) == k):
+                apply_event(db, parse(orjson.dumps({
+                    "eventId": f"00000000-0000-4000-8000-{k:04d}{i:08d}", "type": "material.published",
+                    "articleId": article, "revision": 1, "occurredAt": "2026-12-01T10:00:00Z",
+                    "data": {"title": article, "url": "https://example.org/a"}})))
+    listed = cli(["catalog", "list", "--db", str(directory), "--json"])
+    assert listed.exit_code == 0, listed.output
+    rows = orjson.loads(listed.stdout)
+    assert [r["articleId"] for r in rows] == sorted(articles)
+    assert all(r["partition"] == partition_of(r["articleId"], 3) for r in rows)
+    one = cli(["inbox", "stats", "--db", str(directory), "--partition", "1", "--json"])
+    assert one.exit_code == 0 and orjson.loads(one.stdout)["receipts"] == sum(
+        partition_of(a, 3) == 1 for a in articles)
+    refused = cli(["inbox", "stats", "--db", str(directory)])
+    assert refused.exit_code == 2 and "give --partition K" in refused.stderr

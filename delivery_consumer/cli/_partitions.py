@@ -7,9 +7,8 @@ from pathlib import Path
 import click
 
 from ..errors import ConfigError
-from ..partition_store import stored_identity
+from ..partition_store import partition_db, stored_identity
 from ..partitions import SLOT_COUNT, Identity, check_partition
-from ..partitions import db_path as partition_db_path
 from ._common import F, Fatal
 
 
@@ -30,7 +29,7 @@ def partition_identity(consumer: str, partition: int | None, count: int | None, 
         if count is not None:
             raise Fatal("--partitions needs --partition K (the partition this command serves)")
         return None
-    path = db if db is not None else partition_db_path(consumer, partition)
+    path = partition_db(consumer, partition, db)
     try:
         stored = stored_identity(path)
         if count is None:

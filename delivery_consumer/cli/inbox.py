@@ -31,9 +31,8 @@ import click
 from .. import queries
 from ..durations import Duration
 from ..errors import DeliveryError
-from ..partition_store import partitioned_paths
+from ..partition_store import partition_db, partitioned_paths
 from ..partitions import SLOT_COUNT, partition_of
-from ..partitions import db_path as partition_db_path
 from ..store import ConsumerDB, default_db_path
 from . import LazyGroup
 from ._common import EXIT_REJECTED, F, Fatal, consumer_option, db_option, emit_json, handle_errors, json_option, open_db
@@ -55,10 +54,10 @@ def _partition_option(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, partition: int | None, **kwargs: Any) -> Any:
-        if partition is not None and kwargs.get("db_path") is None:
-            if kwargs.get("consumer") is None:
+        if partition is not None:
+            if kwargs.get("consumer") is None and kwargs.get("db_path") is None:
                 raise Fatal("--partition needs --consumer NAME")
-            kwargs["db_path"] = partition_db_path(kwargs["consumer"], partition)
+            kwargs["db_path"] = partition_db(kwargs.get("consumer") or "", partition, kwargs.get("db_path"))
         return fn(*args, **kwargs)
 
     option = click.option("--partition", type=click.IntRange(0, SLOT_COUNT - 1), envvar="DELIVERY_PARTITION",
@@ -91,7 +90,8 @@ def limit_option(fn: F) -> F:
 def _open_readonly(consumer: str | None, db_path: Path | None) -> ConsumerDB:
     paths = _partitions(consumer, db_path)
     if paths is not None:
-        raise Fatal(f"{consumer} is partitioned here ({len(paths)} partitions under {paths[0].parent.parent}): "
+        raise Fatal(f"{consumer or 'the consumer'} is partitioned here ({len(paths)} partitions under "
+                    f"{paths[0].parent.parent}): "
                     "give --partition K")
     try:
         return open_db(consumer, db_path, readonly=True)

@@ -22,9 +22,8 @@ import click
 from .. import consumers
 from ..durations import Duration
 from ..errors import DeliveryError
-from ..partition_store import partitioned_paths
+from ..partition_store import partition_db, partitioned_paths
 from ..partitions import SLOT_COUNT
-from ..partitions import db_path as partition_db_path
 from ..topology import Topology
 from ._common import (
     EXIT_OK,
@@ -58,10 +57,10 @@ def _partition_option(fn: F) -> F:
 def _one_partition(consumer: str | None, db_path: Path | None, partition: int | None, what: str) -> Path | None:
     """The database a one-partition command uses; a partitioned consumer
     without --partition (or --db) is refused in one line."""
+    if partition is not None:
+        return partition_db(consumer or "", partition, db_path)
     if db_path is not None or consumer is None:
         return db_path
-    if partition is not None:
-        return partition_db_path(consumer, partition)
     try:
         paths = partitioned_paths(consumer, None)
     except DeliveryError as exc:

@@ -22,6 +22,7 @@ from .. import sources as sources_lib
 from ..durations import Duration
 from ..envelope import MAX_BODY_BYTES, parse
 from ..errors import ConfigError, Rejection
+from ..partition_store import partition_db
 from ..partitions import SLOT_HEADER, check_count, explain, partition_topologies, route, slot_headers
 from ..topology import (
     DEFAULT_DELIVERY_LIMIT,
@@ -196,7 +197,8 @@ def run(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue
         raise click.BadParameter(f"--batch {batch} cannot fill with --prefetch {prefetch}; raise --prefetch",
                                  param_hint="--batch")
     config = RunConfig(
-        consumer=consumer, url=amqp_url, db_path=db_path, exchange=exchange, prefix=queue_prefix,
+        consumer=consumer, url=amqp_url, exchange=exchange, prefix=queue_prefix,
+        db_path=partition_db(consumer, partition, db_path) if partition is not None else db_path,
         prefetch=prefetch, batch=batch, batch_wait_ms=batch_wait_ms, max_attempts=max_attempts,
         retry_delays_ms=retry_delays, delivery_limit=delivery_limit, max_crashes=max_crashes,
         exit_when_idle_s=exit_when_idle, max_bytes=max_bytes, log_each_event=log_format == "json",
