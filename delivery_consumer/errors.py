@@ -30,6 +30,10 @@ RETRIES_EXHAUSTED: Final = "retries-exhausted"
 #: idempotent may have had its effect and must not be repeated on a guess.
 ENDPOINT_REJECTED: Final = "endpoint-rejected"
 OUTCOME_UNKNOWN: Final = "outcome-unknown"
+#: A partition's database refuses an article of another partition (a producer
+#: that computes the slot differently, bindings that disagree with the
+#: databases): applied here, the article's state would be split in two files.
+WRONG_PARTITION: Final = "wrong-partition"
 
 REJECTION_CODES: Final = (
     MALFORMED_JSON,

@@ -216,6 +216,14 @@ class Identity:
         return f"partition {self.partition} of {self.count}"
 
 
+def misplaced(article_id: str, identity: Identity) -> str | None:
+    """Why an article cannot be applied in the partition *identity*, or None when it belongs there."""
+    home = partition_of(article_id, identity.count)
+    if home == identity.partition:
+        return None
+    return f"articleId belongs to partition {home} of {identity.count}, this database is partition {identity.partition}"
+
+
 def identity_from_meta(meta: Mapping[str, str]) -> Identity | None:
     """The partition identity recorded in a database's meta table, if any."""
     if "partition" not in meta:
@@ -232,6 +240,7 @@ __all__ = [
     "db_path",
     "explain",
     "identity_from_meta",
+    "misplaced",
     "partition_of",
     "partition_of_slot",
     "partition_topologies",

@@ -42,12 +42,13 @@ from .consumers import ConsumerSpec
 from .envelope import Envelope
 from .errors import (
     EVENT_ID_REUSED,
+    WRONG_PARTITION,
     DatabaseError,
     Rejection,
     TransientError,
     safe_reason,
 )
-from .partitions import Identity, identity_from_meta
+from .partitions import Identity, identity_from_meta, misplaced
 
 #: How long a writer waits for another writer before giving up (ms). Kept well
 #: below the AMQP heartbeat (60 s) so that waiting never costs the connection.
@@ -197,6 +198,8 @@ class ConsumerDB:
         self.path = path
         self.spec = spec
         self.readonly = readonly
+        #: The partition this database serves (None: an unpartitioned consumer).
+        self.partition: Identity | None = None
 
     # -- opening ---------------------------------------------------------------
 
@@ -263,7 +266,13 @@ class ConsumerDB:
         except BaseException:
             conn.close()
             raise
-        return cls(conn, path, spec, readonly)
+        db = cls(conn, path, spec, readonly)
+        try:
+            db.partition = identity_from_meta(db.meta())
+        except sqlite3.Error as exc:
+            conn.close()
+            raise DatabaseError(f"{path}: cannot use this database: {exc}") from None
+        return db
 
     @staticmethod
     def _connect(path: Path, readonly: bool, busy_timeout_ms: int) -> sqlite3.Connection:
@@ -565,6 +574,9 @@ class Transaction:
             row = known.get(env.event_id)
         if row is not None:
             return _duplicate(row, env)
+        part = self.db.partition
+        if part is not None and (why := misplaced(env.article_id, part)):
+            raise Rejection(WRONG_PARTITION, why, event_id=env.event_id, fingerprint=env.fingerprint)
         result = self.spec.apply(conn, env)
         conn.execute(
             "INSERT INTO inbox (event_id, fingerprint, result, event_type, received_at, partition_key)"

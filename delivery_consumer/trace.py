@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import ENDPOINT_REJECTED, OUTCOME_UNKNOWN, REJECTION_CODES, RETRIES_EXHAUSTED
+from .errors import ENDPOINT_REJECTED, OUTCOME_UNKNOWN, REJECTION_CODES, RETRIES_EXHAUSTED, WRONG_PARTITION
 from .queries import NotFound, _reads, _records, _snapshot
 from .store import ConsumerDB
 
@@ -26,7 +26,7 @@ Row = dict[str, Any]
 DELIVERY_LIMIT_CODE = "delivery-limit"
 #: Outcomes of a delivery that are rejections, not results.
 _REJECTION_CODES = frozenset({*REJECTION_CODES, RETRIES_EXHAUSTED, DELIVERY_LIMIT_CODE, ENDPOINT_REJECTED,
-                              OUTCOME_UNKNOWN})
+                              OUTCOME_UNKNOWN, WRONG_PARTITION})
 
 #: Summary statuses.
 APPLIED, REJECTED, RESOLVED, PENDING = "applied", "rejected", "resolved", "pending"

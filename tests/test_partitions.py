@@ -165,3 +165,29 @@ def test_a_partition_directory_given_as_db_reads_as_one_consumer(tmp_path: Path)
         partition_of(a, 3) == 1 for a in articles)
     refused = cli(["inbox", "stats", "--db", str(directory)])
     assert refused.exit_code == 2 and "give --partition K" in refused.stderr
+
+
+def test_a_partition_database_refuses_another_partitions_article(tmp_path: Path) -> None:
+    """An event of an article that belongs to another partition (a producer computing another slot) is
+    rejected wrong-partition, nothing of it applied; its own articles apply."""
+    import orjson
+
+    from delivery_consumer.envelope import parse
+    from delivery_consumer.errors import Rejection
+    from delivery_consumer.store import apply_event
+
+    def event(article: str, n: int) -> bytes:
+        return orjson.dumps({"eventId": f"00000000-0000-4000-8000-{n:012d}", "type": "material.published",
+                             "articleId": article, "revision": 1, "occurredAt": "2026-12-01T10:00:00Z",
+                             "data": {"title": article, "url": "https://example.org/a"}})
+
+    ours = next(f"a-{i}" for i in range(100) if partition_of(f"a-{i}", 2) == 0)
+    theirs = next(f"a-{i}" for i in range(100) if partition_of(f"a-{i}", 2) == 1)
+    with ConsumerDB.open(tmp_path / "p0.db", "catalog", create=True, partition=Identity(0, 2)) as db:
+        assert apply_event(db, parse(event(ours, 1))) == "updated"
+        with pytest.raises(Rejection) as refused:
+            apply_event(db, parse(event(theirs, 2)))
+        assert refused.value.code == "wrong-partition"
+        assert "belongs to partition 1 of 2" in refused.value.reason
+        assert db.conn.execute("SELECT article_id FROM catalog").fetchall() == [(ours,)]
+        assert db.conn.execute("SELECT code FROM rejected").fetchall() == [("wrong-partition",)]
