@@ -510,6 +510,7 @@ class ConsumerIO:
         on_channel: Callable[[int], None] = lambda gen: None,
         on_lost: Callable[[int, str], None] = lambda gen, why: None,
         name: str = "delivery-consumer run",
+        retry_first_connect: bool = True,
     ) -> None:
         self.url = url
         self.topology = topology
@@ -529,6 +530,10 @@ class ConsumerIO:
         self._live_generation = 0  # 0 while no channel is consuming
         self._stopping = False
         self._failures = 0
+        #: False: a failure before the first successful consume is fatal (a
+        #: one-shot run with a wrong address must say so, not wait forever).
+        self._retry_first_connect = retry_first_connect
+        self._ever_consumed = False
         self.fatal: BrokerError | None = None
         self.connected = threading.Event()
 
@@ -554,7 +559,7 @@ class ConsumerIO:
         )
 
     def _retry_later(self, why: BrokerError) -> None:
-        if isinstance(why, BrokerFatal):
+        if isinstance(why, BrokerFatal) or not (self._ever_consumed or self._retry_first_connect):
             self.fatal = why
             self._stopping = True
             self.ioloop.stop()
@@ -608,6 +613,7 @@ class ConsumerIO:
             auto_ack=False,
         )
         self._failures = 0
+        self._ever_consumed = True
         self.connected.set()
         log.info("consuming %s (prefetch %d, channel generation %d)", self.topology.queue, self.prefetch, gen)
 

@@ -100,6 +100,12 @@ class TransientError(DeliveryError):
         super().__init__(f"{code}: {self.reason}")
 
 
+class StoreUnavailable(TransientError):
+    """The database as a whole failed (disk full, I/O error, busy past its
+    timeout, read-only, cannot be opened): no event caused it, so no event
+    pays for it. ``run`` holds its deliveries and waits for the database."""
+
+
 class DatabaseError(DeliveryError):
     """The consumer database cannot be opened or used (not about one event)."""
 

@@ -63,19 +63,23 @@ import hashlib
 import logging
 import sqlite3
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import suppress
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from functools import partial
+from typing import Any, Protocol, TypeVar
 
 from .envelope import Envelope
-from .errors import OUTCOME_UNKNOWN, REVISION_CONFLICT, DeliveryError, Rejection, TransientError
+from .errors import OUTCOME_UNKNOWN, REVISION_CONFLICT, DeliveryError, Rejection, StoreUnavailable, TransientError
 from .faults import crashpoint
 from .store import (
-    IN_FLIGHT,
     ConsumerDB,
     DeliveryMark,
+    InFlight,
     Outcome,
     Transaction,
+    WorkHooks,
+    _duplicate,
     now_iso,
     receipt_of,
     unsynced_transaction,
@@ -113,10 +117,12 @@ CREATE INDEX fence_event ON fence (event_id);
 _BY_KEY = "article_id = ? AND step = ? AND revision = ?"
 
 STATES = ("claimed", "done", "stale")
+_NO_HOOKS = WorkHooks()
 #: The argument for the claim's unsynced commit, in the module docstring.
 _CLAIM_DURABILITY = "module docstring, 'Why that is safe'"
-#: How often the completing transaction is tried before the batch is given up
-#: (the answers are then lost: the keys stay claimed, see the module docstring).
+#: How often the completing transaction is tried at once before the database
+#: is waited for (WorkHooks.wait_for_store); if that gives up, the answers are
+#: lost: the keys stay claimed (see the module docstring).
 COMPLETE_TRIES = 3
 
 
@@ -205,38 +211,45 @@ class _Plan:
 
 
 def apply_fenced(
-    db: ConsumerDB, parsed: Sequence[Envelope | Rejection], marks: Sequence[DeliveryMark], step: ExternalStep
+    db: ConsumerDB, parsed: Sequence[Envelope | Rejection], marks: Sequence[DeliveryMark], step: ExternalStep,
+    hooks: WorkHooks = _NO_HOOKS,
 ) -> list[Outcome]:
     """Apply a batch with the fence protocol; one Outcome per delivery, in order.
 
-    Deliveries are counted in ``deliveries`` as ``run`` counts them
-    (``in-flight`` while their call is under way). Raises TransientError
-    when a transaction as a whole failed (the caller retries the batch).
+    Deliveries are counted in ``deliveries`` with their outcome when the
+    batch completes. With ``hooks.in_flight``, the delivery being called is
+    noted alone while its call is under way (a crash there is its crash, not
+    the batch's), and the completing transaction clears the note. Raises
+    StoreUnavailable when the database as a whole failed before any call
+    (the caller retries the batch); once calls were made, their answers are
+    kept and the completion waits for the database (``hooks.wait_for_store``).
     """
     outcomes: list[Outcome | None] = [None] * len(parsed)
     plans: list[_Plan] = []
     settled: list[tuple[DeliveryMark, Outcome]] = []  # needing no call; counted in (3)
     with unsynced_transaction(db) as tx:  # (1) claim; why unsynced: see _CLAIM_DURABILITY
         leaders: dict[str, _Plan] = {}
-        for i, (item, mark) in enumerate(zip(parsed, marks, strict=True)):
+        claimed: dict[str, str] = {}  # eventId -> fingerprint of the events this batch claimed
+        for i, item in enumerate(parsed):
             done: Outcome | _Plan
             if isinstance(item, Rejection):
                 done = Outcome(item.event_id, rejection=item)
             else:
                 try:
-                    done = _claim(tx, i, item, step, leaders)
+                    done = _claim(tx, i, item, step, leaders, claimed)
                 except Rejection as rej:
                     done = Outcome(item.event_id, rejection=rej)
             if isinstance(done, _Plan):
                 plans.append(done)
-                mark.record(tx, done.env.event_id, IN_FLIGHT)
             else:
                 outcomes[i] = done
-                settled.append((mark, done))
+                settled.append((marks[i], done))
     if plans:
         crashpoint("webhook-after-claim")
-        _call_all(db, [p for p in plans if p.leader is None], step)  # (2) call, outside any transaction
-    for attempt in range(1, COMPLETE_TRIES + 1):  # (3) complete; always: its sync makes (1) durable
+        # (2) call, outside any transaction
+        _call_all(db, [p for p in plans if p.leader is None], step, hooks, [m.key for m in marks])
+    attempt = 0
+    while True:  # (3) complete; always: its sync makes (1) durable
         try:
             with db.transaction() as tx:
                 for mark, outcome in settled:
@@ -244,25 +257,39 @@ def apply_fenced(
                 for plan in plans:
                     outcome = _follow(tx, plan, outcomes, step) if plan.leader else _complete(tx, plan, step)
                     outcomes[plan.index] = outcome
-                    marks[plan.index].record(tx, plan.env.event_id, outcome.status, again=True)
+                    marks[plan.index].record(tx, plan.env.event_id, outcome.status)
+                if hooks.in_flight is not None:
+                    hooks.in_flight.clear(tx)
             break
-        except TransientError as exc:
-            if attempt == COMPLETE_TRIES:
+        except StoreUnavailable as exc:
+            attempt += 1
+            if attempt < COMPLETE_TRIES:
+                time.sleep(0.05 * attempt)
+                continue
+            try:
+                hooks.wait_for_store(exc)  # the answers stay in hand meanwhile
+            except BaseException:
                 log.error("the answers of %d calls could not be committed (%s); their keys stay claimed",
                           len(plans), exc)
                 raise
-            time.sleep(0.05 * attempt)
     return [o for o in outcomes if o is not None]
 
 
 def _claim(
-    tx: Transaction, index: int, env: Envelope, step: ExternalStep, leaders: dict[str, _Plan]
+    tx: Transaction, index: int, env: Envelope, step: ExternalStep, leaders: dict[str, _Plan],
+    claimed: dict[str, str],
 ) -> Outcome | _Plan:
     """Step (1) for one event: an Outcome when no call is needed, else its plan."""
     conn = tx.conn
     duplicate = receipt_of(tx, env)
     if duplicate is not None:
         return Outcome(env.event_id, result=duplicate)
+    first = claimed.get(env.event_id)
+    if first is not None and first != env.fingerprint:
+        # This eventId was claimed earlier in the batch with another body: the
+        # same answer as when its receipt exists (whatever the batch size).
+        _duplicate((first, ""), env)
+    claimed.setdefault(env.event_id, env.fingerprint)
     key = fence_key(env.article_id, env.revision, step.name)
     where = (env.article_id, step.name, env.revision)
     payload = step.payload(env)
@@ -318,41 +345,69 @@ def _claim(
     return plan
 
 
-def _call_all(db: ConsumerDB, plans: list[_Plan], step: ExternalStep) -> None:
+def _call_all(db: ConsumerDB, plans: list[_Plan], step: ExternalStep, hooks: WorkHooks,
+              delivery_keys: Sequence[str]) -> None:
     """Step (2): call each key in turn; after a failure of the endpoint as a
-    whole (down, throttling) the rest are not called (no retry storm)."""
+    whole (down, throttling) the rest are not called (no retry storm), nor
+    once the process is stopping for good (``hooks.abandoned``)."""
     stopped: TransientError | None = None
+    noted = False
     for plan in plans:
+        if stopped is None and hooks.abandoned():
+            stopped = TransientError("the process is stopping", code="stopping")
         if stopped is not None:
             plan.not_called = TransientError(
                 f"not called: {stopped.code} on an earlier call of the batch", code=stopped.code,
                 retry_after_s=stopped.retry_after_s,
             )
             continue
+        # Only the delivery being called is under way now (InFlight): a crash
+        # during the call is its crash, not the whole batch's.
+        delivery = delivery_keys[plan.index]
         if not step.idempotent:
-            try:
-                if not _mark_call(db, plan.where):
-                    plan.recheck = True
-                    continue
-            except TransientError as exc:
-                stopped = plan.not_called = exc
+            if not _until_stored(hooks, partial(_mark_call, db, plan.where, hooks.in_flight, delivery)):
+                plan.recheck = True
                 continue
+        elif hooks.in_flight is not None:
+            _until_stored(hooks, partial(hooks.in_flight.mark, [delivery]))
+        noted = hooks.in_flight is not None
         plan.result = step.call(Call(plan.key, plan.payload, plan.env))
         crashpoint("webhook-after-call")
         failure = plan.result.failure
         if plan.result.stop and isinstance(failure, TransientError):
             stopped = failure
+    if noted and hooks.in_flight is not None:
+        # The whole batch is under way again until the completion commits.
+        with suppress(StoreUnavailable):
+            hooks.in_flight.mark(delivery_keys)
 
 
-def _mark_call(db: ConsumerDB, where: tuple[str, str, int]) -> bool:
-    """Record, durably, that a call with this key is about to be made; False
-    when it is no longer ours to call (another process marked or finished it)."""
+_T = TypeVar("_T")
+
+
+def _until_stored(hooks: WorkHooks, write: Callable[[], _T]) -> _T:
+    """*write*, tried again while the database as a whole fails and
+    ``hooks.wait_for_store`` says it is worth waiting."""
+    while True:
+        try:
+            return write()
+        except StoreUnavailable as exc:
+            hooks.wait_for_store(exc)
+
+
+def _mark_call(db: ConsumerDB, where: tuple[str, str, int], in_flight: InFlight | None = None,
+               delivery: str = "") -> bool:
+    """Record, durably, that a call with this key is about to be made (and
+    note its delivery as under way); False when it is no longer ours to call
+    (another process marked or finished it)."""
     with db.transaction() as tx:
         cur = tx.conn.execute(
             "UPDATE fence SET calls = calls + 1, in_doubt = 1, called_at = ?"
             f" WHERE {_BY_KEY} AND state = 'claimed' AND in_doubt = 0",
             (tx.now, *where),
         )
+        if cur.rowcount == 1 and in_flight is not None:
+            in_flight.mark_in(tx, [delivery])
         return cur.rowcount == 1
 
 

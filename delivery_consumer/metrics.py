@@ -2,7 +2,8 @@
 
 Counters by consumer and outcome, by rejection code, retries and dead
 letters; histograms of the apply-and-commit latency of a batch and of batch
-sizes; gauges for the time of the last commit and the connection state.
+sizes; gauges for the time of the last commit, the connection state and the
+database's health.
 Each :class:`Metrics` has its own registry, so several consumers can run in
 one process (tests) without clashing, and nothing is global.
 """
@@ -51,7 +52,11 @@ class Metrics(Observer):
                                  base, registry=r)
         self.connected = Gauge("delivery_connected", "1 while consuming from the broker, else 0.",
                                base, registry=r)
+        self.store_healthy = Gauge("delivery_store_healthy", "1 while the database works, 0 while it fails as "
+                                   "a whole (disk full, I/O error, busy, read-only): deliveries are held.",
+                                   base, registry=r)
         self.connected.labels(*c).set(0)
+        self.store_healthy.labels(*c).set(1)
         self.last_commit.labels(*c).set(0)
 
     def batch_committed(self, outcomes: Sequence[Outcome], seconds: float, committed_at: float = 0.0) -> None:
@@ -74,6 +79,9 @@ class Metrics(Observer):
 
     def connection_state(self, connected: bool) -> None:
         self.connected.labels(*self._base).set(1 if connected else 0)
+
+    def store_health(self, healthy: bool) -> None:
+        self.store_healthy.labels(*self._base).set(1 if healthy else 0)
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> Any:
         """Expose ``/metrics`` on *addr*:*port* from a daemon thread."""

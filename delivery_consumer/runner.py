@@ -23,11 +23,21 @@ confirmed. If a copy cannot be confirmed, the channel's generation is given
 up: nothing more is acked on it and the connection is recycled, so the
 broker redelivers and the inbox absorbs what was already applied.
 
-Redelivered messages are processed one at a time, after their delivery has
-been counted in a transaction of its own: a message that kills the process
-leaves that count behind, and after ``max_crashes`` it is dead-lettered with
-``delivery-limit`` without being applied again, while its neighbours go on.
-The queue's ``x-delivery-limit`` remains the broker-side backstop.
+Poison: before each batch the worker notes its keys as under way
+(``store.InFlight``, a commit without fsync); the batch's commit clears the
+note. A note left by a process that is gone makes its keys *open*: a crash
+for a key that was handled alone, a suspect for each key of a batch. A
+redelivered message with an open key is handled alone (its neighbours go on
+in batches); after ``max_crashes`` crashes it is dead-lettered with
+``delivery-limit`` without being applied again -- unless it already has a
+receipt, which answers it. The queue's ``x-delivery-limit`` remains the
+broker-side backstop.
+
+The database failing as a whole (disk full, I/O error, busy past its
+timeout, read-only) is nobody's message's fault: the worker holds the batch
+unacked, spends no attempt, waits with backoff and tries the same batch
+again, and stops (exit 2) only when the database stayed unusable for
+``store_outage_limit_s``.
 """
 
 from __future__ import annotations
@@ -50,17 +60,17 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from types import FrameType
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from . import consumers, faults
 from .broker import BrokerError, BrokerUnavailable, ConsumerIO, Delivery, OutMessage
 from .envelope import KOMBU_COMPRESSION_HEADER, MAX_BODY_BYTES, Envelope, body_digest, parse
-from .errors import RETRIES_EXHAUSTED, DatabaseError, DeliveryError, Rejection, TransientError
+from .errors import RETRIES_EXHAUSTED, DatabaseError, DeliveryError, Rejection, StoreUnavailable
 from .faults import crashpoint
 from .partitions import Identity
 from .partitions import db_path as partition_db_path
-from .retry import GiveUp, RetryPolicy, attempts_done, retry_after_tier
-from .store import ConsumerDB, DeliveryMark, Outcome, now_iso
+from .retry import GiveUp, RetryPolicy, attempts_done, reconnect_delay_s, retry_after_tier
+from .store import ConsumerDB, DeliveryMark, InFlight, Outcome, WorkHooks, has_receipt, now_iso
 from .topology import (
     DEFAULT_DELIVERY_LIMIT,
     DEFAULT_EXCHANGE,
@@ -77,6 +87,7 @@ from .topology import (
 )
 
 log = logging.getLogger("delivery_consumer.run")
+_T = TypeVar("_T")
 
 DELIVERY_LIMIT_CODE = "delivery-limit"
 #: Headers the broker owns; a copy must not carry them back.
@@ -109,6 +120,10 @@ class RunConfig:
     log_each_event: bool = False
     #: This run serves one partition of a partitioned consumer (partitions.py).
     partition: Identity | None = None
+    #: How long the database may stay unusable as a whole (disk full, I/O
+    #: error...) before run exits for a supervisor to act; meanwhile it
+    #: holds its deliveries and retries with backoff.
+    store_outage_limit_s: float = 600.0
 
     def topology(self) -> Topology:
         spec = consumers.get(self.consumer)
@@ -167,6 +182,9 @@ class Observer:
     def connection_state(self, connected: bool) -> None:
         """The consumer started or stopped consuming."""
 
+    def store_health(self, healthy: bool) -> None:
+        """The database as a whole stopped (False) or started again (True) working."""
+
 
 @dataclass(slots=True)
 class _Copy:
@@ -210,12 +228,19 @@ class Worker(threading.Thread):
         self.inbox: queue.SimpleQueue[Delivery] = queue.SimpleQueue()
         self.ready = threading.Event()
         self.stop_requested = threading.Event()
+        #: Set when the connection process is gone: nothing can be acked any more.
+        self.abandoned = threading.Event()
         self.error: BaseException | None = None
         self.live_generation = 0
         self._given_up: set[int] = set()
         self._held: Delivery | None = None
         self._last_activity = time.monotonic()
         self.db: ConsumerDB | None = None
+        self.in_flight: InFlight | None = None
+        #: monotonic() when the database stopped working as a whole (None: it works).
+        self._outage: float | None = None
+        self._outage_tries = 0
+        self._outage_code = ""
 
     # -- called from the loop thread --
     def deliver(self, delivery: Delivery) -> None:
@@ -227,6 +252,11 @@ class Worker(threading.Thread):
         self.live_generation = generation
         self._last_activity = time.monotonic()
         self.observer.connection_state(True)
+
+    def abandon(self) -> None:
+        """The connection process is gone: finish what is in hand, start nothing new."""
+        self.abandoned.set()
+        self.stop_requested.set()
 
     def channel_lost(self, generation: int, why: str) -> None:
         if self.live_generation == generation:
@@ -243,7 +273,9 @@ class Worker(threading.Thread):
             self.error = exc
             self.ready.set()
             return
+        self.in_flight = InFlight(self.db)
         self.ready.set()
+        self.observer.store_health(True)
         try:
             self._loop()
         except BaseException as exc:  # a fatal database error or a bug: stop the service
@@ -251,6 +283,7 @@ class Worker(threading.Thread):
             log.error("worker stopped: %s: %s", type(exc).__name__, exc)
         finally:
             self.stop_requested.set()
+            self.in_flight.release()
             self.db.close()
             if self.io is not None:
                 self.io.shutdown()
@@ -298,8 +331,6 @@ class Worker(threading.Thread):
         first = self._take(0.2)
         if first is None:
             return []
-        if self._suspicious(first):
-            return [first]
         batch = [first]
         deadline = time.monotonic() + self.config.batch_wait_ms / 1000
         while len(batch) < self.config.batch:
@@ -311,8 +342,8 @@ class Worker(threading.Thread):
                 d = self._take(remaining)
                 if d is None:
                     break
-            if self._suspicious(d) or d.generation != first.generation:
-                self._held = d  # processed next, on its own
+            if d.generation != first.generation:
+                self._held = d  # the first of the next batch
                 break
             batch.append(d)
         return batch
@@ -326,40 +357,123 @@ class Worker(threading.Thread):
             return rej
 
     def _process(self, items: list[Delivery]) -> None:
+        """Handle a collected batch in delivery order (so acks stay in order):
+        each delivery whose key a dead process left open alone, the others
+        together."""
+        opened = self._until_stored(items[0].generation, lambda: self._open_keys(items))
+        if opened is None:
+            return
+        together: list[Delivery] = []
+        for d in items:
+            crashes = opened.get(delivery_key(d))
+            if crashes is None:
+                together.append(d)
+                continue
+            if together and not self._process_part(together):
+                return
+            together = []
+            if not self._process_part([d], crashes):
+                return
+        if together:
+            self._process_part(together)
+
+    def _open_keys(self, items: list[Delivery]) -> dict[str, int]:
+        """The keys of *items* left open by a process that died (crash counts).
+        Only a redelivery can be one: a first delivery needs no lookup."""
+        assert self.in_flight is not None
+        self.in_flight.reap()
+        return self.in_flight.open_keys([delivery_key(d) for d in items if self._suspicious(d)])
+
+    def _process_part(self, items: list[Delivery], crashes: int | None = None) -> bool:
+        """Apply, copy and ack *items* (one delivery alone when *crashes* is
+        given). False when the rest of the batch must not go on (its channel
+        was given up, the process is stopping)."""
         started = time.perf_counter()
         gen = items[0].generation
-        isolated = len(items) == 1 and self._suspicious(items[0])
-        if isolated and self._poisoned(items[0]):
-            return
+        isolated = crashes is not None
         parsed = [self._parse(d) for d in items]
-        try:
-            outcomes = self._apply(items, parsed, isolated)
-        except TransientError as exc:
-            # The database itself is in trouble (busy past its timeout, disk
-            # full, I/O error): nothing was committed; every event retries.
-            log.warning("batch of %d not committed: %s", len(items), exc)
-            outcomes = [Outcome(getattr(env, "event_id", None), transient=exc) for env in parsed]
-        else:
-            self.stats.last_commit = time.time()
-            crashpoint("after-commit")
-        committed_at = self.stats.last_commit if outcomes and outcomes[0].transient is None else 0.0
-        self.observer.batch_committed(outcomes, time.perf_counter() - started, committed_at)
+        if crashes is not None and crashes >= self.config.max_crashes:
+            answered = self._until_stored(gen, lambda: self._answered(parsed[0]))
+            if answered is None:
+                return False
+            if not answered:  # a receipt answers the event whatever its crashes: no poison decision
+                return self._dead_letter_poison(items[0], parsed[0], crashes)
+        outcomes = self._until_stored(gen, lambda: self._apply(items, parsed, isolated))
+        if outcomes is None:
+            return False
+        self.stats.last_commit = time.time()
+        crashpoint("after-commit")
+        self.observer.batch_committed(outcomes, time.perf_counter() - started, self.stats.last_commit)
         copies = [c for c in (self._copy_for(d, o) for d, o in zip(items, outcomes, strict=True)) if c]
         if copies and not self._publish_copies(gen, copies):
-            return
+            return False
         self._settle(gen, items, outcomes)
+        return True
+
+    def _answered(self, parsed: Envelope | Rejection) -> bool:
+        assert self.db is not None
+        return not isinstance(parsed, Rejection) and has_receipt(self.db, parsed.event_id)
+
+    # -- the database failing as a whole --
+    def _until_stored(self, gen: int | None, work: Callable[[], _T]) -> _T | None:
+        """*work*, tried again while the database as a whole fails; None when
+        the wait was given up (stopping, or channel *gen* is gone)."""
+        while True:
+            try:
+                result = work()
+            except StoreUnavailable as exc:
+                if not self._wait_for_store(exc, gen):
+                    return None
+                continue
+            if self._outage is not None:
+                log.warning("database usable again after %.1fs; resuming", time.monotonic() - self._outage)
+                self._outage = None
+                self.observer.store_health(True)
+            return result
+
+    def _wait_for_store(self, exc: StoreUnavailable, gen: int | None) -> bool:
+        """Back off (with jitter) after a failure of the whole database; False
+        when not worth waiting (stopping; channel *gen* gone: its deliveries
+        come back anyway). Raises DatabaseError past the outage limit."""
+        now = time.monotonic()
+        limit = self.config.store_outage_limit_s
+        if self._outage is None:
+            self._outage, self._outage_tries = now, 0
+            log.error("database unusable (%s): holding deliveries unacked, no attempt spent, nothing "
+                      "dead-lettered; retrying with backoff, giving up after %.0fs", exc, limit)
+            self.observer.store_health(False)
+        elif exc.code != self._outage_code:
+            log.error("database still unusable, now: %s", exc)
+        self._outage_code = exc.code
+        if now - self._outage >= limit:
+            raise DatabaseError(f"the database has been unusable for {now - self._outage:.0f}s "
+                                f"(--store-outage-limit {limit:g}s): {exc}")
+        if self.stop_requested.is_set() or (gen is not None and gen != self.live_generation):
+            return False
+        self._outage_tries += 1
+        delay = min(reconnect_delay_s(self._outage_tries, base_s=0.2, cap_s=10.0), limit - (now - self._outage))
+        return not self.stop_requested.wait(max(0.0, delay))
+
+    def _hooks(self) -> WorkHooks:
+        def wait_for_store(exc: StoreUnavailable) -> None:
+            if not self._wait_for_store(exc, None):
+                raise exc
+
+        return WorkHooks(self.in_flight, self.abandoned.is_set, wait_for_store)
 
     def _apply(self, items: list[Delivery], parsed: list[Envelope | Rejection], isolated: bool) -> list[Outcome]:
-        """Apply a batch in one transaction and count its deliveries durably.
+        """Note the keys as under way, apply the batch in one transaction
+        (which clears the note) and count its deliveries durably.
 
-        Raises TransientError when the transaction as a whole failed.
+        Raises StoreUnavailable when the database as a whole failed.
         """
-        db = self.db
-        assert db is not None
+        db, in_flight = self.db, self.in_flight
+        assert db is not None and in_flight is not None
+        in_flight.mark([delivery_key(d) for d in items])
         if db.spec.external is not None:  # an effect outside the database: the fence protocol (fence.py)
-            marks = [DeliveryMark(delivery_key(d), d.redelivered, attempts_done(d.headers) + 1, not isolated,
+            marks = [DeliveryMark(delivery_key(d), d.redelivered, attempts_done(d.headers) + 1, True,
                                   _int_header(d.headers, H_DELIVERY_COUNT) + 1) for d in items]
-            return db.spec.external(self.config.consumer_options)(db, parsed, marks)
+            return db.spec.external(self.config.consumer_options)(db, parsed, marks, self._hooks())
         outcomes: list[Outcome] = []
         with db.transaction() as tx:
             if len(items) > 1:
@@ -378,11 +492,11 @@ class Worker(threading.Thread):
                     redelivered=d.redelivered,
                     attempt=attempts_done(d.headers) + 1,
                     outcome=outcome.status,
-                    count=not isolated,
                     # a duplicate was delivered at least once before (its receipt says so)
                     delivered_hint=max(_int_header(d.headers, H_DELIVERY_COUNT) + 1,
                                        2 if outcome.status.startswith("duplicate:") else 1),
                 )
+            in_flight.clear(tx)
             crashpoint("before-commit")
         return outcomes
 
@@ -425,34 +539,19 @@ class Worker(threading.Thread):
         log.info("batch %d-%d acked: %s [%s]", items[0].tag, items[-1].tag, summary, shown,
                  extra={"batch": f"{items[0].tag}-{items[-1].tag}", "deliveryTag": items[-1].tag})
 
-    def _poisoned(self, d: Delivery) -> bool:
-        """Count a redelivery in its own commit; dead-letter it if it keeps
-        killing the process. Returns True when the delivery was settled."""
-        db = self.db
-        assert db is not None
-        try:
-            with db.transaction() as tx:
-                count = tx.record_delivery(
-                    delivery_key(d), None, redelivered=True, attempt=attempts_done(d.headers) + 1,
-                    outcome="in-flight", delivered_hint=_int_header(d.headers, H_DELIVERY_COUNT) + 1,
-                )
-        except TransientError as exc:
-            log.warning("could not count redelivery of tag %d: %s", d.tag, exc)
-            return False
-        if count.crashes < self.config.max_crashes:
-            return False
-        parsed = self._parse(d)
-        event_id = parsed.event_id
-        fingerprint = parsed.fingerprint
+    def _dead_letter_poison(self, d: Delivery, parsed: Envelope | Rejection, crashes: int) -> bool:
+        """Dead-letter a message that killed the process *crashes* times, each
+        time handled alone, without applying it again."""
         rejection = Rejection(
             DELIVERY_LIMIT_CODE,
-            f"the process died {count.crashes} times while handling this message",
-            event_id=event_id,
-            fingerprint=fingerprint,
+            f"the process died {crashes} times while handling this message alone",
+            event_id=parsed.event_id,
+            fingerprint=parsed.fingerprint,
         )
         copy = self._dead_copy(d, rejection, attempts_done(d.headers) + 1)
-        if self._publish_copies(d.generation, [copy]):
-            self._settle(d.generation, [d], [Outcome(event_id, rejection=rejection)])
+        if not self._publish_copies(d.generation, [copy]):
+            return False
+        self._settle(d.generation, [d], [Outcome(parsed.event_id, rejection=rejection)])
         return True
 
     # -- copies --
@@ -544,25 +643,27 @@ class Worker(threading.Thread):
                                    "code": c.rejection.code, "reason": c.rejection.reason,
                                    "attempts": c.attempts, "deliveryTag": c.delivery.tag,
                                    "queue": c.message.routing_key})
-        if dead:
-            try:
-                with self.db.transaction() as tx:
-                    for c in dead:
-                        assert c.rejection is not None
-                        if c.rejection.event_id is None and _looks_like_event_id(c.delivery.message_id):
-                            # A body refused before its eventId could be read: our
-                            # publishers set message_id = eventId, so trace can find it.
-                            c.rejection.event_id = c.delivery.message_id
-                        tx.record_rejection(
-                            c.rejection,
-                            source=f"amqp:{self.topology.queue}",
-                            body_sha256=body_digest(c.delivery.body),
-                            attempts=c.attempts,
-                            dead_letter=c.message.routing_key,
-                        )
-            except TransientError as exc:
-                # The copy is safe in the dead queue; only the local record is missing.
-                log.error("dead-lettered %d events but could not record them in rejected: %s", len(dead), exc)
+        # The copies are safe in the dead queue; the ack waits for their local record.
+        if dead and self._until_stored(None, lambda: self._record_dead(dead)) is None:
+            log.error("dead-lettered %d events but could not record them in rejected (stopping)", len(dead))
+        return True
+
+    def _record_dead(self, dead: list[_Copy]) -> bool:
+        assert self.db is not None
+        with self.db.transaction() as tx:
+            for c in dead:
+                assert c.rejection is not None
+                if c.rejection.event_id is None and _looks_like_event_id(c.delivery.message_id):
+                    # A body refused before its eventId could be read: our
+                    # publishers set message_id = eventId, so trace can find it.
+                    c.rejection.event_id = c.delivery.message_id
+                tx.record_rejection(
+                    c.rejection,
+                    source=f"amqp:{self.topology.queue}",
+                    body_sha256=body_digest(c.delivery.body),
+                    attempts=c.attempts,
+                    dead_letter=c.message.routing_key,
+                )
         return True
 
 
@@ -647,13 +748,47 @@ class _ParentProxy:
         self._send(("shutdown",))
 
 
-def _child(config: RunConfig, conn: Connection, observer_factory: ObserverFactory | None) -> None:
+#: How long the worker may take to finish what is in hand once the connection
+#: process is gone (it can ack nothing more) before it exits regardless.
+ORPHAN_GRACE_S = 2.0
+#: How often the worker process looks at its parent (besides PR_SET_PDEATHSIG).
+_PARENT_CHECK_S = 0.2
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int) -> Callable[[], bool]:
+    """Make the kernel tell this process when *parent* dies (Linux
+    ``PR_SET_PDEATHSIG``, as SIGUSR1); returns a check that is True once it
+    is gone (the signal arrived, or the parent pid changed: the portable
+    fallback). The pipe's end of file says so too, but only to a reader; a
+    worker blocked elsewhere must learn it as well."""
+    told = [False]
+
+    def on_signal(_signum: int, _frame: FrameType | None) -> None:
+        told[0] = True
+
+    signal.signal(signal.SIGUSR1, on_signal)
+    with suppress(OSError, AttributeError):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGUSR1, 0, 0, 0)
+    return lambda: told[0] or os.getppid() != parent
+
+
+def _child(config: RunConfig, conn: Connection, parent_end: Connection,
+           observer_factory: ObserverFactory | None) -> None:
     """The worker process: the database, batches, commits; asks the parent to ack."""
+    # The parent's end of the pipe came with the fork: held here, it would keep
+    # the pipe open after the parent's death and recv() would never end.
+    parent_end.close()
     # The parent coordinates stopping (it gets SIGTERM/SIGINT and tells us);
     # a Ctrl-C to the whole process group must not kill a transaction.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    faults.also_kill(os.getppid())  # a crash point kills the whole of run
+    parent = os.getppid()
+    parent_gone = _die_with_parent(parent)
+    faults.also_kill(parent)  # a crash point kills the whole of run
     proxy = _ParentProxy(conn)
     try:
         observer = observer_factory() if observer_factory is not None else None
@@ -669,16 +804,19 @@ def _child(config: RunConfig, conn: Connection, observer_factory: ObserverFactor
         return
     conn.send(("ready",))
 
+    def orphaned() -> None:
+        # Nothing can be acked any more: finish what is in hand, start nothing
+        # new; the broker redelivers the rest to the next run.
+        proxy.gone = True
+        proxy.fail_all("the connection process is gone")
+        worker.abandon()
+
     def read() -> None:
         while True:
             try:
                 message = conn.recv()
             except (EOFError, OSError):
-                # The parent died (SIGKILL): finish what is in hand and stop;
-                # nothing more can be acked, the broker redelivers the rest.
-                proxy.gone = True
-                proxy.fail_all("the connection process is gone")
-                worker.stop_requested.set()
+                orphaned()
                 return
             kind = message[0]
             if kind == "deliveries":
@@ -694,7 +832,16 @@ def _child(config: RunConfig, conn: Connection, observer_factory: ObserverFactor
                 worker.stop_requested.set()
 
     threading.Thread(target=read, name="delivery-pipe", daemon=True).start()
-    worker.join()
+    deadline: float | None = None
+    while worker.is_alive():
+        worker.join(_PARENT_CHECK_S)
+        if deadline is None and (worker.abandoned.is_set() or parent_gone()):
+            log.error("the connection process is gone; finishing what is in hand, acking nothing")
+            orphaned()
+            deadline = time.monotonic() + ORPHAN_GRACE_S
+        elif deadline is not None and time.monotonic() > deadline and worker.is_alive():
+            log.error("the worker did not stop within %.0fs of the connection process; exiting now", ORPHAN_GRACE_S)
+            os._exit(1)  # like a crash: SQLite rolls back what was not committed
     log.info("exiting: %s", worker.stats.line())
     if worker.error is not None:
         error = worker.error
@@ -800,7 +947,7 @@ def run(config: RunConfig, observer_factory: ObserverFactory | None = None) -> i
     topology = config.topology()
     context = multiprocessing.get_context("fork")  # before any connection or thread exists
     parent_end, child_end = context.Pipe(duplex=True)
-    process = context.Process(target=_child, args=(config, child_end, observer_factory),
+    process = context.Process(target=_child, args=(config, child_end, parent_end, observer_factory),
                               name=f"delivery-worker-{config.consumer}")
     process.start()
     child_end.close()
@@ -821,6 +968,8 @@ def run(config: RunConfig, observer_factory: ObserverFactory | None = None) -> i
         on_channel=link.channel,
         on_lost=link.lost,
         name=f"delivery-consumer run {config.consumer}",
+        # a one-shot run (--exit-when-idle) must not wait forever for a broker it never reached
+        retry_first_connect=config.exit_when_idle_s is None,
     )
     link.io = io
     io.watch(parent_end.fileno(), link.readable)

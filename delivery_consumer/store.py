@@ -27,9 +27,10 @@ so an acknowledged event survives power loss; NORMAL would not
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +45,9 @@ from .errors import (
     EVENT_ID_REUSED,
     WRONG_PARTITION,
     DatabaseError,
+    DeliveryError,
     Rejection,
+    StoreUnavailable,
     TransientError,
     safe_reason,
 )
@@ -114,12 +117,24 @@ CORE_MIGRATIONS: tuple[str, ...] = (
     """
     ALTER TABLE inbox ADD COLUMN partition_key TEXT;
     """,
+    # What each process is handling now (InFlight): one row per live process.
+    """
+    CREATE TABLE in_flight (
+        owner      TEXT PRIMARY KEY,
+        keys       TEXT NOT NULL,
+        started_at TEXT NOT NULL
+    ) STRICT;
+    """,
 )
 STORE_VERSION = len(CORE_MIGRATIONS)
 _CONSUMER_VERSION_KEY = "consumer_schema_version"
 
-# SQLite primary result codes (https://sqlite.org/rescode.html).
-_TRANSIENT_CODES = {5: "database-busy", 6: "database-busy", 10: "io-error", 13: "disk-full"}
+# SQLite primary result codes (https://sqlite.org/rescode.html) that are failures
+# of the environment, not of any event: busy/locked past the timeout, read-only,
+# I/O error, disk full, cannot open. Anything else (corrupt, not a database,
+# a schema error) makes the database unusable: DatabaseError.
+_ENVIRONMENT_CODES = {5: "database-busy", 6: "database-busy", 8: "database-read-only", 10: "io-error",
+                      13: "disk-full", 14: "cannot-open"}
 
 
 def now_iso(when: float | None = None) -> str:
@@ -145,11 +160,12 @@ def default_db_path(consumer: str) -> Path:
     return Path("state") / consumer / "inbox.db"
 
 
-def translate(exc: sqlite3.Error, path: Path | str) -> DatabaseError | TransientError:
-    """Map an sqlite3 error to the project's own: transient or fatal."""
+def translate(exc: sqlite3.Error, path: Path | str) -> DatabaseError | StoreUnavailable:
+    """Map an sqlite3 error to the project's own: the environment's (StoreUnavailable, a
+    TransientError: try again later) or fatal."""
     code = getattr(exc, "sqlite_errorcode", None)
-    if code is not None and code & 0xFF in _TRANSIENT_CODES:
-        return TransientError(f"{path}: {exc}", code=_TRANSIENT_CODES[code & 0xFF])
+    if code is not None and code & 0xFF in _ENVIRONMENT_CODES:
+        return StoreUnavailable(f"{path}: {exc}", code=_ENVIRONMENT_CODES[code & 0xFF])
     return DatabaseError(f"{path}: {exc}")
 
 
@@ -633,9 +649,7 @@ class Transaction:
         decrease, so a crash or a lost header cannot reset them.
         *delivered_hint* is what the broker says (``x-delivery-count + 1``).
         ``count=False`` only updates the outcome of a delivery counted
-        earlier. A delivery counted with outcome ``in-flight`` whose next
-        delivery finds it still ``in-flight`` crashed the process: that is
-        what ``crashes`` counts (poison-message detection).
+        earlier. Crashes are not counted here: see :class:`InFlight`.
         """
         row = self.conn.execute(
             "INSERT INTO deliveries (key, event_id, deliveries, redeliveries, attempts, crashes,"
@@ -643,7 +657,6 @@ class Transaction:
             " ON CONFLICT (key) DO UPDATE SET"
             " deliveries = max(deliveries + ?8, ?3),"
             " redeliveries = redeliveries + ?4 * ?8,"
-            " crashes = crashes + (?8 AND last_outcome = 'in-flight'),"
             " attempts = max(attempts, excluded.attempts),"
             " event_id = coalesce(excluded.event_id, event_id),"
             " last_at = excluded.last_at, last_outcome = excluded.last_outcome"
@@ -651,6 +664,18 @@ class Transaction:
             (key, event_id, delivered_hint, int(redelivered), attempt, self.now, outcome, int(count)),
         ).fetchone()
         return DeliveryCount(int(row[0]), int(row[1]), int(row[2]))
+
+    def record_interruption(self, key: str, *, crashed: bool) -> None:
+        """The process handling a delivery of *key* died: count that delivery
+        and leave the key open (:data:`OPEN_OUTCOMES`), a crash if it was
+        handled alone (*crashed*), else one suspect of a batch."""
+        self.conn.execute(
+            "INSERT INTO deliveries (key, event_id, deliveries, redeliveries, attempts, crashes, first_at, last_at,"
+            " last_outcome) VALUES (?1, NULL, 1, 0, 1, ?2, ?3, ?3, ?4)"
+            " ON CONFLICT (key) DO UPDATE SET deliveries = deliveries + 1, crashes = crashes + ?2,"
+            " last_at = ?3, last_outcome = ?4",
+            (key, int(crashed), self.now, CRASHED if crashed else INTERRUPTED),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -742,8 +767,155 @@ class DeliveryMark:
         )
 
 
-#: The status of a delivery whose effect is under way outside the database.
+#: The last outcome of a delivery whose process died while handling it, as
+#: older versions wrote it (now: CRASHED or INTERRUPTED).
 IN_FLIGHT = "in-flight"
+
+
+# -- what is under way: poison detection (run) ----------------------------------------
+# A message is poison when it, alone, kills the process. Before each batch (and
+# before each call of an external effect) the process notes the keys it is
+# about to handle in ``in_flight``, under its own name, in a commit without
+# fsync (a process crash keeps it; see UnsyncedTransaction); the batch's own
+# commit deletes the note. A note whose owner is gone is what a crash leaves:
+# InFlight.reap turns it into per-key state in ``deliveries`` -- a crash for
+# the key handled alone, a suspect (no crash) for each key of a batch. run
+# then handles open keys one at a time. A live owner's note (an orphan, a
+# process whose channel dropped) is never taken for a crash.
+
+#: A key that was handled alone when its process died (``crashes`` + 1).
+CRASHED = "crashed"
+#: A key that was one of a batch when its process died: a suspect, not a crash.
+INTERRUPTED = "interrupted"
+#: Last outcomes of a key whose next delivery must be handled alone.
+OPEN_OUTCOMES = (CRASHED, INTERRUPTED, IN_FLIGHT)
+
+
+def _proc_stat(pid: int) -> tuple[str, str] | None:
+    """(state, start time in clock ticks since boot) of a Linux process, None if none."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rpartition(b")")[2].split()
+    except OSError:
+        return None
+    return fields[0].decode(), fields[19].decode()  # fields 3 and 22 of proc(5)
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()[:8]
+    except OSError:
+        return "-"
+
+
+def process_owner(pid: int | None = None) -> str:
+    """A name of process *pid* (default: this one) that no later process shares:
+    ``<boot id>:<pid>:<start time>`` (a pid alone is reused)."""
+    pid = os.getpid() if pid is None else pid
+    stat = _proc_stat(pid)
+    return f"{_boot_id()}:{pid}:{stat[1] if stat else '-'}"
+
+
+def owner_alive(owner: str) -> bool:
+    """Whether the process named *owner* (:func:`process_owner`) still runs (a zombie does not)."""
+    boot, _, rest = owner.partition(":")
+    pid_text, _, start = rest.partition(":")
+    if boot != _boot_id() or not pid_text.isdigit():
+        return False
+    stat = _proc_stat(int(pid_text))
+    if stat is None:
+        if start != "-":
+            return False
+        try:  # no /proc: only the pid can be checked
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    return stat[1] == start and stat[0] != "Z"
+
+
+class InFlight:
+    """This process's durable note of the deliveries it is handling now."""
+
+    def __init__(self, db: ConsumerDB, owner: str | None = None) -> None:
+        self.db = db
+        self.owner = owner or process_owner()
+
+    def mark(self, keys: Sequence[str]) -> None:
+        """Note *keys* as under way, in a commit of its own (not synced)."""
+        with unsynced_transaction(self.db) as tx:
+            self.mark_in(tx, keys)
+
+    def mark_in(self, tx: Transaction, keys: Sequence[str]) -> None:
+        """Note *keys* as under way in *tx* (committed with it)."""
+        tx.conn.execute("INSERT OR REPLACE INTO in_flight (owner, keys, started_at) VALUES (?, ?, ?)",
+                        (self.owner, orjson.dumps(list(keys)).decode(), tx.now))
+
+    def clear(self, tx: Transaction) -> None:
+        """Nothing is under way any more once *tx* commits (the batch's own transaction)."""
+        tx.conn.execute("DELETE FROM in_flight WHERE owner = ?", (self.owner,))
+
+    def reap(self) -> int:
+        """Settle the notes of processes that are gone; how many there were.
+
+        Each key of a note gets one more delivery in ``deliveries`` and an
+        open outcome: ``crashed`` (crashes + 1) when the note held that key
+        alone (copies of one message are one piece of work), ``interrupted``
+        when it held several.
+        """
+        others = self.db.conn.execute("SELECT owner FROM in_flight WHERE owner != ?", (self.owner,)).fetchall()
+        dead = [owner for (owner,) in others if not owner_alive(owner)]
+        if not dead:
+            return 0
+        with self.db.transaction() as tx:
+            for owner in dead:
+                row = tx.conn.execute("DELETE FROM in_flight WHERE owner = ? RETURNING keys", (owner,)).fetchone()
+                if row is None:  # another process settled it first
+                    continue
+                keys = set(orjson.loads(row[0]))
+                for key in keys:
+                    tx.record_interruption(key, crashed=len(keys) == 1)
+        return len(dead)
+
+    def open_keys(self, keys: Sequence[str]) -> dict[str, int]:
+        """Those of *keys* whose last delivery ended with its process (to be
+        handled alone), with their crash counts; one query."""
+        if not keys:
+            return {}
+        placeholders = ", ".join("?" * len(OPEN_OUTCOMES))
+        return {
+            str(key): int(crashes) for key, crashes in self.db.conn.execute(
+                "SELECT key, crashes FROM deliveries WHERE key IN (SELECT value FROM json_each(?))"
+                f" AND last_outcome IN ({placeholders})",
+                (orjson.dumps(list(keys)).decode(), *OPEN_OUTCOMES),
+            )
+        }
+
+    def release(self) -> None:
+        """Delete this process's note at a clean exit (best effort: a note
+        left behind is settled by the next process as an interruption)."""
+        with suppress(DeliveryError), self.db.transaction() as tx:
+            self.clear(tx)
+
+
+def _give_up(exc: StoreUnavailable) -> None:
+    raise exc
+
+
+@dataclass(frozen=True, slots=True)
+class WorkHooks:
+    """What ``run`` lends an effect applied in several transactions (fence.py)."""
+
+    #: Where to note the delivery being called (None: not noted).
+    in_flight: InFlight | None = None
+    #: True once the process is stopping for good: start no more calls.
+    abandoned: Callable[[], bool] = lambda: False
+    #: Given a failure of the database as a whole, returns when it is worth
+    #: trying again, or raises (the default: at once).
+    wait_for_store: Callable[[StoreUnavailable], None] = _give_up
 
 
 def receipt_of(tx: Transaction, env: Envelope) -> str | None:
@@ -754,6 +926,11 @@ def receipt_of(tx: Transaction, env: Envelope) -> str | None:
     """
     row = tx.conn.execute("SELECT fingerprint, result FROM inbox WHERE event_id = ?", (env.event_id,)).fetchone()
     return None if row is None else _duplicate(row, env)
+
+
+def has_receipt(db: ConsumerDB, event_id: str) -> bool:
+    """Whether *event_id* has a receipt (read outside any transaction)."""
+    return db.conn.execute("SELECT 1 FROM inbox WHERE event_id = ?", (event_id,)).fetchone() is not None
 
 
 def write_receipt(tx: Transaction, env: Envelope, result: str) -> bool:
@@ -815,14 +992,22 @@ def unsynced_transaction(db: ConsumerDB) -> UnsyncedTransaction:
 
 
 __all__ = [
+    "CRASHED",
+    "INTERRUPTED",
+    "OPEN_OUTCOMES",
     "ConsumerDB",
     "DeliveryMark",
+    "InFlight",
     "Outcome",
     "Transaction",
+    "WorkHooks",
     "apply_batch",
     "apply_event",
     "default_db_path",
+    "has_receipt",
     "now_iso",
+    "owner_alive",
+    "process_owner",
     "receipt_of",
     "unsynced_transaction",
     "write_receipt",

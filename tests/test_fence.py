@@ -21,7 +21,7 @@ from delivery_consumer.consumers.webhook import Notifier, WebhookConfig, idempot
 from delivery_consumer.envelope import Envelope
 from delivery_consumer.errors import ConfigError, TransientError
 from delivery_consumer.retry import Retry, retry_after_tier
-from delivery_consumer.store import ConsumerDB, DeliveryMark, Outcome, unsynced_transaction
+from delivery_consumer.store import ConsumerDB, DeliveryMark, InFlight, Outcome, WorkHooks, unsynced_transaction
 
 Step = Callable[..., Notifier]
 
@@ -322,20 +322,63 @@ def test_a_503_answer_is_retried_and_counted_as_no_effect(db: ConsumerDB, server
     assert {"article-42:1:notify": 1} == server.effects()
 
 
-def test_deliveries_are_counted_in_flight_then_with_their_outcome(
-    db: ConsumerDB, step: Step, monkeypatch: pytest.MonkeyPatch
+GONE = "gone:1:1"  # the owner name of a process that no longer runs (another boot)
+
+
+def test_only_the_delivery_being_called_is_under_way_and_a_crash_there_is_its_own(
+    db: ConsumerDB, server: WebhookServer, step: Step, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A delivery is in-flight during its call (a crash there counts as one), then its outcome."""
-    event = env(event_id=E1)
-    mark = DeliveryMark("m-1", redelivered=False, attempt=1)
+    """During a call only its delivery is noted under way: killed there, that
+    delivery alone gets a crash (not the batch); the next delivery notifies it."""
+    first, second = env(event_id=E1, article_id="a"), env(event_id=E2, article_id="b")
+    marks = [DeliveryMark("m-1", redelivered=False, attempt=1), DeliveryMark("m-2", redelivered=False, attempt=1)]
     with monkeypatch.context() as patch:
         crash_after_call(patch)
         with pytest.raises(Killed):
-            fence.apply_fenced(db, [event], [mark], step())
-    assert [("m-1", 1, "in-flight")] == read_rows(db.path, "deliveries", "key, deliveries, last_outcome")
+            fence.apply_fenced(db, [first, second], marks, step(), WorkHooks(InFlight(db, GONE)))
+    assert [(GONE, '["m-1"]')] == read_rows(db.path, "in_flight", "owner, keys")
 
-    fence.apply_fenced(db, [event], [DeliveryMark("m-1", redelivered=True, attempt=1)], step())
-    assert [("m-1", 2, 1, "notified")] == read_rows(db.path, "deliveries", "key, deliveries, crashes, last_outcome")
+    assert 1 == InFlight(db).reap()
+    assert [("m-1", 1, 1, "crashed")] == read_rows(db.path, "deliveries", "key, deliveries, crashes, last_outcome")
+    assert {"m-1": 1} == InFlight(db).open_keys(["m-1", "m-2"])
+
+    again = [DeliveryMark("m-1", redelivered=True, attempt=1), DeliveryMark("m-2", redelivered=True, attempt=1)]
+    outcomes = fence.apply_fenced(db, [first, second], again, step(), WorkHooks(InFlight(db)))
+    assert ["notified", "notified"] == statuses(outcomes)
+    assert [("m-1", 2, 1, "notified"), ("m-2", 1, 0, "notified")] == read_rows(
+        db.path, "deliveries", "key, deliveries, crashes, last_outcome")
+    assert [] == read_rows(db.path, "in_flight")
+    assert {} == InFlight(db).open_keys(["m-1", "m-2"])
+
+
+def test_copies_of_one_event_in_a_batch_are_one_call_and_no_crash(
+    db: ConsumerDB, server: WebhookServer, step: Step
+) -> None:
+    """Five copies of one envelope in a batch: one call, one receipt, five
+    deliveries counted, no crash, nothing left under way."""
+    event = env(event_id=E1)
+    marks = [DeliveryMark(E1, redelivered=False, attempt=1) for _ in range(5)]
+    outcomes = fence.apply_fenced(db, [event] * 5, marks, step(), WorkHooks(InFlight(db)))
+
+    assert ["notified"] + ["duplicate:notified"] * 4 == statuses(outcomes)
+    assert 1 == len(server.requests)
+    assert [(E1, 5, 0, "duplicate:notified")] == read_rows(db.path, "deliveries",
+                                                          "key, deliveries, crashes, last_outcome")
+    assert [] == read_rows(db.path, "in_flight")
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_an_event_id_reused_with_another_body_is_refused_so_whatever_the_batch(
+    db: ConsumerDB, server: WebhookServer, step: Step, batch: int
+) -> None:
+    """The same eventId with another body is event-id-reused, in one batch or in two."""
+    first, reused = env(event_id=E1, title="first"), env(event_id=E1, title="other body")
+    if batch == 2:
+        outcomes = apply(db, step(), first, reused)
+    else:
+        outcomes = apply(db, step(), first) + apply(db, step(), reused)
+    assert ["notified", "event-id-reused"] == statuses(outcomes)
+    assert 1 == len(server.requests)
 
 
 # -- resolving by hand, reading, trace ------------------------------------------------

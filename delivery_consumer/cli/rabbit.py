@@ -157,7 +157,12 @@ def _setup_logging(level: str, fmt: str = "text", consumer: str | None = None) -
 @click.option("--max-crashes", default=3, show_default=True, type=click.IntRange(1),
               help="Dead-letter a message (delivery-limit) after it killed the process this many times.")
 @click.option("--exit-when-idle", "exit_when_idle", type=Duration(positive=True),
-              help="Exit 0 after no delivery arrived for this long (e.g. 2s).")
+              help="Exit 0 after no delivery arrived for this long (e.g. 2s); exit 2 if the broker cannot be "
+                   "reached at start.")
+@click.option("--store-outage-limit", "store_outage_limit_s", default="10m", show_default=True,
+              type=Duration(positive=True),
+              help="How long the database may fail as a whole (disk full, I/O error, busy, read-only) before run "
+                   "exits 2; meanwhile deliveries are held unacked and retried, no attempt spent.")
 @click.option("--max-bytes", default=MAX_BODY_BYTES, show_default=True, type=click.IntRange(1),
               help="Largest body accepted; larger ones are dead-lettered invalid-envelope.")
 @click.option("--log-level", default="info", show_default=True,
@@ -172,8 +177,9 @@ def _setup_logging(level: str, fmt: str = "text", consumer: str | None = None) -
 @handle_errors
 def run(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue_prefix: str, prefetch: int,
         batch: int, batch_wait_ms: int, max_attempts: int, retry_delays: tuple[int, ...], delivery_limit: int,
-        max_crashes: int, exit_when_idle: float | None, max_bytes: int, log_level: str, log_format: str,
-        metrics_port: int | None, metrics_host: str, partition: int | None, partitions: int | None,
+        max_crashes: int, exit_when_idle: float | None, store_outage_limit_s: float, max_bytes: int,
+        log_level: str, log_format: str, metrics_port: int | None, metrics_host: str,
+        partition: int | None, partitions: int | None,
         consumer_options: dict[str, Any]) -> None:
     """Consume a consumer's queue: apply, commit, then acknowledge.
 
@@ -202,7 +208,7 @@ def run(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue
         prefetch=prefetch, batch=batch, batch_wait_ms=batch_wait_ms, max_attempts=max_attempts,
         retry_delays_ms=retry_delays, delivery_limit=delivery_limit, max_crashes=max_crashes,
         exit_when_idle_s=exit_when_idle, max_bytes=max_bytes, log_each_event=log_format == "json",
-        consumer_options=consumer_options,
+        consumer_options=consumer_options, store_outage_limit_s=store_outage_limit_s,
         partition=partition_identity(consumer, partition, partitions, db_path),
     )
     observer_factory = None

@@ -32,14 +32,14 @@ from ..errors import ConfigError
 
 if TYPE_CHECKING:
     from ..errors import Rejection
-    from ..store import ConsumerDB, DeliveryMark, Outcome
+    from ..store import ConsumerDB, DeliveryMark, Outcome, WorkHooks
 
 ApplyFn = Callable[[sqlite3.Connection, Envelope], str]
 #: Applies a batch whose effect lives outside the database (fence.py): the
-#: parsed deliveries (a Rejection for a body that did not parse) and their
-#: delivery marks in, one Outcome per delivery out.
+#: parsed deliveries (a Rejection for a body that did not parse), their
+#: delivery marks and run's hooks (store.WorkHooks) in, one Outcome per delivery out.
 ExternalBatchFn = Callable[
-    ["ConsumerDB", Sequence["Envelope | Rejection"], Sequence["DeliveryMark"]], list["Outcome"]
+    ["ConsumerDB", Sequence["Envelope | Rejection"], Sequence["DeliveryMark"], "WorkHooks"], list["Outcome"]
 ]
 #: Given the options of ``run`` (``RunConfig.consumer_options``), checks them
 #: (ConfigError) and returns the batch function.

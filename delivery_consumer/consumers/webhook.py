@@ -65,7 +65,7 @@ from . import ConsumerSpec, ExternalBatchFn
 if TYPE_CHECKING:
     import httpx
 
-    from ..store import ConsumerDB, DeliveryMark, Outcome
+    from ..store import ConsumerDB, DeliveryMark, Outcome, WorkHooks
 
 PUBLISHED: Final = "material.published"
 STEP: Final = "notify"
@@ -240,8 +240,8 @@ def external(options: Mapping[str, Any]) -> ExternalBatchFn:
     step = notifier(WebhookConfig.from_options(options))
 
     def apply_batch(db: ConsumerDB, parsed: Sequence[Envelope | Rejection],
-                    marks: Sequence[DeliveryMark]) -> list[Outcome]:
-        return apply_fenced(db, parsed, marks, step)
+                    marks: Sequence[DeliveryMark], hooks: WorkHooks) -> list[Outcome]:
+        return apply_fenced(db, parsed, marks, step, hooks)
 
     return apply_batch
 
