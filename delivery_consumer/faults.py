@@ -8,7 +8,9 @@ crash at each step of the delivery protocol does to *their* consumer::
 
 Points in ``run`` (see runner.py): ``before-commit``, ``after-commit``
 (committed, not acked), ``after-retry-confirm`` and ``after-dead-confirm``
-(the copy is confirmed by the broker, the original not acked yet).
+(the copy is confirmed by the broker, the original not acked yet), and
+``connection-awaiting-confirm`` (the connection process alone, a copy
+published and its confirm awaited: what a ``kill -9`` of the main PID does).
 Points of the fence protocol (fence.py, the webhook consumer):
 ``webhook-after-claim`` (the keys are claimed, nothing called) and
 ``webhook-after-call`` (the endpoint answered, nothing recorded yet).

@@ -70,7 +70,7 @@ from .faults import crashpoint
 from .partitions import Identity
 from .partitions import db_path as partition_db_path
 from .retry import GiveUp, RetryPolicy, attempts_done, reconnect_delay_s, retry_after_tier
-from .store import ConsumerDB, DeliveryMark, InFlight, Outcome, WorkHooks, has_receipt, now_iso
+from .store import ConsumerDB, DeliveryMark, InFlight, Outcome, WorkHooks, forget_in_flight, has_receipt, now_iso
 from .topology import (
     DEFAULT_DELIVERY_LIMIT,
     DEFAULT_EXCHANGE,
@@ -841,6 +841,8 @@ def _child(config: RunConfig, conn: Connection, parent_end: Connection,
             deadline = time.monotonic() + ORPHAN_GRACE_S
         elif deadline is not None and time.monotonic() > deadline and worker.is_alive():
             log.error("the worker did not stop within %.0fs of the connection process; exiting now", ORPHAN_GRACE_S)
+            if worker.in_flight is not None:  # leaving on purpose: not a crash of what is under way
+                forget_in_flight(worker.in_flight.db.path, worker.in_flight.owner)
             os._exit(1)  # like a crash: SQLite rolls back what was not committed
     log.info("exiting: %s", worker.stats.line())
     if worker.error is not None:
@@ -903,6 +905,7 @@ class _ChildLink:
                     request = message[1]
                     future = io.publish_now(message[2], message[3])
                     future.add_done_callback(partial(self._published, request))
+                    crashpoint("connection-awaiting-confirm")  # kills this process alone
                 elif kind == "reconnect":
                     io.reconnect_now(message[1])
                 elif kind == "shutdown":

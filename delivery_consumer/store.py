@@ -901,6 +901,17 @@ class InFlight:
             self.clear(tx)
 
 
+def forget_in_flight(path: Path, owner: str) -> None:
+    """Delete *owner*'s note from another thread than the one that owns the
+    database connection (a process leaving on purpose); best effort, quick."""
+    with suppress(sqlite3.Error):
+        conn = sqlite3.connect(path, isolation_level=None, timeout=0.5)
+        try:
+            conn.execute("DELETE FROM in_flight WHERE owner = ?", (owner,))
+        finally:
+            conn.close()
+
+
 def _give_up(exc: StoreUnavailable) -> None:
     raise exc
 
@@ -1004,6 +1015,7 @@ __all__ = [
     "apply_batch",
     "apply_event",
     "default_db_path",
+    "forget_in_flight",
     "has_receipt",
     "now_iso",
     "owner_alive",

@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -104,6 +104,8 @@ class Namespace:
     url: str
     prefix: str
     workdir: Path
+    #: Every run started here; the fixture kills what is left of them.
+    started: list[RunProcess] = field(default_factory=list)
 
     @property
     def exchange(self) -> str:
@@ -235,7 +237,9 @@ class Namespace:
         """Start ``delivery-consumer run`` as a real process (its own session, for SIGKILL)."""
         cmd = [sys.executable, "-m", "delivery_consumer", "run", "--consumer", consumer,
                "--db", str(self.db(consumer)), *args]
-        return RunProcess(cmd, cwd=self.workdir, env=env or self.env())
+        proc = RunProcess(cmd, cwd=self.workdir, env=env or self.env())
+        self.started.append(proc)
+        return proc
 
     def run_until_idle(self, consumer: str, *args: str, idle: float = 1.5, timeout: float = 120,
                        env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -255,13 +259,58 @@ def ns(amqp_url: str, tmp_path: Path) -> Iterator[Namespace]:
     """A fresh broker namespace and working directory, deleted afterwards."""
     space = Namespace(amqp_url, f"t{uuid.uuid4().hex[:10]}", tmp_path)
     yield space
+    for proc in space.started:  # whatever a test left running, worker processes included
+        if session_processes(proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
     space.delete()
 
 
-def kill(proc: RunProcess) -> None:
-    """SIGKILL a process started by :meth:`Namespace.start_run` and reap it."""
+def session_processes(sid: int) -> list[int]:
+    """Live processes (zombies excluded) of session *sid*: a run started by
+    :meth:`Namespace.start_run` leads its own session, its worker included."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_bytes().rpartition(b")")[2].split()
+        except OSError:
+            continue
+        if fields[0] != b"Z" and int(fields[3]) == sid:
+            found.append(int(entry.name))
+    return found
+
+
+def wait_session_gone(sid: int, timeout: float) -> list[int]:
+    """Poll until no process of session *sid* lives; what is still alive after *timeout*."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = session_processes(sid)
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
+def kill(proc: RunProcess, *, main_only: bool = False, within: float = 5.0) -> None:
+    """SIGKILL a process started by :meth:`Namespace.start_run` and reap it:
+    the whole process group (systemd, a container stop), or with *main_only*
+    its main PID alone (supervisord, ``kill -9 PID``), after which every
+    process of that run must be gone *within* seconds."""
+    if not main_only:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    left = wait_session_gone(proc.pid, within)
+    if left:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise AssertionError(f"processes {left} of run {proc.pid} still alive {within}s after kill -9 of its main PID")
     proc.communicate()
 
 

@@ -19,8 +19,8 @@ What it answers depends on the notification's title:
 which a dead letter is requeued).
 
 The ledger counts effects per key, never throughput: ``effects()``.
-Run it alone for the benchmark: ``python tests/webhook_server.py [PORT]``
-prints the port and serves until killed.
+Run it alone for the benchmark: ``python tests/webhook_server.py [PORT [DELAY_S]]``
+prints the port and serves until killed (every answer DELAY_S late).
 """
 
 from __future__ import annotations
@@ -59,10 +59,12 @@ def free_port() -> int:
 class WebhookServer:
     """The endpoint, served from a thread of the test process."""
 
-    def __init__(self, port: int = 0, *, idempotent: bool = True, record: bool = True) -> None:
+    def __init__(self, port: int = 0, *, idempotent: bool = True, record: bool = True, delay_s: float = 0.0) -> None:
         self.port = port
         self.idempotent = idempotent
         self.record = record
+        #: Every answer waits this long (a slow endpoint), after the effect.
+        self.delay_s = delay_s
         self.lock = threading.Lock()
         self.requests: list[Request] = []
         self.ids: dict[str, str] = {}
@@ -121,7 +123,7 @@ class WebhookServer:
             self.served += 1
             self.tries[key or "-"] += 1
             tries = self.tries[key or "-"]
-            status, headers, delay, effect, rid = 200, {}, 0.0, False, None
+            status, headers, delay, effect, rid = 200, {}, self.delay_s, False, None
             kind, _, arg = ("", "", "") if self.healed else title.partition(":")
             if kind == "reject":
                 status = 400
@@ -180,7 +182,8 @@ def _handler(server: WebhookServer) -> type[BaseHTTPRequestHandler]:
 
 
 if __name__ == "__main__":
-    endpoint = WebhookServer(int(sys.argv[1]) if len(sys.argv) > 1 else 0, record=False).start()
+    endpoint = WebhookServer(int(sys.argv[1]) if len(sys.argv) > 1 else 0, record=False,
+                             delay_s=float(sys.argv[2]) if len(sys.argv) > 2 else 0.0).start()
     print(endpoint.port, flush=True)
     try:
         while True:
