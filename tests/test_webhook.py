@@ -216,3 +216,40 @@ def test_an_outcome_unknown_resolved_by_hand_completes_without_a_call(ns: Namesp
         assert {key: 1} == server.calls()
         assert [("notified",)] == read_rows(ns.db("webhook"), "inbox", "result")
         assert "ntf-by-hand" == fence_of(ns, key)["providerId"]
+
+
+def test_copies_of_one_envelope_in_a_batch_are_no_crash(ns: Namespace) -> None:
+    """One envelope published 5 times, then once more: one call, the receipt answers
+    every copy, no crash is counted and nothing is dead-lettered."""
+    event = new_event(article_id="dup")
+    with WebhookServer() as server:
+        key = publish(ns, *([event] * 5))[0]
+        env = hook_env(ns, server)
+        done = ns.run_until_idle("webhook", *TIERS, env=env)
+        assert 0 == done.returncode, done.stderr
+        publish(ns, event)
+        again = ns.run_until_idle("webhook", *TIERS, env=env)
+        assert 0 == again.returncode, again.stderr
+
+        assert {key: 1} == server.calls()
+        traced = ns.cli("trace", event["eventId"], "--db", str(ns.db("webhook")), "--json", env=env)
+        deliveries = orjson.loads(traced.stdout)["deliveries"]
+        assert (6, 0, "duplicate:notified") == (deliveries["deliveries"], deliveries["crashes"],
+                                                deliveries["lastOutcome"])
+        assert [] == dead_codes(ns)
+
+
+def test_samples_are_refused_with_the_same_codes_whatever_the_batch(ns: Namespace) -> None:
+    """The lesson's samples through the webhook consumer: the reused eventId (05) is
+    event-id-reused at the default batch as at --batch 1."""
+    samples = Path(__file__).resolve().parent.parent / "sample_events"
+    with WebhookServer() as server:
+        for batch in ("250", "1"):
+            published = ns.cli("publish", "--consumer", "webhook", str(samples))
+            assert 0 == published.returncode, published.stderr
+            done = ns.run_until_idle("webhook", *TIERS, "--batch", batch, env=hook_env(ns, server))
+            assert 0 == done.returncode, done.stderr
+            assert "event-id-reused" in dead_codes(ns), batch
+            ns.db("webhook").unlink()
+            for suffix in ("-wal", "-shm"):
+                Path(str(ns.db("webhook")) + suffix).unlink(missing_ok=True)
