@@ -360,7 +360,7 @@ class Worker(threading.Thread):
         """Handle a collected batch in delivery order (so acks stay in order):
         each delivery whose key a dead process left open alone, the others
         together."""
-        opened = self._until_stored(items[0].generation, lambda: self._open_keys(items))
+        opened = self._until_stored(items[0].generation, lambda: self._open_keys(items), wrote=False)
         if opened is None:
             return
         together: list[Delivery] = []
@@ -393,7 +393,7 @@ class Worker(threading.Thread):
         isolated = crashes is not None
         parsed = [self._parse(d) for d in items]
         if crashes is not None and crashes >= self.config.max_crashes:
-            answered = self._until_stored(gen, lambda: self._answered(parsed[0]))
+            answered = self._until_stored(gen, lambda: self._answered(parsed[0]), wrote=False)
             if answered is None:
                 return False
             if not answered:  # a receipt answers the event whatever its crashes: no poison decision
@@ -415,9 +415,10 @@ class Worker(threading.Thread):
         return not isinstance(parsed, Rejection) and has_receipt(self.db, parsed.event_id)
 
     # -- the database failing as a whole --
-    def _until_stored(self, gen: int | None, work: Callable[[], _T]) -> _T | None:
+    def _until_stored(self, gen: int | None, work: Callable[[], _T], *, wrote: bool = True) -> _T | None:
         """*work*, tried again while the database as a whole fails; None when
-        the wait was given up (stopping, or channel *gen* is gone)."""
+        the wait was given up (stopping, or channel *gen* is gone). Only work
+        that *wrote* shows that the database works again."""
         while True:
             try:
                 result = work()
@@ -425,7 +426,7 @@ class Worker(threading.Thread):
                 if not self._wait_for_store(exc, gen):
                     return None
                 continue
-            if self._outage is not None:
+            if self._outage is not None and wrote:
                 log.warning("database usable again after %.1fs; resuming", time.monotonic() - self._outage)
                 self._outage = None
                 self.observer.store_health(True)
