@@ -1,0 +1,193 @@
+"""Chaos: kill ``run`` at random moments, then check the ledger to the last event.
+
+For each built-in consumer (catalog, audit, webhook with a slow endpoint:
+every answer 50 ms late), a stream of distinct events, producer duplicates,
+out-of-order revisions and a few malformed bodies is published; then, round
+after round, ``run`` is started and, after a random while, stopped the way
+operators and machines do it, chosen at random:
+
+* ``kill -9`` of the main PID alone (supervisord, a hand at a terminal);
+* ``kill -9`` of the whole process group (systemd, a container stop);
+* SIGTERM (a rolling restart).
+
+After every kill no process of that run may be alive 5 s later. Finally
+``run`` drains the queue and the ledger is printed: events, receipts, effects
+per key, dead letters by code -- each beside what it must be. Exit status 0
+when everything is exact (and no ``delivery-limit``: a random kill is nobody's
+message's fault), 1 otherwise.
+
+    python bench/chaos.py [--events 2000] [--webhook-events 300] [--rounds 6] [--seed N] [--consumer NAME]
+
+Needs RabbitMQ (``DELIVERY_AMQP_URL``); every queue it makes is deleted after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import sqlite3
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from brokerkit import Namespace, session_processes, wait_session_gone
+from webhook_server import WebhookServer
+
+from delivery_consumer.broker import DEFAULT_URL
+
+ACTIONS = ("kill -9 main PID", "kill -9 group", "SIGTERM")
+
+
+def stream(rng: random.Random, n: int) -> tuple[list[dict[str, Any]], list[bytes], list[bytes]]:
+    """Distinct events (articles x revisions), the shuffled stream with 20 %
+    producer duplicates, and the malformed bodies in it."""
+    articles = max(1, n // 5)
+    events = [{
+        "eventId": str(uuid.UUID(int=rng.getrandbits(128), version=4)),
+        "type": "material.withdrawn" if rng.random() < 0.2 else "material.published",
+        "articleId": f"article-{a}",
+        "revision": r,
+        "occurredAt": "2026-12-01T08:00:00Z",
+        "data": {"title": f"Статья {a}, редакция {r}", "url": f"https://example.org/a/{a}/{r}"},
+    } for a in range(articles) for r in range(1, n // articles + 1)]
+    bad = [b"{not json %d" % i for i in range(5)]
+    bodies = [orjson.dumps(e) for e in events]
+    bodies += [orjson.dumps(e) for e in rng.sample(events, len(events) // 5)] + bad
+    rng.shuffle(bodies)
+    return events, bodies, bad
+
+
+def query(db: Path, sql: str) -> list[tuple[Any, ...]]:
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        return conn.execute(sql).fetchall()
+    finally:
+        conn.close()
+
+
+def chaos(ns: Namespace, consumer: str, n: int, rounds: int, rng: random.Random) -> bool:
+    server = WebhookServer(delay_s=0.05).start() if consumer == "webhook" else None
+    try:
+        events, bodies, bad = stream(rng, n)
+        ns.publish(bodies, declare=[consumer])
+        env = ns.env(**({"DELIVERY_WEBHOOK_URL": server.url} if server else {}))
+        actions: Counter[str] = Counter()
+        leftovers = 0
+        for _ in range(rounds):
+            proc = ns.start_run(consumer, env=env)
+            time.sleep(rng.uniform(0.3, 2.5))
+            if proc.poll() is not None:  # already done: nothing to kill
+                proc.communicate()
+                continue
+            action = rng.choice(ACTIONS)
+            actions[action] += 1
+            if action == "kill -9 main PID":
+                os.kill(proc.pid, signal.SIGKILL)
+            elif action == "kill -9 group":
+                os.killpg(proc.pid, signal.SIGKILL)
+            else:
+                proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+            left = wait_session_gone(proc.pid, 5.0)
+            if left:
+                leftovers += 1
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+        done = ns.run_until_idle(consumer, env=env, idle=3, timeout=600)
+        return report(ns, consumer, events, bad, server, actions, leftovers, done.returncode)
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def report(ns: Namespace, consumer: str, events: list[dict[str, Any]], bad: list[bytes],
+           server: WebhookServer | None, actions: Counter[str], leftovers: int, exit_code: int) -> bool:
+    db = ns.db(consumer)
+    distinct = {str(e["eventId"]) for e in events}
+    receipts = [r[0] for r in query(db, "SELECT event_id FROM inbox")]
+    dead = ns.drain(ns.topology(consumer).dead_queue)
+    codes = Counter(str(props.headers.get("x-error-code")) for props, _ in dead)
+    rows: list[tuple[str, object, object, bool]] = [
+        ("final run's exit code", exit_code, 0, exit_code == 0),
+        ("processes alive 5 s after a kill", leftovers, 0, leftovers == 0),
+        ("distinct events", len(distinct), len(distinct), True),
+        ("receipts", len(receipts), len(distinct), len(receipts) == len(distinct)),
+        ("events with a receipt", len(distinct & set(receipts)), len(distinct), distinct == set(receipts)),
+    ]
+    if consumer == "audit":
+        effects = Counter(r[0] for r in query(db, "SELECT event_id FROM audit"))
+        rows.append(("audit rows", sum(effects.values()), len(distinct), set(effects) == distinct))
+        rows.append(("most rows for one event", max(effects.values(), default=0), 1,
+                     max(effects.values(), default=0) == 1))
+    elif consumer == "catalog":
+        latest: dict[str, int] = {}
+        for e in events:
+            latest[str(e["articleId"])] = max(latest.get(str(e["articleId"]), 0), int(e["revision"]))
+        got = dict(query(db, "SELECT article_id, revision FROM catalog"))
+        rows.append(("articles at their latest revision", sum(got.get(a) == r for a, r in latest.items()),
+                     len(latest), got == latest))
+    elif server is not None:
+        effects = server.effects()
+        top = {f"{e['articleId']}:{e['revision']}:notify" for e in events
+               if int(e["revision"]) == max(int(x["revision"]) for x in events if x["articleId"] == e["articleId"])}
+        rows.append(("effects at the endpoint", sum(effects.values()), f"one per key sent ({len(effects)})",
+                     max(effects.values(), default=0) == 1))
+        rows.append(("latest revisions notified once", sum(effects[k] == 1 for k in top), len(top),
+                     all(effects[k] == 1 for k in top)))
+        rows.append(("calls (repeats with the same key)", sum(server.calls().values()), "-", True))
+    rows.append(("left in the queue", ns.count(ns.topology(consumer).queue), 0,
+                 ns.count(ns.topology(consumer).queue) == 0))
+    exact = {body for _, body in dead} == set(bad)
+    rows.append(("dead letters malformed-json", codes.get("malformed-json", 0), f"{len(bad)} (+1 per kill after "
+                 "a confirm)", exact and codes.get("malformed-json", 0) >= len(bad)))
+    others = {c: k for c, k in codes.items() if c != "malformed-json"}
+    rows.append(("other dead letters " + (str(dict(others)) if others else ""), sum(others.values()), 0, not others))
+    crashes = query(db, "SELECT coalesce(sum(crashes), 0) FROM deliveries")[0][0]
+    rows.append(("crashes counted (informative)", crashes, "-", True))
+    ok = all(r[3] for r in rows)
+    print(f"\n== {consumer}: {sum(actions.values())} stops ({', '.join(f'{k}: {v}' for k, v in actions.items())})")
+    print(f"{'':<40} {'found':>10}   {'must be':<30}")
+    for name, found, expected, good in rows:
+        print(f"{name:<40} {found!s:>10}   {expected!s:<30} {'ok' if good else 'WRONG'}")
+    return ok
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--events", type=int, default=2000, help="distinct events for catalog and audit")
+    parser.add_argument("--webhook-events", type=int, default=300, help="distinct events for webhook (50 ms each)")
+    parser.add_argument("--rounds", type=int, default=6, help="runs stopped at random per consumer")
+    parser.add_argument("--seed", type=int, default=int(time.time()))
+    parser.add_argument("--consumer", action="append", choices=["catalog", "audit", "webhook"])
+    parser.add_argument("--amqp-url", default=os.environ.get("DELIVERY_AMQP_URL", DEFAULT_URL))
+    args = parser.parse_args()
+    print(f"seed {args.seed}")
+    rng = random.Random(args.seed)
+    ok = True
+    for consumer in args.consumer or ["catalog", "audit", "webhook"]:
+        with tempfile.TemporaryDirectory() as tmp:
+            ns = Namespace(args.amqp_url, f"chaos{uuid.uuid4().hex[:8]}", Path(tmp))
+            try:
+                n = args.webhook_events if consumer == "webhook" else args.events
+                ok = chaos(ns, consumer, n, args.rounds, rng) and ok
+            finally:
+                for proc in ns.started:
+                    if session_processes(proc.pid):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                ns.delete()
+    print("\nledger exact" if ok else "\nLEDGER WRONG")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
