@@ -51,6 +51,11 @@ guess. For an endpoint that is not idempotent the mark before each call is
 its own commit (one fsync per call): a crash in the middle of a batch must
 not leave the calls that were never made in doubt.
 
+While a call is under way, only its delivery is noted as under way
+(``store.InFlight``, poison detection): a process that dies during a call
+blames that delivery alone, never the rest of the batch; copies of one
+event in a batch are one call and one piece of work.
+
 Stale revisions are not sent: an event whose article already has a fence of
 a higher revision (claimed or done; a newer notification is under way) gets
 the receipt ``stale``. The same key with another payload is the rejection

@@ -101,7 +101,12 @@ def _status(receipt: Row | None, rejections: list[Row], deliveries: Row) -> tupl
         # rejection row has no eventId, only the body's digest (see dead list).
         return REJECTED, (f"rejected {outcome} at {deliveries['lastAt']} (its rejection row carries no eventId: "
                           "the body was refused before it was read; see dead list / rejected list)")
-    if outcome == "in-flight":
+    if outcome == "crashed":
+        why = (f"the process died while handling it alone ({deliveries['crashes']} crashes); its next delivery is "
+               "handled alone, dead-lettered delivery-limit after --max-crashes")
+    elif outcome == "interrupted":
+        why = "the process died while handling its batch (no crash counted); its next delivery is handled alone"
+    elif outcome == "in-flight":
         why = "being handled, or the process died while handling it"
     elif outcome == "requeued":
         why = "requeued from the dead queue, not delivered since"
