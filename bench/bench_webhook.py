@@ -40,7 +40,7 @@ from pathlib import Path
 from delivery_consumer import fence
 from delivery_consumer.consumers.webhook import Notifier, WebhookConfig
 from delivery_consumer.envelope import Envelope, from_mapping
-from delivery_consumer.store import ConsumerDB, DeliveryMark, receipt_of, write_receipt
+from delivery_consumer.store import ConsumerDB, DeliveryMark, InFlight, WorkHooks, receipt_of, write_receipt
 
 SERVER = Path(__file__).resolve().parent.parent / "tests" / "webhook_server.py"
 
@@ -89,8 +89,10 @@ def no_fence(notifier: Notifier, events: list[Envelope], size: int, db: Consumer
 
 
 def fenced(notifier: Notifier, events: list[Envelope], size: int, db: ConsumerDB) -> None:
+    in_flight = InFlight(db)  # as run does: the batch, then each call, noted as under way
     for batch in batches(events, size):
-        outcomes = fence.apply_fenced(db, batch, marks(batch), notifier)
+        in_flight.mark([e.event_id for e in batch])
+        outcomes = fence.apply_fenced(db, batch, marks(batch), notifier, WorkHooks(in_flight))
         assert all(o.result == notifier.result for o in outcomes), [o.status for o in outcomes][:3]
 
 

@@ -357,6 +357,8 @@ def _call_all(db: ConsumerDB, plans: list[_Plan], step: ExternalStep, hooks: Wor
     once the process is stopping for good (``hooks.abandoned``)."""
     stopped: TransientError | None = None
     noted = False
+    # A batch of one delivery (or of copies of one) is noted alone already.
+    note = hooks.in_flight if len(set(delivery_keys)) > 1 else None
     for plan in plans:
         if stopped is None and hooks.abandoned():
             stopped = TransientError("the process is stopping", code="stopping")
@@ -370,21 +372,21 @@ def _call_all(db: ConsumerDB, plans: list[_Plan], step: ExternalStep, hooks: Wor
         # during the call is its crash, not the whole batch's.
         delivery = delivery_keys[plan.index]
         if not step.idempotent:
-            if not _until_stored(hooks, partial(_mark_call, db, plan.where, hooks.in_flight, delivery)):
+            if not _until_stored(hooks, partial(_mark_call, db, plan.where, note, delivery)):
                 plan.recheck = True
                 continue
-        elif hooks.in_flight is not None:
-            _until_stored(hooks, partial(hooks.in_flight.mark, [delivery]))
-        noted = hooks.in_flight is not None
+        elif note is not None:
+            _until_stored(hooks, partial(note.mark, [delivery]))
+        noted = note is not None
         plan.result = step.call(Call(plan.key, plan.payload, plan.env))
         crashpoint("webhook-after-call")
         failure = plan.result.failure
         if plan.result.stop and isinstance(failure, TransientError):
             stopped = failure
-    if noted and hooks.in_flight is not None:
+    if noted and note is not None:
         # The whole batch is under way again until the completion commits.
         with suppress(StoreUnavailable):
-            hooks.in_flight.mark(delivery_keys)
+            note.mark(delivery_keys)
 
 
 _T = TypeVar("_T")
