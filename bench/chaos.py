@@ -27,7 +27,6 @@ import argparse
 import os
 import random
 import signal
-import sqlite3
 import sys
 import tempfile
 import time
@@ -41,6 +40,7 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from brokerkit import Namespace, session_processes, wait_session_gone
+from support import read_rows
 from webhook_server import WebhookServer
 
 from delivery_consumer.broker import DEFAULT_URL
@@ -65,14 +65,6 @@ def stream(rng: random.Random, n: int) -> tuple[list[dict[str, Any]], list[bytes
     bodies += [orjson.dumps(e) for e in rng.sample(events, len(events) // 5)] + bad
     rng.shuffle(bodies)
     return events, bodies, bad
-
-
-def query(db: Path, sql: str) -> list[tuple[Any, ...]]:
-    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        return conn.execute(sql).fetchall()
-    finally:
-        conn.close()
 
 
 def chaos(ns: Namespace, consumer: str, n: int, rounds: int, rng: random.Random) -> bool:
@@ -114,7 +106,7 @@ def report(ns: Namespace, consumer: str, events: list[dict[str, Any]], bad: list
            server: WebhookServer | None, actions: Counter[str], leftovers: int, exit_code: int) -> bool:
     db = ns.db(consumer)
     distinct = {str(e["eventId"]) for e in events}
-    receipts = [r[0] for r in query(db, "SELECT event_id FROM inbox")]
+    receipts = [r[0] for r in read_rows(db, "inbox", "event_id")]
     dead = ns.drain(ns.topology(consumer).dead_queue)
     codes = Counter(str(props.headers.get("x-error-code")) for props, _ in dead)
     rows: list[tuple[str, object, object, bool]] = [
@@ -125,7 +117,7 @@ def report(ns: Namespace, consumer: str, events: list[dict[str, Any]], bad: list
         ("events with a receipt", len(distinct & set(receipts)), len(distinct), distinct == set(receipts)),
     ]
     if consumer == "audit":
-        effects = Counter(r[0] for r in query(db, "SELECT event_id FROM audit"))
+        effects = Counter(r[0] for r in read_rows(db, "audit", "event_id"))
         rows.append(("audit rows", sum(effects.values()), len(distinct), set(effects) == distinct))
         rows.append(("most rows for one event", max(effects.values(), default=0), 1,
                      max(effects.values(), default=0) == 1))
@@ -133,7 +125,7 @@ def report(ns: Namespace, consumer: str, events: list[dict[str, Any]], bad: list
         latest: dict[str, int] = {}
         for e in events:
             latest[str(e["articleId"])] = max(latest.get(str(e["articleId"]), 0), int(e["revision"]))
-        got = dict(query(db, "SELECT article_id, revision FROM catalog"))
+        got = dict(read_rows(db, "catalog", "article_id, revision"))
         rows.append(("articles at their latest revision", sum(got.get(a) == r for a, r in latest.items()),
                      len(latest), got == latest))
     elif server is not None:
@@ -152,7 +144,7 @@ def report(ns: Namespace, consumer: str, events: list[dict[str, Any]], bad: list
                  "a confirm)", exact and codes.get("malformed-json", 0) >= len(bad)))
     others = {c: k for c, k in codes.items() if c != "malformed-json"}
     rows.append(("other dead letters " + (str(dict(others)) if others else ""), sum(others.values()), 0, not others))
-    crashes = query(db, "SELECT coalesce(sum(crashes), 0) FROM deliveries")[0][0]
+    crashes = read_rows(db, "deliveries", "coalesce(sum(crashes), 0)")[0][0]
     rows.append(("crashes counted (informative)", crashes, "-", True))
     ok = all(r[3] for r in rows)
     print(f"\n== {consumer}: {sum(actions.values())} stops ({', '.join(f'{k}: {v}' for k, v in actions.items())})")

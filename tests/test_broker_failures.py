@@ -12,18 +12,10 @@ from pathlib import Path
 import flaky_consumer  # noqa: F401  (registers the "flaky" consumer in this process too)
 import orjson
 import pytest
-from brokerkit import Namespace, kill, restart_broker
+from brokerkit import Namespace, kill, receipts, restart_broker
 from support import new_event, read_rows
 
 FAST_RETRY = ("--retry-delays", "100ms,200ms,300ms")
-
-
-def receipts(db: Path) -> int:
-    """Receipts committed so far (0 while the database is still being created)."""
-    try:
-        return int(read_rows(db, "inbox", "count(*)")[0][0])
-    except sqlite3.Error:
-        return 0
 
 
 def flaky_env(ns: Namespace) -> dict[str, str]:
@@ -109,7 +101,7 @@ def test_poison_message_reaches_dead_queue_and_does_not_stall(ns: Namespace) -> 
     assert poison == body
     assert "delivery-limit" == props.headers["x-error-code"]
     assert 0 == ns.count(ns.topology("flaky").queue)
-    assert [(poison_event["eventId"], 2)] == query(db, "SELECT key, crashes FROM deliveries WHERE crashes > 0")
+    assert [(poison_event["eventId"], 2)] == read_rows(db, "deliveries", "key, crashes", "crashes > 0")
     traced = ns.cli("trace", poison_event["eventId"], "--db", str(db), "--json", env=env)
     assert 2 == orjson.loads(traced.stdout)["deliveries"]["crashes"], traced.stderr
 
@@ -132,8 +124,8 @@ def test_an_event_with_a_receipt_is_answered_from_it_whatever_its_crashes(ns: Na
     done = ns.run_until_idle("audit", "--max-crashes", "3")
     assert 0 == done.returncode, done.stderr
     assert 0 == ns.count(ns.topology("audit").dead_queue) + ns.count(ns.topology("audit").queue)
-    assert [(event["eventId"], "duplicate:recorded")] == query(db, "SELECT key, last_outcome FROM deliveries")
-    assert [(1,)] == query(db, "SELECT count(*) FROM audit")
+    assert [(event["eventId"], "duplicate:recorded")] == read_rows(db, "deliveries", "key, last_outcome")
+    assert [(1,)] == read_rows(db, "audit", "count(*)")
 
 
 def test_sigterm_finishes_batch_and_exits_zero(ns: Namespace) -> None:

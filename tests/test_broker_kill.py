@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import os
 import signal
-import sqlite3
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
-from brokerkit import Namespace, RunProcess, kill, session_processes, wait_session_gone
-from support import new_event
+from brokerkit import Namespace, RunProcess, kill, receipts, session_processes, wait_session_gone
+from support import new_event, read_rows
 from webhook_server import WebhookServer
 
 pytestmark = pytest.mark.broker
@@ -25,18 +23,6 @@ pytestmark = pytest.mark.broker
 CONSUMERS = ("catalog", "audit", "webhook")
 #: Long enough a first retry delay that the webhook's read timeout (80 % of it) outlasts a slow call.
 SLOW_TIERS = ("--retry-delays", "5s")
-
-
-def receipts(db: Path) -> int:
-    """Receipts committed so far (0 while the database is still being created)."""
-    try:
-        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-        try:
-            return int(conn.execute("SELECT count(*) FROM inbox").fetchone()[0])
-        finally:
-            conn.close()
-    except sqlite3.Error:
-        return 0
 
 
 def wait_until(what: str, check: Callable[[], bool], proc: RunProcess, timeout: float = 60) -> None:
@@ -118,9 +104,7 @@ def test_kill_9_of_the_main_pid_during_a_slow_call_leaves_no_process(ns: Namespa
     server.healed = True
     restart_applies_each_once(ns, "webhook", server, env, events)
     # the call was cut short by the kill of another process: not this message's crash
-    conn = sqlite3.connect(f"file:{ns.db('webhook')}?mode=ro", uri=True)
-    assert [(0,)] == conn.execute("SELECT coalesce(sum(crashes), 0) FROM deliveries").fetchall()
-    conn.close()
+    assert [(0,)] == read_rows(ns.db("webhook"), "deliveries", "coalesce(sum(crashes), 0)")
 
 
 @pytest.mark.parametrize("consumer", CONSUMERS)

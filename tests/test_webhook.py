@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 from brokerkit import Namespace, kill
-from support import new_event, read_rows
+from support import SAMPLES, new_event, read_rows
 from webhook_server import WebhookServer, free_port
 
 TIERS = ("--retry-delays", "500ms,1s")
@@ -242,14 +242,12 @@ def test_copies_of_one_envelope_in_a_batch_are_no_crash(ns: Namespace) -> None:
 def test_samples_are_refused_with_the_same_codes_whatever_the_batch(ns: Namespace) -> None:
     """The lesson's samples through the webhook consumer: the reused eventId (05) is
     event-id-reused at the default batch as at --batch 1."""
-    samples = Path(__file__).resolve().parent.parent / "sample_events"
     with WebhookServer() as server:
         for batch in ("250", "1"):
-            published = ns.cli("publish", "--consumer", "webhook", str(samples))
+            published = ns.cli("publish", "--consumer", "webhook", str(SAMPLES))
             assert 0 == published.returncode, published.stderr
             done = ns.run_until_idle("webhook", *TIERS, "--batch", batch, env=hook_env(ns, server))
             assert 0 == done.returncode, done.stderr
             assert "event-id-reused" in dead_codes(ns), batch
-            ns.db("webhook").unlink()
-            for suffix in ("-wal", "-shm"):
-                Path(str(ns.db("webhook")) + suffix).unlink(missing_ok=True)
+            for file in ns.db("webhook").parent.glob("inbox.db*"):  # the next batch size starts afresh
+                file.unlink()
