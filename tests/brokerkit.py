@@ -317,7 +317,10 @@ def kill(proc: RunProcess, *, main_only: bool = False, within: float = 5.0) -> N
 
 def receipts(db: Path) -> int:
     """Receipts committed so far in *db* (0 while the database is still being created)."""
-    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    except sqlite3.Error:
+        return 0
     try:
         return int(conn.execute("SELECT count(*) FROM inbox").fetchone()[0])
     except sqlite3.Error:
