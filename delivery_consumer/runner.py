@@ -23,6 +23,13 @@ confirmed. If a copy cannot be confirmed, the channel's generation is given
 up: nothing more is acked on it and the connection is recycled, so the
 broker redelivers and the inbox absorbs what was already applied.
 
+If either process dies, the other stops. The worker closes the parent's end
+of the pipe it inherited (else its reads never see end of file), and learns
+of its parent's death from PR_SET_PDEATHSIG or a changed parent pid too; it
+then starts nothing new, finishes what is in hand within ``ORPHAN_GRACE_S``
+and exits, acking nothing. The connection process kills itself with the
+signal that killed its worker. Design notes: docs/failures.md.
+
 Poison: before each batch the worker notes its keys as under way
 (``store.InFlight``, a commit without fsync); the batch's commit clears the
 note. A note left by a process that is gone makes its keys *open*: a crash
