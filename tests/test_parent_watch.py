@@ -1,0 +1,48 @@
+"""The worker learns of its parent's death even when no pipe tells it: the
+kernel's PR_SET_PDEATHSIG signal alone, or the parent pid changing alone."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+WATCHER = """
+import os, sys, time
+from delivery_consumer import runner
+parent = os.getppid()
+if sys.argv[1] == "signal":
+    os.getppid = lambda: parent  # only the kernel's signal can tell it now
+gone = runner._die_with_parent(parent)
+print("watching", flush=True)
+deadline = time.monotonic() + 10
+while not gone() and time.monotonic() < deadline:
+    time.sleep(0.01)
+print("parent gone" if gone() else "never told", flush=True)
+"""
+
+#: Starts the watcher, waits until it watches, then dies without a word.
+PARENT = """
+import os, subprocess, sys, time
+out = open(sys.argv[1], "w")
+subprocess.Popen([sys.executable, "-c", sys.argv[2], sys.argv[3]], stdout=out)
+while "watching" not in open(sys.argv[1]).read():
+    time.sleep(0.01)
+os._exit(0)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.parametrize("how", ["signal", "pid"])
+def test_the_worker_learns_that_its_parent_died(tmp_path: Path, how: str) -> None:
+    """Its parent killed, the watcher knows within a second, by the signal alone or by the pid alone."""
+    out = tmp_path / "watcher.out"
+    parent = subprocess.run([sys.executable, "-c", PARENT, str(out), WATCHER, how], timeout=30)
+    assert 0 == parent.returncode
+    deadline = time.monotonic() + 5
+    while len(out.read_text().splitlines()) < 2 and time.monotonic() < deadline:  # its verdict
+        time.sleep(0.02)
+    assert "parent gone" in out.read_text()
