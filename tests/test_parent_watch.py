@@ -17,6 +17,9 @@ parent = os.getppid()
 if sys.argv[1] == "signal":
     os.getppid = lambda: parent  # only the kernel's signal can tell it now
 gone = runner._die_with_parent(parent)
+if sys.argv[1] == "pid":
+    import signal
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # only the parent pid can tell it now
 print("watching", flush=True)
 deadline = time.monotonic() + 10
 while not gone() and time.monotonic() < deadline:
