@@ -110,5 +110,11 @@ class DatabaseError(DeliveryError):
     """The consumer database cannot be opened or used (not about one event)."""
 
 
+class StoreOutage(DatabaseError):
+    """The database stayed unusable as a whole past ``run``'s outage limit.
+    Not a configuration error: ``run`` exits 75 (EX_TEMPFAIL) so that a
+    supervisor restarts it, where a DatabaseError exits 2."""
+
+
 class ConfigError(DeliveryError):
     """A configuration or usage error (unknown consumer, bad option value)."""

@@ -43,8 +43,8 @@ broker-side backstop.
 The database failing as a whole (disk full, I/O error, busy past its
 timeout, read-only) is nobody's message's fault: the worker holds the batch
 unacked, spends no attempt, waits with backoff and tries the same batch
-again, and stops (exit 2) only when the database stayed unusable for
-``store_outage_limit_s``.
+again, and stops (StoreOutage: exit 75, for a supervisor to restart it)
+only when the database stayed unusable for ``store_outage_limit_s``.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ from typing import Any, Protocol, TypeVar
 from . import consumers, faults
 from .broker import BrokerError, BrokerUnavailable, ConsumerIO, Delivery, OutMessage
 from .envelope import KOMBU_COMPRESSION_HEADER, MAX_BODY_BYTES, Envelope, body_digest, parse
-from .errors import RETRIES_EXHAUSTED, DatabaseError, DeliveryError, Rejection, StoreUnavailable
+from .errors import RETRIES_EXHAUSTED, DatabaseError, DeliveryError, Rejection, StoreOutage, StoreUnavailable
 from .faults import crashpoint
 from .partitions import Identity
 from .partitions import db_path as partition_db_path
@@ -454,7 +454,7 @@ class Worker(threading.Thread):
             log.error("database still unusable, now: %s", exc)
         self._outage_code = exc.code
         if now - self._outage >= limit:
-            raise DatabaseError(f"the database has been unusable for {now - self._outage:.0f}s "
+            raise StoreOutage(f"the database has been unusable for {now - self._outage:.0f}s "
                                 f"(--store-outage-limit {limit:g}s): {exc}")
         if self.stop_requested.is_set() or (gen is not None and gen != self.live_generation):
             return False
@@ -682,7 +682,7 @@ class Worker(threading.Thread):
 # with both in one process the worker ran at half its own speed. They talk
 # over a pipe. Parent -> child: ("deliveries", [tuples]), ("channel", gen),
 # ("lost", gen, why), ("published", request, error), ("stop",). Child ->
-# parent: ("ready",), ("fatal", message), ("ack", gen, tag, multiple),
+# parent: ("ready",), ("fatal", message[, "outage"]), ("ack", gen, tag, multiple),
 # ("publish", request, gen, messages), ("reconnect", why), ("cancel",),
 # ("shutdown",). Acks still happen only on the connection's own thread, and
 # only after the child committed.
@@ -856,7 +856,7 @@ def _child(config: RunConfig, conn: Connection, parent_end: Connection,
     if worker.error is not None:
         error = worker.error
         text = str(error) if isinstance(error, DeliveryError) else f"worker failed: {type(error).__name__}: {error}"
-        proxy._send(("fatal", text))
+        proxy._send(("fatal", text, "outage") if isinstance(error, StoreOutage) else ("fatal", text))
 
 
 class _ChildLink:
@@ -867,6 +867,7 @@ class _ChildLink:
         self.process = process
         self.io: ConsumerIO | None = None
         self.fatal: str | None = None
+        self.outage = False  # the fatal error is a StoreOutage
         self.closed = False
         self._pending: list[tuple[Any, ...]] = []
 
@@ -919,7 +920,7 @@ class _ChildLink:
                 elif kind == "shutdown":
                     io.shutdown_now()
                 elif kind == "fatal":
-                    self.fatal = message[1]
+                    self.fatal, self.outage = message[1], message[-1] == "outage"
         except (EOFError, OSError):
             self._child_gone()
 
@@ -952,7 +953,8 @@ def run(config: RunConfig, observer_factory: ObserverFactory | None = None) -> i
     """Run the consumer until SIGTERM/SIGINT or idle; returns the exit code.
 
     Starts the worker process (database) and runs the connection in this
-    one. Raises DatabaseError or BrokerError (fatal) for the CLI to report.
+    one. Raises DatabaseError or BrokerError (fatal) for the CLI to report,
+    StoreOutage when the database stayed unusable past the outage limit.
     *observer_factory* is called in the worker process (metrics live there).
     """
     topology = config.topology()
@@ -1015,13 +1017,13 @@ def run(config: RunConfig, observer_factory: ObserverFactory | None = None) -> i
         except (EOFError, OSError):
             break
         if message[0] == "fatal":
-            link.fatal = message[1]
+            link.fatal, link.outage = message[1], message[-1] == "outage"
     process.join(30)
     if process.is_alive():
         process.terminate()
         process.join()
     if link.fatal is not None:
-        raise DatabaseError(link.fatal)
+        raise (StoreOutage if link.outage else DatabaseError)(link.fatal)
     if process.exitcode:
         raise DatabaseError(f"the worker process exited with code {process.exitcode}")
     return 0

@@ -1,7 +1,7 @@
 """A full disk is the environment's fault, never the messages': ``run`` with its
 database on a real 3 MiB tmpfs and a backlog that does not fit holds its
 deliveries, spends no attempt, dead-letters nothing, and applies every event
-exactly once when space returns -- or exits 2 after --store-outage-limit."""
+exactly once when space returns -- or exits 75 after --store-outage-limit."""
 
 from __future__ import annotations
 
@@ -93,11 +93,12 @@ def test_a_full_disk_holds_the_backlog_and_every_event_applies_once_when_space_r
 
 
 def test_a_disk_that_stays_full_stops_run_after_the_outage_limit(ns: Namespace, small_disk: Path) -> None:
-    """Disk full for longer than --store-outage-limit: exit 2 with one line saying so;
-    nothing dead-lettered, every unapplied event still in the queue."""
+    """Disk full for longer than --store-outage-limit: exit 75 (EX_TEMPFAIL, not the 2 of
+    a configuration error) with one line saying so; nothing dead-lettered, every
+    unapplied event still in the queue."""
     proc, db = start_on_full_disk(ns, small_disk, "--store-outage-limit", "2s")
     _, err = proc.communicate(timeout=60)
-    assert 2 == proc.returncode, err
+    assert 75 == proc.returncode, err
     assert "unusable for" in err.strip().splitlines()[-1] and "Traceback" not in err
     assert 0 == queues_besides_main(ns)
     assert EVENTS - count(db, "inbox") == ns.count(ns.topology("audit").queue)

@@ -47,6 +47,10 @@ DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
 #: Delays of the retry tiers, in milliseconds: 1 ms .. 7 days each.
 RETRY_DELAYS = Duration(minimum=0.001, maximum=7 * 86400, many=True, milliseconds=True)
 
+#: run's exit status when the database stayed unusable past --store-outage-limit
+#: (sysexits' EX_TEMPFAIL): unlike 2, worth a restart by a supervisor.
+EXIT_TEMPFAIL = 75
+
 
 def amqp_options(fn: F) -> F:
     """--amqp-url, --exchange and --queue-prefix, shared by every broker command."""
@@ -162,7 +166,8 @@ def _setup_logging(level: str, fmt: str = "text", consumer: str | None = None) -
 @click.option("--store-outage-limit", "store_outage_limit_s", default="10m", show_default=True,
               type=Duration(positive=True),
               help="How long the database may fail as a whole (disk full, I/O error, busy, read-only) before run "
-                   "exits 2; meanwhile deliveries are held unacked and retried, no attempt spent.")
+                   "exits 75 (for a supervisor to restart it); meanwhile deliveries are held unacked and retried, "
+                   "no attempt spent.")
 @click.option("--max-bytes", default=MAX_BODY_BYTES, show_default=True, type=click.IntRange(1),
               help="Largest body accepted; larger ones are dead-lettered invalid-envelope.")
 @click.option("--log-level", default="info", show_default=True,
@@ -185,13 +190,15 @@ def run(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue
 
     Runs until SIGTERM/SIGINT (finishes and acks the current batch, exit 0)
     or --exit-when-idle. Bad credentials, a missing vhost, an incompatible
-    queue or an unusable database: one line on stderr, exit 2.
+    queue or an unusable database: one line on stderr, exit 2. A database
+    that fails as a whole (disk full...) is waited for, then exit 75.
 
     With --partition K: serve partition K of a partitioned consumer (its
     queue allows one active consumer: a second run of the same partition is
     a standby that takes over when the first dies).
     """
     from ..broker import BrokerError
+    from ..errors import StoreOutage
     from ..runner import RunConfig
     from ..runner import run as run_consumer
 
@@ -219,6 +226,9 @@ def run(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue
         code = run_consumer(config, observer_factory)
     except BrokerError as exc:
         raise Fatal(explain(str(exc), config.topology())) from None
+    except StoreOutage as exc:  # not a configuration error: a supervisor may restart it
+        click.echo(f"delivery-consumer: {exc}", err=True)
+        code = EXIT_TEMPFAIL
     sys.exit(code)
 
 
