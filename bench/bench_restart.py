@@ -6,7 +6,7 @@ queue). Only a delivery whose key a dead process left open can be poison, so
 those redeliveries must go through the normal batch path: the restart must
 not be much slower than steady state.
 
-Per round, on a fresh catalog queue:
+Per round, on a fresh queue of the consumer (catalog by default):
 
 1. ``--warmup`` + ``--window`` events are seeded; ``run`` A consumes until
    ``--warmup`` are acked, then gets SIGTERM (exit 0; its unacked window goes
@@ -21,6 +21,11 @@ start-up is not counted). The ratio B / C, median of ``--repeat`` rounds, is
 printed beside its goal (>= 0.5).
 
     python bench/bench_restart.py [--warmup 3000] [--window 1000] [--repeat 3]
+    python bench/bench_restart.py --consumer webhook --warmup 300 --window 100   # endpoint 50 ms slow
+
+With ``--consumer webhook`` the endpoint is ``tests/webhook_server.py`` in its
+own process, every answer ``--endpoint-delay`` late, and run uses ``--batch 20
+--prefetch 100``.
 """
 
 from __future__ import annotations
@@ -56,9 +61,14 @@ def acked(log: str) -> int:
     return sum(int(last) - int(first) + 1 for first, last in BATCH_LINE.findall(log))
 
 
+SERVER = Path(__file__).resolve().parent.parent / "tests" / "webhook_server.py"
+#: Extra options of run (the webhook's URL).
+RUN_OPTIONS: list[str] = []
+
+
 def command(url: str, topo: Topology, db: Path, *extra: str) -> list[str]:
-    return ["delivery-consumer", "run", "--consumer", "catalog", "--db", str(db), "--amqp-url", url,
-            "--exchange", topo.exchange, "--queue-prefix", topo.prefix, *extra]
+    return ["delivery-consumer", "run", "--consumer", topo.consumer, "--db", str(db), "--amqp-url", url,
+            "--exchange", topo.exchange, "--queue-prefix", topo.prefix, *RUN_OPTIONS, *extra]
 
 
 def drain(url: str, topo: Topology, db: Path) -> tuple[int, float]:
@@ -102,7 +112,8 @@ def one_round(url: str, topo: Topology, warmup: int, window: int, workdir: Path)
                 first.wait()
     after, restart = drain(url, topo, db)
     again = redelivered(db)
-    seed(url, topo, make_events(window))
+    # new articles, so that steady state does the same work (no stale revision, no fence already done)
+    seed(url, topo, [b.replace(b'"articleId":"article-', b'"articleId":"steady-') for b in make_events(window)])
     _, steady = drain(url, topo, db)
     return steady, restart, after, again
 
@@ -112,11 +123,20 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3000)
     parser.add_argument("--window", type=int, default=1000)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--consumer", choices=["catalog", "webhook"], default="catalog")
+    parser.add_argument("--endpoint-delay", type=float, default=0.05, help="webhook: seconds per answer")
     parser.add_argument("--amqp-url", default=os.environ.get("DELIVERY_AMQP_URL", DEFAULT_URL))
     args = parser.parse_args()
     prefix = f"bench{uuid.uuid4().hex[:6]}"
-    topo = Topology(consumer="catalog", binding_keys=("material.*",), exchange=f"{prefix}.events", prefix=prefix)
+    topo = Topology(consumer=args.consumer, binding_keys=("material.*",), exchange=f"{prefix}.events", prefix=prefix)
     ratios = []
+    server = None
+    if args.consumer == "webhook":
+        server = subprocess.Popen([sys.executable, str(SERVER), "0", str(args.endpoint_delay)], stdout=subprocess.PIPE,
+                                  text=True)
+        assert server.stdout is not None
+        RUN_OPTIONS.extend(["--webhook-url", f"http://127.0.0.1:{int(server.stdout.readline())}/notify",
+                            "--batch", "20", "--prefetch", "100"])  # a batch of 250 calls would take 12 s
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for _ in range(args.repeat):
@@ -126,8 +146,11 @@ def main() -> None:
                       f"{again} redelivered)   ratio {restart / steady:.2f}", flush=True)
     finally:
         delete_queues(args.amqp_url, topo)
+        if server is not None:
+            server.terminate()
+            server.wait()
     ratio = statistics.median(ratios)
-    print(f"\n{dt.date.today()} · {os.cpu_count()} cores · load {os.getloadavg()[0]:.1f} · catalog · "
+    print(f"\n{dt.date.today()} · {os.cpu_count()} cores · load {os.getloadavg()[0]:.1f} · {args.consumer} · "
           f"default --prefetch/--batch · median of {args.repeat}")
     print(f"restart / steady: {ratio:.2f} (goal >= {GOAL}: {'met' if ratio >= GOAL else 'NOT met'})")
 
