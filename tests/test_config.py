@@ -109,6 +109,22 @@ def test_the_broker_options_come_from_the_file_unless_given(tmp_path: Path) -> N
     assert "127.0.0.1:13/" in err, err
 
 
+def test_the_system_commands_look_where_the_environment_points_the_broker_commands(tmp_path: Path) -> None:
+    """DELIVERY_AMQP_URL / _EXCHANGE / _QUEUE_PREFIX override the file for run and dispatch,
+    so status, trace and config check must use them too (else they watch another broker)."""
+    config = write_deployment(tmp_path, extra='amqp_url = "amqp://guest:guest@127.0.0.1:9/%2F"')
+    env = {"DELIVERY_AMQP_URL": "amqp://guest:guest@127.0.0.1:7/%2F", "DELIVERY_QUEUE_PREFIX": "envprefix",
+           "DELIVERY_EXCHANGE": "env.events"}
+    code, out, _err = with_config(config, "status", "--json", **env)
+    shown = orjson.loads(out)
+    assert 1 == code and "127.0.0.1:7/" in shown["broker"]["url"] and "127.0.0.1:7/" in shown["problems"][0]
+    assert "envprefix.catalog" == shown["consumers"][0]["queue"]
+    code, out, _err = with_config(config, "config", "check", **env)
+    assert 0 == code and "envprefix (from $DELIVERY_QUEUE_PREFIX)" in out and "env.events (from" in out, out
+    code, out, _err = with_config(config, "config", "check", "--json")
+    assert "127.0.0.1:9/" in orjson.loads(out)["amqpUrl"] and "delivery" == orjson.loads(out)["queuePrefix"]
+
+
 def test_config_check_shows_what_each_command_would_use(tmp_path: Path) -> None:
     """Resolved paths, queues, the run command line and the producer default."""
     config = write_deployment(tmp_path, webhook_url="http://127.0.0.1:1/notify")

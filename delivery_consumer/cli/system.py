@@ -11,6 +11,7 @@ unusable database.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ import click
 from .. import system
 from ..config import Deployment
 from ..queries import NotFound
-from ._common import EXIT_ERROR, EXIT_OK, EXIT_REJECTED, Fatal, deployment, emit_json, handle_errors
+from ._common import BROKER_ENV, EXIT_ERROR, EXIT_OK, EXIT_REJECTED, Fatal, deployment, emit_json, handle_errors
 from ._output import cell, echo_record, echo_table
 from .inbox import Missing, read_options
 from .ops import trace as consumer_trace
@@ -208,6 +209,12 @@ def _echo_status(shown: dict[str, Any]) -> None:
 # -- config check ------------------------------------------------------------------------
 
 
+def _from_env(key: str) -> str:
+    """`` (from $VAR)`` when the environment overrides the file's *key*."""
+    var = BROKER_ENV[key]
+    return f" (from ${var})" if os.environ.get(var) else ""
+
+
 @click.group()
 def config() -> None:
     """The deployment file (--config, DELIVERY_CONFIG, ./delivery.toml)."""
@@ -254,8 +261,10 @@ def config_check(as_json: bool) -> None:
     if as_json:
         emit_json(shown)
     else:
-        echo_record([("file", shown["file"]), ("broker", shown["amqpUrl"]), ("exchange", dep.exchange),
-                     ("queue prefix", dep.queue_prefix), ("outbox max age", f"{dep.outbox_max_age_s:g}s")])
+        echo_record([("file", shown["file"]), ("broker", shown["amqpUrl"] + _from_env("amqp_url")),
+                     ("exchange", dep.exchange + _from_env("exchange")),
+                     ("queue prefix", dep.queue_prefix + _from_env("queue_prefix")),
+                     ("outbox max age", f"{dep.outbox_max_age_s:g}s")])
         for c in consumers:
             click.echo(f"consumer {c['consumer']}: {c['db']}" + ("" if c["exists"] else " (not created yet)"))
             click.echo(f"  queues {c['queue']}, {c['deadQueue']}; run: {c['run']}")
