@@ -195,9 +195,13 @@ def parse(raw: Mapping[str, Any], path: Path) -> Deployment:
     _known(status, _STATUS_KEYS, path, "status")
     max_age = DEFAULT_OUTBOX_MAX_AGE_S
     if "outbox_max_age" in status:
-        text = _string(status, "outbox_max_age", path, "status.outbox_max_age")
+        value = status["outbox_max_age"]
+        # a TOML number is a bare number: seconds, as on the command line
+        if isinstance(value, bool) or not isinstance(value, int | float | str):
+            raise ConfigError(f'{path}: status.outbox_max_age: must be a duration: a string such as "5m", '
+                              "or a number of seconds")
         try:
-            max_age = parse_duration(str(text))
+            max_age = parse_duration(str(value))
         except ValueError as exc:
             raise ConfigError(f"{path}: status.outbox_max_age: {exc}") from None
     backlog = status.get("backlog_max", 0)

@@ -21,6 +21,7 @@ import orjson
 
 from . import consumers as registry
 from .config import ConsumerEntry, Deployment
+from .durations import format as format_duration
 from .errors import DeliveryError
 from .queries import NotFound, _records, _snapshot
 from .store import ConsumerDB, now_iso
@@ -381,7 +382,7 @@ def status(dep: Deployment, *, now: float | None = None, broker: bool = True) ->
         age = stats.get("oldestUnpublishedAgeSeconds")
         if age is not None and age > dep.outbox_max_age_s:
             problems.append(f"producer {name}: {stats['unpublished']} unpublished rows, the oldest "
-                            f"{age:.0f}s old (more than {dep.outbox_max_age_s:g}s)")
+                            f"{age:.0f}s old (more than {format_duration(dep.outbox_max_age_s)})")
         quarantined = stats.get("quarantined")
         if isinstance(quarantined, int) and quarantined:
             problems.append(f"producer {name}: {quarantined} quarantined outbox rows")

@@ -55,6 +55,25 @@ def test_every_mistake_names_its_key(tmp_path: Path, text: str, key: str) -> Non
     assert one_line(err).startswith(f"delivery-consumer: {config}: {key}"), err
 
 
+@pytest.mark.parametrize("value, seconds", [("300", 300.0), ("2.5", 2.5), ('"5m"', 300.0), ('"300"', 300.0)])
+def test_outbox_max_age_reads_the_duration_grammar_a_toml_number_being_seconds(
+        tmp_path: Path, value: str, seconds: float) -> None:
+    """A bare number means seconds in the one duration grammar, in a TOML number as in a string."""
+    config = tmp_path / "delivery.toml"
+    config.write_text(f"[status]\noutbox_max_age = {value}\n")
+    code, out, _err = with_config(config, "config", "check", "--json")
+    assert 0 == code and seconds == orjson.loads(out)["outboxMaxAgeSeconds"]
+
+
+@pytest.mark.parametrize("value", ["true", "[1]", "-1", "nan", '"soon"'])
+def test_outbox_max_age_refuses_what_is_no_duration(tmp_path: Path, value: str) -> None:
+    """A boolean, an array, a negative number, NaN: one line naming the key, exit 2."""
+    config = tmp_path / "delivery.toml"
+    config.write_text(f"[status]\noutbox_max_age = {value}\n")
+    code, _out, err = with_config(config, "config", "check")
+    assert 2 == code and one_line(err).startswith(f"delivery-consumer: {config}: status.outbox_max_age: "), err
+
+
 def test_a_missing_file_named_by_flag_or_environment_is_an_error(tmp_path: Path) -> None:
     """--config and DELIVERY_CONFIG must name a file that exists; only the default may be absent."""
     missing = tmp_path / "nope.toml"

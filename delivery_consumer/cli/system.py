@@ -18,7 +18,7 @@ from typing import Any
 
 import click
 
-from .. import system
+from .. import durations, system
 from ..config import Deployment
 from ..queries import NotFound
 from ._common import BROKER_ENV, EXIT_ERROR, EXIT_OK, EXIT_REJECTED, Fatal, deployment, emit_json, handle_errors
@@ -264,7 +264,7 @@ def config_check(as_json: bool) -> None:
         echo_record([("file", shown["file"]), ("broker", shown["amqpUrl"] + _from_env("amqp_url")),
                      ("exchange", dep.exchange + _from_env("exchange")),
                      ("queue prefix", dep.queue_prefix + _from_env("queue_prefix")),
-                     ("outbox max age", f"{dep.outbox_max_age_s:g}s")])
+                     ("outbox max age", durations.format(dep.outbox_max_age_s))])
         for c in consumers:
             click.echo(f"consumer {c['consumer']}: {c['db']}" + ("" if c["exists"] else " (not created yet)"))
             click.echo(f"  queues {c['queue']}, {c['deadQueue']}; run: {c['run']}")
