@@ -3,12 +3,15 @@ and the system view offline (trace and status without the broker)."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import orjson
 import pytest
-from deploykit import write_deployment
+from deploykit import deploy_env, write_deployment
 from hypothesis import given
 from hypothesis import strategies as st
 from support import EVENT_ID, SAMPLES, cli
@@ -181,6 +184,20 @@ def test_trace_and_status_offline_across_producer_and_consumer(tmp_path: Path) -
     assert 0 == code and [produced] == [e["eventId"] for e in orjson.loads(out)["events"]]
     code, out, _err = with_config(config, "status", "--offline", "--json")
     assert 0 == code and orjson.loads(out)["healthy"]
+
+
+def test_a_reader_that_closes_the_pipe_stops_the_command_quietly(tmp_path: Path) -> None:
+    """``config check | head -1``: the reader is gone before the first line; no error line,
+    no traceback, exit 141 (128 + SIGPIPE, as cat or grep would give)."""
+    config = write_deployment(tmp_path)
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run([sys.executable, "-m", "delivery_consumer", "config", "check"], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, env=deploy_env(config), timeout=60)
+    finally:
+        os.close(write_end)
+    assert 141 == done.returncode and "" == done.stderr, done.stderr
 
 
 def test_trace_without_a_deployment_file_or_consumer_says_what_to_give(tmp_path: Path) -> None:

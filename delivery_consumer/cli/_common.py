@@ -41,10 +41,27 @@ def handle_errors(fn: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
+        except BrokenPipeError:
+            _reader_went_away()
         except (DeliveryError, OSError) as exc:
             raise Fatal(str(exc)) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+#: The exit code of a command whose reader closed the pipe (``| head``): 128 + SIGPIPE, as for cat or grep.
+EXIT_BROKEN_PIPE = 141
+
+
+def _reader_went_away() -> None:
+    """Stop quietly: nobody reads stdout any more. Later writes (the interpreter's
+    final flush included) go to /dev/null instead of printing a second error."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # no real file descriptor (a test runner's stdout)
+        pass
+    sys.exit(EXIT_BROKEN_PIPE)
 
 
 def consumer_option(required: bool = False, default: str | None = None) -> Callable[[F], F]:
