@@ -122,6 +122,23 @@ def _outbox_rows(dep: Deployment, event_id: str) -> list[Row]:
     return rows
 
 
+def outbox_history(row: Row) -> list[str]:
+    """What happened to an outbox row besides publication, oldest first: quarantine,
+    requeue, drop (only what did happen), and an error that publication later overcame."""
+    events = []
+    if row.get("quarantinedAt"):
+        events.append((row["quarantinedAt"], f"quarantined at {row['quarantinedAt']}: {row.get('quarantineReason')}"))
+    if row.get("requeuedAt"):
+        events.append((row["requeuedAt"], f"requeued at {row['requeuedAt']} by {row.get('requeuedBy')}"))
+    if row.get("droppedAt"):
+        events.append((row["droppedAt"], f"dropped at {row['droppedAt']} by {row.get('droppedBy')}: "
+                                         f"{row.get('dropReason')}"))
+    lines = [text for _, text in sorted(events)]
+    if row.get("publishedAt") and row.get("lastError") and row["lastError"] != row.get("quarantineReason"):
+        lines.append(f"published after an error: {row['lastError']}")
+    return lines
+
+
 def _verdict(shown: Row | None, letters: list[Row], routed: bool, published: list[Row],
              unpublished: list[Row]) -> str:
     if letters:
@@ -398,4 +415,4 @@ def _redacted(url: str) -> str:
     return redact(url)
 
 
-__all__ = ["dead_letters", "group_dead_letters", "status", "topic_matches", "topology", "trace_article", "trace_event"]
+__all__ = ["dead_letters", "group_dead_letters", "outbox_history", "status", "topic_matches", "topology", "trace_article", "trace_event"]

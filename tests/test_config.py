@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -198,6 +199,38 @@ def test_a_reader_that_closes_the_pipe_stops_the_command_quietly(tmp_path: Path)
     finally:
         os.close(write_end)
     assert 141 == done.returncode and "" == done.stderr, done.stderr
+
+
+def test_trace_tells_an_outbox_row_s_history_and_no_stale_error_as_current(tmp_path: Path) -> None:
+    """A row quarantined, requeued by a person and then published: trace (text and console)
+    says so in that order, and shows no 'lastError' as if the published row were failing."""
+    from delivery_consumer.config import parse_file
+    from delivery_consumer.console.server import Console
+
+    config = write_deployment(tmp_path, consumers=("catalog",), extra='amqp_url = "amqp://guest:guest@127.0.0.1:9/%2F"')
+    code, out, _err = with_config(config, "produce", "--article", "a-1", "--title", "T", "--url", "https://x/1",
+                                  "--json")
+    event_id = orjson.loads(out)["eventId"]
+    with sqlite3.connect(tmp_path / "producer.db") as conn:
+        conn.execute("UPDATE outbox SET status = 'quarantined', quarantined_at = '2026-12-01T08:00:00.000Z',"
+                     " quarantine_reason = 'returned: unroutable: 312 NO_ROUTE', attempts = 1,"
+                     " last_error = 'returned: unroutable: 312 NO_ROUTE'")
+    code, _out, _err = with_config(config, "outbox", "requeue", event_id, "--by", "night-shift")
+    assert 0 == code
+    with sqlite3.connect(tmp_path / "producer.db") as conn:
+        conn.execute("UPDATE outbox SET status = 'published', published_at = '2026-12-01T09:00:00.000Z',"
+                     " attempts = 2, last_error = 'nacked: queue full'")
+    code, out, _err = with_config(config, "trace", event_id, "--offline")
+    assert 0 == code
+    outbox_part = out.split("consumer catalog")[0]
+    assert "lastError" not in outbox_part, outbox_part
+    history = [line.split(":", 1)[1].strip() for line in outbox_part.splitlines() if "history:" in line]
+    assert 3 == len(history), outbox_part
+    assert history[0].startswith("quarantined at 2026-12-01T08:00:00.000Z: returned: unroutable")
+    assert history[1].startswith("requeued at ") and history[1].endswith(" by night-shift")
+    assert "published after an error: nacked: queue full" == history[2]
+    _status, page = Console(parse_file(config)).trace_page(event_id)
+    assert "requeued at " in page and "by night-shift" in page and "nacked: queue full" in page
 
 
 def test_trace_without_a_deployment_file_or_consumer_says_what_to_give(tmp_path: Path) -> None:

@@ -91,12 +91,14 @@ def _echo_event(shown: dict[str, Any]) -> None:
         if "error" in row:
             click.echo(f"  cannot read it: {row['error']}")
             continue
-        keys = ["state", "type", "articleId", "revision", "createdAt", "publishedAt", "attempts", "lastError",
-                "lastAttemptAt"]
-        # an outbox with a quarantine (or drop) state: its columns, when there
-        keys += [k for k in row if k.startswith(("quarantine", "drop")) or k == "detail"]
-        echo_record([("enqueued" if k == "createdAt" else "published at" if k == "publishedAt" else k, row[k])
-                     for k in keys if k in row], indent="  ")
+        keys = ["state", "type", "articleId", "revision", "createdAt", "publishedAt", "attempts", "lastAttemptAt"]
+        if not row.get("publishedAt"):  # once published, an earlier error is history (below)
+            keys.insert(7, "lastError")
+        keys += [k for k in ("detail", "passedBy") if row.get(k)]
+        fields = [("enqueued" if k == "createdAt" else "published at" if k == "publishedAt" else k, row[k])
+                  for k in keys if k in row]
+        fields += [("history", line) for line in system.outbox_history(row)]
+        echo_record(fields, indent="  ")
     if not shown["outbox"]:
         click.echo("outbox: no producer of the deployment has this eventId")
     for item in shown["consumers"]:

@@ -214,10 +214,12 @@ class Console:
                     for i in shown["consumers"]]
         parts = ['<section id="verdicts"><h2>Verdict</h2>' + _table(["consumer", "verdict"], verdicts) + "</section>"]
         rows = [[r["producer"], r.get("state"), r.get("createdAt"), r.get("publishedAt"), r.get("attempts"),
-                 r.get("lastError") or r.get("error")] for r in shown["outbox"]]
+                 _e(r.get("error") or (None if r.get("publishedAt") else r.get("lastError"))),
+                 "<br>".join(_e(line) for line in system.outbox_history(r)) or "-"] for r in shown["outbox"]]
         parts.append("<section><h2>Outbox</h2>" + (_table(
-            ["producer", "state", "enqueued", "published at", "attempts", "last error"], rows, numeric={4})
-            if rows else "<p>no producer of the deployment has this eventId</p>") + "</section>")
+            ["producer", "state", "enqueued", "published at", "attempts", "last error", "history"], rows,
+            numeric={4}, raw={5, 6}) if rows else "<p>no producer of the deployment has this eventId</p>")
+            + "</section>")
         for item in shown["consumers"]:
             label = item["consumer"] + (f"/{item['partition']}" if item["partition"] else "")
             parts.append(f"<section><h2>{_e(label)}</h2>")
