@@ -227,6 +227,25 @@ def parse(raw: Mapping[str, Any], path: Path) -> Deployment:
     )
 
 
+def producer_database(path: Path) -> str | None:
+    """``<path>: this is a producer's database ...`` when *path* holds an outbox and no
+    consumer inbox (named where a consumer's database belongs), else None."""
+    import sqlite3
+    from urllib.parse import quote
+
+    try:
+        conn = sqlite3.connect(f"file:{quote(str(path.resolve()))}?mode=ro", uri=True)
+        try:
+            names = {row[0] for row in conn.execute("SELECT name FROM sqlite_schema WHERE type = 'table'")}
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        return None
+    if "outbox" in names and "meta" not in names:
+        return f"{path}: this is a producer's database (it holds an outbox), not a consumer's inbox"
+    return None
+
+
 def check_database(deployment: Deployment, entry: ConsumerEntry) -> list[str]:
     """Problems of one consumer's databases (each one line naming the file and key); [] when fine.
 
@@ -243,7 +262,7 @@ def check_database(deployment: Deployment, entry: ConsumerEntry) -> list[str]:
         try:
             ConsumerDB.open(db_path, entry.name, readonly=True).close()
         except Exception as exc:  # a DatabaseError, or sqlite3's own for a damaged file
-            problems.append(f"{deployment.key(where)}: {exc}")
+            problems.append(f"{deployment.key(where)}: {producer_database(db_path) or exc}")
     return problems
 
 
@@ -259,4 +278,5 @@ __all__ = [
     "locate",
     "parse",
     "parse_file",
+    "producer_database",
 ]

@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 
 from . import consumers as registry
-from .config import ConsumerEntry, Deployment
+from .config import ConsumerEntry, Deployment, producer_database
 from .durations import format as format_duration
 from .errors import DeliveryError
 from .queries import NotFound, _records, _snapshot
@@ -380,8 +380,8 @@ def status(dep: Deployment, *, now: float | None = None, broker: bool = True) ->
                     with _consumer_db(path, name) as db:
                         db_item.update(_consumer_db_status(db, now))
                 except DeliveryError as exc:
-                    db_item["error"] = str(exc)
-                    problems.append(f"{_label(entry, partition)}: {exc}")
+                    db_item["error"] = producer_database(path) or str(exc)
+                    problems.append(f"{_label(entry, partition)}: {db_item['error']}")
             item["databases"].append(db_item)
         out_consumers.append(item)
     out_producers = []

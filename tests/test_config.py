@@ -118,6 +118,30 @@ def test_a_database_of_another_consumer_is_refused_naming_the_key(tmp_path: Path
         assert line and "belongs to consumer 'catalog'" in line[0], err
 
 
+def test_a_producer_and_a_consumer_database_swapped_in_the_file_are_named_for_what_they_are(
+        tmp_path: Path) -> None:
+    """The producer's database named as catalog's, the catalog's as the producer's: every command
+    says which key names which kind of database, in one line, exit 2 (status: a problem, exit 1)."""
+    config = write_deployment(tmp_path, consumers=("catalog",))
+    assert 0 == with_config(config, "produce", "--article", "a", "--title", "T", "--url", "u")[0]
+    assert 1 == with_config(config, "replay", "--consumer", "catalog", str(SAMPLES))[0]
+    text = config.read_text().replace('"state/catalog/inbox.db"', '"SWAP"')
+    config.write_text(text.replace('"producer.db"', '"state/catalog/inbox.db"').replace('"SWAP"', '"producer.db"'))
+    as_consumer = f"{config}: consumers.catalog.db: {tmp_path / 'producer.db'}: this is a producer's database"
+    for args in (["config", "check"], ["inbox", "list", "--consumer", "catalog"],
+                 ["run", "--consumer", "catalog", "--exit-when-idle", "1"]):
+        code, _out, err = with_config(config, *args)
+        assert 2 == code and any(line.startswith(f"delivery-consumer: {as_consumer}") for line in err.splitlines()), (
+            args, err)
+    code, out, _err = with_config(config, "status", "--offline")
+    assert 1 == code and f"NEEDS A PERSON: catalog: {tmp_path / 'producer.db'}: this is a producer's" in out, out
+    as_producer = (f"{config}: producers.material.db: {tmp_path / 'state/catalog/inbox.db'}: "
+                   "this is a consumer's inbox database, not a producer's")
+    for args in (["outbox", "list"], ["outbox", "stats"], ["produce", "--article", "a", "--title", "T"]):
+        code, _out, err = with_config(config, *args)
+        assert 2 == code and as_producer == one_line(err).removeprefix("delivery-consumer: "), (args, err)
+
+
 def test_the_broker_options_come_from_the_file_unless_given(tmp_path: Path) -> None:
     """Precedence: command line > environment > file > default (unreachable ports show which won)."""
     config = write_deployment(tmp_path, extra='amqp_url = "amqp://guest:guest@127.0.0.1:9/%2F"')

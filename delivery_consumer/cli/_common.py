@@ -44,7 +44,7 @@ def handle_errors(fn: F) -> F:
         except BrokenPipeError:
             _reader_went_away()
         except (DeliveryError, OSError) as exc:
-            raise Fatal(str(exc)) from None
+            raise Fatal(_naming_the_key(str(exc))) from None
 
     return wrapper  # type: ignore[return-value]
 
@@ -172,6 +172,15 @@ def _from_file(db_path: Path | None) -> str:
     return f"{where}: " if where else ""
 
 
+def _naming_the_key(message: str) -> str:
+    """*message* prefixed with ``<file>: <key>: `` when it is about a database the deployment file named."""
+    ctx = click.get_current_context(silent=True)
+    for path, where in (ctx.meta.get(_FROM_FILE, {}) if ctx is not None else {}).items():
+        if message.startswith(f"{path}: "):
+            return f"{where}: {message}"
+    return message
+
+
 def _given(ctx: click.Context, name: str | None) -> bool:
     from click.core import ParameterSource
 
@@ -223,8 +232,11 @@ def _check_owner(found: Deployment, consumer: str, db_path: Path) -> None:
     try:
         ConsumerDB.open(db_path, consumer, readonly=True).close()
     except (DatabaseError, ConfigError) as exc:
-        if "belongs to consumer" in str(exc):
-            raise Fatal(f"{found.key(f'consumers.{consumer}.db')}: {exc}") from None
+        from ..config import producer_database
+
+        foreign = producer_database(db_path)
+        if foreign or "belongs to consumer" in str(exc):
+            raise Fatal(f"{found.key(f'consumers.{consumer}.db')}: {foreign or exc}") from None
         # anything else: the command itself says what is wrong, naming the key
 
 

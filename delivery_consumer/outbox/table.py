@@ -164,6 +164,7 @@ def connect(
         if readonly:
             version = installed_version(conn)
             if version == 0:
+                _check_foreign(conn, path)
                 raise DatabaseError(f"{path}: no outbox in this database")
             if version > VERSION:
                 raise DatabaseError(f"{path}: outbox schema version {version} is newer than this code's {VERSION}")
