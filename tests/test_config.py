@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import sqlite3
 import subprocess
 import sys
@@ -184,6 +185,21 @@ def test_config_check_shows_what_each_command_would_use(tmp_path: Path) -> None:
     assert str(tmp_path / "producer.db") == shown["producerCommandsUse"]
     code, out, _err = with_config(config, "config", "check")
     assert 0 == code and "delivery.catalog.dead" in out and "(not created yet)" in out
+
+
+def test_config_check_s_run_line_names_the_file_s_queues_and_survives_the_shell(tmp_path: Path) -> None:
+    """The run line config check prints, pasted into a shell without the file, reads the same
+    queues (a non-default exchange and prefix are on it) and the same database (quoted)."""
+    deploy = tmp_path / "my deploy"
+    deploy.mkdir()
+    config = write_deployment(deploy, consumers=("catalog",), extra='exchange = "x.events"\nqueue_prefix = "xq"')
+    code, out, _err = with_config(config, "config", "check", "--json")
+    line = orjson.loads(out)["consumers"][0]["run"]
+    args = shlex.split(line)
+    assert 0 == code and "--exchange=x.events" in args and "--queue-prefix=xq" in args, line
+    assert str(deploy / "state/catalog/inbox.db") == args[args.index("--db") + 1]
+    code, out, _err = with_config(write_deployment(tmp_path, consumers=("catalog",)), "config", "check", "--json")
+    assert "--exchange" not in out and "--queue-prefix" not in out  # the defaults need no flag
 
 
 def test_trace_and_status_offline_across_producer_and_consumer(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ unusable database.
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import click
 
 from .. import durations, system
 from ..config import Deployment
+from ..topology import DEFAULT_EXCHANGE, DEFAULT_PREFIX
 from ..queries import NotFound
 from ._common import BROKER_ENV, EXIT_ERROR, EXIT_OK, EXIT_REJECTED, Fatal, deployment, emit_json, handle_errors
 from ._output import cell, echo_record, echo_table
@@ -242,10 +244,13 @@ def config_check(as_json: bool) -> None:
         problems += config_lib.check_database(dep, entry)
         topo = system.topology(dep, name)
         run = ["delivery-consumer", "run", "--consumer", name, "--db", str(entry.db)]
+        # not the defaults' queues: without the file, this line alone must still name them
+        run += [f"--exchange={dep.exchange}"] if dep.exchange != DEFAULT_EXCHANGE else []
+        run += [f"--queue-prefix={dep.queue_prefix}"] if dep.queue_prefix != DEFAULT_PREFIX else []
         run += [f"--{k.replace('_', '-')}={v}" for k, v in entry.options.items()]
         consumers.append({"consumer": name, "db": str(entry.db), "exists": entry.db.exists(),
                           "databases": [str(p) for _, p in entry.databases()], "queue": topo.queue,
-                          "deadQueue": topo.dead_queue, "options": entry.options, "run": " ".join(run)})
+                          "deadQueue": topo.dead_queue, "options": entry.options, "run": shlex.join(run)})
     producers = []
     for name, producer in dep.producers.items():
         if producer.db.exists():
