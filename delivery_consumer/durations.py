@@ -121,4 +121,15 @@ class Duration(_ParamType):
         return "DURATION"
 
 
-__all__ = ["UNITS_MS", "Duration", "error_message", "format", "parse"]
+def age(seconds: float | None) -> str:
+    """An elapsed time for a person: two units at most (``6m 16s``, ``3h 5m``), ``-`` for None."""
+    if seconds is None:
+        return "-"
+    whole = max(0, int(seconds))
+    for unit, size, sub, sub_size in (("d", 86400, "h", 3600), ("h", 3600, "m", 60), ("m", 60, "s", 1)):
+        if whole >= size:
+            return f"{whole // size}{unit} {whole % size // sub_size}{sub}"
+    return f"{whole}s"
+
+
+__all__ = ["UNITS_MS", "Duration", "age", "error_message", "format", "parse"]

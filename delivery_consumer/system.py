@@ -415,4 +415,5 @@ def _redacted(url: str) -> str:
     return redact(url)
 
 
-__all__ = ["dead_letters", "group_dead_letters", "outbox_history", "status", "topic_matches", "topology", "trace_article", "trace_event"]
+__all__ = ["dead_letters", "group_dead_letters", "outbox_history", "status", "topic_matches", "topology",
+           "trace_article", "trace_event"]

@@ -273,6 +273,20 @@ def test_trace_tells_an_outbox_row_s_history_and_no_stale_error_as_current(tmp_p
     assert "requeued at " in page and "by night-shift" in page and "nacked: queue full" in page
 
 
+def test_the_console_gives_the_newest_receipt_s_age_and_a_readable_peak(tmp_path: Path) -> None:
+    """At 3 a.m. the age of the newest receipt is what is compared with the clock: the console
+    shows it as the CLI's status does ('… ago', the time on hover); the chart's peak label has
+    a halo so the newest bars cannot hide it."""
+    from delivery_consumer.config import parse_file
+    from delivery_consumer.console.server import Console
+
+    config = write_deployment(tmp_path, consumers=("catalog",), extra='amqp_url = "amqp://guest:guest@127.0.0.1:9/%2F"')
+    with_config(config, "replay", "--consumer", "catalog", str(SAMPLES))
+    page = Console(parse_file(config)).status_page()
+    assert re.search(r'<span title="\d{4}-\d\d-\d\dT[^"]+Z">\d+s ago</span>', page), page
+    assert 'paint-order="stroke">peak ' in page
+
+
 def test_trace_without_a_deployment_file_or_consumer_says_what_to_give(tmp_path: Path) -> None:
     """No file, no --consumer: exit 2 with one line; with --consumer the per-consumer trace runs."""
     result = cli(["trace", "some-id"])

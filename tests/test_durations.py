@@ -95,3 +95,10 @@ def test_every_duration_option_refuses_a_bad_value_with_the_one_message(path: tu
 
     assert 2 == result.exit_code
     assert durations.error_message("soon") in result.output
+
+
+@pytest.mark.parametrize("seconds, shown", [(None, "-"), (-3, "0s"), (59.9, "59s"), (376, "6m 16s"),
+                                            (3 * 3600 + 300, "3h 5m"), (2 * 86400 + 7200, "2d 2h")])
+def test_an_age_for_a_person_has_two_units_at_most(seconds: float | None, shown: str) -> None:
+    """status, inbox stats and the console show elapsed times the same way."""
+    assert shown == durations.age(seconds)

@@ -160,8 +160,9 @@ BROKER_ENV = {"amqp_url": "DELIVERY_AMQP_URL", "exchange": "DELIVERY_EXCHANGE", 
 def _environment_wins(found: Deployment | None) -> Deployment | None:
     if found is None:
         return None
-    given = {key: os.environ[var] for key, var in BROKER_ENV.items() if os.environ.get(var)}
-    return dataclasses.replace(found, **given) if given else found
+    given = {key: os.environ.get(var) or getattr(found, key) for key, var in BROKER_ENV.items()}
+    return dataclasses.replace(found, amqp_url=given["amqp_url"], exchange=given["exchange"],
+                               queue_prefix=given["queue_prefix"])
 
 
 def _from_file(db_path: Path | None) -> str:

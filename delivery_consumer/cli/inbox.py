@@ -30,6 +30,7 @@ import click
 
 from .. import queries
 from ..durations import Duration
+from ..durations import age as _age
 from ..errors import DeliveryError
 from ..partition_store import partition_db, partitioned_paths
 from ..partitions import SLOT_COUNT, partition_of
@@ -232,16 +233,6 @@ def inbox_show(consumer: str | None, db_path: Path | None, as_json: bool, event_
     for delivery in shown["deliveries"]:
         click.echo(f"delivery {delivery['key']}:")
         echo_record([(k, v) for k, v in delivery.items() if k not in ("key", "eventId")], indent="  ")
-
-
-def _age(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    seconds = max(0, int(seconds))
-    for unit, size, sub, sub_size in (("d", 86400, "h", 3600), ("h", 3600, "m", 60), ("m", 60, "s", 1)):
-        if seconds >= size:
-            return f"{seconds // size}{unit} {seconds % size // sub_size}{sub}"
-    return f"{seconds}s"
 
 
 @click.command("stats")

@@ -21,8 +21,8 @@ import click
 
 from .. import durations, system
 from ..config import Deployment
-from ..topology import DEFAULT_EXCHANGE, DEFAULT_PREFIX
 from ..queries import NotFound
+from ..topology import DEFAULT_EXCHANGE, DEFAULT_PREFIX
 from ._common import BROKER_ENV, EXIT_ERROR, EXIT_OK, EXIT_REJECTED, Fatal, deployment, emit_json, handle_errors
 from ._output import cell, echo_record, echo_table
 from .inbox import Missing, read_options
@@ -34,12 +34,6 @@ def _deployment() -> Deployment:
     if found is None:
         raise Fatal("no deployment file: give --config PATH (or DELIVERY_CONFIG), or run where ./delivery.toml is")
     return found
-
-
-def _age(seconds: float | None) -> str:
-    from .inbox import _age as age
-
-    return age(seconds)
 
 
 # -- trace -------------------------------------------------------------------------------
@@ -190,7 +184,7 @@ def _echo_status(shown: dict[str, Any]) -> None:
             unresolved = sum((db.get("unresolvedRejections") or {}).values())
             rows.append([label, item["ready"], item["unacked"], item["consumersConnected"], dead_text,
                          db.get("receiptsLastMinute"), db.get("receiptsLastHour"),
-                         _age(db.get("newestAgeSeconds")) if db.get("newestReceivedAt") else None, unresolved,
+                         durations.age(db.get("newestAgeSeconds")) if db.get("newestReceivedAt") else None, unresolved,
                          db.get("error") or db.get("note") or item.get("note")])
     if rows:
         echo_table(["consumer", "ready", "unacked", "consumers", "dead letters", "last min", "last hour",
@@ -198,7 +192,7 @@ def _echo_status(shown: dict[str, Any]) -> None:
     prows = []
     for item in shown["producers"]:
         age = item.get("oldestUnpublishedAgeSeconds")
-        prows.append([item["producer"], item.get("unpublished"), _age(age) if age is not None else None,
+        prows.append([item["producer"], item.get("unpublished"), durations.age(age) if age is not None else None,
                       item.get("failed"), item.get("quarantined"), item.get("error")])
     if prows:
         click.echo()
@@ -268,7 +262,7 @@ def config_check(as_json: bool) -> None:
     if as_json:
         emit_json(shown)
     else:
-        echo_record([("file", shown["file"]), ("broker", shown["amqpUrl"] + _from_env("amqp_url")),
+        echo_record([("file", shown["file"]), ("broker", redact(dep.amqp_url) + _from_env("amqp_url")),
                      ("exchange", dep.exchange + _from_env("exchange")),
                      ("queue prefix", dep.queue_prefix + _from_env("queue_prefix")),
                      ("outbox max age", durations.format(dep.outbox_max_age_s))])

@@ -105,8 +105,9 @@ def svg(minutes: Minutes, hours: float, now: float | None = None, *, width: int 
             y -= h
             parts.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{max(bar - 0.5, 0.5):.1f}" height="{h:.1f}" '
                          f'fill="{colour}"><title>{tip}</title></rect>')
-    parts.append(f'<text x="{width - 4}" y="12" font-size="10" text-anchor="end" fill="#555">'
-                 f'peak {peak}/min</text></svg>')
+    # a halo in the background colour keeps the label readable over the newest bars
+    parts.append(f'<text x="{width - 4}" y="12" font-size="10" text-anchor="end" fill="#555" stroke="#fafafa" '
+                 f'stroke-width="3" paint-order="stroke">peak {peak}/min</text></svg>')
     return "".join(parts)
 
 

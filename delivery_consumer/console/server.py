@@ -22,7 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlencode, urlsplit
 
-from .. import system
+from .. import durations, system
 from ..config import Deployment
 from ..errors import DeliveryError
 from ..queries import NotFound
@@ -67,6 +67,14 @@ def _table(columns: list[str], rows: list[list[Any]], *, numeric: set[int] | Non
         f'<td{" class=n" if i in numeric else ""}>{v if i in raw else _e(v)}</td>' for i, v in enumerate(row))
         + "</tr>" for row in rows)
     return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _ago(db: dict[str, Any]) -> str:
+    """The newest receipt's age (what an operator compares with the clock), its time on hover."""
+    age = db.get("newestAgeSeconds")
+    if age is None:
+        return "-"
+    return f'<span title="{_e(db.get("newestReceivedAt"))}">{escape(durations.age(age))} ago</span>'
 
 
 class Console:
@@ -115,18 +123,20 @@ class Console:
             parts.append('<p class="ok" id="verdict">healthy</p>')
         else:
             items = "".join(f"<li>{_e(p)}</li>" for p in shown["problems"])
-            parts.append(f'<div id="verdict"><p class="bad">needs a person</p><ul>{items}</ul></div>')
+            below = ('<p><a href="#dead">the dead letters, by code, are below</a></p>'
+                     if any(item.get("deadGroups") for item in shown["consumers"]) else "")
+            parts.append(f'<div id="verdict"><p class="bad">needs a person</p><ul>{items}</ul>{below}</div>')
         rows = []
         for item in shown["consumers"]:
             for db in item["databases"]:
                 label = item["consumer"] + (f"/{db['partition']}" if db["partition"] else "")
                 rows.append([label, item["ready"], item["unacked"], item["consumersConnected"], item["deadLetters"],
-                             db.get("receiptsLastMinute"), db.get("receiptsLastHour"), db.get("newestReceivedAt"),
+                             db.get("receiptsLastMinute"), db.get("receiptsLastHour"), _ago(db),
                              sum((db.get("unresolvedRejections") or {}).values()),
-                             db.get("error") or db.get("note") or item.get("note")])
+                             _e(db.get("error") or db.get("note") or item.get("note"))])
         parts.append("<section><h2>Consumers</h2>" + _table(
             ["consumer", "ready", "unacked", "consumers", "dead letters", "last minute", "last hour", "newest receipt",
-             "unresolved", "note"], rows, numeric={1, 2, 3, 4, 5, 6, 8}) + "</section>")
+             "unresolved", "note"], rows, numeric={1, 2, 3, 4, 5, 6, 8}, raw={7, 9}) + "</section>")
         prows = [[p["producer"], p.get("unpublished"), p.get("oldestUnpublishedAt"), p.get("failed"),
                   p.get("quarantined"), p.get("lastPublishedAt"), p.get("error")] for p in shown["producers"]]
         if prows:
