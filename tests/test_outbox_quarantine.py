@@ -9,6 +9,7 @@ eventId) and the clock is the test's, so every decision is checked exactly.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import sqlite3
@@ -388,6 +389,20 @@ def test_cli_requeue_drop_list_and_show(tmp_path: Path) -> None:
         assert row(ro, ids[2])["droppedBy"]  # the OS user
     stats = orjson.loads(cli("outbox", "stats", "--json").output)
     assert (1, 0, 1) == (stats["pending"], stats["quarantined"], stats["dropped"])
+
+
+def test_cli_requeue_of_unknown_ids_names_them_in_one_line(tmp_path: Path) -> None:
+    """Typed ids that do not exist (a typo, a paste of the wrong column): exit 1, one line naming
+    up to three of them and how many more; the table says what each row *was*."""
+    db = tmp_path / "p.db"
+    conn = outbox.connect(db)
+    (published,) = add(conn, envelope("a", 1))
+    conn.close()
+    result = CliRunner().invoke(main, ["outbox", "requeue", "--db", str(db), published, "x1", "x2", "x3", "x4"])
+    assert 1 == result.exit_code
+    assert ["delivery-consumer: 5 of 5 rows not acted on (" + f"{published}: not-quarantined, x1: not-found, "
+            "x2: not-found, and 2 more)"] == [line for line in result.stderr.splitlines() if line.strip()]
+    assert re.search(r"eventId\s+outcome\s+was\n", result.stdout) and "pending" in result.stdout
 
 
 # -- dead owners --------------------------------------------------------------------------------------

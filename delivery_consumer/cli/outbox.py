@@ -283,12 +283,14 @@ def _acted(results: list[dict[str, Any]], as_json: bool) -> None:
     if as_json:
         emit_json(results)
     else:
-        echo_table(["eventId", "outcome", "status"], _cells(results, ["eventId", "outcome", "status"]),
+        # "was": the row's status before this command (a requeued row is pending now)
+        echo_table(["eventId", "outcome", "was"], _cells(results, ["eventId", "outcome", "status"]),
                    empty="no quarantined rows")
     missed = [r for r in results if r["outcome"].startswith("not-")]
     if missed:
-        raise Missing(f"{len(missed)} of {len(results)} rows not acted on ({missed[0]['eventId']}: "
-                      f"{missed[0]['outcome']})")
+        named = ", ".join(f"{r['eventId']}: {r['outcome']}" for r in missed[:3])
+        more = f", and {len(missed) - 3} more" if len(missed) > 3 else ""
+        raise Missing(f"{len(missed)} of {len(results)} rows not acted on ({named}{more})")
 
 
 @outbox.command("requeue")
