@@ -287,6 +287,29 @@ def test_the_console_gives_the_newest_receipt_s_age_and_a_readable_peak(tmp_path
     assert 'paint-order="stroke">peak ' in page
 
 
+def test_a_console_on_every_address_accepts_actions_addressed_to_this_machine(tmp_path: Path) -> None:
+    """console --allow-actions --host 0.0.0.0 refused every POST, since no browser sends 'Host:
+    0.0.0.0'. It accepts the loopback names and this machine's own; any other Host is refused
+    with the names it would accept."""
+    import socket
+
+    from delivery_consumer.config import parse_file
+    from delivery_consumer.console.server import Console, make_server
+
+    console = Console(parse_file(write_deployment(tmp_path)), allow_actions=True)
+    server = make_server(console, "0.0.0.0", 0)
+    try:
+        port = server.server_address[1]
+        form = {"csrf": console.token}
+        for name in ("127.0.0.1", "localhost", socket.gethostname()):
+            assert console.check_post(f"{name}:{port}", form) is None, name
+        refused = console.check_post(f"evil.example:{port}", form) or ""
+        assert refused.startswith("the Host header 'evil.example:") and f"localhost:{port}" in refused
+        assert console.check_post(f"localhost:{port}", {"csrf": "forged"}) is not None
+    finally:
+        server.server_close()
+
+
 def test_trace_without_a_deployment_file_or_consumer_says_what_to_give(tmp_path: Path) -> None:
     """No file, no --consumer: exit 2 with one line; with --consumer the per-consumer trace runs."""
     result = cli(["trace", "some-id"])

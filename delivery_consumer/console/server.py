@@ -13,9 +13,10 @@ from __future__ import annotations
 import hmac
 import logging
 import secrets
+import socket
 import time
 from collections.abc import Callable
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from html import escape
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -341,7 +342,8 @@ class Console:
         if not self.allow_actions:
             return "read-only console: started without --allow-actions"
         if host not in self.hosts:
-            return "the Host header does not name this console"
+            return (f"the Host header {host!r} does not name this console (it answers to "
+                    f"{', '.join(sorted(self.hosts))}; through ssh -L, keep the same port on both ends)")
         if not hmac.compare_digest(form.get("csrf", ""), self.token):
             return "missing or wrong CSRF token: start again from the confirmation page"
         return None
@@ -425,8 +427,14 @@ def make_server(console: Console, host: str, port: int) -> ThreadingHTTPServer:
     bound_port = server.server_address[1]
     console.address = f"{host}:{bound_port}" if ":" not in host else f"[{host}]:{bound_port}"
     console.hosts = {console.address}
-    if host in ("127.0.0.1", "localhost", "::1"):
-        console.hosts |= {f"127.0.0.1:{bound_port}", f"localhost:{bound_port}", f"[::1]:{bound_port}"}
+    names = set()
+    if host in ("127.0.0.1", "localhost", "::1", "0.0.0.0", "::", ""):
+        names |= {"127.0.0.1", "localhost", "[::1]"}
+    if host in ("0.0.0.0", "::", ""):  # every address: the names this machine answers to
+        names |= {socket.gethostname(), socket.getfqdn()}
+        with suppress(OSError):
+            names |= set(socket.gethostbyname_ex(socket.gethostname())[2])
+    console.hosts |= {f"{name}:{bound_port}" for name in names if name}
     return server
 
 
