@@ -161,6 +161,19 @@ def _db(table: Mapping[str, Any], base: Path, path: Path, where: str) -> Path:
     return db if db.is_absolute() else base / db
 
 
+def _http_url(text: str, path: Path, where: str) -> None:
+    """Refuse what httpx cannot ask (status would only show the count as unknown, silently)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(text)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname) and (parts.port or 0) >= 0
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ConfigError(f"{path}: {where}: {text!r} is not an http(s) URL such as http://127.0.0.1:15672")
+
+
 def parse(raw: Mapping[str, Any], path: Path) -> Deployment:
     """Check *raw* (the file's tables) and resolve its paths against the file's directory."""
     from . import consumers as registry
@@ -169,6 +182,8 @@ def parse(raw: Mapping[str, Any], path: Path) -> Deployment:
     _known(raw, _TOP_KEYS, path, "")
     base = path.parent
     top = {key: _string(raw, key, path, key) for key in ("amqp_url", "exchange", "queue_prefix", "management_url")}
+    if top["management_url"] is not None:
+        _http_url(top["management_url"], path, "management_url")
     found: dict[str, ConsumerEntry] = {}
     for name, table in _table(raw.get("consumers", {}), path, "consumers").items():
         where = f"consumers.{name}"

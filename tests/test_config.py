@@ -49,6 +49,8 @@ def test_an_unknown_key_is_one_line_naming_the_file_and_the_key(tmp_path: Path) 
     ("[status]\noutbox_max_age = 'soon'\n", "status.outbox_max_age"),
     ("[consumers.catalog]\ndb = 'a.db'\n[producers.p]\ndb = 'a.db'\n", "producers.p.db"),
     ("amqp_url = \n", "not valid TOML"),
+    ('management_url = "127.0.0.1:15672"\n', "management_url"),
+    ('management_url = "http://[bad"\n', "management_url"),
 ])
 def test_every_mistake_names_its_key(tmp_path: Path, text: str, key: str) -> None:
     """Wrong types, unknown consumers, a missing db, a bad duration, one file named twice,
