@@ -210,7 +210,11 @@ def trace_event(dep: Deployment, event_id: str, *, article_id: str | None = None
                 item["verdict"] = _verdict(item["trace"], letters, routed, published, unpublished)
             result["consumers"].append(item)
     if not found:
-        raise NotFound(f"eventId {event_id} is known to no producer and no consumer of {dep.path}")
+        unread = [f"{i['consumer']}: {i['error']}" for i in result["consumers"] if "error" in i]
+        unread += [f"producer {r['producer']}: {r['error']}" for r in outbox_rows
+                   if "error" in r and dep.producers[r["producer"]].db.exists()]  # not created yet: no news
+        raise NotFound(f"eventId {event_id} is known to no producer and no consumer of {dep.path}"
+                       + (f"; not read: {'; '.join(unread)}" if unread else ""))
     return result
 
 

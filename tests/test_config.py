@@ -357,6 +357,21 @@ def test_a_partition_directory_is_read_database_by_database(tmp_path: Path) -> N
     assert 0 == code and re.search(r"catalog/p2\s+applied updated", out) and "catalog/p0" in out, out
 
 
+def test_a_directory_without_partitions_is_an_error_not_a_consumer_with_no_database(tmp_path: Path) -> None:
+    """db = the consumer's directory instead of its inbox.db: config check exits 2 naming the key,
+    status needs a person, trace says which database it could not read; none calls it healthy."""
+    config = write_deployment(tmp_path, consumers=("catalog",))
+    with_config(config, "replay", "--consumer", "catalog", str(SAMPLES))
+    config.write_text(config.read_text().replace('"state/catalog/inbox.db"', '"state/catalog"'))
+    not_a_file = f"{tmp_path / 'state/catalog'}: is a directory, not a database file"
+    code, _out, err = with_config(config, "config", "check")
+    assert 2 == code and f"{config}: consumers.catalog.db: {not_a_file}" in err, err
+    code, out, _err = with_config(config, "status", "--offline")
+    assert 1 == code and f"NEEDS A PERSON: catalog: {not_a_file}" in out, out
+    code, _out, err = with_config(config, "trace", EVENT_ID, "--offline")
+    assert 1 == code and one_line(err).endswith(f"; not read: catalog: {not_a_file}"), err
+
+
 def test_unacked_counts_come_from_the_management_api_when_it_is_named(tmp_path: Path) -> None:
     """management_url set: the queue's messages_unacknowledged, asked with the AMQP URL's
     user and vhost; an endpoint that fails gives None (unknown), never an error."""
