@@ -102,3 +102,12 @@ def test_every_duration_option_refuses_a_bad_value_with_the_one_message(path: tu
 def test_an_age_for_a_person_has_two_units_at_most(seconds: float | None, shown: str) -> None:
     """status, inbox stats and the console show elapsed times the same way."""
     assert shown == durations.age(seconds)
+
+
+@pytest.mark.parametrize("option", ["--lease", "--poll", "--retry-base", "--retry-cap"])
+def test_a_zero_dispatch_duration_is_refused_naming_its_option(option: str) -> None:
+    """dispatch --lease 0 said 'lease, poll, retry and heartbeat durations must be positive' without
+    saying which option was wrong; the option itself refuses zero now."""
+    result = cli(["dispatch", "--db", "unused.db", option, "0"])
+    assert 2 == result.exit_code
+    assert f"Invalid value for '{option}': 0 is out of range: more than 0s" in result.output

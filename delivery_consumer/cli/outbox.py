@@ -83,14 +83,14 @@ def reading(db_path: Path) -> Iterator[sqlite3.Connection]:
               help="Rows claimed (leased) and published per round; a crash duplicates at most depth batches.")
 @click.option("--depth", default=2, show_default=True, type=click.IntRange(1, 8),
               help="Batches in flight: the next is sent while the one before waits for its confirms.")
-@click.option("--lease", "lease_s", default="60s", show_default=True, type=Duration(),
+@click.option("--lease", "lease_s", default="60s", show_default=True, type=Duration(positive=True),
               help="How long a claim is held. A dead dispatcher's claims are taken back sooner: at once on this"
                    " host, after 10s without heartbeat elsewhere.")
-@click.option("--poll", "poll_s", default="500ms", show_default=True, type=Duration(),
+@click.option("--poll", "poll_s", default="500ms", show_default=True, type=Duration(positive=True),
               help="Pause between looks at the outbox when there is nothing to publish.")
-@click.option("--retry-base", "retry_base_s", default="1s", show_default=True, type=Duration(),
+@click.option("--retry-base", "retry_base_s", default="1s", show_default=True, type=Duration(positive=True),
               help="First backoff of a nacked row (doubles per failure, jittered).")
-@click.option("--retry-cap", "retry_cap_s", default="5m", show_default=True, type=Duration(),
+@click.option("--retry-cap", "retry_cap_s", default="5m", show_default=True, type=Duration(positive=True),
               help="Longest backoff of one row.")
 @click.option("--max-attempts", default=20, show_default=True, type=click.IntRange(1),
               help="Nacks of one row before it is quarantined (an outage counts none).")
