@@ -284,8 +284,10 @@ def test_the_console_gives_the_newest_receipt_s_age_and_a_readable_peak(tmp_path
 
     config = write_deployment(tmp_path, consumers=("catalog",), extra='amqp_url = "amqp://guest:guest@127.0.0.1:9/%2F"')
     with_config(config, "replay", "--consumer", "catalog", str(SAMPLES))
+    with_config(config, "produce", "--article", "a", "--title", "T", "--url", "u")
     page = Console(parse_file(config)).status_page()
-    assert re.search(r'<span title="\d{4}-\d\d-\d\dT[^"]+Z">\d+s ago</span>', page), page
+    ages = re.findall(r'<span title="\d{4}-\d\d-\d\dT[^"]+Z">\d+s ago</span>', page)
+    assert 2 == len(ages), page  # the newest receipt, the oldest unpublished outbox row
     assert 'paint-order="stroke">peak ' in page
 
 

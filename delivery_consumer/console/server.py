@@ -70,12 +70,11 @@ def _table(columns: list[str], rows: list[list[Any]], *, numeric: set[int] | Non
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
-def _ago(db: dict[str, Any]) -> str:
-    """The newest receipt's age (what an operator compares with the clock), its time on hover."""
-    age = db.get("newestAgeSeconds")
+def _ago(age: float | None, at: str | None) -> str:
+    """An age (what an operator compares with the clock), the time itself on hover."""
     if age is None:
         return "-"
-    return f'<span title="{_e(db.get("newestReceivedAt"))}">{escape(durations.age(age))} ago</span>'
+    return f'<span title="{_e(at)}">{escape(durations.age(age))} ago</span>'
 
 
 class Console:
@@ -132,18 +131,20 @@ class Console:
             for db in item["databases"]:
                 label = item["consumer"] + (f"/{db['partition']}" if db["partition"] else "")
                 rows.append([label, item["ready"], item["unacked"], item["consumersConnected"], item["deadLetters"],
-                             db.get("receiptsLastMinute"), db.get("receiptsLastHour"), _ago(db),
+                             db.get("receiptsLastMinute"), db.get("receiptsLastHour"),
+                             _ago(db.get("newestAgeSeconds"), db.get("newestReceivedAt")),
                              sum((db.get("unresolvedRejections") or {}).values()),
                              _e(db.get("error") or db.get("note") or item.get("note"))])
         parts.append("<section><h2>Consumers</h2>" + _table(
             ["consumer", "ready", "unacked", "consumers", "dead letters", "last minute", "last hour", "newest receipt",
              "unresolved", "note"], rows, numeric={1, 2, 3, 4, 5, 6, 8}, raw={7, 9}) + "</section>")
-        prows = [[p["producer"], p.get("unpublished"), p.get("oldestUnpublishedAt"), p.get("failed"),
+        prows = [[p["producer"], p.get("unpublished"),
+                  _ago(p.get("oldestUnpublishedAgeSeconds"), p.get("oldestUnpublishedAt")), p.get("failed"),
                   p.get("quarantined"), p.get("lastPublishedAt"), p.get("error")] for p in shown["producers"]]
         if prows:
             parts.append("<section><h2>Producers</h2>" + _table(
                 ["producer", "unpublished", "oldest unpublished", "with errors", "quarantined", "last published",
-                 "note"], prows, numeric={1, 3, 4}) + "</section>")
+                 "note"], prows, numeric={1, 3, 4}, raw={2}) + "</section>")
         parts.append(self._charts())
         parts.append(self._dead_letters(shown))
         elapsed = (time.perf_counter() - started) * 1000
