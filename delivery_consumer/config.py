@@ -62,9 +62,9 @@ class ConsumerEntry:
         ``[("p0", db/p0/inbox.db), ...]`` for a partition directory."""
         if self.db.is_dir():
             parts = [p for p in self.db.iterdir() if p.is_dir() and p.name[:1] == "p" and p.name[1:].isdigit()]
-            if parts:
+            if parts or not (self.db / PARTITION_DB).is_file():
                 return [(p.name, p / PARTITION_DB) for p in sorted(parts, key=lambda p: int(p.name[1:]))]
-            # a directory without partitions is a mistake (its inbox.db was meant): keep it, so
+            # the directory of an unpartitioned consumer (its inbox.db was meant): keep it, so
             # that opening it says so, rather than a consumer that silently has no database
         return [(None, self.db)]
 
