@@ -314,6 +314,41 @@ def test_a_console_on_every_address_accepts_actions_addressed_to_this_machine(tm
         server.server_close()
 
 
+def test_a_page_asked_for_under_another_host_name_is_refused(tmp_path: Path) -> None:
+    """DNS rebinding: a page of another site, its name rebound to 127.0.0.1, asks the console for
+    its pages. Any GET whose Host does not name the console is refused (403); /healthz stays open."""
+    import http.client
+    import threading
+
+    from delivery_consumer.config import parse_file
+    from delivery_consumer.console.server import Console, make_server
+
+    config = write_deployment(tmp_path, consumers=("catalog",), extra='amqp_url = "amqp://guest:guest@127.0.0.1:9/%2F"')
+    server = make_server(Console(parse_file(config)), "127.0.0.1", 0)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        port = server.server_address[1]
+
+        def get(path: str, host: str) -> tuple[int, str]:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            conn.request("GET", path, headers={"Host": host})
+            answer = conn.getresponse()
+            body = answer.read().decode()
+            conn.close()
+            return answer.status, body
+
+        for path in ("/", "/trace?q=x", "/dead/confirm?consumer=catalog&action=purge&code=c"):
+            status, body = get(path, f"evil.example:{port}")
+            assert 403 == status and "the Host header &#x27;evil.example:" in body, (path, body[-500:])
+        assert 200 == get("/healthz", f"evil.example:{port}")[0]
+        assert 200 == get("/", f"localhost:{port}")[0]
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=30)
+
+
 def test_trace_without_a_deployment_file_or_consumer_says_what_to_give(tmp_path: Path) -> None:
     """No file, no --consumer: exit 2 with one line; with --consumer the per-consumer trace runs."""
     result = cli(["trace", "some-id"])

@@ -338,13 +338,21 @@ class Console:
                                         + _table(["outcome", "eventId", "code", "detail"], rows)
                                         + '<p><a href="/">back to the status</a></p>')
 
+    def check_host(self, host: str | None) -> str | None:
+        """Why a request is refused for its Host header (a page of another site, rebound by DNS to
+        this address, must not read the pages either), or None."""
+        if host not in self.hosts:
+            return (f"the Host header {host!r} does not name this console (it answers to "
+                    f"{', '.join(sorted(self.hosts))}; through ssh -L, keep the same port on both ends)")
+        return None
+
     def check_post(self, host: str | None, form: dict[str, str]) -> str | None:
         """Why a POST is refused, or None."""
         if not self.allow_actions:
             return "read-only console: started without --allow-actions"
-        if host not in self.hosts:
-            return (f"the Host header {host!r} does not name this console (it answers to "
-                    f"{', '.join(sorted(self.hosts))}; through ssh -L, keep the same port on both ends)")
+        wrong_host = self.check_host(host)
+        if wrong_host:
+            return wrong_host
         if not hmac.compare_digest(form.get("csrf", ""), self.token):
             return "missing or wrong CSRF token: start again from the confirmation page"
         return None
@@ -381,7 +389,11 @@ def handler(console: Console) -> type[BaseHTTPRequestHandler]:
         def do_GET(self) -> None:
             url = urlsplit(self.path)
             query = {k: v[-1] for k, v in parse_qs(url.query).items()}
-            if url.path == "/":
+            wrong_host = None if url.path == "/healthz" else console.check_host(self.headers.get("Host"))
+            if wrong_host:
+                self._send(HTTPStatus.FORBIDDEN, console.page("Refused", f'<p class="bad" id="refused">'
+                                                                         f"{_e(wrong_host)}</p>"))
+            elif url.path == "/":
                 self._guard(lambda: (HTTPStatus.OK, console.status_page()))
             elif url.path == "/trace":
                 self._guard(lambda: console.trace_page(query.get("q", "")))
