@@ -26,10 +26,8 @@ from contextlib import contextmanager
 from datetime import datetime
 from typing import Any, Final, ParamSpec, TypeVar
 
-import orjson
-
 from .durations import format as format_duration
-from .errors import DatabaseError, DeliveryError
+from .errors import DeliveryError
 from .store import ConsumerDB, now_iso, translate
 
 P = ParamSpec("P")
@@ -104,11 +102,6 @@ def _snapshot(conn: sqlite3.Connection) -> Iterator[None]:
     finally:
         if conn.in_transaction:  # SQLite may have ended it after an error
             conn.execute("ROLLBACK")  # nothing was written; ends the snapshot
-
-
-def _require_table(db: ConsumerDB, table: str) -> None:
-    if table not in db.spec.tables:
-        raise DatabaseError(f"{db.path}: consumer {db.consumer!r} has no {table} table")
 
 
 def _limit(limit: int | None) -> int:
@@ -243,66 +236,6 @@ def rejected_list(db: ConsumerDB, *, code: str | None = None, limit: int | None 
     )
 
 
-# -- catalog -------------------------------------------------------------------
-
-_CATALOG = "SELECT article_id, revision, published, title, url, event_id, occurred_at FROM catalog"
-
-
-def _article(row: tuple[Any, ...]) -> Row:
-    return {
-        "articleId": row[0],
-        "revision": row[1],
-        "published": bool(row[2]),
-        "title": row[3],
-        "url": row[4],
-        "eventId": row[5],
-        "occurredAt": row[6],
-    }
-
-
-@_reads
-def catalog_list(db: ConsumerDB) -> list[Row]:
-    """Every material of the catalog projection, by articleId."""
-    _require_table(db, "catalog")
-    return [_article(row) for row in db.conn.execute(f"{_CATALOG} ORDER BY article_id").fetchall()]
-
-
-@_reads
-def catalog_show(db: ConsumerDB, article_id: str) -> Row:
-    """The stored revision of one material, or NotFound."""
-    _require_table(db, "catalog")
-    rows = db.conn.execute(f"{_CATALOG} WHERE article_id = ?", (article_id,)).fetchall()
-    if not rows:
-        raise NotFound(f"articleId {article_id} not found in {db.path}")
-    return _article(rows[0])
-
-
-# -- audit ---------------------------------------------------------------------
-
-
-@_reads
-def audit_list(db: ConsumerDB, *, limit: int | None = 50) -> list[Row]:
-    """Recorded envelopes, newest first; ``envelope`` is the parsed canonical JSON."""
-    _require_table(db, "audit")
-    rows = db.conn.execute(
-        "SELECT event_id, event_type, article_id, revision, occurred_at, fingerprint, envelope"
-        " FROM audit ORDER BY rowid DESC LIMIT ?",
-        (_limit(limit),),
-    ).fetchall()
-    return [
-        {
-            "eventId": row[0],
-            "type": row[1],
-            "articleId": row[2],
-            "revision": row[3],
-            "occurredAt": row[4],
-            "fingerprint": row[5],
-            "envelope": orjson.loads(row[6]),
-        }
-        for row in rows
-    ]
-
-
 # -- ad-hoc SQL ----------------------------------------------------------------
 
 
@@ -416,9 +349,6 @@ __all__ = [
     "QUERY_TIMEOUT_S",
     "NotFound",
     "QueryError",
-    "audit_list",
-    "catalog_list",
-    "catalog_show",
     "inbox_list",
     "inbox_show",
     "inbox_stats",

@@ -4,12 +4,14 @@ Answers the operator's questions in one call: was it received (the receipt:
 result, fingerprint, first seen), how many times was it delivered (the
 ``deliveries`` rows: deliveries, redeliveries, attempts, crashes, first and
 last time, last outcome), why did it stop (every rejection: code, reason,
-when, where the copy went, whether it was resolved) and, for ``catalog``, the
-current row of its article. Read-only and short, like :mod:`queries`.
+when, where the copy went, whether it was resolved), the consumer's rows
+written by the event and, when its view is keyed by article, the current row
+of its article. Read-only and short, like :mod:`queries`.
 
 The catalog database does not keep the articleId of every event: the article
 is found when this event is its current revision (``catalog.event_id``), or
-when the caller names it (``article_id``).
+when the caller names it (``article_id``). The same holds for any consumer
+whose view names an article column (``View.article``, ``View.event``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 from .errors import ENDPOINT_REJECTED, OUTCOME_UNKNOWN, REJECTION_CODES, RETRIES_EXHAUSTED, WRONG_PARTITION
 from .queries import NotFound, _reads, _records, _snapshot
 from .store import ConsumerDB
+from .views import article_of
 
 Row = dict[str, Any]
 
@@ -32,13 +35,15 @@ _REJECTION_CODES = frozenset({*REJECTION_CODES, RETRIES_EXHAUSTED, DELIVERY_LIMI
 APPLIED, REJECTED, RESOLVED, PENDING = "applied", "rejected", "resolved", "pending"
 
 
-def _event_id_tables(db: ConsumerDB) -> list[str]:
-    """The consumer's effect tables that have an ``event_id`` column."""
-    tables = []
+def _event_id_tables(db: ConsumerDB) -> dict[str, str]:
+    """Effect table -> its column holding an eventId: the view's ``event``
+    column, else ``event_id`` where a table has one."""
+    view = db.spec.view
+    tables = {view.table: view.event} if view is not None and view.event is not None else {}
     for table in db.spec.tables:
         columns = {row[1] for row in db.conn.execute(f'PRAGMA table_info("{table}")').fetchall()}
         if "event_id" in columns:
-            tables.append(table)
+            tables.setdefault(table, "event_id")
     return tables
 
 
@@ -117,23 +122,6 @@ def _status(receipt: Row | None, rejections: list[Row], deliveries: Row) -> tupl
     return PENDING, f"not applied: {why} (last delivery {deliveries['lastAt']})"
 
 
-def _article(db: ConsumerDB, event_id: str, article_id: str | None) -> tuple[Row | None, str | None]:
-    from .queries import catalog_show
-
-    if article_id is None:
-        rows = db.conn.execute("SELECT article_id FROM catalog WHERE event_id = ?", (event_id,)).fetchall()
-        if not rows:
-            return None, ("this event is not the current revision of any article, and the database keeps no "
-                          "articleId per event; give --article ID to show its article")
-        article_id = str(rows[0][0])
-    try:
-        article = catalog_show(db, article_id)
-    except NotFound:
-        return None, f"articleId {article_id} is not in the catalog"
-    article["currentEvent"] = article["eventId"] == event_id
-    return article, None
-
-
 @_reads
 def trace(db: ConsumerDB, event_id: str, *, article_id: str | None = None) -> Row:
     """Receipt, deliveries, rejections and effect rows of *event_id*; NotFound if none."""
@@ -148,10 +136,11 @@ def trace(db: ConsumerDB, event_id: str, *, article_id: str | None = None) -> Ro
         deliveries = _deliveries_summary(_records(conn.execute(
             "SELECT key, deliveries, redeliveries, attempts, crashes, first_at, last_at, last_outcome"
             " FROM deliveries WHERE event_id = ? OR key = ? ORDER BY first_at, key", (event_id, event_id))), receipt)
-        effects = {table: _records(conn.execute(f'SELECT * FROM "{table}" WHERE event_id = ?', (event_id,)))
-                   for table in _event_id_tables(db)}
-        article, article_note = (_article(db, event_id, article_id) if "catalog" in db.spec.tables
-                                 else (None, None))
+        effects = {table: _records(conn.execute(f'SELECT * FROM "{table}" WHERE {column} = ?', (event_id,)))
+                   for table, column in _event_id_tables(db).items()}
+        view = db.spec.view
+        by_article = view is not None and view.article is not None
+        article, article_note = article_of(db, event_id, article_id) if by_article else (None, None)
     if receipt is None and not rejections and not deliveries["records"]:
         raise NotFound(f"eventId {event_id} not found in {db.path} (no receipt, delivery or rejection)")
     for rows in effects.values():
@@ -169,7 +158,7 @@ def trace(db: ConsumerDB, event_id: str, *, article_id: str | None = None) -> Ro
         "rejections": rejections,
         "effects": effects,
     }
-    if "catalog" in db.spec.tables:
+    if by_article:
         result["article"] = article
         if article_note:
             result["articleNote"] = article_note

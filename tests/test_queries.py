@@ -10,10 +10,14 @@ from typing import Any
 
 import pytest
 
-from delivery_consumer import queries, store
+from delivery_consumer import queries, store, views
+from delivery_consumer.consumers.catalog import SPEC as CATALOG_SPEC
 from delivery_consumer.envelope import from_mapping
 from delivery_consumer.errors import DatabaseError, Rejection
 from delivery_consumer.store import ConsumerDB, apply_event
+
+assert CATALOG_SPEC.view is not None
+CATALOG = CATALOG_SPEC.view
 
 T0 = datetime(2026, 11, 30, 12, 0, 0, tzinfo=UTC).timestamp()
 
@@ -150,14 +154,14 @@ def test_unknown_keys_raise_not_found(reader: ConsumerDB) -> None:
     with pytest.raises(queries.NotFound, match="eventId nope not found"):
         queries.inbox_show(reader, "nope")
     with pytest.raises(queries.NotFound, match="articleId nope not found"):
-        queries.catalog_show(reader, "nope")
+        views.show(reader, CATALOG, "nope")
 
 
 def test_effect_tables_of_another_consumer_are_refused(tmp_path: Path) -> None:
-    """catalog_list on an audit database is a DatabaseError, not an SQL error."""
+    """The catalog's view on an audit database is a DatabaseError, not an SQL error."""
     ConsumerDB.open(tmp_path / "audit.db", "audit", create=True).close()
     with ConsumerDB.open(tmp_path / "audit.db", readonly=True) as db, pytest.raises(DatabaseError, match="no catalog"):
-        queries.catalog_list(db)
+        views.list_rows([(None, db)], CATALOG)
 
 
 def test_query_returns_columns_and_rows(writer: ConsumerDB, reader: ConsumerDB) -> None:
@@ -233,8 +237,8 @@ QUERY_CALLS: list[tuple[str, Callable[[ConsumerDB], object]]] = [
     ("inbox_show", lambda db: queries.inbox_show(db, EVENT_ID)),
     ("inbox_stats", lambda db: queries.inbox_stats(db)),
     ("rejected_list", lambda db: queries.rejected_list(db)),
-    ("catalog_list", lambda db: queries.catalog_list(db)),
-    ("catalog_show", lambda db: queries.catalog_show(db, "article-42")),
+    ("view_list", lambda db: views.list_rows([(None, db)], CATALOG)),
+    ("view_show", lambda db: views.show(db, CATALOG, "article-42")),
     ("query", lambda db: queries.query(db, "SELECT * FROM inbox")),
 ]
 EVENT_ID = "0b1e9c1e-4a53-4f0e-9d2a-6f1f3f7b2c11"
@@ -269,4 +273,4 @@ def test_damaged_pages_found_while_reading_are_a_database_error(tmp_path: Path) 
     path.write_bytes(bytes(data))
 
     with ConsumerDB.open(path, readonly=True) as db, pytest.raises(DatabaseError, match="malformed"):
-        queries.catalog_list(db)
+        views.list_rows([(None, db)], CATALOG)

@@ -1,7 +1,8 @@
 """The ``delivery-consumer`` command: a thin click layer over the library.
 
 Each command module is imported only when its command runs, so that
-``replay`` and the inspect commands never pay for importing pika.
+``replay`` and the inspect commands never pay for importing pika. A
+consumer's name is a command too: ``<consumer> list|show`` of its view.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 import click
 
 from .. import __version__
+from ..errors import DeliveryError
 from ._common import config_option
 
 # command name -> "module:attribute" (relative to this package)
@@ -19,8 +21,6 @@ COMMANDS: dict[str, str] = {
     "init": "replay:init",
     "replay": "replay:replay",
     "inbox": "inbox:inbox",
-    "catalog": "inbox:catalog",
-    "audit": "inbox:audit",
     "rejected": "inbox:rejected",
     "query": "inbox:query",
     "trace": "system:trace",
@@ -59,7 +59,35 @@ class LazyGroup(click.Group):
         return super().get_command(ctx, cmd_name)
 
 
-@click.group(cls=LazyGroup, lazy=COMMANDS, context_settings={"help_option_names": ["-h", "--help"]})
+class RootGroup(LazyGroup):
+    """The root: its commands, then ``<consumer> list|show`` of every
+    registered consumer whose spec has a view (``cli/views.py``)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        from .. import consumers
+
+        try:
+            extra = [name for name in consumers.names() if consumers.get(name).view is not None]
+        except DeliveryError:  # a broken plugin: its own command says why
+            extra = []
+        return sorted(set(super().list_commands(ctx)) | set(extra))
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        command = super().get_command(ctx, cmd_name)
+        if command is not None:
+            return command
+        from .. import consumers
+        from .views import consumer_group
+
+        try:
+            if cmd_name not in consumers.names():
+                return None
+            return consumer_group(consumers.get(cmd_name))
+        except DeliveryError as exc:
+            raise click.UsageError(str(exc)) from None
+
+
+@click.group(cls=RootGroup, lazy=COMMANDS, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="delivery-consumer")
 @config_option
 def main() -> None:

@@ -1,6 +1,6 @@
 """The commands that read a consumer's inbox database: ``inbox`` (its
-receipts), ``rejected``, the effect tables of the built-in consumers
-(``catalog``, ``audit``) and ad-hoc ``query``.
+receipts), ``rejected`` and ad-hoc ``query``, and the helpers with which
+``views.py`` reads a consumer's own view (``<consumer> list|show``).
 
 Each command opens the database read-only (``mode=ro``), calls one function
 of :mod:`delivery_consumer.queries`, closes the database and prints: aligned
@@ -12,7 +12,7 @@ Exit codes: 0, 1 when the record asked for does not exist, 2 when the
 database cannot be used, the SQL is refused or it ran past --timeout.
 
 A partitioned consumer (``state/<consumer>/p<k>/inbox.db``): ``--partition K``
-reads one partition; without it, ``catalog list|show``, ``inbox list|show``,
+reads one partition; without it, ``<consumer> list|show``, ``inbox list|show``,
 ``rejected list`` and ``trace`` read every partition, as one consumer.
 """
 
@@ -33,7 +33,7 @@ from ..durations import Duration
 from ..durations import age as _age
 from ..errors import DeliveryError
 from ..partition_store import partition_db, partitioned_paths
-from ..partitions import SLOT_COUNT, partition_of
+from ..partitions import SLOT_COUNT
 from ..store import ConsumerDB, default_db_path
 from . import LazyGroup
 from ._common import EXIT_REJECTED, F, Fatal, consumer_option, db_option, emit_json, handle_errors, json_option, open_db
@@ -75,21 +75,21 @@ def read_options(consumer: str | None = None) -> Callable[[F], F]:
     return decorate
 
 
-def _partitions(consumer: str | None, db_path: Path | None) -> list[Path] | None:
+def partition_paths(consumer: str | None, db_path: Path | None) -> list[Path] | None:
     try:
         return partitioned_paths(consumer, db_path)
     except DeliveryError as exc:
         raise Fatal(str(exc)) from None
 
 
-def limit_option(fn: F) -> F:
+def limit_option(fn: F, default: int = 50) -> F:
     return click.option(
-        "--limit", "-n", default=50, show_default=True, type=click.IntRange(0), help="At most N rows; 0 for all."
+        "--limit", "-n", default=default, show_default=True, type=click.IntRange(0), help="At most N rows; 0 for all."
     )(fn)
 
 
 def _open_readonly(consumer: str | None, db_path: Path | None) -> ConsumerDB:
-    paths = _partitions(consumer, db_path)
+    paths = partition_paths(consumer, db_path)
     if paths is not None:
         raise Fatal(f"{consumer or 'the consumer'} is partitioned here ({len(paths)} partitions under "
                     f"{paths[0].parent.parent}): "
@@ -127,7 +127,7 @@ def reading(consumer: str | None, db_path: Path | None) -> Iterator[ConsumerDB]:
 def reading_all(consumer: str | None, db_path: Path | None) -> Iterator[list[tuple[int | None, ConsumerDB]]]:
     """Every partition's database (partition, db) of a partitioned consumer,
     or the one database as [(None, db)]; a NotFound exits 1."""
-    paths = _partitions(consumer, db_path)
+    paths = partition_paths(consumer, db_path)
     if paths is None:
         with reading(consumer, db_path) as db:
             yield [(None, db)]
@@ -148,7 +148,8 @@ def _merged(parts: Sequence[tuple[int | None, list[dict[str, Any]]]]) -> Iterato
             yield row if k is None else {**row, "partition": k}
 
 
-def _find(dbs: list[tuple[int | None, ConsumerDB]], look: Callable[[ConsumerDB], dict[str, Any]]) -> dict[str, Any]:
+def find_first(dbs: list[tuple[int | None, ConsumerDB]],
+               look: Callable[[ConsumerDB], dict[str, Any]]) -> dict[str, Any]:
     """The first partition's answer to *look* (NotFound in all of them: NotFound)."""
     missing: queries.NotFound | None = None
     for k, db in dbs:
@@ -211,7 +212,7 @@ def inbox_list(consumer: str | None, db_path: Path | None, as_json: bool, result
 def inbox_show(consumer: str | None, db_path: Path | None, as_json: bool, event_id: str) -> None:
     """The receipt of EVENT_ID, with its rejections and recorded deliveries."""
     with reading_all(consumer, db_path) as dbs:
-        shown = _find(dbs, lambda db: queries.inbox_show(db, event_id))
+        shown = find_first(dbs, lambda db: queries.inbox_show(db, event_id))
     if as_json:
         emit_json(shown)
         return
@@ -295,72 +296,6 @@ def rejected_list(consumer: str | None, db_path: Path | None, as_json: bool, cod
         return
     keys = ["id", "rejectedAt", "code", "eventId", "source", "reason"]
     echo_table(keys, _columns(rows, keys), empty="no rejections")
-
-
-# -- catalog ---------------------------------------------------------------------
-
-
-@click.group()
-def catalog() -> None:
-    """The catalog projection: the latest revision of each material."""
-
-
-@catalog.command("list")
-@read_options("catalog")
-@handle_errors
-def catalog_list(consumer: str, db_path: Path | None, as_json: bool) -> None:
-    """Every material, by articleId (of every partition, when partitioned)."""
-    with reading_all(consumer, db_path) as dbs:
-        parts = [(k, queries.catalog_list(db)) for k, db in dbs]
-    rows = list(heapq.merge(*(list(_merged([part])) for part in parts), key=lambda r: r["articleId"]))
-    if as_json:
-        emit_json(rows)
-        return
-    keys = ["articleId", "revision", "published", "title", "url"]
-    echo_table(keys, _columns(rows, keys), empty="the catalog is empty")
-
-
-@catalog.command("show")
-@read_options("catalog")
-@click.argument("article_id")
-@handle_errors
-def catalog_show(consumer: str, db_path: Path | None, as_json: bool, article_id: str) -> None:
-    """The stored revision of ARTICLE_ID (from its partition, when partitioned)."""
-    paths = _partitions(consumer, db_path)
-    if paths is not None:  # the article's own partition, by the routing function
-        k = partition_of(article_id, len(paths))
-        with reading(consumer, paths[k]) as db:
-            article = {**queries.catalog_show(db, article_id), "partition": k}
-    else:
-        with reading(consumer, db_path) as db:
-            article = queries.catalog_show(db, article_id)
-    if as_json:
-        emit_json(article)
-        return
-    echo_record(list(article.items()))
-
-
-# -- audit -----------------------------------------------------------------------
-
-
-@click.group()
-def audit() -> None:
-    """The audit log: every distinct envelope, stored once."""
-
-
-@audit.command("list")
-@read_options("audit")
-@limit_option
-@handle_errors
-def audit_list(consumer: str, db_path: Path | None, as_json: bool, limit: int) -> None:
-    """Recorded envelopes, newest first (--json includes each envelope)."""
-    with reading(consumer, db_path) as db:
-        rows = queries.audit_list(db, limit=limit)
-    if as_json:
-        emit_json(rows)
-        return
-    keys = ["eventId", "type", "articleId", "revision", "occurredAt"]
-    echo_table(keys, _columns(rows, keys), empty="the audit log is empty")
 
 
 # -- query -----------------------------------------------------------------------

@@ -38,7 +38,7 @@ from ._common import (
     open_db,
 )
 from ._output import echo_record, echo_table
-from .inbox import _find, read_options, reading_all
+from .inbox import find_first, read_options, reading_all
 from .rabbit import amqp_options
 
 
@@ -76,7 +76,8 @@ def _one_partition(consumer: str | None, db_path: Path | None, partition: int | 
 
 @click.command()
 @read_options()
-@click.option("--article", "article_id", help="catalog: show this article even if the event is not its current one.")
+@click.option("--article", "article_id",
+              help="A consumer whose view is keyed by article (catalog): show this article's row.")
 @click.argument("event_id")
 @handle_errors
 def trace(consumer: str | None, db_path: Path | None, as_json: bool, article_id: str | None, event_id: str) -> None:
@@ -84,13 +85,14 @@ def trace(consumer: str | None, db_path: Path | None, as_json: bool, article_id:
 
     The receipt (result, fingerprint, first seen), the deliveries recorded
     (count, redeliveries, attempts, crashes, first and last time), every
-    rejection (code, reason, when, where the copy went, resolved or not) and,
-    for catalog, the current row of its article. Unknown eventId: exit 1.
+    rejection (code, reason, when, where the copy went, resolved or not), the
+    consumer's rows the event wrote and, when its view is keyed by article
+    (catalog), the current row of its article. Unknown eventId: exit 1.
     """
     from ..trace import trace as trace_event
 
     with reading_all(consumer, db_path) as dbs:  # a partitioned consumer: the partition that knows it
-        shown = _find(dbs, lambda db: trace_event(db, event_id, article_id=article_id))
+        shown = find_first(dbs, lambda db: trace_event(db, event_id, article_id=article_id))
     if as_json:
         emit_json(shown)
         return
@@ -133,8 +135,9 @@ def _echo_trace(shown: dict[str, Any]) -> None:
         click.echo("article:" + ("" if article else f" unknown: {shown.get('articleNote')}"))
         if article:
             echo_record(list(article.items()), indent="  ")
+    view = consumers.get(shown["consumer"]).view
     for table, rows in shown["effects"].items():
-        if table == "catalog" and "article" in shown:
+        if "article" in shown and view is not None and table == view.table:
             continue
         click.echo(f"{table}: {len(rows) or 'no row'}")
         for row in rows:

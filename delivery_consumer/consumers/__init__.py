@@ -16,6 +16,10 @@ Adding a consumer is one module plus its registration, in one of three ways:
   ``delivery_consumer.consumers`` whose value is the module (or the spec);
 * ad hoc: ``DELIVERY_PLUGINS=my.module,other.module`` (each module calls
   :func:`register` on import), or :func:`register` from Python.
+
+A spec may carry a :class:`View` of its effect table, as data: the CLI then
+offers ``delivery-consumer <name> list|show`` and ``trace`` shows the
+consumer's own rows, with no code of the consumer's (see ``views.py``).
 """
 
 from __future__ import annotations
@@ -50,6 +54,41 @@ PLUGINS_ENV = "DELIVERY_PLUGINS"
 
 
 @dataclass(frozen=True)
+class View:
+    """How ``<consumer> list|show`` and ``trace`` read one effect table.
+
+    Columns are SQL column names of ``table``; rows come out keyed by their
+    camelCase form (``article_id`` -> ``articleId``) unless ``rename`` says
+    otherwise.
+    """
+
+    table: str
+    columns: Sequence[str]
+    #: ``list`` order: column names (``rowid`` too), ``-`` in front for descending.
+    order: Sequence[str] = ()
+    #: The unique column ``show KEY`` looks up; None: no ``show``.
+    key: str | None = None
+    #: The columns of ``list``'s text table (default: all); ``--json`` has all.
+    brief: Sequence[str] = ()
+    #: Option name -> column: ``list --NAME VALUE`` keeps the rows where it equals VALUE.
+    filters: Mapping[str, str] = field(default_factory=dict)
+    #: Default ``--limit`` of ``list``; 0 lists every row.
+    limit: int = 0
+    #: The column holding the articleId: ``show`` of a partitioned consumer
+    #: reads the article's partition, ``trace`` shows the article's row.
+    article: str | None = None
+    #: The column holding the eventId that last wrote the row: ``trace`` finds
+    #: the event's article by it.
+    event: str | None = None
+    #: Column -> output name, where camelCase is not the name wanted.
+    rename: Mapping[str, str] = field(default_factory=dict)
+    #: Column -> function applied to its stored value (``bool`` for a 0/1 flag).
+    decode: Mapping[str, Callable[[Any], Any]] = field(default_factory=dict)
+    #: What ``list`` prints when there is no row.
+    empty: str = "no rows"
+
+
+@dataclass(frozen=True)
 class ConsumerSpec:
     """Everything the store and the broker need to know about one consumer."""
 
@@ -69,6 +108,8 @@ class ConsumerSpec:
     #: of ``apply`` (the fence protocol of ``fence.py``). None for effects
     #: that live inside the store's transaction.
     external: ExternalFactory | None = None
+    #: The view of ``<name> list|show`` and of ``trace``; None: no such commands.
+    view: View | None = None
 
 
 _BUILTINS: dict[str, str] = {
@@ -139,4 +180,6 @@ def names() -> list[str]:
     return sorted(set(_BUILTINS) | set(_REGISTRY))
 
 
-__all__ = ["ApplyFn", "ConsumerSpec", "ExternalBatchFn", "ExternalFactory", "get", "names", "register", "unregister"]
+__all__ = [
+    "ApplyFn", "ConsumerSpec", "ExternalBatchFn", "ExternalFactory", "View", "get", "names", "register", "unregister",
+]

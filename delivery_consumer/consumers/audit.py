@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import sqlite3
 
+import orjson
+
 from ..envelope import Envelope
 from ..errors import EVENT_ID_REUSED, Rejection
-from . import ConsumerSpec
+from . import ConsumerSpec, View
 
 MIGRATIONS = (
     """
@@ -71,4 +73,16 @@ SPEC = ConsumerSpec(
     binding_keys=("#",),
     description="append-only log of every distinct envelope",
     tables=("audit",),
+    view=View(
+        table="audit",
+        columns=("event_id", "event_type", "article_id", "revision", "occurred_at", "fingerprint", "envelope"),
+        order=("-rowid",),
+        key="event_id",
+        brief=("event_id", "event_type", "article_id", "revision", "occurred_at"),
+        filters={"type": "event_type"},
+        limit=50,
+        rename={"event_type": "type"},
+        decode={"envelope": orjson.loads},
+        empty="the audit log is empty",
+    ),
 )

@@ -21,7 +21,7 @@ import sqlite3
 
 from ..envelope import Envelope, fingerprint
 from ..errors import REVISION_CONFLICT, Rejection
-from . import ConsumerSpec
+from . import ConsumerSpec, View
 
 PUBLISHED = "material.published"
 WITHDRAWN = "material.withdrawn"
@@ -93,4 +93,15 @@ SPEC = ConsumerSpec(
     binding_keys=("material.*",),
     description="projection of the latest revision of each material",
     tables=("catalog",),
+    view=View(
+        table="catalog",
+        columns=("article_id", "revision", "published", "title", "url", "event_id", "occurred_at"),
+        order=("article_id",),
+        key="article_id",
+        brief=("article_id", "revision", "published", "title", "url"),
+        article="article_id",
+        event="event_id",
+        decode={"published": bool},
+        empty="the catalog is empty",
+    ),
 )
