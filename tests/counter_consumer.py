@@ -3,7 +3,8 @@
 It proves that adding a consumer is one module plus its registration, with no
 change to the store: this module is all there is. Importing it registers the
 consumer, which is how ``DELIVERY_PLUGINS=counter_consumer`` loads it in
-another process (with ``tests/`` on ``PYTHONPATH``).
+another process (with ``tests/`` on ``PYTHONPATH``); its view gives it
+``counter list|show`` and its rows in ``trace``.
 
 Counting is the kind of effect that is *not* idempotent by itself (unlike the
 catalog's revision check), so it shows the inbox absorbing every duplicate.
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import sqlite3
 
-from delivery_consumer.consumers import ConsumerSpec, register
+from delivery_consumer.consumers import ConsumerSpec, View, register
 from delivery_consumer.envelope import Envelope
 
 RESULT = "counted"
@@ -46,6 +47,15 @@ SPEC = ConsumerSpec(
     migrations=MIGRATIONS,
     description="test-only: number of distinct events per article",
     tables=("counter",),
+    view=View(
+        table="counter",
+        columns=("article_id", "events", "last_event_id"),
+        order=("-events", "article_id"),
+        key="article_id",
+        article="article_id",
+        event="last_event_id",
+        empty="nothing counted yet",
+    ),
 )
 
 register(SPEC, replace=True)

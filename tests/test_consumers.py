@@ -3,10 +3,12 @@ and the contract every consumer meets."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import orjson
 import pytest
 from support import (
     TESTS,
@@ -28,6 +30,7 @@ from delivery_consumer import consumers
 from delivery_consumer.consumers import ConsumerSpec
 from delivery_consumer.envelope import from_mapping
 from delivery_consumer.errors import EVENT_ID_REUSED, ConfigError, DatabaseError, Rejection
+from delivery_consumer.partition_store import split_merge
 from delivery_consumer.store import ConsumerDB, apply_event
 
 # -- the registry -------------------------------------------------------------
@@ -128,6 +131,39 @@ def test_counter_consumer_loaded_from_delivery_plugins(tmp_path: Path) -> None:
     assert 0 == replay.returncode, replay.stderr
     assert "6 events: 5 counted, 1 duplicate:counted" == replay.stdout.splitlines()[-1]
     assert [("article-42", 3), ("article-7", 2)] == read_rows(db, "counter", "article_id, events")
+
+
+def test_plugin_consumer_views_through_the_cli(counter: ConsumerSpec, tmp_path: Path) -> None:
+    """A DELIVERY_PLUGINS consumer gets list, show and its article in trace from its spec's view,
+    over one database and, the same, over a partition directory."""
+    events = _counter_events()
+    (tmp_path / "events.ndjson").write_bytes(ndjson(events))
+    child_env = subprocess_env(DELIVERY_PLUGINS="counter_consumer", PYTHONPATH=str(TESTS))
+
+    def run(*args: str, code: int = 0) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run([console_script(), *args], cwd=tmp_path, env=child_env, capture_output=True,
+                              text=True, timeout=60)
+        assert code == done.returncode, done.stderr
+        return done
+
+    run("replay", "--consumer", "counter", "events.ndjson")
+    for partitioned in (False, True):
+        if partitioned:
+            split_merge("counter", 2, tmp_path / "state")
+        listed = run("counter", "list").stdout.splitlines()
+        shown = orjson.loads(run("counter", "show", "article-7", "--json").stdout)
+        traced = orjson.loads(run("trace", "--consumer", "counter", "--json", str(events[4]["eventId"])).stdout)
+        older = run("trace", "--consumer", "counter", str(events[3]["eventId"]), "--article", "article-7").stdout
+        missing = run("counter", "show", "article-0", code=1).stderr
+
+        assert ["articleId", "events", "lastEventId"] == listed[0].split()
+        assert [["article-42", "3"], ["article-7", "2"]] == [line.split()[:2] for line in listed[2:]]
+        shown.pop("partition", None)
+        assert {"articleId": "article-7", "events": 2, "lastEventId": events[4]["eventId"]} == shown
+        assert (2, True) == (traced["article"]["events"], traced["article"]["currentEvent"])
+        assert re.search(r"^article:\n  articleId:\s+article-7\n  events:\s+2\n", older, re.M)
+        assert "articleId article-0 not found" in missing and "Traceback" not in missing
+    assert (tmp_path / "state" / "counter" / "p1" / "inbox.db").is_file()
 
 
 def test_unimportable_plugin_is_one_clear_error(tmp_path: Path) -> None:
