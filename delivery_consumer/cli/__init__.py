@@ -80,11 +80,10 @@ class RootGroup(LazyGroup):
         from .views import consumer_group
 
         try:
-            if cmd_name not in consumers.names():
-                return None
-            return consumer_group(consumers.get(cmd_name))
-        except DeliveryError as exc:
+            spec = consumers.find(cmd_name)
+        except DeliveryError as exc:  # a plugin that cannot be loaded: say so, not "no such command"
             raise click.UsageError(str(exc)) from None
+        return None if spec is None else consumer_group(spec)
 
 
 @click.group(cls=RootGroup, lazy=COMMANDS, context_settings={"help_option_names": ["-h", "--help"]})

@@ -35,11 +35,19 @@ def _list_command(consumer: str, view: View) -> click.Command:
 
     fn = read_options(consumer)(limit_option(list_rows, view.limit))
     for option, column in view.filters.items():
-        fn = click.option(f"--{option}", option, help=f"Only rows whose {column} is this.")(fn)
-    order = ", ".join(f"{views.name(view, t.lstrip('-'))}{' descending' if t.startswith('-') else ''}"
-                      for t in view.order)
-    return click.command("list", help=f"The rows of {view.table}" + (f", by {order}" if order else "")
-                         + " (of every partition, when partitioned).")(fn)
+        fn = click.option(f"--{option}", option, help=f"Only rows whose {views.name(view, column)} is this.")(fn)
+    return click.command("list", help=f"The rows of {view.table}{_order_text(view)} "
+                                      "(of every partition, when partitioned).")(fn)
+
+
+def _order_text(view: View) -> str:
+    """``, by articleId`` / ``, newest first`` for the help of ``list``."""
+    terms = []
+    for term in view.order:
+        column, desc = term.lstrip("-"), term.startswith("-")
+        terms.append(("newest first" if desc else "oldest first") if column == "rowid"
+                     else f"by {views.name(view, column)}" + (" descending" if desc else ""))
+    return "".join(f", {t}" for t in terms)
 
 
 def _show_command(consumer: str, view: View, key: str) -> click.Command:
@@ -69,7 +77,8 @@ def consumer_group(spec: ConsumerSpec) -> click.Group | None:
     view = spec.view
     if view is None:
         return None
-    group = click.Group(spec.name, help=f"The {spec.name} consumer's view of {view.table}: {spec.description}.")
+    about = f": {spec.description}" if spec.description else ""
+    group = click.Group(spec.name, help=f"The {view.table} table of the {spec.name} consumer{about}.")
     group.add_command(_list_command(spec.name, view))
     if view.key is not None:
         group.add_command(_show_command(spec.name, view, view.key))

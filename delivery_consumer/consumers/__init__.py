@@ -101,7 +101,8 @@ class ConsumerSpec:
     #: Topic-exchange binding keys of the consumer's queue.
     binding_keys: Sequence[str] = ("#",)
     description: str = ""
-    #: Effect tables that read-only commands may list (``<name> list``).
+    #: Effect tables of the consumer (``trace`` shows their rows with an
+    #: ``event_id`` column; ``repartition`` moves them by ``article_id``).
     tables: Sequence[str] = field(default_factory=tuple)
     #: For an effect outside the database (an HTTP call, see
     #: ``consumers/webhook.py``): ``run`` applies its batches with this instead
@@ -174,6 +175,16 @@ def get(name: str) -> ConsumerSpec:
     return spec
 
 
+def find(name: str) -> ConsumerSpec | None:
+    """The consumer called *name*, or None; ConfigError only when a plugin
+    cannot be loaded (a built-in never needs the plugins)."""
+    if name not in _REGISTRY and name not in _BUILTINS:
+        _load_plugins()
+        if name not in _REGISTRY:
+            return None
+    return get(name)
+
+
 def names() -> list[str]:
     """Names of every consumer that can be used, built-in and registered."""
     _load_plugins()
@@ -181,5 +192,6 @@ def names() -> list[str]:
 
 
 __all__ = [
-    "ApplyFn", "ConsumerSpec", "ExternalBatchFn", "ExternalFactory", "View", "get", "names", "register", "unregister",
+    "ApplyFn", "ConsumerSpec", "ExternalBatchFn", "ExternalFactory", "View",
+    "find", "get", "names", "register", "unregister",
 ]
