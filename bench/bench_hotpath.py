@@ -1,0 +1,300 @@
+"""The hot path's goals in one run: each ratio paired, repeated, median.
+
+    python bench/bench_hotpath.py [--repeat 3] [--only replay,growth,run] [--receipts 5000000]
+
+* ``replay --batch 1`` (10k events) against ``bench/raw_limit.py --batch 1``,
+  and ``--batch 100`` (50k events) against the raw loop at 100 per commit:
+  whole processes, start-up included, each on a fresh database, ours and the
+  limit alternating (goal >= 0.9);
+* growth: ``replay --batch 100`` of 50k events into a database already
+  holding ``--receipts`` receipts against the same into an empty one
+  (goal >= 0.9). The full database is made once with raw SQL (random
+  eventIds, received in the past) and copied before each run;
+  ``--curve 0,1000000,...`` prints the whole curve, ours and the raw loop;
+* ``run`` (default options: prefetch 500, batch 250) against a bare pika
+  consumer acking ``multiple`` every batch at the same prefetch, 20k
+  messages on a quorum queue (goal >= 0.7), with the peak RSS of ``run``
+  (connection process + worker process, VmHWM of each, summed).
+
+The ratio of each pair is taken from the medians. Every run is printed. The
+machine may be shared: a busy machine only adds time, so look at the spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import re
+import shutil
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import _stream
+import bench_replay
+
+HERE = Path(__file__).resolve().parent
+RAW = HERE / "raw_limit.py"
+GOALS = {"replay1": 0.9, "replay100": 0.9, "growth": 0.9, "run": 0.7}
+
+
+def _median_pair(label: str, repeat: int, first: Callable[[], float], second: Callable[[], float],
+                 names: tuple[str, str]) -> tuple[float, float]:
+    """Alternate two timed callables *repeat* times; print every run; medians."""
+    a: list[float] = []
+    b: list[float] = []
+    for i in range(repeat):
+        order = [(first, a), (second, b)]
+        for fn, runs in order if i % 2 == 0 else order[::-1]:
+            runs.append(fn())
+    print(f"  {label}: {names[0]} " + " ".join(f"{x:,.0f}" for x in a)
+          + f" | {names[1]} " + " ".join(f"{x:,.0f}" for x in b), flush=True)
+    return statistics.median(a), statistics.median(b)
+
+
+def _wall(argv: list[str], out: Path) -> float:
+    runs = bench_replay.Runs()
+    bench_replay._timed(argv, out, runs)
+    return runs.wall[0]
+
+
+class Replay:
+    """Times replay and the raw loop over the same NDJSON file."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.command = bench_replay._command()
+
+    def ours(self, source: Path, batch: int, template: Path | None = None) -> Callable[[], float]:
+        db = self.tmp / "ours.db"
+        lines = source.read_bytes().count(b"\n")
+
+        def timed() -> float:
+            bench_replay._fresh(db)
+            if template is not None:
+                shutil.copyfile(template, db)
+            argv = [self.command, "replay", "--consumer", "catalog", "--batch", str(batch), "--db", str(db),
+                    str(source)]
+            wall = _wall(argv, self.tmp / "stdout.txt")
+            return lines / wall
+
+        return timed
+
+    def raw(self, source: Path, batch: int, template: Path | None = None) -> Callable[[], float]:
+        db = self.tmp / "raw.db"
+        lines = source.read_bytes().count(b"\n")
+
+        def timed() -> float:
+            bench_replay._fresh(db)
+            if template is not None:
+                shutil.copyfile(template, db)
+            wall = _wall([sys.executable, str(RAW), "--batch", str(batch), "--db", str(db), str(source)],
+                         self.tmp / "stdout.txt")
+            return lines / wall
+
+        return timed
+
+
+def _stream_file(tmp: Path, name: str, count: int, seed: int) -> Path:
+    path = tmp / name
+    path.write_bytes(_stream.ndjson(_stream.envelopes(count, seed=seed)))
+    return path
+
+
+def prefill_store(command: str, path: Path, count: int) -> None:
+    """A catalog database holding *count* receipts, made with raw SQL."""
+    bench_replay._fresh(path)
+    subprocess.run([command, "init", "--consumer", "catalog", "--db", str(path)], check=True,
+                   stdout=subprocess.DEVNULL, env=bench_replay.ENV)
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA synchronous = OFF")
+    conn.execute("PRAGMA cache_size = -1000000")
+    start = time.time() - 90 * 86400  # received over the last 90 days, in rowid order
+    step = 80 * 86400 / max(1, count)
+    done = 0
+    while done < count:
+        n = min(200_000, count - done)
+        conn.execute("BEGIN IMMEDIATE")
+        conn.executemany(
+            "INSERT INTO inbox (event_id, fingerprint, result, event_type, received_at) VALUES (?, ?, ?, ?, ?)",
+            ((str(uuid.UUID(bytes=os.urandom(16), version=4)), "0" * 64, "updated", "material.published",
+              _iso(start + (done + i) * step)) for i in range(n)))
+        conn.execute("COMMIT")
+        done += n
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    conn.close()
+
+
+def _iso(when: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(when)) + f".{int(when % 1 * 1000):03d}Z"
+
+
+def prefill_raw(path: Path, count: int) -> None:
+    bench_replay._fresh(path)
+    subprocess.run([sys.executable, str(RAW), "--db", str(path), "--prefill", str(count)], check=True)
+    conn = sqlite3.connect(path)
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    conn.close()
+
+
+def bench_replay_ratios(tmp: Path, repeat: int, rows: list[str]) -> None:
+    r = Replay(tmp)
+    for batch, events in ((1, 10_000), (100, 50_000)):
+        source = _stream_file(tmp, f"stream-{events}.ndjson", events, 42)
+        r.ours(source, batch)()  # warm-up: bytecode cache, file cache
+        r.raw(source, batch)()
+        ours, limit = _median_pair(f"replay --batch {batch}, {events:,} events, ev/s", repeat,
+                                   r.ours(source, batch), r.raw(source, batch), ("ours", "raw"))
+        goal = GOALS[f"replay{batch}"]
+        rows.append(f"| `replay --batch {batch}`, {events // 1000}k events | {ours:,.0f}/s | raw loop: "
+                    f"{limit:,.0f}/s | **{ours / limit:.2f}** | ≥ {goal} |")
+
+
+def bench_growth(tmp: Path, repeat: int, receipts: int, curve: list[int], rows: list[str]) -> None:
+    r = Replay(tmp)
+    source = _stream_file(tmp, "chunk.ndjson", 50_000, 43)
+    counts = sorted(set(curve) | {receipts})
+    empty_ours = empty_raw = 0.0
+    for n in counts:
+        if n == 0:
+            continue
+        print(f"  prefilling {n:,} receipts ...", flush=True)
+        template = tmp / f"full-{n}.db"
+        started = time.perf_counter()
+        prefill_store(r.command, template, n)
+        print(f"  made in {time.perf_counter() - started:.0f} s, {template.stat().st_size / 1e6:,.0f} MB", flush=True)
+        empty, full = _median_pair(f"replay --batch 100 of 50k: empty vs {n:,} receipts, ev/s", repeat,
+                                   r.ours(source, 100), r.ours(source, 100, template), ("empty", "full"))
+        empty_ours = empty_ours or empty
+        line = f"  curve {n:>10,}: ours {full:,.0f}/s ({full / empty:.2f} of empty)"
+        if n in curve:
+            raw_template = tmp / f"raw-full-{n}.db"
+            prefill_raw(raw_template, n)
+            raw_empty, raw_full = _median_pair(f"raw loop: empty vs {n:,} receipts, ev/s", repeat,
+                                               r.raw(source, 100), r.raw(source, 100, raw_template),
+                                               ("empty", "full"))
+            empty_raw = empty_raw or raw_empty
+            line += f"; raw loop {raw_full:,.0f}/s ({raw_full / raw_empty:.2f} of empty)"
+            raw_template.unlink()
+        print(line, flush=True)
+        if n == receipts:
+            rows.append(f"| `replay --batch 100`, 50k events into {n / 1e6:g}M receipts | {full:,.0f}/s | "
+                        f"the same into an empty database: {empty:,.0f}/s | **{full / empty:.2f}** | "
+                        f"≥ {GOALS['growth']} |")
+        template.unlink()
+
+
+RUN_RATE = re.compile(r"first delivery to last ack [0-9.]+s \(([0-9]+)/s\)")
+
+
+def _tree_hwm(pid: int, peaks: dict[int, int]) -> None:
+    """Record VmHWM (peak RSS, KiB) of *pid* and its children."""
+    pids = [pid]
+    with_children = Path(f"/proc/{pid}/task/{pid}/children")
+    try:
+        pids += [int(p) for p in with_children.read_text().split()]
+    except OSError:
+        return
+    for p in pids:
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    peaks[p] = max(peaks.get(p, 0), int(line.split()[1]))
+        except OSError:
+            pass
+
+
+def run_ours(url: str, topo: object, workdir: Path, rss: list[float]) -> float:
+    db = workdir / f"bench-{uuid.uuid4().hex[:8]}.db"
+    argv = [str(Path(bench_replay._command())), "run", "--consumer", "catalog", "--db", str(db),
+            "--amqp-url", url, "--exchange", topo.exchange, "--queue-prefix", topo.prefix,  # type: ignore[attr-defined]
+            "--exit-when-idle", "1", "--log-level", "info"]
+    err = workdir / "run.err"
+    peaks: dict[int, int] = {}
+    with err.open("wb") as stderr:
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=stderr, env=bench_replay.ENV)
+        while proc.poll() is None:
+            _tree_hwm(proc.pid, peaks)
+            time.sleep(0.05)
+    text = err.read_text(errors="replace")
+    match = RUN_RATE.search(text)
+    if proc.returncode != 0 or match is None:
+        raise SystemExit(f"run failed (exit {proc.returncode}):\n{text[-2000:]}")
+    rss.append(sum(peaks.values()) / 1024)
+    return float(match.group(1))
+
+
+def bench_run_ratio(repeat: int, url: str, rows: list[str]) -> None:
+    import bench_run
+
+    from delivery_consumer.runner import RunConfig
+    from delivery_consumer.topology import Topology
+
+    prefetch, batch, messages = RunConfig.prefetch, RunConfig.batch, 20_000
+    bodies = bench_run.make_events(messages)
+    prefix = f"bench{uuid.uuid4().hex[:6]}"
+    topo = Topology(consumer="catalog", binding_keys=("material.*",), exchange=f"{prefix}.events", prefix=prefix)
+    rss: list[float] = []
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+
+            def seeded(fn: Callable[[], float]) -> Callable[[], float]:
+                def go() -> float:
+                    bench_run.delete_queues(url, topo)
+                    bench_run.seed(url, topo, bodies)
+                    return fn()
+                return go
+
+            ours, bare = _median_pair(
+                f"run (prefetch {prefetch}, batch {batch}) vs bare pika, {messages:,} msgs, msg/s", repeat,
+                seeded(lambda: run_ours(url, topo, Path(tmp), rss)),
+                seeded(lambda: bench_run.bare(url, topo, messages, prefetch, batch)), ("run", "bare"))
+    finally:
+        bench_run.delete_queues(url, topo)
+    print(f"  run peak RSS (both processes), MiB: {' '.join(f'{x:.0f}' for x in rss)}")
+    rows.append(f"| `run` (prefetch {prefetch}, batch {batch}), quorum queue, {messages // 1000}k messages | "
+                f"{ours:,.0f}/s | bare pika acking `multiple` every {batch}: {bare:,.0f}/s | **{ours / bare:.2f}** | "
+                f"≥ {GOALS['run']} |")
+    rows.append(f"| peak RSS of `run` (both processes), prefetch {prefetch} | {statistics.median(rss):.0f} MiB | | | |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--only", default="replay,growth,run")
+    parser.add_argument("--receipts", type=int, default=5_000_000)
+    parser.add_argument("--curve", default="", help="comma-separated receipt counts (ours and the raw loop)")
+    parser.add_argument("--amqp-url", default=os.environ.get("DELIVERY_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F"))
+    args = parser.parse_args()
+    only = set(args.only.split(","))
+    tmp = Path(tempfile.mkdtemp(prefix="dc-hotpath-"))
+    bench_replay.ENV = bench_replay._env(tmp)
+    load = os.getloadavg()[0]
+    print(f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} cores, {platform.machine()}, "
+          f"Python {platform.python_version()}, SQLite {sqlite3.sqlite_version}, WAL + synchronous=FULL, "
+          f"load average {load:.1f} at start", flush=True)
+    rows = ["| what | ours | limit | ratio | goal |", "|---|---:|---:|---:|---:|"]
+    try:
+        if "replay" in only:
+            bench_replay_ratios(tmp, args.repeat, rows)
+        if "growth" in only:
+            curve = [int(float(x)) for x in args.curve.split(",") if x]
+            bench_growth(tmp, args.repeat, args.receipts, curve, rows)
+        if "run" in only:
+            bench_run_ratio(args.repeat, args.amqp_url, rows)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"\nload average {os.getloadavg()[0]:.1f} at the end")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()

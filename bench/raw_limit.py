@@ -1,0 +1,136 @@
+"""The least work the catalog job needs: a minimal raw SQL loop, same durability.
+
+This is the limit ``replay`` is measured against (``bench_hotpath.py``). It is
+NOT the store's schema nor the store's statements: it is what any program that
+applies these events exactly once must do, and nothing more.
+
+* tables ``inbox(event_id PK, fingerprint, result, received_at)`` and
+  ``catalog(article_id PK, revision, title, url, published)``, no other index;
+* WAL, ``synchronous=FULL`` (every commit synced), ``BEGIN IMMEDIATE … COMMIT``
+  per batch; the page cache has the store's size (the same memory budget);
+* per event: ``orjson.loads``, the SHA-256 of the canonical bytes
+  (``orjson.dumps(obj, option=OPT_SORT_KEYS)``), ``SELECT`` the receipt,
+  ``SELECT`` the article's revision, upsert, ``INSERT`` the receipt.
+
+No validation, no rejection bookkeeping, no output. It expects valid events
+(the benchmark's stream is). ``--prefill N`` instead writes N receipts with
+random eventIds into the database and exits (for the growth curve).
+
+    python bench/raw_limit.py --batch 100 --db X.db FILE.ndjson
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sqlite3
+import time
+
+import orjson
+
+SORT = orjson.OPT_SORT_KEYS
+SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS inbox (event_id TEXT PRIMARY KEY, fingerprint TEXT NOT NULL,"
+    " result TEXT NOT NULL, received_at TEXT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS catalog (article_id TEXT PRIMARY KEY, revision INTEGER NOT NULL,"
+    " title TEXT NOT NULL, url TEXT NOT NULL, published INTEGER NOT NULL)",
+)
+RECEIPT = "SELECT fingerprint FROM inbox WHERE event_id = ?"
+ARTICLE = "SELECT revision, title, url, published FROM catalog WHERE article_id = ?"
+UPSERT = (
+    "INSERT INTO catalog (article_id, revision, title, url, published) VALUES (?, ?, ?, ?, ?)"
+    " ON CONFLICT (article_id) DO UPDATE SET revision = excluded.revision, title = excluded.title,"
+    " url = excluded.url, published = excluded.published"
+)
+INSERT = "INSERT INTO inbox (event_id, fingerprint, result, received_at) VALUES (?, ?, ?, ?)"
+
+
+def connect(path: str) -> sqlite3.Connection:
+    conn = sqlite3.connect(path, isolation_level=None, timeout=5.0)
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute("PRAGMA synchronous = FULL")
+    conn.execute("PRAGMA cache_size = -65536")
+    for statement in SCHEMA:
+        conn.execute(statement)
+    return conn
+
+
+def stamp() -> str:
+    when = time.time()
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(when)) + f".{int(when % 1 * 1000):03d}Z"
+
+
+def replay(conn: sqlite3.Connection, source: str, batch: int) -> None:
+    execute = conn.execute
+
+    def flush(lines: list[bytes]) -> None:
+        execute("BEGIN IMMEDIATE")
+        now = stamp()
+        for line in lines:
+            obj = orjson.loads(line)
+            fp = hashlib.sha256(orjson.dumps(obj, option=SORT)).hexdigest()
+            event_id = obj["eventId"]
+            stored = execute(RECEIPT, (event_id,)).fetchone()
+            if stored is not None:
+                if stored[0] != fp:
+                    raise SystemExit("event-id-reused: the benchmark stream has none")
+                continue
+            data, revision, article = obj["data"], obj["revision"], obj["articleId"]
+            published = int(obj["type"] == "material.published")
+            row = execute(ARTICLE, (article,)).fetchone()
+            if row is None or revision > row[0]:
+                execute(UPSERT, (article, revision, data["title"], data["url"], published))
+                result = "updated"
+            elif revision < row[0]:
+                result = "stale"
+            elif (row[1], row[2], row[3]) == (data["title"], data["url"], published):
+                result = "same-state"
+            else:
+                raise SystemExit("revision-conflict: the benchmark stream has none")
+            execute(INSERT, (event_id, fp, result, now))
+        execute("COMMIT")
+
+    pending: list[bytes] = []
+    with open(source, "rb") as lines:
+        for line in lines:
+            pending.append(line)
+            if len(pending) == batch:
+                flush(pending)
+                pending = []
+    if pending:
+        flush(pending)
+
+
+def prefill(conn: sqlite3.Connection, count: int, chunk: int = 100_000) -> None:
+    """*count* receipts with random (uuid4-shaped) eventIds, in random order."""
+    import os
+    import uuid
+
+    fp = "0" * 64
+    done = 0
+    while done < count:
+        n = min(chunk, count - done)
+        conn.execute("BEGIN IMMEDIATE")
+        conn.executemany(INSERT, ((str(uuid.UUID(bytes=os.urandom(16), version=4)), fp, "updated",
+                                   "2026-01-01T00:00:00.000Z") for _ in range(n)))
+        conn.execute("COMMIT")
+        done += n
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--db", required=True)
+    parser.add_argument("--prefill", type=int, default=0, help="write N random receipts and exit")
+    parser.add_argument("source", nargs="?")
+    args = parser.parse_args()
+    conn = connect(args.db)
+    if args.prefill:
+        prefill(conn, args.prefill)
+    elif args.source:
+        replay(conn, args.source, args.batch)
+    conn.close()
+
+
+if __name__ == "__main__":
+    main()
