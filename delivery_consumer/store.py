@@ -470,6 +470,20 @@ class ConsumerDB:
         return dict(self.conn.execute("SELECT key, value FROM meta").fetchall())
 
 
+_RECEIPT_SELECT = "SELECT fingerprint, result FROM inbox WHERE event_id = ?"
+_RECEIPTS_SELECT = (
+    "SELECT event_id, fingerprint, result FROM inbox WHERE event_id IN (SELECT value FROM json_each(?))"
+)
+_RECEIPT_INSERT = (
+    "INSERT INTO inbox (event_id, fingerprint, result, event_type, received_at, partition_key)"
+    " VALUES (?, ?, ?, ?, ?, ?)"
+)
+
+
+class _Fallback(Exception):
+    """The optimistic batch met a failing event: apply it event by event."""
+
+
 def _duplicate(receipt: tuple[str, str], env: Envelope) -> str:
     """The answer to an event whose eventId has a receipt (fingerprint, result):
     ``duplicate:<result>``, or rejection ``event-id-reused`` for another body."""
@@ -562,6 +576,105 @@ class Transaction:
         self.conn.execute("ROLLBACK TO event")
         self.conn.execute("RELEASE event")
 
+    def apply_many(self, items: Sequence[Envelope | Rejection]) -> list[Outcome]:
+        """Apply a batch; the first thing done in the transaction.
+
+        Optimistic: receipts read in one statement, the fresh events applied
+        together (the consumer's ``apply_many``, else ``apply`` in turn) with
+        no savepoint, their receipts written by one ``executemany``. When any
+        event fails (a rejection, a transient or an effect's error), the
+        transaction is rolled back and begun again, and the batch is applied
+        event by event under savepoints (:meth:`apply`): the outcomes and the
+        database are those of the per-event path, which
+        ``tests/test_batch_apply.py`` checks. Parse rejections in *items*
+        become rejection outcomes; recording them is the caller's.
+        """
+        try:
+            return self._optimistic(items)
+        except _Fallback:
+            pass
+        self._restart()
+        envs = [item for item in items if not isinstance(item, Rejection)]
+        if len(envs) > 1:
+            self.prefetch(envs)
+        return [
+            Outcome(item.event_id, rejection=item) if isinstance(item, Rejection) else self.apply(item)
+            for item in items
+        ]
+
+    def _optimistic(self, items: Sequence[Envelope | Rejection]) -> list[Outcome]:
+        conn = self.conn
+        envs = [item for item in items if not isinstance(item, Rejection)]
+        if len(envs) == 1:
+            row = conn.execute(_RECEIPT_SELECT, (envs[0].event_id,)).fetchone()
+            known = {} if row is None else {envs[0].event_id: row}
+        else:
+            ids = orjson.dumps([env.event_id for env in envs]).decode()
+            known = {row[0]: row[1:] for row in conn.execute(_RECEIPTS_SELECT, (ids,))}
+        # Each item is answered now (a receipt, a parse rejection) or by the
+        # effect: index of its fresh event, the first with its eventId.
+        outcomes: list[Outcome | int] = []
+        fresh: list[Envelope] = []
+        first: dict[str, int] = {}
+        for item in items:
+            if isinstance(item, Rejection):
+                outcomes.append(Outcome(item.event_id, rejection=item))
+                continue
+            row = known.get(item.event_id)
+            if row is not None:
+                try:
+                    outcomes.append(Outcome(item.event_id, result=_duplicate(row, item)))
+                except Rejection as rej:
+                    outcomes.append(Outcome(item.event_id, rejection=rej))
+                continue
+            index = first.get(item.event_id)
+            if index is None:
+                first[item.event_id] = len(fresh)
+                outcomes.append(len(fresh))
+                fresh.append(item)
+            elif fresh[index].fingerprint == item.fingerprint:
+                outcomes.append(~index)  # a duplicate of a fresh event of this batch
+            else:
+                raise _Fallback  # event-id-reused within the batch: rare, let the per-event path say it
+        if not fresh:
+            return outcomes  # type: ignore[return-value]
+        part = self.db.partition
+        if part is not None and any(misplaced(env.article_id, part) for env in fresh):
+            raise _Fallback  # the per-event path rejects the misplaced event alone
+        spec, now = self.spec, self.now
+        try:
+            if spec.apply_many is not None:
+                results = spec.apply_many(conn, fresh)
+            else:
+                results = [spec.apply(conn, env) for env in fresh]
+            # Inside the try: an effect's bad result (None) fails here, as
+            # the per-event path's receipt INSERT does.
+            conn.executemany(_RECEIPT_INSERT, [
+                (env.event_id, env.fingerprint, result, env.type, now, env.article_id)
+                for env, result in zip(fresh, results, strict=True)
+            ])
+        except (Rejection, TransientError):
+            raise _Fallback from None
+        except Exception as exc:
+            if isinstance(exc, sqlite3.Error) and not isinstance(exc, sqlite3.IntegrityError):
+                raise
+            raise _Fallback from None
+        return [
+            o if isinstance(o, Outcome)
+            else Outcome(fresh[o].event_id, result=results[o]) if o >= 0
+            else Outcome(fresh[~o].event_id, result="duplicate:" + results[~o])
+            for o in outcomes
+        ]
+
+    def _restart(self) -> None:
+        """Roll the transaction back and begin it again (same receipt time)."""
+        try:
+            self.conn.execute("ROLLBACK")
+            self.conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            raise translate(exc, self.db.path) from None
+        self._known = None
+
     def prefetch(self, envs: Sequence[Envelope]) -> None:
         """Read the receipts of a whole batch in one statement.
 
@@ -573,19 +686,14 @@ class Transaction:
         ids = orjson.dumps([env.event_id for env in envs]).decode()
         self._known = {
             event_id: (fingerprint, result)
-            for event_id, fingerprint, result in self.conn.execute(
-                "SELECT event_id, fingerprint, result FROM inbox"
-                " WHERE event_id IN (SELECT value FROM json_each(?))", (ids,)
-            )
+            for event_id, fingerprint, result in self.conn.execute(_RECEIPTS_SELECT, (ids,))
         }
 
     def _apply(self, env: Envelope) -> str:
         conn = self.conn
         known = self._known
         if known is None:
-            row = conn.execute(
-                "SELECT fingerprint, result FROM inbox WHERE event_id = ?", (env.event_id,)
-            ).fetchone()
+            row = conn.execute(_RECEIPT_SELECT, (env.event_id,)).fetchone()
         else:
             row = known.get(env.event_id)
         if row is not None:
@@ -594,11 +702,7 @@ class Transaction:
         if part is not None and (why := misplaced(env.article_id, part)):
             raise Rejection(WRONG_PARTITION, why, event_id=env.event_id, fingerprint=env.fingerprint)
         result = self.spec.apply(conn, env)
-        conn.execute(
-            "INSERT INTO inbox (event_id, fingerprint, result, event_type, received_at, partition_key)"
-            " VALUES (?, ?, ?, ?, ?, ?)",
-            (env.event_id, env.fingerprint, result, env.type, self.now, env.article_id),
-        )
+        conn.execute(_RECEIPT_INSERT, (env.event_id, env.fingerprint, result, env.type, self.now, env.article_id))
         if known is not None:
             known[env.event_id] = (env.fingerprint, result)
         return result
@@ -712,29 +816,22 @@ def apply_batch(
     sources: Sequence[str | None] | None = None,
     body_digests: Sequence[str | None] | None = None,
 ) -> list[Outcome]:
-    """Apply a batch in one transaction (a savepoint each) and return outcomes.
+    """Apply a batch in one transaction (:meth:`Transaction.apply_many`) and return outcomes.
 
     *items* may contain rejections found before the store (a body that did
     not parse): they are recorded in ``rejected`` with the others, with the
     matching entry of *sources* and *body_digests*. The outcomes are in the
     order of *items*; the transaction commits once.
     """
-    outcomes: list[Outcome] = []
     with db.transaction() as tx:
-        if len(items) > 1:
-            tx.prefetch([item for item in items if not isinstance(item, Rejection)])
-        for i, item in enumerate(items):
-            if isinstance(item, Rejection):
-                outcome = Outcome(item.event_id, rejection=item)
-            else:
-                outcome = tx.apply(item)
+        outcomes = tx.apply_many(items)
+        for i, outcome in enumerate(outcomes):
             if outcome.rejection is not None:
                 tx.record_rejection(
                     outcome.rejection,
                     source=sources[i] if sources is not None else None,
                     body_sha256=body_digests[i] if body_digests is not None else None,
                 )
-            outcomes.append(outcome)
     return outcomes
 
 

@@ -39,6 +39,8 @@ if TYPE_CHECKING:
     from ..store import ConsumerDB, DeliveryMark, Outcome, WorkHooks
 
 ApplyFn = Callable[[sqlite3.Connection, Envelope], str]
+#: Applies several events at once (see ``ConsumerSpec.apply_many``).
+ApplyManyFn = Callable[[sqlite3.Connection, Sequence[Envelope]], list[str]]
 #: Applies a batch whose effect lives outside the database (fence.py): the
 #: parsed deliveries (a Rejection for a body that did not parse), their
 #: delivery marks and run's hooks (store.WorkHooks) in, one Outcome per delivery out.
@@ -101,6 +103,13 @@ class ConsumerSpec:
     #: Topic-exchange binding keys of the consumer's queue.
     binding_keys: Sequence[str] = ("#",)
     description: str = ""
+    #: Optional: the same effect as ``apply`` for several events in one go
+    #: (fewer statements). It receives events that have no receipt and
+    #: distinct eventIds, in delivery order, and returns exactly the results
+    #: ``apply`` would have returned called on each in turn; or it raises
+    #: (any error, at any point, even after writing): the store then rolls
+    #: the transaction back and applies the batch event by event.
+    apply_many: ApplyManyFn | None = None
     #: Effect tables of the consumer (``trace`` shows their rows with an
     #: ``event_id`` column; ``repartition`` moves them by ``article_id``).
     tables: Sequence[str] = field(default_factory=tuple)
@@ -192,6 +201,6 @@ def names() -> list[str]:
 
 
 __all__ = [
-    "ApplyFn", "ConsumerSpec", "ExternalBatchFn", "ExternalFactory", "View",
+    "ApplyFn", "ApplyManyFn", "ConsumerSpec", "ExternalBatchFn", "ExternalFactory", "View",
     "find", "get", "names", "register", "unregister",
 ]

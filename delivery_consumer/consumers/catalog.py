@@ -18,6 +18,9 @@ any duplication of a set of events converges to the same table
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Sequence
+
+import orjson
 
 from ..envelope import Envelope, fingerprint
 from ..errors import REVISION_CONFLICT, Rejection
@@ -86,9 +89,49 @@ def apply(conn: sqlite3.Connection, env: Envelope) -> str:
     )
 
 
+_SELECT_MANY = (
+    "SELECT article_id, revision, title, url, published FROM catalog"
+    " WHERE article_id IN (SELECT value FROM json_each(?))"
+)
+
+
+def apply_many(conn: sqlite3.Connection, envs: Sequence[Envelope]) -> list[str]:
+    """:func:`apply` for a batch: one SELECT of the batch's articles, the
+    results worked out in memory in delivery order, one upsert per article
+    (its highest revision). Raises the conflict's rejection before writing."""
+    if len(envs) == 1:
+        return [apply(conn, envs[0])]
+    articles = orjson.dumps(list({env.article_id: None for env in envs})).decode()
+    state: dict[str, tuple[int, str, str, int]] = {
+        row[0]: row[1:] for row in conn.execute(_SELECT_MANY, (articles,))
+    }
+    # article -> the row to write; a dict keeps the order of first writes, so
+    # new articles get their rowids in the order apply() would give them.
+    writes: dict[str, tuple[str, int, str, str, int, str, str]] = {}
+    results: list[str] = []
+    for env in envs:
+        article, revision = env.article_id, env.revision
+        published = int(env.type == PUBLISHED)
+        title, url = env.title, env.url
+        stored = state.get(article)
+        if stored is None or revision > stored[0]:
+            state[article] = (revision, title, url, published)
+            writes[article] = (article, revision, title, url, published, env.event_id, env.occurred_at)
+            results.append("updated")
+        elif revision < stored[0]:
+            results.append("stale")
+        elif (stored[1], stored[2], stored[3]) == (title, url, published):
+            results.append("same-state")
+        else:
+            raise Rejection(REVISION_CONFLICT, "revision conflict in a batch", event_id=env.event_id)
+    conn.executemany(_UPSERT_IF_NEWER, writes.values())
+    return results
+
+
 SPEC = ConsumerSpec(
     name="catalog",
     apply=apply,
+    apply_many=apply_many,
     migrations=MIGRATIONS,
     binding_keys=("material.*",),
     description="projection of the latest revision of each material",
