@@ -128,12 +128,13 @@ def _receipt(row: tuple[Any, ...]) -> Row:
 def inbox_list(db: ConsumerDB, *, result: str | None = None, limit: int | None = 50) -> list[Row]:
     """Receipts, newest first, optionally only those with *result*.
 
-    Events of one batch share one ``receivedAt``; among them the order is by
-    eventId. ``limit`` None or 0 lists them all.
+    Newest is the last written: receipts are appended in the order they were
+    received (the rowid), which reads from the end of the table without an
+    index on ``receivedAt``. ``limit`` None or 0 lists them all.
     """
     where, params = ("WHERE result = ?", [result]) if result is not None else ("", [])
     rows = db.conn.execute(
-        f"{_RECEIPT} {where} ORDER BY received_at DESC, event_id DESC LIMIT ?",
+        f"{_RECEIPT} {where} ORDER BY rowid DESC LIMIT ?",
         [*params, _limit(limit)],
     ).fetchall()
     return [_receipt(row) for row in rows]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import signal
 import sqlite3
 import subprocess
+import tempfile
 import threading
 import time
 import uuid
@@ -18,6 +19,8 @@ from typing import Any
 import orjson
 import pytest
 from brokerkit import Namespace, kill
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from support import env as envelope
 from support import new_event
 
@@ -285,3 +288,41 @@ def test_redelivery_after_the_receipt_was_pruned_changes_no_effect(open_db: Any)
     assert [(2,)] == audit.conn.execute("SELECT count(*) FROM audit").fetchall()
     with pytest.raises(Rejection, match="event-id-reused"):
         apply_event(audit, envelope(event_id=r1.event_id, title="another body"))
+
+
+@settings(max_examples=60, deadline=None)
+@given(ages=st.lists(st.integers(0, 60), max_size=60), holes=st.sets(st.integers(1, 60)),
+       cutoff_days=st.integers(0, 61))
+def test_the_rowid_bound_ends_the_prefix_received_before_the_cutoff(
+        ages: list[int], holes: set[int], cutoff_days: int) -> None:
+    """Receipts appended in time order (some deleted since): the rowids up to the bound the
+    binary search finds are exactly the receipts received before the cutoff."""
+    stamps = sorted(ago(days) for days in ages)
+    with tempfile.TemporaryDirectory() as tmp:
+        db = ConsumerDB.open(Path(tmp) / "x.db", "catalog", create=True)
+        try:
+            add = "INSERT INTO inbox (event_id, fingerprint, result, event_type, received_at) VALUES (?, ?, ?, ?, ?)"
+            db.conn.executemany(add, [(str(uuid.uuid4()), "f" * 64, "updated", "t", s) for s in stamps])
+            db.conn.executemany("DELETE FROM inbox WHERE rowid = ?", [(h,) for h in holes])
+            cutoff = ago(cutoff_days)
+            last = retention._last_rowid_before(db.conn, cutoff)
+            older = db.conn.execute("SELECT rowid FROM inbox WHERE received_at < ?", (cutoff,)).fetchall()
+            assert older == db.conn.execute("SELECT rowid FROM inbox WHERE rowid <= ?", (last,)).fetchall()
+        finally:
+            db.close()
+
+
+def test_prune_after_the_clock_went_back_never_deletes_a_young_receipt(open_db: Any) -> None:
+    """Receipts written after the clock stepped back are out of time order: prune deletes
+    the old prefix and keeps every receipt younger than the cutoff (an old one that lies
+    beyond a younger one may stay until a later prune)."""
+    db = open_db("catalog")
+    old, young, late_old, more_young = ids(10), ids(3), ids(2), ids(2)
+    add = "INSERT INTO inbox (event_id, fingerprint, result, event_type, received_at) VALUES (?, ?, ?, ?, ?)"
+    for group, days in ((old, 40), (young, 1), (late_old, 40), (more_young, 1)):
+        db.conn.executemany(add, [(e, "f" * 64, "updated", "material.published", ago(days)) for e in group])
+    report = retention.prune(db, older_than_s=30 * DAY, keep_event_ids=set())
+    left = {row[0] for row in db.conn.execute("SELECT event_id FROM inbox")}
+    assert not left & set(old)
+    assert {*young, *more_young} <= left
+    assert 17 - len(left) == report.receipts

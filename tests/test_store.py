@@ -508,6 +508,26 @@ def test_missing_database_is_not_created_without_create(tmp_path: Path, readonly
     assert [] == list(tmp_path.iterdir())
 
 
+def test_a_database_of_the_first_schema_is_migrated_forward(tmp_path: Path) -> None:
+    """A database made by the first store schema (with the received_at index) opens,
+    loses that index, reaches the current version and keeps its receipts."""
+    path = tmp_path / "old.db"
+    conn = sqlite3.connect(path, isolation_level=None)
+    for statement in store._statements(store.CORE_MIGRATIONS[0]):
+        conn.execute(statement)
+    conn.execute("INSERT INTO meta (key, value) VALUES ('consumer', 'catalog'), ('consumer_schema_version', '0')")
+    conn.execute("INSERT INTO inbox VALUES ('e', 'f', 'updated', 'material.published', '2026-11-29T10:00:00.000Z')")
+    conn.execute("PRAGMA user_version = 1")
+    conn.close()
+
+    db = ConsumerDB.open(path, "catalog", create=True)
+
+    assert store.STORE_VERSION == db.conn.execute("PRAGMA user_version").fetchone()[0]
+    assert [] == db.conn.execute("SELECT name FROM sqlite_schema WHERE name = 'inbox_received_at'").fetchall()
+    assert 1 == len(rows(db, "inbox"))
+    db.close()
+
+
 def test_reopening_is_idempotent(catalog_db: ConsumerDB) -> None:
     """Opening an up-to-date database again changes neither its schema, its meta nor its data."""
     apply_event(catalog_db, env())
