@@ -1,6 +1,6 @@
 """CPU work of ``replay`` and of the baseline loop, in instructions (callgrind).
 
-    python bench/bench_instructions.py [--events 2000] [--consumer catalog|audit]
+    python bench/bench_instructions.py [--events 2000] [--consumer catalog|audit] [--limit raw|store]
 
 The wall-clock benchmark (``bench_replay.py``) is what a user waits for, but
 on a shared VM its runs vary by ±20 %, more than most single changes are
@@ -10,6 +10,9 @@ load: start-up (a one-event file) and per event (the rest, divided by the
 number of events), at ``--batch 1`` and ``--batch 100``. It does not see
 cache misses nor time spent waiting for fsync, so its ratio is not the
 goal's; use it to tell whether a change made the hot path cheaper.
+
+The limit is ``raw_limit.py`` (the least work the job needs, catalog only)
+unless ``--limit store`` picks ``baseline_loop.py`` (the store's own SQL).
 
 Needs valgrind. Same bytecode-cache setting as bench_replay.py. ~1 minute.
 """
@@ -28,6 +31,7 @@ import _stream
 import bench_replay
 
 BATCHES = (1, 100)
+RAW = Path(__file__).resolve().parent / "raw_limit.py"
 
 
 def _instructions(argv: list[str], env: dict[str, str]) -> int:
@@ -45,7 +49,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--events", type=int, default=2000)
     parser.add_argument("--consumer", choices=("catalog", "audit"), default="catalog")
+    parser.add_argument("--limit", choices=("raw", "store"), default="raw")
     args = parser.parse_args()
+    if args.limit == "raw" and args.consumer != "catalog":
+        sys.exit("raw_limit.py knows only the catalog: use --limit store for audit")
     if shutil.which("valgrind") is None:
         sys.exit("valgrind not found")
 
@@ -67,6 +74,8 @@ def main() -> None:
 
             def count(src: Path, batch: int, name: str = name, db: Path = db) -> int:
                 ours, base = bench_replay._argvs(command, args.consumer, batch, src, schema, db, db)
+                if args.limit == "raw":
+                    base = [sys.executable, str(RAW), "--batch", str(batch), "--db", str(db), str(src)]
                 argv = [sys.executable, *ours] if name == "ours" else base  # ours: the console script
                 bench_replay._fresh(db)
                 return _instructions(argv, env)
