@@ -77,7 +77,18 @@ from .faults import crashpoint
 from .partitions import Identity
 from .partitions import db_path as partition_db_path
 from .retry import GiveUp, RetryPolicy, attempts_done, reconnect_delay_s, retry_after_tier
-from .store import ConsumerDB, DeliveryMark, InFlight, Outcome, WorkHooks, forget_in_flight, has_receipt, now_iso
+from .store import (
+    ConsumerDB,
+    DeliveryMark,
+    InFlight,
+    Outcome,
+    Transaction,
+    WorkHooks,
+    apply_batch,
+    forget_in_flight,
+    has_receipt,
+    now_iso,
+)
 from .topology import (
     DEFAULT_DELIVERY_LIMIT,
     DEFAULT_EXCHANGE,
@@ -482,16 +493,9 @@ class Worker(threading.Thread):
             marks = [DeliveryMark(delivery_key(d), d.redelivered, attempts_done(d.headers) + 1, True,
                                   _int_header(d.headers, H_DELIVERY_COUNT) + 1) for d in items]
             return db.spec.external(self.config.consumer_options)(db, parsed, marks, self._hooks())
-        outcomes: list[Outcome] = []
-        with db.transaction() as tx:
-            if len(items) > 1:
-                tx.prefetch([env for env in parsed if not isinstance(env, Rejection)])
-            for d, env in zip(items, parsed, strict=True):
-                if isinstance(env, Rejection):
-                    outcome = Outcome(env.event_id, rejection=env)
-                else:
-                    outcome = tx.apply(env)
-                outcomes.append(outcome)
+
+        def count_deliveries(tx: Transaction, outcomes: list[Outcome]) -> None:
+            for d, outcome in zip(items, outcomes, strict=True):
                 if not isolated and self._first_and_applied(d, outcome):
                     continue  # its receipt says it all: delivered once, applied (see below)
                 tx.record_delivery(
@@ -506,7 +510,9 @@ class Worker(threading.Thread):
                 )
             in_flight.clear(tx)
             crashpoint("before-commit")
-        return outcomes
+
+        # Rejections are recorded once their dead-letter copy is confirmed (_publish_copies).
+        return apply_batch(db, parsed, record_rejections=False, before_commit=count_deliveries)
 
     @staticmethod
     def _first_and_applied(d: Delivery, outcome: Outcome) -> bool:

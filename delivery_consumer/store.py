@@ -815,29 +815,42 @@ def apply_event(db: ConsumerDB, env: Envelope, *, source: str | None = None) -> 
     return outcome.result
 
 
+#: Called inside a batch's transaction once its outcomes are known, before
+#: the commit: what a caller writes beside the batch (run counts deliveries).
+BatchHook = Callable[["Transaction", list[Outcome]], None]
+
+
 def apply_batch(
     db: ConsumerDB,
     items: Sequence[Envelope | Rejection],
     *,
     sources: Sequence[str | None] | None = None,
     body_digests: Sequence[str | None] | None = None,
+    record_rejections: bool = True,
+    before_commit: BatchHook | None = None,
 ) -> list[Outcome]:
     """Apply a batch in one transaction (:meth:`Transaction.apply_many`) and return outcomes.
 
-    *items* may contain rejections found before the store (a body that did
-    not parse): they are recorded in ``rejected`` with the others, with the
-    matching entry of *sources* and *body_digests*. The outcomes are in the
-    order of *items*; the transaction commits once.
+    The one place a batch is applied (replay and run). *items* may contain
+    rejections found before the store (a body that did not parse): they are
+    recorded in ``rejected`` with the others, with the matching entry of
+    *sources* and *body_digests* -- unless ``record_rejections`` is False
+    (run records them once their dead-letter copy is confirmed).
+    *before_commit* writes what goes with the batch. The outcomes are in
+    the order of *items*; the transaction commits once.
     """
     with db.transaction() as tx:
         outcomes = tx.apply_many(items)
-        for i, outcome in enumerate(outcomes):
-            if outcome.rejection is not None:
-                tx.record_rejection(
-                    outcome.rejection,
-                    source=sources[i] if sources is not None else None,
-                    body_sha256=body_digests[i] if body_digests is not None else None,
-                )
+        if record_rejections:
+            for i, outcome in enumerate(outcomes):
+                if outcome.rejection is not None:
+                    tx.record_rejection(
+                        outcome.rejection,
+                        source=sources[i] if sources is not None else None,
+                        body_sha256=body_digests[i] if body_digests is not None else None,
+                    )
+        if before_commit is not None:
+            before_commit(tx, outcomes)
     return outcomes
 
 
