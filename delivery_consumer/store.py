@@ -487,7 +487,15 @@ _RECEIPT_INSERT = (
 
 
 class _Fallback(Exception):
-    """The optimistic batch met a failing event: apply it event by event."""
+    """The optimistic batch met a failing event: apply it event by event.
+
+    *env* and *outcome*: the event whose effect failed and how, when known.
+    """
+
+    def __init__(self, env: Envelope | None = None, outcome: Outcome | None = None) -> None:
+        super().__init__()
+        self.env = env
+        self.outcome = outcome
 
 
 def _duplicate(receipt: tuple[str, str], env: Envelope) -> str:
@@ -560,23 +568,28 @@ class Transaction:
         conn.execute("SAVEPOINT event")
         try:
             result = self._apply(env)
-        except Rejection as rej:
+        except Exception as exc:
+            outcome = self._failure(env, exc)
             self._undo()
-            return Outcome(env.event_id, rejection=rej)
-        except TransientError as exc:
-            self._undo()
-            return Outcome(env.event_id, transient=exc)
-        except Exception as exc:  # a bug in an effect: retried, then dead-lettered
-            # A constraint failing on the event's own writes (IntegrityError)
-            # aborted only that statement: it is this event's bug. Other
-            # sqlite3 errors (busy, disk full, I/O) concern the transaction.
-            if isinstance(exc, sqlite3.Error) and not isinstance(exc, sqlite3.IntegrityError):
-                raise
-            self._undo()
-            reason = f"{type(exc).__name__} in {self.spec.name} effect: {exc}"
-            return Outcome(env.event_id, transient=TransientError(reason, code="handler-error"))
+            return outcome
         conn.execute("RELEASE event")
         return Outcome(env.event_id, result=result)
+
+    def _failure(self, env: Envelope, exc: Exception) -> Outcome:
+        """The outcome of an event whose effect raised *exc*; raises *exc*
+        again when it concerns the whole transaction."""
+        if isinstance(exc, Rejection):
+            return Outcome(env.event_id, rejection=exc)
+        if isinstance(exc, TransientError):
+            return Outcome(env.event_id, transient=exc)
+        # A bug in an effect: retried, then dead-lettered. A constraint
+        # failing on the event's own writes (IntegrityError) aborted only that
+        # statement: it is this event's bug. Other sqlite3 errors (busy, disk
+        # full, I/O) concern the transaction.
+        if isinstance(exc, sqlite3.Error) and not isinstance(exc, sqlite3.IntegrityError):
+            raise exc
+        reason = f"{type(exc).__name__} in {self.spec.name} effect: {exc}"
+        return Outcome(env.event_id, transient=TransientError(reason, code="handler-error"))
 
     def _undo(self) -> None:
         self.conn.execute("ROLLBACK TO event")
@@ -597,16 +610,24 @@ class Transaction:
         """
         try:
             return self._optimistic(items)
-        except _Fallback:
-            pass
+        except _Fallback as fallback:
+            failed, failure = fallback.env, fallback.outcome
         self._restart()
         envs = [item for item in items if not isinstance(item, Rejection)]
         if len(envs) > 1:
             self.prefetch(envs)
-        return [
-            Outcome(item.event_id, rejection=item) if isinstance(item, Rejection) else self.apply(item)
-            for item in items
-        ]
+        outcomes: list[Outcome] = []
+        for item in items:
+            if isinstance(item, Rejection):
+                outcomes.append(Outcome(item.event_id, rejection=item))
+            elif item is failed and failure is not None:
+                # The effect already answered for this event, after the same
+                # events before it: not called twice for one delivery.
+                outcomes.append(failure)
+                failed = None
+            else:
+                outcomes.append(self.apply(item))
+        return outcomes
 
     def _optimistic(self, items: Sequence[Envelope | Rejection]) -> list[Outcome]:
         conn = self.conn
@@ -652,15 +673,20 @@ class Transaction:
             if spec.apply_many is not None:
                 results = spec.apply_many(conn, fresh)
             else:
-                results = [spec.apply(conn, env) for env in fresh]
+                results = []
+                for env in fresh:
+                    try:
+                        results.append(spec.apply(conn, env))
+                    except Exception as exc:
+                        raise _Fallback(env, self._failure(env, exc)) from None
             # Inside the try: an effect's bad result (None) fails here, as
             # the per-event path's receipt INSERT does.
             conn.executemany(_RECEIPT_INSERT, [
                 (env.event_id, env.fingerprint, result, env.type, now, env.article_id)
                 for env, result in zip(fresh, results, strict=True)
             ])
-        except (Rejection, TransientError):
-            raise _Fallback from None
+        except _Fallback:
+            raise
         except Exception as exc:
             if isinstance(exc, sqlite3.Error) and not isinstance(exc, sqlite3.IntegrityError):
                 raise
