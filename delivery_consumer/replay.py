@@ -1,8 +1,8 @@
 """Apply envelopes from files straight into a consumer's database (no broker).
 
 The same path as a broker delivery: bytes -> :func:`envelope.parse` ->
-:meth:`store.Transaction.apply`, ``batch`` events per transaction with a
-savepoint each, so results do not depend on the batch size.
+:func:`store.apply_batch`, ``batch`` events per transaction; results do not
+depend on the batch size.
 """
 
 from __future__ import annotations

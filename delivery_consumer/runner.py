@@ -6,18 +6,20 @@ Two processes, each owning its own connection, joined by a pipe:
   pika's I/O loop, heartbeats, deliveries in, acks and copies out;
 * the **worker process** (forked at start) owns the SQLite connection: a
   reader thread unpickles deliveries as they arrive, the worker thread
-  collects them into batches, applies a batch in one transaction (a
-  savepoint each), commits, gets any retry / dead-letter copies confirmed,
-  and only then asks the connection process to
+  collects them into batches, parses them, applies a batch in one transaction
+  (:func:`store.apply_batch`), commits, gets any retry / dead-letter copies
+  confirmed, and only then asks the connection process to
   ``basic_ack(last_tag, multiple=True)``.
 
 They are processes, not threads, because both are busy Python: in one
 process they took turns on the GIL and the worker ran at half its speed.
 While the worker waits for an fsync the connection keeps receiving, so the
-commit overlaps the network. (Parsing in the reader thread instead of the
-worker was measured slower: a CPU-bound thread holds the GIL that the worker
-needs back after every SQLite step.) Batches are settled strictly in delivery-tag
-order and each ack is posted after the batch before it, so a ``multiple``
+commit overlaps the network. (Parsing elsewhere was measured slower: in the
+worker's reader thread, a CPU-bound thread holds the GIL that the worker
+needs back after every SQLite step; in the connection process, that process
+becomes the one the worker waits for; see docs/hot-path.md.) Batches are
+settled strictly in delivery-tag order and each ack is posted after the
+batch before it, so a ``multiple``
 ack never covers a tag whose effect is not committed or whose copy is not
 confirmed. If a copy cannot be confirmed, the channel's generation is given
 up: nothing more is acked on it and the connection is recycled, so the

@@ -9,10 +9,11 @@ writes the receipt and commits; only then may a delivery be acknowledged.
 * same eventId, another fingerprint -> rejection ``event-id-reused``;
 * otherwise the consumer's ``apply`` decides the result.
 
-A batch is one transaction with a SAVEPOINT per event, so a rejected event
-never undoes its neighbours and one fsync covers the whole batch. Rejections
-are written to ``rejected`` in the same transaction, after the event's own
-changes were rolled back to its savepoint.
+A batch is one transaction and one fsync (:meth:`Transaction.apply_many`):
+applied first without savepoints, with the SQL per batch; if any event
+fails, rolled back and applied again with a SAVEPOINT per event, so a
+rejected event never undoes its neighbours. Rejections are written to
+``rejected`` in the same transaction.
 
 Connections: made in the thread that uses them, never shared (Python's
 ``check_same_thread``), in autocommit mode (``isolation_level=None``) with

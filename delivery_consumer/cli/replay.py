@@ -96,7 +96,7 @@ def _counted(items: Iterator[sources_lib.Item], bar: Any) -> Iterator[sources_li
 @consumer_option()
 @db_option
 @click.option("--batch", default=1, show_default=True, type=click.IntRange(1, 100_000),
-              help="Events per transaction (a savepoint each; results do not depend on it).")
+              help="Events per transaction (results do not depend on it).")
 @click.option("--max-bytes", default=MAX_BODY_BYTES, show_default=True, type=click.IntRange(1),
               help="Largest body accepted; larger ones are rejected invalid-envelope.")
 @click.option("--json", "as_json", is_flag=True,
