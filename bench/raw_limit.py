@@ -7,7 +7,8 @@ applies these events exactly once must do, and nothing more.
 * tables ``inbox(event_id PK, fingerprint, result, received_at)`` and
   ``catalog(article_id PK, revision, title, url, published)``, no other index;
 * WAL, ``synchronous=FULL`` (every commit synced), ``BEGIN IMMEDIATE … COMMIT``
-  per batch; the page cache has the store's size (the same memory budget);
+  per batch; the page cache and the checkpoint interval are the store's
+  (settings, not work: the same memory budget, the same WAL size);
 * per event: ``orjson.loads``, the SHA-256 of the canonical bytes
   (``orjson.dumps(obj, option=OPT_SORT_KEYS)``), ``SELECT`` the receipt,
   ``SELECT`` the article's revision, upsert, ``INSERT`` the receipt.
@@ -50,6 +51,7 @@ def connect(path: str) -> sqlite3.Connection:
     conn.execute("PRAGMA journal_mode = WAL")
     conn.execute("PRAGMA synchronous = FULL")
     conn.execute("PRAGMA cache_size = -65536")
+    conn.execute("PRAGMA wal_autocheckpoint = 10000")
     for statement in SCHEMA:
         conn.execute(statement)
     return conn
