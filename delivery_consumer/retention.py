@@ -27,7 +27,6 @@ gets the write lock between batches and keeps committing.
 
 from __future__ import annotations
 
-import sqlite3
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -35,7 +34,7 @@ from typing import Any
 
 from .durations import format as format_duration
 from .errors import DeliveryError
-from .store import ConsumerDB, now_iso
+from .store import ConsumerDB, inbox_rowid_before, now_iso
 
 DAY_S = 86400
 #: Default redelivery horizon: receipts younger than this are never pruned.
@@ -95,7 +94,7 @@ class PruneReport:
 _UNRESOLVED = "EXISTS (SELECT 1 FROM rejected r WHERE r.event_id = {col} AND r.resolved_at IS NULL)"
 _KEPT = "{col} IN (SELECT event_id FROM temp.prune_keep)"
 
-# ``rowid <= :last`` (see _last_rowid_before) lets SQLite read the inbox
+# ``rowid <= :last`` (see store.inbox_rowid_before) lets SQLite read the inbox
 # from its start instead of scanning it all; ``received_at < :cutoff`` stays
 # the exact rule.
 _RECEIPTS = (
@@ -119,32 +118,6 @@ def _set_keep(db: ConsumerDB, event_ids: Iterable[str]) -> None:
     conn = db.conn
     conn.execute("CREATE TEMP TABLE IF NOT EXISTS prune_keep (event_id TEXT PRIMARY KEY) WITHOUT ROWID")
     conn.executemany("INSERT OR IGNORE INTO temp.prune_keep (event_id) VALUES (?)", ((e,) for e in event_ids))
-
-
-def _last_rowid_before(conn: sqlite3.Connection, cutoff: str) -> int:
-    """A rowid bound: the receipts at or below it are those received before *cutoff*.
-
-    Receipts are appended in time order, so ``received_at < cutoff`` holds
-    for a prefix of the rowids: a binary search over the rowid finds its end
-    in ~log2(n) lookups, with no index on ``received_at``. If the clock ever
-    went back, the prefix found may be shorter than the truth: prune then
-    keeps some old receipts longer, and never deletes a younger one (the
-    statements still test ``received_at < :cutoff``).
-    """
-    ((low, high),) = conn.execute("SELECT min(rowid), max(rowid) FROM inbox").fetchall()
-    if low is None:
-        return 0
-    high += 1  # the first rowid whose next receipt is not older than cutoff
-    while low < high:
-        middle = (low + high) // 2
-        row = conn.execute(
-            "SELECT rowid, received_at FROM inbox WHERE rowid >= ? ORDER BY rowid LIMIT 1", (middle,)
-        ).fetchone()
-        if row is None or row[1] >= cutoff:
-            high = middle
-        else:
-            low = row[0] + 1
-    return int(low) - 1
 
 
 def _count(db: ConsumerDB, report: PruneReport, params: dict[str, Any]) -> None:
@@ -192,7 +165,7 @@ def prune(
         report.notes.append("the dead queue was not read: receipts of its events are protected only by "
                             "their unresolved rejections (broker-side delivery-limit dead letters have none)")
     _set_keep(db, keep_event_ids or ())
-    params: dict[str, Any] = {"cutoff": cutoff, "batch": batch, "last": _last_rowid_before(db.conn, cutoff)}
+    params: dict[str, Any] = {"cutoff": cutoff, "batch": batch, "last": inbox_rowid_before(db.conn, cutoff)}
     try:
         _count(db, report, params)
         if dry_run:

@@ -162,6 +162,33 @@ def now_iso(when: float | None = None) -> str:
 _last_second: tuple[int, str] = (-1, "")
 
 
+def inbox_rowid_before(conn: sqlite3.Connection, cutoff: str) -> int:
+    """A rowid bound: the receipts at or below it are those received before *cutoff*.
+
+    Receipts are appended in time order, so ``received_at < cutoff`` holds
+    for a prefix of the rowids: a binary search over the rowid finds its end
+    in ~log2(n) lookups, with no index on ``received_at``. Callers keep
+    testing ``received_at`` too: if the clock ever went back, the prefix
+    found may be off by the receipts written meanwhile (prune then keeps some
+    old receipts longer and never deletes a younger one; a count of recent
+    receipts may miss some written while the clock was behind).
+    """
+    ((low, high),) = conn.execute("SELECT min(rowid), max(rowid) FROM inbox").fetchall()
+    if low is None:
+        return 0
+    high += 1  # the first rowid whose next receipt is not older than cutoff
+    while low < high:
+        middle = (low + high) // 2
+        row = conn.execute(
+            "SELECT rowid, received_at FROM inbox WHERE rowid >= ? ORDER BY rowid LIMIT 1", (middle,)
+        ).fetchone()
+        if row is None or row[1] >= cutoff:
+            high = middle
+        else:
+            low = row[0] + 1
+    return int(low) - 1
+
+
 def default_db_path(consumer: str) -> Path:
     """Where a consumer's database lives unless told otherwise."""
     return Path("state") / consumer / "inbox.db"
@@ -1160,6 +1187,7 @@ __all__ = [
     "default_db_path",
     "forget_in_flight",
     "has_receipt",
+    "inbox_rowid_before",
     "now_iso",
     "owner_alive",
     "process_owner",

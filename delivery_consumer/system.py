@@ -24,7 +24,7 @@ from .config import ConsumerEntry, Deployment, producer_database
 from .durations import format as format_duration
 from .errors import DeliveryError
 from .queries import NotFound, _records, _snapshot
-from .store import ConsumerDB, now_iso
+from .store import ConsumerDB, inbox_rowid_before, now_iso
 from .topology import Topology
 from .trace import trace as trace_one
 
@@ -299,10 +299,14 @@ def trace_article(dep: Deployment, article_id: str) -> Row:
 def _consumer_db_status(db: ConsumerDB, now: float) -> Row:
     conn = db.conn
     with _snapshot(conn):
+        hour_ago = now_iso(now - HOUR_S)
         last_minute, last_hour = conn.execute(
-            "SELECT count(*) FILTER (WHERE received_at >= ?), count(*) FROM inbox WHERE received_at >= ?",
-            (now_iso(now - MINUTE_S), now_iso(now - HOUR_S))).fetchone()
-        (newest,) = conn.execute("SELECT max(received_at) FROM inbox").fetchone()
+            "SELECT count(*) FILTER (WHERE received_at >= ?), count(*) FROM inbox"
+            " WHERE rowid > ? AND received_at >= ?",
+            (now_iso(now - MINUTE_S), inbox_rowid_before(conn, hour_ago), hour_ago)).fetchone()
+        # The newest receipt is among the last written (appended in time order).
+        (newest,) = conn.execute(
+            "SELECT max(received_at) FROM (SELECT received_at FROM inbox ORDER BY rowid DESC LIMIT 1000)").fetchone()
         unresolved = _records(conn.execute(
             "SELECT code, count(*) AS n FROM rejected WHERE resolved_at IS NULL GROUP BY code ORDER BY code"))
     from datetime import datetime

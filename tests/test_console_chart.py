@@ -16,8 +16,9 @@ RESULTS = st.sampled_from(["updated", "duplicate:updated", "stale", "same-state"
 
 
 def add(db: ConsumerDB, stamps: list[tuple[float, str]]) -> None:
+    """Receipts in time order, as the store writes them (stamped under the write lock)."""
     with db.transaction() as tx:
-        for i, (when, result) in enumerate(stamps):
+        for i, (when, result) in enumerate(sorted(stamps)):
             key = f"{when:.6f}-{i}-{result}"
             tx.conn.execute("INSERT OR IGNORE INTO inbox (event_id, fingerprint, result, event_type, received_at)"
                             " VALUES (?, 'f', ?, 'material.published', ?)", (key, result, now_iso(when)))
@@ -39,10 +40,11 @@ def test_the_cache_equals_a_fresh_read(open_db: OpenDB, before: list[tuple[float
     db = open_db("catalog", name=f"chart-{time.monotonic_ns()}.db")
     now = 1_800_000_000.0
     add(db, [(now - ago, result) for ago, result in before])
+    newest = max((now - ago for ago, _ in before), default=0.0)
     cache = chart.MinuteCache()
     assert window(db, 3, now) == cache.minutes(db, 3, now)
     now += step
-    add(db, [(now - ago, result) for ago, result in later])
+    add(db, [(max(now - ago, newest), result) for ago, result in later])  # written later: not older
     assert window(db, 3, now) == cache.minutes(db, 3, now)
 
 

@@ -27,7 +27,7 @@ from support import new_event
 from delivery_consumer import retention
 from delivery_consumer.broker import DeadQueue, OutMessage, Publisher, declare
 from delivery_consumer.errors import Rejection
-from delivery_consumer.store import ConsumerDB, apply_event, now_iso
+from delivery_consumer.store import ConsumerDB, apply_event, inbox_rowid_before, now_iso
 
 DAY = 86400.0
 
@@ -305,7 +305,7 @@ def test_the_rowid_bound_ends_the_prefix_received_before_the_cutoff(
             db.conn.executemany(add, [(str(uuid.uuid4()), "f" * 64, "updated", "t", s) for s in stamps])
             db.conn.executemany("DELETE FROM inbox WHERE rowid = ?", [(h,) for h in holes])
             cutoff = ago(cutoff_days)
-            last = retention._last_rowid_before(db.conn, cutoff)
+            last = inbox_rowid_before(db.conn, cutoff)
             older = db.conn.execute("SELECT rowid FROM inbox WHERE received_at < ?", (cutoff,)).fetchall()
             assert older == db.conn.execute("SELECT rowid FROM inbox WHERE rowid <= ?", (last,)).fetchall()
         finally:

@@ -1,7 +1,8 @@
 """Outcomes per minute from the receipts' times, and their chart as inline SVG.
 
-The minutes come from the ``inbox_received_at`` and ``rejected_at`` indexes,
-over a bounded window. Minutes that can no longer change are kept in memory
+The minutes come from the end of the inbox (receipts are appended in time
+order: :func:`store.inbox_rowid_before`) and the ``rejected_at`` index, over
+a bounded window. Minutes that can no longer change are kept in memory
 (:class:`MinuteCache`), so a page load reads only the last few minutes of a
 busy database, not the whole window again.
 """
@@ -14,7 +15,7 @@ from collections import Counter
 from html import escape
 from typing import Any
 
-from ..store import ConsumerDB, now_iso
+from ..store import ConsumerDB, inbox_rowid_before, now_iso
 
 #: Outcome categories, in drawing order, with their colour.
 CATEGORIES: dict[str, str] = {"applied": "#2e7d32", "duplicate": "#90a4ae", "stale": "#f9a825",
@@ -39,7 +40,8 @@ def read_minutes(db: ConsumerDB, since: str, until: str | None = None) -> Minute
     out: Minutes = {}
     rows = db.conn.execute(
         "SELECT substr(received_at, 1, 16), result, count(*) FROM inbox"
-        " WHERE received_at >= ? AND received_at < ? GROUP BY 1, 2", (since, upper)).fetchall()
+        " WHERE rowid > ? AND received_at >= ? AND received_at < ? GROUP BY 1, 2",
+        (inbox_rowid_before(db.conn, since), since, upper)).fetchall()
     for minute, result, n in rows:
         out.setdefault(minute, Counter())[category(result)] += n
     rows = db.conn.execute(
