@@ -27,9 +27,6 @@ RULES = DEPLOY / "prometheus" / "delivery-consumer.rules.yml"
 DASHBOARD = DEPLOY / "grafana" / "delivery-consumer.json"
 UNIT = DEPLOY / "systemd" / "delivery-consumer@.service"
 METRIC = re.compile(r"\b((?:delivery|process)_[a-z_]+)\b")
-#: Named by the rules before the code that exports it is merged: allowed to be
-#: missing only while delivery_consumer/metrics.py does not define it.
-AWAITING = {"delivery_store_healthy"}
 
 
 def rules() -> list[dict[str, Any]]:
@@ -83,9 +80,7 @@ def test_every_metric_the_rules_and_dashboard_name_is_in_a_real_scrape(ns: Names
                 time.sleep(0.1)  # not listening yet
         assert re.search(r'delivery_queue_ready\{consumer="catalog",kind="dead",queue="[^"]+"\} 1\.0', text), text
         missing = named_metrics() - exported(text)
-        defined = (REPO / "delivery_consumer" / "metrics.py").read_text()
-        pending = {name for name in missing & AWAITING if name not in defined}
-        assert missing == pending, f"named in deploy/ but not exported by run: {sorted(missing - pending)}"
+        assert not missing, f"named in deploy/ but not exported by run: {sorted(missing)}"
     finally:
         os.kill(proc.pid, signal.SIGTERM)
         proc.communicate(timeout=60)
