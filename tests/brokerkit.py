@@ -97,6 +97,17 @@ class RunProcess(subprocess.Popen[str]):
             reader.join()
         return self.output()
 
+    def until_idle(self, timeout: float) -> subprocess.CompletedProcess[str]:
+        """The result of a ``run --exit-when-idle``; its group killed, and the
+        test failed with its log, when it has not gone idle within *timeout*."""
+        try:
+            out, err = self.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.pid, signal.SIGKILL)
+            out, err = self.communicate()
+            raise AssertionError(f"run did not go idle within {timeout}s:\n{err[-3000:]}") from None
+        return subprocess.CompletedProcess(self.args, self.returncode, out, err)
+
 
 @dataclass
 class Namespace:
@@ -245,14 +256,7 @@ class Namespace:
     def run_until_idle(self, consumer: str, *args: str, idle: float = 1.5, timeout: float = 120,
                        env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
         """``run`` until no delivery arrived for *idle* seconds; the process's result."""
-        proc = self.start_run(consumer, "--exit-when-idle", str(idle), *args, env=env)
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-            raise AssertionError(f"run did not go idle within {timeout}s:\n{err[-3000:]}") from None
-        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        return self.start_run(consumer, "--exit-when-idle", str(idle), *args, env=env).until_idle(timeout)
 
 
 @pytest.fixture

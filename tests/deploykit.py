@@ -4,8 +4,6 @@ it: no ``DELIVERY_*`` variable of the test process leaks in)."""
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -46,10 +44,4 @@ def run_until_idle(config: Path, consumer: str, *args: str, idle: str = "1.5",
     """``run --consumer C`` (database, broker and options from the file) until idle."""
     proc = RunProcess([sys.executable, "-m", "delivery_consumer", "run", "--consumer", consumer,
                        "--exit-when-idle", idle, *args], cwd=config.parent, env=deploy_env(config))
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"run did not go idle within {timeout}s:\n{err[-3000:]}") from None
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return proc.until_idle(timeout)
