@@ -50,10 +50,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .broker import DeadQueue, Delivery, HeldMessage, OutMessage, PublishResult
+from .deliveries import delivery_key
 from .envelope import KOMBU_COMPRESSION_HEADER, MAX_BODY_BYTES, body_digest, parse
+from .errors import DELIVERY_LIMIT as DELIVERY_LIMIT_CODE
 from .errors import Rejection
 from .faults import crashpoint
-from .runner import DELIVERY_LIMIT_CODE, delivery_key
 from .store import ConsumerDB, now_iso
 from .topology import (
     H_ATTEMPTS,

@@ -25,6 +25,9 @@ UNKNOWN_TYPE: Final = "unknown-type"
 EVENT_ID_REUSED: Final = "event-id-reused"
 REVISION_CONFLICT: Final = "revision-conflict"
 RETRIES_EXHAUSTED: Final = "retries-exhausted"
+#: ``run``: the message killed the process ``max_crashes`` times while it was
+#: handled alone (poison); its copy went to the dead queue unapplied.
+DELIVERY_LIMIT: Final = "delivery-limit"
 #: Effects outside the database (the webhook consumer, fence.py): the endpoint
 #: refused the request for good (a 4xx), or a call to an endpoint that is not
 #: idempotent may have had its effect and must not be repeated on a guess.

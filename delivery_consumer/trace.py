@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .errors import DELIVERY_LIMIT as DELIVERY_LIMIT_CODE
 from .errors import ENDPOINT_REJECTED, OUTCOME_UNKNOWN, REJECTION_CODES, RETRIES_EXHAUSTED, WRONG_PARTITION
 from .queries import NotFound, _reads, _records, _snapshot
 from .store import ConsumerDB
@@ -25,8 +26,6 @@ from .views import article_of
 
 Row = dict[str, Any]
 
-#: runner.DELIVERY_LIMIT_CODE, spelled here so that trace does not import pika.
-DELIVERY_LIMIT_CODE = "delivery-limit"
 #: Outcomes of a delivery that are rejections, not results.
 _REJECTION_CODES = frozenset({*REJECTION_CODES, RETRIES_EXHAUSTED, DELIVERY_LIMIT_CODE, ENDPOINT_REJECTED,
                               OUTCOME_UNKNOWN, WRONG_PARTITION})

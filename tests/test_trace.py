@@ -14,7 +14,7 @@ import orjson
 import pytest
 from brokerkit import Namespace
 
-from delivery_consumer import runner, trace
+from delivery_consumer import errors, trace
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLES = REPO / "sample_events"
@@ -124,6 +124,6 @@ def test_unknown_event_id_exits_1(samples_ns: Namespace) -> None:
     assert "" == done.stdout
 
 
-def test_trace_spells_the_runners_delivery_limit_code() -> None:
-    """trace recognises runner's poison-message code without importing the broker module."""
-    assert runner.DELIVERY_LIMIT_CODE == trace.DELIVERY_LIMIT_CODE
+def test_trace_counts_the_poison_code_as_a_rejection() -> None:
+    """trace counts run's poison-message code (delivery-limit) among the rejections."""
+    assert errors.DELIVERY_LIMIT in trace._REJECTION_CODES
