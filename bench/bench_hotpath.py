@@ -235,7 +235,7 @@ def run_ours(url: str, topo: object, workdir: Path, rss: list[float]) -> float:
 def bench_run_ratio(repeat: int, url: str, rows: list[str]) -> None:
     import bench_run
 
-    from delivery_consumer.runner import RunConfig
+    from delivery_consumer.service.config import RunConfig
     from delivery_consumer.topology import Topology
 
     prefetch, batch, messages = RunConfig.prefetch, RunConfig.batch, 20_000

@@ -6,7 +6,7 @@ crash at each step of the delivery protocol does to *their* consumer::
     DELIVERY_CRASH_AT=after-commit delivery-consumer run --consumer catalog
     DELIVERY_CRASH_AT=after-commit:3   # on the third time the point is reached
 
-Points in ``run`` (see runner.py): ``before-commit``, ``after-commit``
+Points in ``run`` (see service/worker.py): ``before-commit``, ``after-commit``
 (committed, not acked), ``after-retry-confirm`` and ``after-dead-confirm``
 (the copy is confirmed by the broker, the original not acked yet), and
 ``connection-awaiting-confirm`` (the connection process alone, a copy

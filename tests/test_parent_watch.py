@@ -12,11 +12,11 @@ import pytest
 
 WATCHER = """
 import os, sys, time
-from delivery_consumer import runner
+from delivery_consumer.service import worker_process
 parent = os.getppid()
 if sys.argv[1] == "signal":
     os.getppid = lambda: parent  # only the kernel's signal can tell it now
-gone = runner._die_with_parent(parent)
+gone = worker_process.die_with_parent(parent)
 if sys.argv[1] == "pid":
     import signal
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # only the parent pid can tell it now

@@ -199,8 +199,8 @@ def run(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue
     """
     from ..broker import BrokerError
     from ..errors import StoreOutage
-    from ..runner import RunConfig
-    from ..runner import run as run_consumer
+    from ..service.config import RunConfig
+    from ..service.run import run as run_consumer
 
     _setup_logging(log_level, log_format, consumer)
     spec = consumers.get(consumer)  # unknown consumer: one line, exit 2

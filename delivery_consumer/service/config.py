@@ -1,0 +1,66 @@
+"""The options of ``run`` and what they derive: its topology and its database."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .. import consumers
+from ..envelope import MAX_BODY_BYTES
+from ..partitions import Identity
+from ..partitions import db_path as partition_db_path
+from ..store import ConsumerDB
+from ..topology import DEFAULT_DELIVERY_LIMIT, DEFAULT_EXCHANGE, DEFAULT_PREFIX, DEFAULT_RETRY_DELAYS_MS, Topology
+
+
+@dataclass
+class RunConfig:
+    consumer: str
+    url: str
+    db_path: Path | None = None
+    exchange: str = DEFAULT_EXCHANGE
+    prefix: str = DEFAULT_PREFIX
+    prefetch: int = 500
+    batch: int = 250
+    batch_wait_ms: int = 10
+    max_attempts: int = 3
+    retry_delays_ms: tuple[int, ...] = DEFAULT_RETRY_DELAYS_MS
+    delivery_limit: int = DEFAULT_DELIVERY_LIMIT
+    max_crashes: int = 3
+    exit_when_idle_s: float | None = None
+    max_bytes: int = MAX_BODY_BYTES
+    #: How long to wait for the broker to confirm a retry / dead copy.
+    confirm_timeout_s: float = 30.0
+    #: Options of a consumer whose effect is outside the database (webhook:
+    #: webhook_url, endpoint_idempotent, timeouts); see ConsumerSpec.external.
+    consumer_options: dict[str, Any] = field(default_factory=dict)
+    #: Log one line per event (JSON logs) instead of one per batch.
+    log_each_event: bool = False
+    #: This run serves one partition of a partitioned consumer (partitions.py).
+    partition: Identity | None = None
+    #: How long the database may stay unusable as a whole (disk full, I/O
+    #: error...) before run exits for a supervisor to act; meanwhile it
+    #: holds its deliveries and retries with backoff.
+    store_outage_limit_s: float = 600.0
+
+    def topology(self) -> Topology:
+        spec = consumers.get(self.consumer)
+        return Topology(
+            consumer=self.consumer,
+            binding_keys=tuple(spec.binding_keys),
+            exchange=self.exchange,
+            prefix=self.prefix,
+            retry_delays_ms=self.retry_delays_ms,
+            delivery_limit=self.delivery_limit,
+            partition=self.partition.partition if self.partition else None,
+            partition_count=self.partition.count if self.partition else None,
+        )
+
+    def open_db(self) -> ConsumerDB:
+        """The run's database, checked to be this consumer's (and partition's)."""
+        path = self.db_path
+        if path is None and self.partition is not None:
+            path = partition_db_path(self.consumer, self.partition.partition)
+        return ConsumerDB.open(path, self.consumer, create=True, partition=self.partition,
+                               unpartitioned=self.partition is None)

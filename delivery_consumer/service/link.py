@@ -1,0 +1,132 @@
+"""The connection process's end of the pipe to the worker, driven by the
+connection's I/O loop: deliveries out, acks and copies in."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from concurrent.futures import Future
+from contextlib import suppress
+from functools import partial
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+
+from ..broker import ConsumerIO, Delivery
+from ..faults import crashpoint
+from .messages import (
+    Ack,
+    ChannelLost,
+    ChannelOpened,
+    CopiesSettled,
+    Deliveries,
+    Dispatch,
+    Failed,
+    Packed,
+    PublishCopies,
+    Reconnect,
+    Shutdown,
+    Stop,
+    ToConnection,
+    ToWorker,
+    pack,
+)
+
+log = logging.getLogger("delivery_consumer.run")
+
+
+class WorkerLink:
+    """Sends the worker its deliveries and channel news; carries out what it asks."""
+
+    def __init__(self, conn: Connection, process: BaseProcess) -> None:
+        self.conn = conn
+        self.process = process
+        self.io: ConsumerIO | None = None
+        self.failed: Failed | None = None
+        self.closed = False
+        self._pending: list[Packed] = []
+        self._pending_generation = 0
+        self._dispatch: Dispatch[ToConnection] = (
+            Dispatch()
+            .on(Ack, self._ack)
+            .on(PublishCopies, self._publish)
+            .on(Reconnect, lambda m: self._io().reconnect_now(m.why))
+            .on(Shutdown, lambda _m: self._io().shutdown_now())
+            .on(Failed, self.failure)
+        )
+
+    def _io(self) -> ConsumerIO:
+        assert self.io is not None
+        return self.io
+
+    # deliveries: buffered and sent once per turn of the loop
+    def deliver(self, d: Delivery) -> None:
+        if self._pending and d.generation != self._pending_generation:
+            self._flush()
+        if not self._pending:
+            self._io().soon(self._flush)
+            self._pending_generation = d.generation
+        self._pending.append(pack(d))
+
+    def _flush(self) -> None:
+        if self._pending:
+            pending, self._pending = self._pending, []
+            self._send(Deliveries(self._pending_generation, pending))
+
+    def _send(self, message: ToWorker) -> None:
+        if self.closed:
+            return
+        try:
+            self.conn.send(message)
+        except OSError:
+            self._worker_gone()
+
+    def channel(self, generation: int) -> None:
+        self._send(ChannelOpened(generation))
+
+    def lost(self, generation: int, why: str) -> None:
+        self._flush()
+        self._send(ChannelLost(generation, why))
+
+    def stop(self) -> None:
+        self._send(Stop())
+
+    # messages from the worker
+    def readable(self) -> None:
+        try:
+            while not self.closed and self.conn.poll():
+                self._dispatch(self.conn.recv())
+        except (EOFError, OSError):
+            self._worker_gone()
+
+    def failure(self, message: Failed) -> None:
+        self.failed = message
+
+    def _ack(self, message: Ack) -> None:
+        self._io().ack_now(message.generation, message.tag, multiple=message.multiple)
+
+    def _publish(self, message: PublishCopies) -> None:
+        future = self._io().publish_now(message.generation, message.messages)
+        future.add_done_callback(partial(self._published, message.request))
+        crashpoint("connection-awaiting-confirm")  # kills this process alone
+
+    def _published(self, request: int, future: Future[None]) -> None:
+        error = future.exception()
+        self._send(CopiesSettled(request, str(error) if error else None))
+
+    def _worker_gone(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        io = self._io()
+        with suppress(Exception):  # the loop may be closing already
+            io.unwatch(self.conn.fileno())
+        self.process.join(5)
+        code = self.process.exitcode
+        if code is not None and code < 0:
+            # The worker was killed by a signal (a crash, the OOM killer): so is
+            # run, at once and without acking anything more. The broker
+            # redelivers every unacked message; the inbox absorbs them.
+            log.error("worker process killed by %s; stopping without acking", signal.Signals(-code).name)
+            os.kill(os.getpid(), -code)
+        io.shutdown_now()

@@ -1,0 +1,99 @@
+"""``run()``: start the worker process, run the connection in this one, stop both."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import signal
+from types import FrameType
+
+from ..broker import BrokerError, ConsumerIO
+from ..deliveries import ObserverFactory
+from ..errors import DatabaseError, StoreOutage
+from .config import RunConfig
+from .link import WorkerLink
+from .messages import Dispatch, Failed, ToConnection
+from .worker_process import worker_main
+
+log = logging.getLogger("delivery_consumer.run")
+
+
+def run(config: RunConfig, observer_factory: ObserverFactory | None = None) -> int:
+    """Run the consumer until SIGTERM/SIGINT or idle; returns the exit code.
+
+    Starts the worker process (database) and runs the connection in this
+    one. Raises DatabaseError or BrokerError (fatal) for the CLI to report,
+    StoreOutage when the database stayed unusable past the outage limit.
+    *observer_factory* is called in the worker process (metrics live there).
+    """
+    topology = config.topology()
+    context = multiprocessing.get_context("fork")  # before any connection or thread exists
+    parent_end, child_end = context.Pipe(duplex=True)
+    process = context.Process(target=worker_main, args=(config, child_end, parent_end, observer_factory),
+                              name=f"delivery-worker-{config.consumer}")
+    process.start()
+    child_end.close()
+    link = WorkerLink(parent_end, process)
+    try:
+        first = parent_end.recv()
+    except EOFError:
+        process.join()
+        raise DatabaseError(f"the worker process exited at start-up (exit code {process.exitcode})") from None
+    if isinstance(first, Failed):
+        process.join()
+        raise DatabaseError(first.message)
+    io = ConsumerIO(
+        config.url,
+        topology,
+        prefetch=config.prefetch,
+        on_delivery=link.deliver,
+        on_channel=link.channel,
+        on_lost=link.lost,
+        name=f"delivery-consumer run {config.consumer}",
+        # a one-shot run (--exit-when-idle) must not wait forever for a broker it never reached
+        retry_first_connect=config.exit_when_idle_s is None,
+    )
+    link.io = io
+    io.watch(parent_end.fileno(), link.readable)
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        log.info("%s received: finishing the current batch", signal.Signals(signum).name)
+        link.stop()
+        io.cancel()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        io.run()
+    except BrokerError:
+        link.stop()
+        process.join(10)
+        if process.is_alive():
+            process.terminate()
+        raise
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    # The loop ended because the worker asked for it (idle, stop, fatal) or is
+    # gone. Read what it still has to say: only a failure matters now (its last
+    # acks are moot: the connection is closed and the broker will redeliver
+    # those messages).
+    last_words: Dispatch[ToConnection] = Dispatch(default=lambda _m: None).on(Failed, link.failure)
+    while not link.closed:
+        try:
+            if not parent_end.poll(0.1):
+                if not process.is_alive():
+                    break
+                continue
+            message = parent_end.recv()
+        except (EOFError, OSError):
+            break
+        last_words(message)
+    process.join(30)
+    if process.is_alive():
+        process.terminate()
+        process.join()
+    if link.failed is not None:
+        raise (StoreOutage if link.failed.outage else DatabaseError)(link.failed.message)
+    if process.exitcode:
+        raise DatabaseError(f"the worker process exited with code {process.exitcode}")
+    return 0

@@ -1,0 +1,504 @@
+"""The worker: owns the database; turns deliveries into commits, copies and acks.
+
+It runs in the worker process and talks to the connection only through
+:class:`WorkerIO`, so it can be driven in memory (tests/test_worker.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import re
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from ..broker import Delivery, OutMessage
+from ..deliveries import Observer, delivery_key
+from ..envelope import KOMBU_COMPRESSION_HEADER, Envelope, body_digest, parse
+from ..errors import DELIVERY_LIMIT, DeliveryError, Rejection, StoreOutage, StoreUnavailable
+from ..faults import crashpoint
+from ..retry import RetryPolicy, attempts_done, reconnect_delay_s
+from ..store import (
+    ConsumerDB,
+    DeliveryMark,
+    InFlight,
+    Outcome,
+    Transaction,
+    WorkHooks,
+    apply_batch,
+    has_receipt,
+)
+from ..topology import H_ATTEMPTS, H_DELIVERY_COUNT
+from .config import RunConfig
+from .copies import Copy, CopyMaker
+
+log = logging.getLogger("delivery_consumer.run")
+_T = TypeVar("_T")
+
+
+class WorkerIO(Protocol):
+    """What the worker asks of the connection (in ``run``: the connection process)."""
+
+    def ack(self, generation: int, tag: int, *, multiple: bool = True) -> None: ...
+
+    def publish_copies(self, generation: int, messages: Sequence[OutMessage]) -> Future[None]: ...
+
+    def reconnect(self, why: str) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+@dataclass
+class Stats:
+    """Running totals, read by the metrics endpoint and the final log line."""
+
+    results: Counter[str] = field(default_factory=Counter)
+    rejected: Counter[str] = field(default_factory=Counter)
+    retried: int = 0
+    dead_lettered: Counter[str] = field(default_factory=Counter)
+    batches: int = 0
+    acked: int = 0
+    last_commit: float = 0.0
+    #: perf_counter() of the first delivery handed over and of the last ack posted.
+    first_delivery: float = 0.0
+    last_ack: float = 0.0
+
+    def line(self) -> str:
+        done = ", ".join(f"{n} {k}" for k, n in self.results.most_common()) or "nothing applied"
+        span = self.last_ack - self.first_delivery if self.acked else 0.0
+        rate = f" ({self.acked / span:.0f}/s)" if span > 0 else ""
+        return (f"{self.acked} deliveries acked in {self.batches} batches: {done}; {self.retried} retried, "
+                f"{sum(self.dead_lettered.values())} dead-lettered; first delivery to last ack {span:.3f}s{rate}")
+
+
+
+_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def _looks_like_event_id(value: str | None) -> bool:
+    return value is not None and _UUID.fullmatch(value) is not None
+
+
+def _int_header(headers: dict[str, Any], name: str) -> int:
+    value = headers.get(name)
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+class Worker(threading.Thread):
+    """Owns the database; turns deliveries into commits, copies and acks."""
+
+    def __init__(self, config: RunConfig, observer: Observer | None = None) -> None:
+        super().__init__(name=f"delivery-worker-{config.consumer}", daemon=True)
+        self.config = config
+        self.topology = config.topology()
+        self.copies = CopyMaker(config.consumer, self.topology,
+                                RetryPolicy(config.max_attempts, config.retry_delays_ms))
+        self.observer = observer or Observer()
+        self.stats = Stats()
+        self.io: WorkerIO | None = None
+        self.inbox: queue.SimpleQueue[Delivery] = queue.SimpleQueue()
+        self.ready = threading.Event()
+        self.stop_requested = threading.Event()
+        #: Set when the connection process is gone: nothing can be acked any more.
+        self.abandoned = threading.Event()
+        self.error: BaseException | None = None
+        self.live_generation = 0
+        self._given_up: set[int] = set()
+        self._held: Delivery | None = None
+        self._last_activity = time.monotonic()
+        self.db: ConsumerDB | None = None
+        self.in_flight: InFlight | None = None
+        #: monotonic() when the database stopped working as a whole (None: it works).
+        self._outage: float | None = None
+        self._outage_tries = 0
+        self._outage_code = ""
+
+    # -- called from the thread that reads the connection's messages --
+    def deliver(self, delivery: Delivery) -> None:
+        if not self.stats.first_delivery:
+            self.stats.first_delivery = time.perf_counter()
+        self.inbox.put(delivery)
+
+    def deliver_all(self, deliveries: Sequence[Delivery]) -> None:
+        for d in deliveries:
+            self.deliver(d)
+
+    def channel_opened(self, generation: int) -> None:
+        self.live_generation = generation
+        self._last_activity = time.monotonic()
+        self.observer.connection_state(True)
+
+    def abandon(self) -> None:
+        """The connection process is gone: finish what is in hand, start nothing new."""
+        self.abandoned.set()
+        self.stop_requested.set()
+
+    def channel_lost(self, generation: int, why: str) -> None:
+        if self.live_generation == generation:
+            self.live_generation = 0
+        self.observer.connection_state(False)
+        if not self.stop_requested.is_set():
+            log.warning("connection lost (%s); unacked deliveries of channel %d will be redelivered", why, generation)
+
+    # -- the thread --
+    def run(self) -> None:
+        if not self.open():
+            return
+        try:
+            self._loop()
+        except BaseException as exc:  # a fatal database error or a bug: stop the service
+            self.error = exc
+            log.error("worker stopped: %s: %s", type(exc).__name__, exc)
+        finally:
+            self.close()
+
+    def open(self) -> bool:
+        """Open the database; False (and :attr:`error`) when it cannot be used."""
+        try:
+            self.db = self.config.open_db()
+        except DeliveryError as exc:
+            self.error = exc
+            self.ready.set()
+            return False
+        self.in_flight = InFlight(self.db)
+        self.ready.set()
+        self.observer.store_health(True)
+        return True
+
+    def close(self) -> None:
+        """Release this process's note of work under way, close the database, end the connection."""
+        self.stop_requested.set()
+        if self.in_flight is not None:
+            self.in_flight.release()
+        if self.db is not None:
+            self.db.close()
+        if self.io is not None:
+            self.io.shutdown()
+
+    def _loop(self) -> None:
+        assert self.io is not None
+        while not self.stop_requested.is_set():
+            batch = self._collect()
+            if batch:
+                self._last_activity = time.monotonic()
+                self.process(batch)
+            elif self._idle_expired():
+                log.info("no delivery for %.1fs; exiting", self.config.exit_when_idle_s or 0)
+                return
+
+    def _idle_expired(self) -> bool:
+        limit = self.config.exit_when_idle_s
+        if limit is None or not self.live_generation:
+            return False
+        return time.monotonic() - self._last_activity >= limit
+
+    @staticmethod
+    def _suspicious(d: Delivery) -> bool:
+        return d.redelivered or _int_header(d.headers, H_DELIVERY_COUNT) > 0
+
+    def _take(self, timeout: float | None) -> Delivery | None:
+        """The next delivery of the live channel, or None after *timeout*."""
+        if self._held is not None:
+            held, self._held = self._held, None
+            return held
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                if deadline is None:
+                    d = self.inbox.get_nowait()
+                else:
+                    d = self.inbox.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return None
+            if d.generation == self.live_generation and d.generation not in self._given_up:
+                return d
+            # A delivery of a channel that is gone: the broker redelivers it.
+
+    def _collect(self) -> list[Delivery]:
+        first = self._take(0.2)
+        if first is None:
+            return []
+        batch = [first]
+        deadline = time.monotonic() + self.config.batch_wait_ms / 1000
+        while len(batch) < self.config.batch:
+            d = self._take(None)
+            if d is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                d = self._take(remaining)
+                if d is None:
+                    break
+            if d.generation != first.generation:
+                self._held = d  # the first of the next batch
+                break
+            batch.append(d)
+        return batch
+
+    # -- one batch --
+    def _parse(self, d: Delivery) -> Envelope | Rejection:
+        try:
+            return parse(d.body, max_bytes=self.config.max_bytes, content_encoding=d.content_encoding,
+                         compression=d.headers.get(KOMBU_COMPRESSION_HEADER))
+        except Rejection as rej:
+            return rej
+
+    def process(self, items: list[Delivery]) -> None:
+        """Handle a collected batch in delivery order (so acks stay in order):
+        each delivery whose key a dead process left open alone, the others
+        together."""
+        opened = self._until_stored(items[0].generation, lambda: self._open_keys(items), wrote=False)
+        if opened is None:
+            return
+        together: list[Delivery] = []
+        for d in items:
+            crashes = opened.get(delivery_key(d))
+            if crashes is None:
+                together.append(d)
+                continue
+            if together and not self._process_part(together):
+                return
+            together = []
+            if not self._process_part([d], crashes):
+                return
+        if together:
+            self._process_part(together)
+
+    def _open_keys(self, items: list[Delivery]) -> dict[str, int]:
+        """The keys of *items* left open by a process that died (crash counts).
+        Only a redelivery can be one: a first delivery needs no lookup."""
+        assert self.in_flight is not None
+        self.in_flight.reap()
+        return self.in_flight.open_keys([delivery_key(d) for d in items if self._suspicious(d)])
+
+    def _process_part(self, items: list[Delivery], crashes: int | None = None) -> bool:
+        """Apply, copy and ack *items* (one delivery alone when *crashes* is
+        given). False when the rest of the batch must not go on (its channel
+        was given up, the process is stopping)."""
+        started = time.perf_counter()
+        gen = items[0].generation
+        isolated = crashes is not None
+        parsed = [self._parse(d) for d in items]
+        if crashes is not None and crashes >= self.config.max_crashes:
+            answered = self._until_stored(gen, lambda: self._answered(parsed[0]), wrote=False)
+            if answered is None:
+                return False
+            if not answered:  # a receipt answers the event whatever its crashes: no poison decision
+                return self._dead_letter_poison(items[0], parsed[0], crashes)
+        outcomes = self._until_stored(gen, lambda: self._apply(items, parsed, isolated))
+        if outcomes is None:
+            return False
+        self.stats.last_commit = time.time()
+        crashpoint("after-commit")
+        self.observer.batch_committed(outcomes, time.perf_counter() - started, self.stats.last_commit)
+        copies = [c for c in (self.copies.for_outcome(d, o) for d, o in zip(items, outcomes, strict=True)) if c]
+        if copies and not self._publish_copies(gen, copies):
+            return False
+        self._settle(gen, items, outcomes)
+        return True
+
+    def _answered(self, parsed: Envelope | Rejection) -> bool:
+        assert self.db is not None
+        return not isinstance(parsed, Rejection) and has_receipt(self.db, parsed.event_id)
+
+    # -- the database failing as a whole --
+    def _until_stored(self, gen: int | None, work: Callable[[], _T], *, wrote: bool = True) -> _T | None:
+        """*work*, tried again while the database as a whole fails; None when
+        the wait was given up (stopping, or channel *gen* is gone). Only work
+        that *wrote* shows that the database works again."""
+        while True:
+            try:
+                result = work()
+            except StoreUnavailable as exc:
+                if not self._wait_for_store(exc, gen):
+                    return None
+                continue
+            if self._outage is not None and wrote:
+                log.warning("database usable again after %.1fs; resuming", time.monotonic() - self._outage)
+                self._outage = None
+                self.observer.store_health(True)
+            return result
+
+    def _wait_for_store(self, exc: StoreUnavailable, gen: int | None) -> bool:
+        """Back off (with jitter) after a failure of the whole database; False
+        when not worth waiting (stopping; channel *gen* gone: its deliveries
+        come back anyway). Raises DatabaseError past the outage limit."""
+        now = time.monotonic()
+        limit = self.config.store_outage_limit_s
+        if self._outage is None:
+            self._outage, self._outage_tries = now, 0
+            log.error("database unusable (%s): holding deliveries unacked, no attempt spent, nothing "
+                      "dead-lettered; retrying with backoff, giving up after %.0fs", exc, limit)
+            self.observer.store_health(False)
+        elif exc.code != self._outage_code:
+            log.error("database still unusable, now: %s", exc)
+        self._outage_code = exc.code
+        if now - self._outage >= limit:
+            raise StoreOutage(f"the database has been unusable for {now - self._outage:.0f}s "
+                                f"(--store-outage-limit {limit:g}s): {exc}")
+        if self.stop_requested.is_set() or (gen is not None and gen != self.live_generation):
+            return False
+        self._outage_tries += 1
+        delay = min(reconnect_delay_s(self._outage_tries, base_s=0.2, cap_s=10.0), limit - (now - self._outage))
+        return not self.stop_requested.wait(max(0.0, delay))
+
+    def _hooks(self) -> WorkHooks:
+        def wait_for_store(exc: StoreUnavailable) -> None:
+            if not self._wait_for_store(exc, None):
+                raise exc
+
+        return WorkHooks(self.in_flight, self.abandoned.is_set, wait_for_store)
+
+    def _apply(self, items: list[Delivery], parsed: list[Envelope | Rejection], isolated: bool) -> list[Outcome]:
+        """Note the keys as under way, apply the batch in one transaction
+        (which clears the note) and count its deliveries durably.
+
+        Raises StoreUnavailable when the database as a whole failed.
+        """
+        db, in_flight = self.db, self.in_flight
+        assert db is not None and in_flight is not None
+        in_flight.mark([delivery_key(d) for d in items])
+        if db.spec.external is not None:  # an effect outside the database: the fence protocol (fence.py)
+            marks = [DeliveryMark(delivery_key(d), d.redelivered, attempts_done(d.headers) + 1, True,
+                                  _int_header(d.headers, H_DELIVERY_COUNT) + 1) for d in items]
+            return db.spec.external(self.config.consumer_options)(db, parsed, marks, self._hooks())
+
+        def count_deliveries(tx: Transaction, outcomes: list[Outcome]) -> None:
+            for d, outcome in zip(items, outcomes, strict=True):
+                if not isolated and self._first_and_applied(d, outcome):
+                    continue  # its receipt says it all: delivered once, applied (see below)
+                tx.record_delivery(
+                    delivery_key(d),
+                    outcome.event_id,
+                    redelivered=d.redelivered,
+                    attempt=attempts_done(d.headers) + 1,
+                    outcome=outcome.status,
+                    # a duplicate was delivered at least once before (its receipt says so)
+                    delivered_hint=max(_int_header(d.headers, H_DELIVERY_COUNT) + 1,
+                                       2 if outcome.status.startswith("duplicate:") else 1),
+                )
+            in_flight.clear(tx)
+            crashpoint("before-commit")
+
+        # Rejections are recorded once their dead-letter copy is confirmed (_publish_copies).
+        return apply_batch(db, parsed, record_rejections=False, before_commit=count_deliveries)
+
+    @staticmethod
+    def _first_and_applied(d: Delivery, outcome: Outcome) -> bool:
+        """True for the common case that needs no ``deliveries`` row: the first
+        delivery of a first attempt, applied with a fresh result. Its receipt
+        already records it (one delivery, one attempt, at received_at), and
+        skipping the row halves what the commit has to write and sync (one
+        random-key b-tree less). Anything else -- a redelivery, a retry, a
+        duplicate, a rejection, a transient failure -- is counted in
+        ``deliveries``; a later delivery of the same key starts from 2.
+        """
+        return (outcome.result is not None and not outcome.result.startswith("duplicate:")
+                and not d.redelivered and not d.headers.get(H_ATTEMPTS)
+                and not d.headers.get(H_DELIVERY_COUNT))
+
+    def _settle(self, gen: int, items: list[Delivery], outcomes: list[Outcome]) -> None:
+        assert self.io is not None
+        self.io.ack(gen, items[-1].tag, multiple=True)
+        self.stats.last_ack = time.perf_counter()
+        self.stats.acked += len(items)
+        self.stats.batches += 1
+        for outcome in outcomes:
+            if outcome.result is not None:
+                self.stats.results[outcome.result] += 1
+        self._log_batch(items, outcomes)
+
+    def _log_batch(self, items: list[Delivery], outcomes: list[Outcome]) -> None:
+        if self.config.log_each_event:
+            for d, o in zip(items, outcomes, strict=True):
+                log.info("%s %s", o.event_id or "-", o.status, extra={
+                    "eventId": o.event_id, "outcome": o.status, "deliveryTag": d.tag,
+                    "batch": f"{items[0].tag}-{items[-1].tag}"})
+            return
+        counts = Counter(o.status for o in outcomes)
+        summary = ", ".join(f"{n} {status}" for status, n in counts.most_common())
+        ids = [o.event_id or "-" for o in outcomes]
+        shown = " ".join(ids[:5]) + (f" …+{len(ids) - 5}" if len(ids) > 5 else "")
+        log.info("batch %d-%d acked: %s [%s]", items[0].tag, items[-1].tag, summary, shown,
+                 extra={"batch": f"{items[0].tag}-{items[-1].tag}", "deliveryTag": items[-1].tag})
+
+    def _dead_letter_poison(self, d: Delivery, parsed: Envelope | Rejection, crashes: int) -> bool:
+        """Dead-letter a message that killed the process *crashes* times, each
+        time handled alone, without applying it again."""
+        rejection = Rejection(
+            DELIVERY_LIMIT,
+            f"the process died {crashes} times while handling this message alone",
+            event_id=parsed.event_id,
+            fingerprint=parsed.fingerprint,
+        )
+        copy = self.copies.dead(d, rejection, attempts_done(d.headers) + 1)
+        if not self._publish_copies(d.generation, [copy]):
+            return False
+        self._settle(d.generation, [d], [Outcome(parsed.event_id, rejection=rejection)])
+        return True
+
+    # -- copies --
+    def _publish_copies(self, gen: int, copies: list[Copy]) -> bool:
+        """Publish and confirm *copies*, then record the dead ones in ``rejected``.
+
+        False when a copy could not be confirmed: the channel is given up
+        (nothing more is acked on it) and the connection recycled.
+        """
+        assert self.io is not None and self.db is not None
+        try:
+            self.io.publish_copies(gen, [c.message for c in copies]).result(self.config.confirm_timeout_s)
+        except Exception as exc:  # BrokerUnavailable, or a timeout waiting for the confirm
+            why = str(exc) or type(exc).__name__
+            log.error("could not confirm %d retry/dead copies (%s); giving up channel %d", len(copies), why, gen)
+            self._given_up.add(gen)
+            self.io.reconnect("a copy was not confirmed")
+            return False
+        dead = [c for c in copies if c.kind == "dead"]
+        crashpoint("after-dead-confirm" if dead else "after-retry-confirm")
+        for c in copies:
+            self.observer.copy_published(c.kind, c.rejection.code if c.rejection else "retry")
+            if c.kind == "retry":
+                self.stats.retried += 1
+                log.warning("event %s attempt %d failed transiently; retry copy sent to %s",
+                            c.message.message_id or "-", c.attempts, c.message.routing_key,
+                            extra={"eventId": c.message.message_id, "outcome": "retry", "attempts": c.attempts,
+                                   "deliveryTag": c.delivery.tag, "queue": c.message.routing_key})
+            else:
+                assert c.rejection is not None
+                self.stats.dead_lettered[c.rejection.code] += 1
+                self.stats.rejected[c.rejection.code] += 1
+                log.warning("event %s rejected %s: %s; dead-lettered to %s", c.rejection.event_id or "-",
+                            c.rejection.code, c.rejection.reason, c.message.routing_key,
+                            extra={"eventId": c.rejection.event_id, "outcome": "dead-lettered",
+                                   "code": c.rejection.code, "reason": c.rejection.reason,
+                                   "attempts": c.attempts, "deliveryTag": c.delivery.tag,
+                                   "queue": c.message.routing_key})
+        # The copies are safe in the dead queue; the ack waits for their local record.
+        if dead and self._until_stored(None, lambda: self._record_dead(dead)) is None:
+            log.error("dead-lettered %d events but could not record them in rejected (stopping)", len(dead))
+        return True
+
+    def _record_dead(self, dead: list[Copy]) -> bool:
+        assert self.db is not None
+        with self.db.transaction() as tx:
+            for c in dead:
+                assert c.rejection is not None
+                if c.rejection.event_id is None and _looks_like_event_id(c.delivery.message_id):
+                    # A body refused before its eventId could be read: our
+                    # publishers set message_id = eventId, so trace can find it.
+                    c.rejection.event_id = c.delivery.message_id
+                tx.record_rejection(
+                    c.rejection,
+                    source=f"amqp:{self.topology.queue}",
+                    body_sha256=body_digest(c.delivery.body),
+                    attempts=c.attempts,
+                    dead_letter=c.message.routing_key,
+                )
+        return True
+
+

@@ -1,0 +1,197 @@
+"""The worker process of ``run``: the worker, its end of the pipe, and what it
+does when the connection process dies (finish what is in hand, ack nothing)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from contextlib import suppress
+from multiprocessing.connection import Connection
+from types import FrameType
+
+from .. import faults
+from ..broker import BrokerUnavailable, OutMessage
+from ..deliveries import ObserverFactory
+from ..errors import DeliveryError, StoreOutage
+from ..store import forget_in_flight
+from .config import RunConfig
+from .messages import (
+    Ack,
+    ChannelLost,
+    ChannelOpened,
+    CopiesSettled,
+    Deliveries,
+    Dispatch,
+    Failed,
+    PublishCopies,
+    Ready,
+    Reconnect,
+    Shutdown,
+    Stop,
+    ToConnection,
+    ToWorker,
+)
+from .worker import Worker
+
+log = logging.getLogger("delivery_consumer.run")
+
+#: How long the worker may take to finish what is in hand once the connection
+#: process is gone (it can ack nothing more) before it exits regardless.
+ORPHAN_GRACE_S = 2.0
+#: How often the worker process looks at its parent (besides PR_SET_PDEATHSIG).
+_PARENT_CHECK_S = 0.2
+_PR_SET_PDEATHSIG = 1
+
+
+class ConnectionProxy:
+    """The worker's :class:`~.worker.WorkerIO` in the worker process: every call is a message."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._lock = threading.Lock()
+        self._requests: dict[int, Future[None]] = {}
+        self._next = 0
+        self.gone = False
+
+    def send(self, message: ToConnection) -> None:
+        with self._lock:
+            if self.gone:
+                return
+            try:
+                self._conn.send(message)
+            except OSError:  # the parent died: nothing can be acked any more
+                self.gone = True
+
+    def ack(self, generation: int, tag: int, *, multiple: bool = True) -> None:
+        self.send(Ack(generation, tag, multiple))
+
+    def publish_copies(self, generation: int, messages: Sequence[OutMessage]) -> Future[None]:
+        future: Future[None] = Future()
+        with self._lock:
+            self._next += 1
+            request = self._next
+            self._requests[request] = future
+        self.send(PublishCopies(request, generation, list(messages)))
+        if self.gone:
+            self.settle(CopiesSettled(request, "the connection process is gone"))
+        return future
+
+    def settle(self, answer: CopiesSettled) -> None:
+        with self._lock:
+            future = self._requests.pop(answer.request, None)
+        if future is None or future.done():
+            return
+        if answer.error:
+            future.set_exception(BrokerUnavailable(answer.error))
+        else:
+            future.set_result(None)
+
+    def fail_all(self, why: str) -> None:
+        with self._lock:
+            requests = list(self._requests)
+        for request in requests:
+            self.settle(CopiesSettled(request, why))
+
+    def reconnect(self, why: str) -> None:
+        self.send(Reconnect(why))
+
+    def shutdown(self) -> None:
+        self.send(Shutdown())
+
+
+def die_with_parent(parent: int) -> Callable[[], bool]:
+    """Make the kernel tell this process when *parent* dies (Linux
+    ``PR_SET_PDEATHSIG``, as SIGUSR1); returns a check that is True once it
+    is gone (the signal arrived, or the parent pid changed: the portable
+    fallback). The pipe's end of file says so too, but only to a reader; a
+    worker blocked elsewhere must learn it as well."""
+    told = [False]
+
+    def on_signal(_signum: int, _frame: FrameType | None) -> None:
+        told[0] = True
+
+    signal.signal(signal.SIGUSR1, on_signal)
+    with suppress(OSError, AttributeError):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGUSR1, 0, 0, 0)
+    return lambda: told[0] or os.getppid() != parent
+
+
+def worker_main(config: RunConfig, conn: Connection, parent_end: Connection,
+                observer_factory: ObserverFactory | None) -> None:
+    """The worker process: the database, batches, commits; asks the parent to ack."""
+    # The parent's end of the pipe came with the fork: held here, it would keep
+    # the pipe open after the parent's death and recv() would never end.
+    parent_end.close()
+    # The parent coordinates stopping (it gets SIGTERM/SIGINT and tells us);
+    # a Ctrl-C to the whole process group must not kill a transaction.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    parent = os.getppid()
+    parent_gone = die_with_parent(parent)
+    faults.also_kill(parent)  # a crash point kills the whole of run
+    proxy = ConnectionProxy(conn)
+    try:
+        observer = observer_factory() if observer_factory is not None else None
+    except DeliveryError as exc:
+        conn.send(Failed(str(exc)))
+        return
+    worker = Worker(config, observer)
+    worker.io = proxy
+    worker.start()
+    worker.ready.wait()
+    if worker.error is not None:
+        conn.send(Failed(str(worker.error)))
+        return
+    conn.send(Ready())
+
+    def orphaned() -> None:
+        # Nothing can be acked any more: finish what is in hand, start nothing
+        # new; the broker redelivers the rest to the next run.
+        proxy.gone = True
+        proxy.fail_all("the connection process is gone")
+        worker.abandon()
+
+    dispatch: Dispatch[ToWorker] = (
+        Dispatch()
+        .on(Deliveries, lambda m: worker.deliver_all(m.unpack()))
+        .on(ChannelOpened, lambda m: worker.channel_opened(m.generation))
+        .on(ChannelLost, lambda m: worker.channel_lost(m.generation, m.why))
+        .on(CopiesSettled, proxy.settle)
+        .on(Stop, lambda _m: worker.stop_requested.set())
+    )
+
+    def read() -> None:
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                orphaned()
+                return
+            dispatch(message)
+
+    threading.Thread(target=read, name="delivery-pipe", daemon=True).start()
+    deadline: float | None = None
+    while worker.is_alive():
+        worker.join(_PARENT_CHECK_S)
+        if deadline is None and (worker.abandoned.is_set() or parent_gone()):
+            log.error("the connection process is gone; finishing what is in hand, acking nothing")
+            orphaned()
+            deadline = time.monotonic() + ORPHAN_GRACE_S
+        elif deadline is not None and time.monotonic() > deadline and worker.is_alive():
+            log.error("the worker did not stop within %.0fs of the connection process; exiting now", ORPHAN_GRACE_S)
+            if worker.in_flight is not None:  # leaving on purpose: not a crash of what is under way
+                forget_in_flight(worker.in_flight.db.path, worker.in_flight.owner)
+            os._exit(1)  # like a crash: SQLite rolls back what was not committed
+    log.info("exiting: %s", worker.stats.line())
+    if worker.error is not None:
+        error = worker.error
+        text = str(error) if isinstance(error, DeliveryError) else f"worker failed: {type(error).__name__}: {error}"
+        proxy.send(Failed(text, outage=isinstance(error, StoreOutage)))
