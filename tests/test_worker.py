@@ -1,0 +1,311 @@
+"""The worker of ``run`` in memory: a real SQLite file, a fake of the
+connection (:class:`FakeIO`) instead of RabbitMQ and the other process.
+
+The fake records every request in order, with what an independent reader
+of the database saw at that moment, so each test can say which commit
+came before which ack or copy.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sqlite3
+import threading
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support import body, new_event, read_rows
+
+from delivery_consumer.broker import BrokerUnavailable, Delivery, OutMessage
+from delivery_consumer.consumers import ConsumerSpec
+from delivery_consumer.deliveries import delivery_key
+from delivery_consumer.envelope import Envelope
+from delivery_consumer.errors import DELIVERY_LIMIT, MALFORMED_JSON, RETRIES_EXHAUSTED, TransientError
+from delivery_consumer.service.config import RunConfig
+from delivery_consumer.service.messages import Ack, Deliveries, Dispatch, ProtocolError, Stop, pack
+from delivery_consumer.service.worker import Worker
+from delivery_consumer.store import InFlight
+from delivery_consumer.topology import H_ATTEMPTS, H_ERROR_CODE
+
+#: A name of a process that no longer exists (another boot): its notes are a crash's.
+GONE = "gone:1:1"
+
+
+@dataclass
+class Call:
+    """One request of the worker, with the committed state at that moment."""
+
+    kind: str  # "ack" | "publish" | "reconnect" | "shutdown"
+    generation: int = 0
+    tag: int = 0
+    multiple: bool = False
+    messages: list[OutMessage] = field(default_factory=list)
+    #: eventIds with a receipt, and rejection codes in ``rejected``, as committed then.
+    receipts: set[str] = field(default_factory=set)
+    rejected: list[str] = field(default_factory=list)
+
+
+class FakeIO:
+    """The connection side, in memory. Copies are confirmed unless
+    ``confirm`` is False; ``on_call`` is told of every request."""
+
+    def __init__(self, db_path: Path) -> None:
+        self.db_path = db_path
+        self.calls: list[Call] = []
+        self.confirm = True
+        self.changed = threading.Condition()
+
+    def _record(self, call: Call) -> None:
+        if self.db_path.exists():
+            call.receipts = {r[0] for r in read_rows(self.db_path, "inbox", "event_id")}
+            call.rejected = [r[0] for r in read_rows(self.db_path, "rejected", "code")]
+        with self.changed:
+            self.calls.append(call)
+            self.changed.notify_all()
+
+    def ack(self, generation: int, tag: int, *, multiple: bool = True) -> None:
+        self._record(Call("ack", generation, tag, multiple))
+
+    def publish_copies(self, generation: int, messages: Sequence[OutMessage]) -> Future[None]:
+        self._record(Call("publish", generation, messages=list(messages)))
+        future: Future[None] = Future()
+        if self.confirm:
+            future.set_result(None)
+        else:
+            future.set_exception(BrokerUnavailable("the broker nacked a copy"))
+        return future
+
+    def reconnect(self, why: str) -> None:
+        self._record(Call("reconnect"))
+
+    def shutdown(self) -> None:
+        self._record(Call("shutdown"))
+
+    def kinds(self) -> list[str]:
+        return [c.kind for c in self.calls]
+
+    def acks(self) -> list[Call]:
+        return [c for c in self.calls if c.kind == "ack"]
+
+    def wait_for(self, done: Callable[[], bool], timeout: float = 10.0) -> None:
+        with self.changed:
+            assert self.changed.wait_for(done, timeout), f"not reached; calls so far: {self.kinds()}"
+
+
+@pytest.fixture
+def make_worker(tmp_path: Path) -> Iterator[Callable[..., tuple[Worker, FakeIO]]]:
+    """An opened worker on channel generation 1 of a fresh database, with a FakeIO."""
+    made: list[Worker] = []
+
+    def make(consumer: str = "catalog", **options: Any) -> tuple[Worker, FakeIO]:
+        config = RunConfig(consumer=consumer, url="amqp://unused", db_path=tmp_path / f"{consumer}.db", **options)
+        worker = Worker(config)
+        io = FakeIO(config.db_path)  # type: ignore[arg-type]
+        worker.io = io
+        assert worker.open(), worker.error
+        worker.channel_opened(1)
+        made.append(worker)
+        return worker, io
+
+    yield make
+    for worker in made:
+        if worker.is_alive():
+            worker.stop_requested.set()
+            worker.join(10)
+        elif worker.db is not None and not worker.stop_requested.is_set():
+            worker.close()
+
+
+def delivery(tag: int, payload: bytes | None = None, *, generation: int = 1, redelivered: bool = False,
+             message_id: str | None = None, headers: dict[str, Any] | None = None) -> Delivery:
+    if payload is None:
+        event = new_event(article_id=f"article-{tag}")
+        payload, message_id = body(event), message_id or event["eventId"]
+    return Delivery(generation, tag, payload, "material.published", redelivered, message_id, headers or {},
+                    "application/json", "events")
+
+
+def event_id(d: Delivery) -> str:
+    assert d.message_id is not None
+    return d.message_id
+
+
+def test_a_batch_is_acked_once_and_only_after_its_commit(make_worker: Callable[..., tuple[Worker, FakeIO]]) -> None:
+    """One batch gives one ``multiple`` ack of its last tag, and when it is
+    sent every receipt of the batch is already committed."""
+    worker, io = make_worker()
+    batch = [delivery(tag) for tag in (1, 2, 3)]
+    worker.process(batch)
+    assert ["ack"] == io.kinds()
+    ack = io.calls[0]
+    assert (1, 3, True) == (ack.generation, ack.tag, ack.multiple)
+    assert {event_id(d) for d in batch} == ack.receipts
+    assert 3 == worker.stats.acked
+
+
+def test_batches_settle_in_tag_order(make_worker: Callable[..., tuple[Worker, FakeIO]]) -> None:
+    """The worker's thread cuts deliveries into batches and acks them in tag
+    order, each ack after the commit of every delivery it covers."""
+    worker, io = make_worker(batch=2)
+    deliveries = [delivery(tag) for tag in range(1, 6)]
+    worker.deliver_all(deliveries)
+    worker.start()
+    io.wait_for(lambda: len(io.acks()) == 3)
+    acks = io.acks()
+    assert [2, 4, 5] == [a.tag for a in acks]
+    for ack in acks:
+        covered = {event_id(d) for d in deliveries if d.tag <= ack.tag}
+        assert covered <= ack.receipts
+    worker.stop_requested.set()
+    worker.join(10)
+    assert not worker.is_alive() and worker.error is None
+    assert "shutdown" == io.kinds()[-1]
+
+
+def test_deliveries_of_a_lost_channel_are_not_handled(make_worker: Callable[..., tuple[Worker, FakeIO]]) -> None:
+    """Deliveries of a channel that is gone are dropped (the broker redelivers
+    them); those of the new channel are handled and acked on it."""
+    worker, io = make_worker()
+    old = delivery(1)
+    worker.deliver(old)
+    worker.channel_lost(1, "connection reset")
+    worker.channel_opened(2)
+    new = delivery(1, generation=2)
+    worker.deliver(new)
+    worker.start()
+    io.wait_for(lambda: bool(io.acks()))
+    assert [(2, 1)] == [(a.generation, a.tag) for a in io.acks()]
+    assert {event_id(new)} == io.acks()[0].receipts
+
+
+def test_a_rejection_is_dead_lettered_confirmed_and_recorded_before_the_ack(
+        make_worker: Callable[..., tuple[Worker, FakeIO]]) -> None:
+    """A body that cannot be parsed goes to the dead queue with its code;
+    the ack of its batch comes after the broker confirmed that copy and
+    after the rejection was committed in ``rejected`` (not before the confirm)."""
+    worker, io = make_worker()
+    bad = delivery(2, b"{not json", message_id=str(uuid.uuid4()))
+    batch = [delivery(1), bad, delivery(3)]
+    worker.process(batch)
+    assert ["publish", "ack"] == io.kinds()
+    publish, ack = io.calls
+    (copy,) = publish.messages
+    assert worker.topology.dead_queue == copy.routing_key
+    assert b"{not json" == copy.body
+    assert copy.headers is not None and MALFORMED_JSON == copy.headers[H_ERROR_CODE]
+    assert [] == publish.rejected  # recorded only once the copy is safe
+    assert [MALFORMED_JSON] == ack.rejected
+    assert 3 == ack.tag
+    assert {event_id(batch[0]), event_id(batch[2])} == ack.receipts
+
+
+def test_an_unconfirmed_copy_gives_up_the_channel(make_worker: Callable[..., tuple[Worker, FakeIO]]) -> None:
+    """When the broker does not confirm a copy nothing more is acked on that
+    channel (the connection is recycled and everything is redelivered), and
+    the rejection is not recorded as dead-lettered."""
+    worker, io = make_worker()
+    io.confirm = False
+    worker.process([delivery(1), delivery(2, b"[]", message_id=str(uuid.uuid4()))])
+    assert ["publish", "reconnect"] == io.kinds()
+    assert worker.db is not None and [] == read_rows(worker.db.path, "rejected")
+    later = delivery(3)
+    worker.deliver(later)  # still channel 1, which was given up
+    assert worker._take(0) is None
+
+
+def flaky_spec() -> ConsumerSpec:
+    def apply(conn: sqlite3.Connection, env: Envelope) -> str:
+        if env.title == "transient":
+            raise TransientError("dependency down", code="dependency-down")
+        return "recorded"
+
+    return ConsumerSpec(name="wobbly", apply=apply, migrations=(), binding_keys=("material.*",))
+
+
+def test_a_transient_failure_is_retried_by_a_copy_confirmed_before_the_ack(
+        make_worker: Callable[..., tuple[Worker, FakeIO]], register: Callable[[ConsumerSpec], ConsumerSpec]) -> None:
+    """A transient failure sends a copy to the first retry tier with the
+    attempt counted, confirmed before the ack; at the last attempt the copy
+    goes to the dead queue as retries-exhausted instead."""
+    register(flaky_spec())
+    worker, io = make_worker("wobbly", max_attempts=2)
+    first = delivery(1, body(new_event(title="transient")))
+    worker.process([first])
+    assert ["publish", "ack"] == io.kinds()
+    (copy,) = io.calls[0].messages
+    assert worker.topology.retry_queue(0) == copy.routing_key
+    assert copy.headers is not None and 1 == copy.headers[H_ATTEMPTS]
+    assert set() == io.calls[1].receipts
+    again = delivery(2, first.body, message_id=first.message_id, headers={H_ATTEMPTS: 1})
+    worker.process([again])
+    (dead,) = io.calls[2].messages
+    assert worker.topology.dead_queue == dead.routing_key
+    assert dead.headers is not None and RETRIES_EXHAUSTED == dead.headers[H_ERROR_CODE]
+    assert [RETRIES_EXHAUSTED] == io.calls[3].rejected
+
+
+def test_suspects_of_a_crashed_batch_are_handled_alone(make_worker: Callable[..., tuple[Worker, FakeIO]]) -> None:
+    """Keys that were in a batch when its process died are redelivered one by
+    one, each acked alone, while their neighbours still go together, and
+    acks stay in tag order."""
+    worker, io = make_worker()
+    assert worker.db is not None
+    batch = [delivery(tag) for tag in range(1, 6)]
+    suspects = [batch[1], batch[2]]
+    InFlight(worker.db, owner=GONE).mark([delivery_key(d) for d in suspects])
+    for d in suspects:
+        d.redelivered = True
+    worker.process(batch)
+    assert [1, 2, 3, 5] == [a.tag for a in io.acks()]
+    assert {event_id(d) for d in batch} == io.acks()[-1].receipts
+
+
+def test_a_poison_message_is_dead_lettered_without_being_applied(
+        make_worker: Callable[..., tuple[Worker, FakeIO]]) -> None:
+    """A message that killed the process max_crashes times, each time alone,
+    is dead-lettered as delivery-limit and acked, never applied again; its
+    neighbours are applied."""
+    worker, io = make_worker(max_crashes=2)
+    assert worker.db is not None
+    poison, fine = delivery(1, redelivered=True), delivery(2)
+    for n in range(2):
+        InFlight(worker.db, owner=f"gone:{n}:1").mark([delivery_key(poison)])
+    worker.process([poison, fine])
+    assert ["publish", "ack", "ack"] == io.kinds()
+    (copy,) = io.calls[0].messages
+    assert copy.headers is not None and DELIVERY_LIMIT == copy.headers[H_ERROR_CODE]
+    assert [DELIVERY_LIMIT] == io.calls[1].rejected and 1 == io.calls[1].tag
+    assert {event_id(fine)} == io.calls[2].receipts
+
+
+def test_a_poison_message_with_a_receipt_is_answered_by_it(make_worker: Callable[..., tuple[Worker, FakeIO]]) -> None:
+    """A message past its crash limit whose event is already applied is not
+    dead-lettered: the receipt answers it (duplicate) and it is acked."""
+    worker, io = make_worker(max_crashes=1)
+    assert worker.db is not None
+    applied = delivery(1)
+    worker.process([applied])
+    InFlight(worker.db, owner=GONE).mark([delivery_key(applied)])
+    again = delivery(2, applied.body, message_id=applied.message_id, redelivered=True)
+    worker.process([again])
+    assert ["ack", "ack"] == io.kinds()
+    assert [] == io.calls[1].rejected
+
+
+def test_messages_cross_the_pipe_and_dispatch_by_type() -> None:
+    """Deliveries survive pickling in their packed form; a message is
+    dispatched by its type, and one without a handler is a ProtocolError."""
+    d = delivery(7, headers={"x-attempts": 2})
+    message = pickle.loads(pickle.dumps(Deliveries(1, [pack(d)])))
+    assert [d] == message.unpack()
+    seen: list[object] = []
+    dispatch: Dispatch[object] = Dispatch().on(Ack, seen.append)
+    dispatch(Ack(1, 7))
+    assert [Ack(1, 7)] == seen
+    with pytest.raises(ProtocolError):
+        dispatch(Stop())
