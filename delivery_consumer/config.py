@@ -11,6 +11,9 @@ its database and broker without flags::
     [consumers.webhook]
     db = "state/webhook/inbox.db"
     webhook_url = "http://127.0.0.1:8080/notify"
+    [consumers.audit]
+    db = "state/audit"                  # a partitioned consumer: its directory,
+    partitions = 4                      # and its partition count
     [producers.material]
     db = "producer.db"                  # a database holding an outbox
     [status]
@@ -31,7 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigError, DeliveryError
+from .partitions import SLOT_COUNT
 from .topology import DEFAULT_EXCHANGE, DEFAULT_PREFIX
 
 DEFAULT_NAME = "delivery.toml"
@@ -44,7 +48,8 @@ PARTITION_DB = "inbox.db"
 
 _TOP_KEYS = ("amqp_url", "exchange", "queue_prefix", "management_url", "consumers", "producers", "status")
 #: Keys of ``[consumers.NAME]``, with the CLI option each one stands for.
-CONSUMER_KEYS: Mapping[str, str] = {"db": "db_path", "webhook_url": "webhook_url", "metrics_port": "metrics_port"}
+CONSUMER_KEYS: Mapping[str, str] = {"db": "db_path", "webhook_url": "webhook_url", "metrics_port": "metrics_port",
+                                    "partitions": "partitions"}
 _PRODUCER_KEYS = ("db",)
 _STATUS_KEYS = ("outbox_max_age", "backlog_max")
 
@@ -56,10 +61,20 @@ class ConsumerEntry:
     name: str
     db: Path
     options: dict[str, Any] = field(default_factory=dict)
+    #: The partition count the file gives (``partitions = N``): *db* is then the
+    #: directory of ``p<k>/inbox.db``, whether they exist yet or not.
+    partitions: int | None = None
+
+    def database(self, partition: int) -> Path:
+        """The database of one partition: ``<db>/p<k>/inbox.db``."""
+        return self.db / f"p{partition}" / PARTITION_DB
 
     def databases(self) -> list[tuple[str | None, Path]]:
         """``(partition, path)`` of every database: ``[(None, db)]`` for a file,
-        ``[("p0", db/p0/inbox.db), ...]`` for a partition directory."""
+        ``[("p0", db/p0/inbox.db), ...]`` for a partition directory (every
+        partition of the file's count, else those found in the directory)."""
+        if self.partitions is not None:
+            return [(f"p{k}", self.database(k)) for k in range(self.partitions)]
         if self.db.is_dir():
             parts = [p for p in self.db.iterdir() if p.is_dir() and p.name[:1] == "p" and p.name[1:].isdigit()]
             if parts or not (self.db / PARTITION_DB).is_file():
@@ -196,13 +211,17 @@ def parse(raw: Mapping[str, Any], path: Path) -> Deployment:
             registry.get(name)
         except ConfigError as exc:
             raise ConfigError(f"{path}: {where}: {exc}") from None
-        options = {k: v for k, v in table.items() if k != "db"}
+        options = {k: v for k, v in table.items() if k not in ("db", "partitions")}
         if "webhook_url" in options:
             _string(table, "webhook_url", path, f"{where}.webhook_url")
         port = options.get("metrics_port")
         if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535):
             raise ConfigError(f"{path}: {where}.metrics_port: must be a port number (0-65535)")
-        found[name] = ConsumerEntry(name, _db(table, base, path, where), options)
+        partitions = table.get("partitions")
+        if partitions is not None and (not isinstance(partitions, int) or isinstance(partitions, bool)
+                                       or not 1 <= partitions <= SLOT_COUNT):
+            raise ConfigError(f"{path}: {where}.partitions: must be a partition count (1-{SLOT_COUNT})")
+        found[name] = ConsumerEntry(name, _db(table, base, path, where), options, partitions)
     producers: dict[str, ProducerEntry] = {}
     for name, table in _table(raw.get("producers", {}), path, "producers").items():
         where = f"producers.{name}"
@@ -281,7 +300,28 @@ def check_database(deployment: Deployment, entry: ConsumerEntry) -> list[str]:
             ConsumerDB.open(db_path, entry.name, readonly=True).close()
         except Exception as exc:  # a DatabaseError, or sqlite3's own for a damaged file
             problems.append(f"{deployment.key(where)}: {producer_database(db_path) or exc}")
+            continue
+        if partition is not None:
+            problems += _partition_mismatch(deployment, entry, int(partition[1:]), db_path)
     return problems
+
+
+def _partition_mismatch(deployment: Deployment, entry: ConsumerEntry, partition: int, db_path: Path) -> list[str]:
+    """A partition database that records another place than the one the file gives it."""
+    from .partition_store import stored_identity
+
+    where = f"consumers.{entry.name}.partitions" if entry.partitions else f"consumers.{entry.name}.db"
+    try:
+        identity = stored_identity(db_path)
+    except DeliveryError as exc:
+        return [f"{deployment.key(where)}: {exc}"]
+    if identity is None:
+        return [f"{deployment.key(where)}: {db_path}: records no partition (an unpartitioned consumer's database)"]
+    if identity.partition != partition or (entry.partitions is not None and identity.count != entry.partitions):
+        said = f"partition {partition} of {entry.partitions}" if entry.partitions else f"partition {partition}"
+        return [f"{deployment.key(where)}: {db_path}: records {identity.describe()}, the file makes it {said} "
+                "(repartition changes the count)"]
+    return []
 
 
 __all__ = [

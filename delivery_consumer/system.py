@@ -15,14 +15,17 @@ import sqlite3
 import time
 from collections.abc import Iterator
 from contextlib import closing, contextmanager
+from pathlib import Path
 from typing import Any
 
 import orjson
 
 from . import consumers as registry
 from .config import ConsumerEntry, Deployment, producer_database
+from .durations import age as age_text
 from .durations import format as format_duration
 from .errors import DeliveryError
+from .partitions import partition_of, partition_topology, unrouted_name
 from .queries import NotFound, _records, _snapshot
 from .store import ConsumerDB, inbox_rowid_before, now_iso
 from .topology import Topology
@@ -65,15 +68,42 @@ def _label(entry: ConsumerEntry, partition: str | None) -> str:
     return f"{entry.name}/{partition}" if partition else entry.name
 
 
+def places(dep: Deployment, entry: ConsumerEntry) -> list[tuple[str | None, Path, Topology]]:
+    """``(partition, database, queues)`` of each of the consumer's databases: the
+    consumer's own queues, or for a partition ``p<k>`` the queues ``<consumer>.p<k>``."""
+    base = topology(dep, entry.name)
+    return [(partition, path, base if partition is None else partition_topology(base, int(partition[1:])))
+            for partition, path in entry.databases()]
+
+
+def partition_count(entry: ConsumerEntry) -> int | None:
+    """The consumer's partition count: the file's, else the one its partition databases record."""
+    from .partition_store import stored_identity
+
+    if entry.partitions is not None:
+        return entry.partitions
+    for partition, path in entry.databases():
+        if partition is None:
+            return None
+        try:
+            identity = stored_identity(path)
+        except DeliveryError:
+            continue
+        if identity is not None:
+            return identity.count
+    return None
+
+
 # -- dead letters ------------------------------------------------------------------------
 
 
-def dead_letters(dep: Deployment, consumer: str) -> Row:
-    """The dead queue of *consumer* as read now: ``{"queue", "letters", "complete"}`` or ``{"error"}``."""
+def dead_letters(dep: Deployment, consumer: str, topo: Topology | None = None) -> Row:
+    """The dead queue of *consumer* (of the partition *topo* names) as read now:
+    ``{"queue", "letters", "complete"}`` or ``{"error"}``."""
     from .broker import BrokerError
     from .deadletters import list_dead
 
-    topo = topology(dep, consumer)
+    topo = topo or topology(dep, consumer)
     try:
         snapshot = list_dead(dep.amqp_url, topo, max_messages=DEAD_SCAN_LIMIT)
     except BrokerError as exc:
@@ -176,18 +206,23 @@ def trace_event(dep: Deployment, event_id: str, *, article_id: str | None = None
     routing_key = next((r.get("routingKey") for r in known), None)
     result: Row = {"eventId": event_id, "deployment": str(dep.path), "outbox": outbox_rows, "consumers": []}
     found = bool(known)
+    article = next((r["articleId"] for r in known if r.get("articleId")), None)
     for name, entry in dep.consumers.items():
         spec = registry.get(name)
         routed = routing_key is None or any(topic_matches(k, routing_key) for k in spec.binding_keys)
-        letters: list[Row] = []
-        dead: Row | None = None
-        if broker:
-            dead = dead_letters(dep, name)
-            letters = [letter.to_json() for letter in dead.get("letters", [])
-                       if event_id in (letter.event_id, letter.message_id)]
-            found = found or bool(letters)
-        for partition, path in entry.databases():
+        count = partition_count(entry) if entry.partitions or entry.db.is_dir() else None
+        home = f"p{partition_of(article, count)}" if article is not None and count else None
+        items: list[Row] = []
+        for partition, path, topo in places(dep, entry):
             item: Row = {"consumer": name, "partition": partition, "database": str(path), "trace": None}
+            letters: list[Row] = []
+            if broker:
+                dead = dead_letters(dep, name, topo)
+                letters = [letter.to_json() for letter in dead.get("letters", [])
+                           if event_id in (letter.event_id, letter.message_id)]
+                found = found or bool(letters)
+                item["deadQueue"] = {"queue": dead["queue"], "error": dead.get("error"),
+                                     "complete": dead.get("complete"), "letters": letters}
             if not path.exists():
                 item["note"] = "no database yet"
             else:
@@ -199,13 +234,22 @@ def trace_event(dep: Deployment, event_id: str, *, article_id: str | None = None
                 except DeliveryError as exc:
                     item["error"] = str(exc)
             found = found or item["trace"] is not None
-            if dead is not None:
-                item["deadQueue"] = {"queue": dead["queue"], "error": dead.get("error"),
-                                     "complete": dead.get("complete"), "letters": letters}
+            item["letters"] = letters
+            items.append(item)
+        if home is None and count:  # no outbox row told the article: the partition that knows the event
+            home = next((i["partition"] for i in items if i["trace"] is not None or i["letters"]), None)
+        for item in items:
+            letters = item.pop("letters")
+            if home is not None:
+                item["home"] = item["partition"] == home
             if "error" in item:
                 item["verdict"] = f"error: {item['error']}"
+            elif item.get("home") is False and item["trace"] is None and not letters:
+                item["verdict"] = (f"not this partition's article (articleId {article} lives in {home})" if article
+                                   else f"not this partition's event (it is in {home})")
             elif "note" in item and not letters:
-                item["verdict"] = item["note"]
+                item["verdict"] = (f"published, not yet received ({item['note']})" if routed and published
+                                   else item["note"])
             else:
                 item["verdict"] = _verdict(item["trace"], letters, routed, published, unpublished)
             result["consumers"].append(item)
@@ -336,8 +380,45 @@ def _management(dep: Deployment, queue: str) -> int | None:
     return value if isinstance(value, int) else None
 
 
+def _queue_figures(dep: Deployment, label: str, topo: Topology, counts: dict[str, Any], asked: bool,
+                   problems: list[str]) -> Row:
+    """The figures of one consumer's (or partition's) queues, and the problems they show."""
+    main, dead = counts.get(topo.queue), counts.get(topo.dead_queue)
+    item: Row = {"queue": topo.queue, "deadQueue": topo.dead_queue,
+                 "ready": main.ready if main else None,
+                 "unacked": _management(dep, topo.queue) if main else None,
+                 "consumersConnected": main.consumers if main else None,
+                 "deadLetters": dead.ready if dead else None, "deadByCode": {}, "deadGroups": []}
+    if asked and main is None:
+        item["queueNote"] = f"queue {topo.queue} does not exist yet (start the consumer or topology declare)"
+    if dead is not None and dead.ready:
+        letters = dead_letters(dep, topo.consumer, topo)
+        if "error" in letters:
+            item["deadByCode"] = None
+            item["deadNote"] = letters["error"]
+        else:
+            groups = group_dead_letters(letters["letters"])
+            item["deadByCode"] = {g["code"]: g["count"] for g in groups}
+            item["deadGroups"] = groups
+        codes = ", ".join(f"{n} {c}" for c, n in (item["deadByCode"] or {}).items()) or "codes not read"
+        problems.append(f"{label}: {_count(dead.ready, 'dead letter')} in {topo.dead_queue} ({codes})")
+    if main is not None and main.ready > dep.backlog_max and main.consumers == 0:
+        problems.append(f"{label}: {_count(main.ready, 'message')} {'waits' if main.ready == 1 else 'wait'} in "
+                        f"{topo.queue} and no consumer is connected")
+    return item
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" + ("" if n == 1 else "s")
+
+
+def _total(values: list[Any]) -> int | None:
+    """The sum, or None (unknown) when any part is unknown."""
+    return None if not values or any(v is None for v in values) else sum(values)
+
+
 def status(dep: Deployment, *, now: float | None = None, broker: bool = True) -> Row:
-    """Every consumer and producer of *dep*, and the problems that need a person."""
+    """Every consumer (every partition) and producer of *dep*, and the problems that need a person."""
     from . import outbox
     from .broker import BrokerError, queue_counts
 
@@ -345,42 +426,25 @@ def status(dep: Deployment, *, now: float | None = None, broker: bool = True) ->
     problems: list[str] = []
     counts: dict[str, Any] = {}
     broker_error = None
+    layout = {name: places(dep, entry) for name, entry in dep.consumers.items()}
+    partitioned = {name for name, found in layout.items() if any(partition for partition, _, _ in found)}
     if broker and dep.consumers:
-        queues = [q for name in dep.consumers for q in (topology(dep, name).queue, topology(dep, name).dead_queue)]
+        queues = [q for found in layout.values() for _, _, topo in found for q in (topo.queue, topo.dead_queue)]
+        queues += [unrouted_name(topology(dep, name)) for name in partitioned]
         try:
             counts = queue_counts(dep.amqp_url, queues)
         except BrokerError as exc:
             broker_error = str(exc)
             problems.append(f"broker: {exc}")
+    asked = broker and broker_error is None
     out_consumers = []
     for name, entry in dep.consumers.items():
-        topo = topology(dep, name)
-        item: Row = {"consumer": name, "queue": topo.queue, "deadQueue": topo.dead_queue}
-        main, dead = counts.get(topo.queue), counts.get(topo.dead_queue)
-        item["ready"] = main.ready if main else None
-        item["consumersConnected"] = main.consumers if main else None
-        item["unacked"] = _management(dep, topo.queue) if main else None
-        item["deadLetters"] = dead.ready if dead else None
-        item["deadByCode"] = {}
-        item["deadGroups"] = []
-        if broker and not broker_error and main is None:
-            item["note"] = f"queue {topo.queue} does not exist yet (start the consumer or topology declare)"
-        if dead is not None and dead.ready:
-            letters = dead_letters(dep, name)
-            if "error" in letters:
-                item["deadByCode"] = None
-                item["deadNote"] = letters["error"]
-            else:
-                groups = group_dead_letters(letters["letters"])
-                item["deadByCode"] = {g["code"]: g["count"] for g in groups}
-                item["deadGroups"] = groups
-            codes = ", ".join(f"{n} {c}" for c, n in (item["deadByCode"] or {}).items()) or f"{dead.ready}"
-            problems.append(f"{name}: {dead.ready} dead letters in {topo.dead_queue} ({codes})")
-        if main is not None and main.ready > dep.backlog_max and main.consumers == 0:
-            problems.append(f"{name}: {main.ready} messages wait in {topo.queue} and no consumer is connected")
+        item: Row = {"consumer": name, "partitions": len(layout[name]) if name in partitioned else None}
         item["databases"] = []
-        for partition, path in entry.databases():
+        for partition, path, topo in layout[name]:
+            label = _label(entry, partition)
             db_item: Row = {"partition": partition, "database": str(path)}
+            db_item.update(_queue_figures(dep, label, topo, counts, asked, problems))
             if not path.exists():
                 db_item["note"] = "no database yet"
             else:
@@ -389,12 +453,35 @@ def status(dep: Deployment, *, now: float | None = None, broker: bool = True) ->
                         db_item.update(_consumer_db_status(db, now))
                 except DeliveryError as exc:
                     db_item["error"] = producer_database(path) or str(exc)
-                    problems.append(f"{_label(entry, partition)}: {db_item['error']}")
+                    problems.append(f"{label}: {db_item['error']}")
             item["databases"].append(db_item)
+        rows = item["databases"]
+        # the consumer as a whole: its own queues, or the sums over its partitions
+        item["queue"] = rows[0]["queue"] if name not in partitioned else None
+        item["deadQueue"] = rows[0]["deadQueue"] if name not in partitioned else None
+        for key in ("ready", "unacked", "consumersConnected", "deadLetters"):
+            item[key] = _total([row[key] for row in rows])
+        by_code: dict[str, int] = {}
+        for row in rows:
+            for code, n in (row["deadByCode"] or {}).items():
+                by_code[code] = by_code.get(code, 0) + n
+        item["deadByCode"] = None if any(row["deadByCode"] is None for row in rows) else by_code
+        item["unrouted"] = None
+        if name in partitioned:
+            queue = unrouted_name(topology(dep, name))
+            waiting = counts.get(queue)
+            item["unrouted"] = {"queue": queue, "ready": waiting.ready if waiting else None}
+            if waiting is not None and waiting.ready:
+                problems.append(f"{name}: {_count(waiting.ready, 'message')} in {queue} reached no partition "
+                                f"(no slot header?); after the fix: delivery-consumer reroute --consumer {name}")
         out_consumers.append(item)
     out_producers = []
     for name, producer in dep.producers.items():
         p_item: Row = {"producer": name, "database": str(producer.db)}
+        if not producer.db.exists():
+            p_item["note"] = "no database yet"
+            out_producers.append(p_item)
+            continue
         try:
             with closing(outbox.connect(producer.db, readonly=True)) as conn:
                 stats = outbox.stats(conn, now=now)
@@ -406,11 +493,12 @@ def status(dep: Deployment, *, now: float | None = None, broker: bool = True) ->
         p_item.update({k: v for k, v in stats.items() if k != "database"})
         age = stats.get("oldestUnpublishedAgeSeconds")
         if age is not None and age > dep.outbox_max_age_s:
-            problems.append(f"producer {name}: {stats['unpublished']} unpublished rows, the oldest "
-                            f"{age:.0f}s old (more than {format_duration(dep.outbox_max_age_s)})")
+            problems.append(f"producer {name}: {_count(stats['unpublished'], 'unpublished row')}, the oldest "
+                            f"{age_text(age)} old (more than {format_duration(dep.outbox_max_age_s)}): "
+                            "is dispatch running?")
         quarantined = stats.get("quarantined")
         if isinstance(quarantined, int) and quarantined:
-            problems.append(f"producer {name}: {quarantined} quarantined outbox rows")
+            problems.append(f"producer {name}: {_count(quarantined, 'quarantined outbox row')}")
         out_producers.append(p_item)
     return {"deployment": str(dep.path), "now": now_iso(now), "healthy": not problems, "problems": problems,
             "broker": {"url": _redacted(dep.amqp_url), "error": broker_error} if broker else None,

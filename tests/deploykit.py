@@ -13,13 +13,18 @@ from support import subprocess_env
 
 
 def write_deployment(directory: Path, *, ns: Namespace | None = None, webhook_url: str | None = None,
-                     consumers: tuple[str, ...] = ("catalog", "audit", "webhook"), extra: str = "") -> Path:
-    """A deployment file in *directory*: relative paths, one producer, *consumers*."""
+                     consumers: tuple[str, ...] = ("catalog", "audit", "webhook"), extra: str = "",
+                     partitions: dict[str, int] | None = None) -> Path:
+    """A deployment file in *directory*: relative paths, one producer, *consumers*
+    (those in *partitions* partitioned: ``db`` their directory, and their count)."""
     lines = []
     if ns is not None:
         lines += [f'amqp_url = "{ns.url}"', f'exchange = "{ns.exchange}"', f'queue_prefix = "{ns.prefix}"']
     lines.append(extra)
     for name in consumers:
+        if name in (partitions or {}):
+            lines += [f"[consumers.{name}]", f'db = "state/{name}"', f"partitions = {(partitions or {})[name]}"]
+            continue
         lines += [f"[consumers.{name}]", f'db = "state/{name}/inbox.db"']
         if name == "webhook" and webhook_url:
             lines.append(f'webhook_url = "{webhook_url}"')

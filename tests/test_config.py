@@ -447,3 +447,39 @@ def test_unacked_counts_come_from_the_management_api_when_it_is_named(tmp_path: 
         server.server_close()
     assert "/api/queues/v1/delivery.catalog" == asked[0][0]
     assert "Basic " + base64.b64encode(b"bob:pw").decode() == asked[0][1]
+
+
+def test_a_partitioned_consumer_in_the_file_runs_and_is_checked_partition_by_partition(tmp_path: Path) -> None:
+    """partitions = N: config check gives each partition its database, queues and run line (metrics port
+    + K); run without --partition is one line naming the key; a partition database that records another
+    count is refused by config check; a count out of range is refused when the file is read."""
+    config = write_deployment(tmp_path, consumers=("catalog",), partitions={"catalog": 2})
+    config.write_text(config.read_text().replace("partitions = 2", "partitions = 2\nmetrics_port = 9500"))
+    code, out, err = with_config(config, "config", "check", "--json")
+    assert 0 == code, err
+    catalog = orjson.loads(out)["consumers"][0]
+    assert 2 == catalog["partitions"] and catalog["run"] is None
+    runs = catalog["partitionRuns"]
+    assert [str(tmp_path / f"state/catalog/p{k}/inbox.db") for k in (0, 1)] == [r["database"] for r in runs]
+    assert ["delivery.catalog.p0", "delivery.catalog.p1"] == [r["queue"] for r in runs]
+    args = shlex.split(runs[1]["run"])
+    assert ["--partition", "1", "--partitions", "2"] == args[args.index("--partition"):args.index("--partition") + 4]
+    assert "--metrics-port=9501" in args
+
+    code, _out, err = with_config(config, "run", "--consumer", "catalog")
+    assert 2 == code and one_line(err) == (f"delivery-consumer: {config}: consumers.catalog: catalog is partitioned "
+                                           "(2 partitions): give --partition K (one run per partition)")
+
+    from delivery_consumer.partitions import Identity
+    from delivery_consumer.store import ConsumerDB
+
+    ConsumerDB.open(tmp_path / "state/catalog/p1/inbox.db", "catalog", create=True,
+                    partition=Identity(1, 4)).close()  # a partition of 4, where the file says 2
+    code, _out, err = with_config(config, "config", "check")
+    assert 2 == code and f"{config}: consumers.catalog.partitions: {tmp_path / 'state/catalog/p1/inbox.db'}: " \
+                         "records partition 1 of 4, the file makes it partition 1 of 2" in err, err
+
+    config.write_text(config.read_text().replace("partitions = 2", "partitions = 300"))
+    code, _out, err = with_config(config, "status", "--offline")
+    assert 2 == code and one_line(err) == f"delivery-consumer: {config}: consumers.catalog.partitions: must be a " \
+                                          "partition count (1-256)"

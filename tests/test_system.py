@@ -6,13 +6,21 @@ healthy once the dead letter is requeued and applied."""
 
 from __future__ import annotations
 
+import re
+import sys
+import uuid
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
-from brokerkit import Namespace
-from deploykit import dc, run_until_idle, write_deployment
+from brokerkit import Namespace, RunProcess
+from deploykit import dc, deploy_env, run_until_idle, write_deployment
+from partitionkit import Cluster, wait_until
 from webhook_server import WebhookServer
+
+from delivery_consumer.broker import OutMessage, Publisher
+from delivery_consumer.partitions import partition_of
 
 pytestmark = pytest.mark.broker
 
@@ -66,7 +74,7 @@ def test_one_id_tells_the_whole_story_and_status_follows_the_dead_letter(ns: Nam
 
         status = dc(config, "status")
         assert 1 == status.returncode, status.stdout + status.stderr
-        assert "NEEDS A PERSON: webhook: 1 dead letters" in status.stdout
+        assert "NEEDS A PERSON: webhook: 1 dead letter in" in status.stdout
         shown = orjson.loads(dc(config, "status", "--json").stdout)
         hook_status = next(c for c in shown["consumers"] if c["consumer"] == "webhook")
         assert {"endpoint-rejected": 1} == hook_status["deadByCode"]
@@ -104,5 +112,85 @@ def test_status_needs_a_person_for_an_old_outbox_row_and_a_backlog_nobody_consum
     status = dc(config, "status", "--json")
     assert 1 == status.returncode
     problems = orjson.loads(status.stdout)["problems"]
-    assert any("producer material: 1 unpublished rows" in p for p in problems), problems
-    assert any(f"1 messages wait in {ns.prefix}.catalog and no consumer is connected" in p for p in problems)
+    assert any("producer material: 1 unpublished row, the oldest" in p for p in problems), problems
+    assert any(f"1 message waits in {ns.prefix}.catalog and no consumer is connected" in p for p in problems)
+
+
+def _partitioned_status(shown: dict[str, Any]) -> dict[str, Any]:
+    return next(c for c in shown["consumers"] if c["consumer"] == "catalog")
+
+
+def test_a_partitioned_consumer_is_declared_from_the_file_and_shown_partition_by_partition(
+        ns: Namespace, tmp_path: Path) -> None:
+    """topology declare without flags declares what the file says (catalog in 2 partitions, audit); status
+    gives each partition its own queue, consumers, dead letters and receipts, and the unrouted queue when a
+    message waits there; trace points at the article's partition; healthy again once both are dealt with."""
+    config = write_deployment(tmp_path, ns=ns, consumers=("catalog", "audit"), partitions={"catalog": 2})
+    cluster = Cluster(ns, "catalog", 2)
+    try:
+        declared = dc(config, "topology", "declare")
+        assert 0 == declared.returncode, declared.stderr
+        assert f"-> {ns.prefix}.catalog.p0 .. {ns.prefix}.catalog.p1" in declared.stdout, declared.stdout
+        assert f"-> {ns.prefix}.audit.dead, {ns.prefix}.audit," in declared.stdout, declared.stdout
+        declared = dc(config, "topology", "declare", "--consumer", "audit")  # the flag chooses
+        assert ["audit"] == [line.split(":")[0] for line in declared.stdout.splitlines()], declared.stdout
+        article = {partition_of(f"a-{i}", 2): f"a-{i}" for i in range(20)}  # one article per partition
+        first = [produce(config, article[k], f"T{k}") for k in (0, 1)]
+        sent = dc(config, "dispatch", "--exit-when-idle", "1s")
+        assert 0 == sent.returncode, sent.stderr[-2000:]
+        conflict = {"eventId": str(uuid.uuid4()), "type": "material.published", "articleId": article[1],
+                    "revision": 1, "occurredAt": "2026-12-01T10:00:00Z",
+                    "data": {"title": "another state", "url": "https://example.org/x"}}
+        ns.publish([orjson.dumps(conflict)])  # with its slot headers: to p1, where revision 1 differs
+        stray = {**conflict, "eventId": str(uuid.uuid4())}
+        stray["articleId"] = next(f"s-{i}" for i in range(99) if partition_of(f"s-{i}", 2) == 0)  # p0 runs below
+        with Publisher(ns.url, exchanges=[ns.exchange]) as publisher:  # no slot headers: no partition
+            assert all(r.ok for r in publisher.publish([OutMessage(
+                "material.published", orjson.dumps(stray), ns.exchange, stray["eventId"])]))
+        for k in (0, 1):
+            done = run_until_idle(config, "catalog", "--partition", str(k))
+            assert 0 == done.returncode, done.stderr[-2000:]
+        assert 0 == run_until_idle(config, "audit").returncode
+
+        serving = RunProcess([sys.executable, "-m", "delivery_consumer", "run", "--consumer", "catalog",
+                              "--partition", "0"], cwd=tmp_path, env=deploy_env(config))
+        cluster.procs.append(serving)
+        wait_until("p0 consuming", lambda: "consuming " in serving.output()[1], 60, [serving])
+        status = dc(config, "status", "--json")
+        assert 1 == status.returncode, status.stderr
+        shown = orjson.loads(status.stdout)
+        catalog = _partitioned_status(shown)
+        assert 2 == catalog["partitions"]
+        rows = {row["partition"]: row for row in catalog["databases"]}
+        assert {"p0": f"{ns.prefix}.catalog.p0", "p1": f"{ns.prefix}.catalog.p1"} == {
+            k: row["queue"] for k, row in rows.items()}
+        assert (1, 0) == (rows["p0"]["consumersConnected"], rows["p1"]["consumersConnected"])
+        assert (0, 1) == (rows["p0"]["deadLetters"], rows["p1"]["deadLetters"])
+        assert {"revision-conflict": 1} == rows["p1"]["deadByCode"] and {} == rows["p0"]["deadByCode"]
+        assert (1, 1) == (rows["p0"]["receiptsLastHour"], rows["p1"]["receiptsLastHour"])
+        assert {"queue": f"{ns.prefix}.catalog.unrouted", "ready": 1} == catalog["unrouted"]
+        assert any(p.startswith(f"catalog/p1: 1 dead letter in {ns.prefix}.catalog.p1.dead") for p in
+                   shown["problems"]), shown["problems"]
+        assert any(p.startswith(f"catalog: 1 message in {ns.prefix}.catalog.unrouted") for p in shown["problems"])
+        text = dc(config, "status").stdout
+        assert re.search(r"^catalog/p1 +0 +- +0 +1 \(1 revision-conflict\)", text, re.M), text
+        assert re.search(r"^catalog/unrouted +1 ", text, re.M), text
+
+        traced = orjson.loads(dc(config, "trace", conflict["eventId"], "--json").stdout)
+        verdict = {c["consumer"] + (f"/{c['partition']}" if c["partition"] else ""): c["verdict"]
+                   for c in traced["consumers"]}
+        assert "dead-lettered revision-conflict" == verdict["catalog/p1"]
+        assert verdict["catalog/p0"].startswith("not this partition's event") and "applied recorded" == verdict["audit"]
+        text = dc(config, "trace", first[0]).stdout
+        assert f"consumer catalog/p1: not this partition's article (articleId {article[0]} lives in p0)" in text, text
+        assert re.search(r"^  catalog/p0 +applied updated$", text, re.M), text
+
+        purged = dc(config, "dead", "purge", "--consumer", "catalog", "--partition", "1", "--all", "--yes")
+        assert 0 == purged.returncode, purged.stderr
+        assert 0 == dc(config, "reroute", "--consumer", "catalog").returncode
+        wait_until("the stray applied in its partition", lambda: "healthy" in dc(config, "status").stdout, 60,
+                   [serving])
+        assert 0 == dc(config, "status").returncode
+    finally:
+        cluster.stop()
+        cluster.delete()

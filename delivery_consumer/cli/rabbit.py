@@ -36,6 +36,7 @@ from ._common import (
     Fatal,
     consumer_option,
     db_option,
+    deployment,
     emit_json,
     from_deployment,
     handle_errors,
@@ -204,6 +205,7 @@ def run(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue
 
     _setup_logging(log_level, log_format, consumer)
     spec = consumers.get(consumer)  # unknown consumer: one line, exit 2
+    db_path, partitions, metrics_port = _file_partition(consumer, db_path, partition, partitions, metrics_port)
     if spec.external is not None:
         spec.external(consumer_options)  # e.g. no --webhook-url: one line, exit 2
     if batch > prefetch:
@@ -230,6 +232,29 @@ def run(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue
         click.echo(f"delivery-consumer: {exc}", err=True)
         code = EXIT_TEMPFAIL
     sys.exit(code)
+
+
+def _file_partition(consumer: str, db_path: Path | None, partition: int | None, partitions: int | None,
+                    metrics_port: int | None) -> tuple[Path | None, int | None, int | None]:
+    """run's database, partition count and metrics port when the deployment file makes
+    *consumer* partitioned (``db`` its directory, ``partitions = N``): partition K's
+    ``<db>/p<K>/inbox.db`` even before the directory exists, the file's count, and
+    the file's ``metrics_port`` + K (one port per partition on one host)."""
+    from ..system import partition_count
+
+    found = deployment()
+    entry = found.consumer(consumer) if found is not None else None
+    if found is None or entry is None or db_path != entry.db:
+        return db_path, partitions, metrics_port  # not the file's database: nothing to add
+    count = partition_count(entry) if entry.partitions or entry.db.is_dir() else None
+    if count is None and entry.partitions is None:
+        return db_path, partitions, metrics_port
+    if partition is None:
+        raise Fatal(f"{found.key(f'consumers.{consumer}')}: {consumer} is partitioned"
+                    + (f" ({count} partitions)" if count else "") + ": give --partition K (one run per partition)")
+    if metrics_port is not None and metrics_port == entry.options.get("metrics_port"):
+        metrics_port += partition
+    return entry.database(partition), partitions if partitions is not None else count, metrics_port
 
 
 @click.command()
@@ -332,40 +357,70 @@ def topology() -> None:
 
 
 @topology.command("declare")
-@click.option("--consumer", "-c", "names", multiple=True, required=True, help="Consumer (repeatable).")
+@click.option("--consumer", "-c", "names", multiple=True,
+              help="Consumer (repeatable; default: every consumer of the deployment file).")
 @amqp_options
 @click.option("--retry-delays", default="1s,10s,60s", show_default=True, type=RETRY_DELAYS)
 @click.option("--delivery-limit", default=DEFAULT_DELIVERY_LIMIT, show_default=True, type=click.IntRange(1))
 @click.option("--partitions", type=click.IntRange(1), envvar="DELIVERY_PARTITIONS",
               help="Declare the consumer(s) as partitioned: queues <prefix>.<consumer>.p0 .. p<N-1>, each with a "
-                   "single active consumer, fed by slot (see docs/partitions.md).")
+                   "single active consumer, fed by slot (see docs/partitions.md). Default: the deployment file's "
+                   "partitions of each consumer.")
 @handle_errors
 def declare_cmd(names: tuple[str, ...], amqp_url: str, exchange: str, queue_prefix: str,
                 retry_delays: tuple[int, ...], delivery_limit: int, partitions: int | None) -> None:
-    """Declare the exchange and a consumer's queues (idempotent)."""
+    """Declare the exchange and the consumers' queues (idempotent).
+
+    Without --consumer, every consumer the deployment file names, each with
+    its partition count (``partitions = N``); flags override the file.
+    """
     from ..broker import BrokerError, declare
 
+    counts = _declared_counts(names, partitions)
     bases = [_topology(n, exchange, queue_prefix, retry_delays_ms=retry_delays,
-                       delivery_limit=delivery_limit) for n in names]
-    if partitions is None:
-        topologies, routes = bases, []
-    else:
-        check_count(partitions)
-        topologies = [t for base in bases for t in partition_topologies(base, partitions)]
-        routes = [route(base, partitions) for base in bases]
+                       delivery_limit=delivery_limit) for n in counts]
+    topologies: list[Topology] = []
+    routes = []
+    for base in bases:
+        count = counts[base.consumer]
+        if count is None:
+            topologies.append(base)
+        else:
+            check_count(count)
+            topologies += partition_topologies(base, count)
+            routes.append(route(base, count))
     try:
         declare(amqp_url, topologies, routes=routes)
     except BrokerError as exc:
         raise Fatal(explain(str(exc), bases[0]) if len(bases) == 1 else str(exc)) from None
-    for topo in bases if partitions is None else []:
-        queues = ", ".join(q for q, _ in topo.queues())
-        click.echo(f"{topo.consumer}: {exchange} -[{' '.join(topo.binding_keys)}]-> {queues}")
     for base in bases:
-        if partitions is None:
-            break
-        first, last = (partition_topologies(base, partitions)[k].queue for k in (0, -1))
+        count = counts[base.consumer]
+        if count is None:
+            queues = ", ".join(q for q, _ in base.queues())
+            click.echo(f"{base.consumer}: {exchange} -[{' '.join(base.binding_keys)}]-> {queues}")
+            continue
+        first, last = (partition_topologies(base, count)[k].queue for k in (0, -1))
         click.echo(f"{base.consumer}: {exchange} -[{' '.join(base.binding_keys)}]-> {base.prefix}.{base.consumer}"
-                   f".slots -[{SLOT_HEADER} mod {partitions}]-> {first} .. {last} (each with .dead and .retry.*)")
+                   f".slots -[{SLOT_HEADER} mod {count}]-> {first} .. {last} (each with .dead and .retry.*)")
+
+
+def _declared_counts(names: tuple[str, ...], partitions: int | None) -> dict[str, int | None]:
+    """Consumer -> partition count (None: unpartitioned) of what ``topology declare`` declares:
+    the consumers named, else the deployment file's; the count given, else the file's."""
+    from ..system import partition_count
+
+    found = deployment()
+    if not names:
+        if found is None or not found.consumers:
+            raise click.UsageError("give --consumer NAME (repeatable), or a deployment file that names consumers")
+        names = tuple(found.consumers)
+    out: dict[str, int | None] = {}
+    for name in dict.fromkeys(names):
+        consumers.get(name)  # an unknown consumer: one line, exit 2
+        entry = found.consumer(name) if found is not None else None
+        out[name] = partitions if partitions is not None else (
+            partition_count(entry) if entry is not None and (entry.partitions or entry.db.is_dir()) else None)
+    return out
 
 
 __all__ = ["publish", "run", "topology"]

@@ -97,7 +97,10 @@ def _echo_event(shown: dict[str, Any]) -> None:
         echo_record(fields, indent="  ")
     if not shown["outbox"]:
         click.echo("outbox: no producer of the deployment has this eventId")
+    elsewhere = [i for i in shown["consumers"] if _elsewhere(i)]
     for item in shown["consumers"]:
+        if _elsewhere(item):
+            continue
         where = item["consumer"] + (f"/{item['partition']}" if item["partition"] else "")
         click.echo(f"consumer {where} ({item['database']}):")
         if "error" in item:
@@ -117,11 +120,21 @@ def _echo_event(shown: dict[str, Any]) -> None:
             else:
                 partial = "" if dead["complete"] else " (read partly)"
                 click.echo(f"  dead queue {dead['queue']}: no dead letter with this eventId{partial}")
+    for name in dict.fromkeys(i["consumer"] for i in elsewhere):
+        others = [i for i in elsewhere if i["consumer"] == name]
+        click.echo(f"consumer {name}/{', '.join(i['partition'] for i in others)}: {others[0]['verdict']}")
     click.echo("verdict:")
-    width = max((len(i["consumer"]) + len(i["partition"] or "") + 1 for i in shown["consumers"]), default=0)
-    for item in shown["consumers"]:
+    shown_items = [i for i in shown["consumers"] if not _elsewhere(i)]
+    width = max((len(i["consumer"]) + len(i["partition"] or "") + 1 for i in shown_items), default=0)
+    for item in shown_items:
         where = item["consumer"] + (f"/{item['partition']}" if item["partition"] else "")
         click.echo(f"  {where:<{width}}  {cell(item['verdict'])}")
+
+
+def _elsewhere(item: dict[str, Any]) -> bool:
+    """A partition that is not the event's article's and knows nothing of the event."""
+    return item.get("home") is False and item["trace"] is None and not (item.get("deadQueue") or {}).get("letters") \
+        and "error" not in item
 
 
 def _echo_consumer(shown: dict[str, Any]) -> None:
@@ -171,21 +184,28 @@ def status(as_json: bool, offline: bool) -> None:
     sys.exit(EXIT_OK if shown["healthy"] else EXIT_REJECTED)
 
 
+def _dead_text(dead: int | None, codes: dict[str, int] | None) -> str | None:
+    if dead is None:
+        return None
+    return f"{dead}" + (f" ({', '.join(f'{n} {c}' for c, n in codes.items())})" if codes else "")
+
+
 def _echo_status(shown: dict[str, Any]) -> None:
     click.echo(f"deployment {shown['deployment']} at {shown['now']}")
     rows = []
     for item in shown["consumers"]:
-        codes = item["deadByCode"]
-        dead = item["deadLetters"]
-        dead_text = (None if dead is None else f"{dead}" + (
-            f" ({', '.join(f'{n} {c}' for c, n in codes.items())})" if codes else ""))
         for db in item["databases"]:
             label = item["consumer"] + (f"/{db['partition']}" if db["partition"] else "")
             unresolved = sum((db.get("unresolvedRejections") or {}).values())
-            rows.append([label, item["ready"], item["unacked"], item["consumersConnected"], dead_text,
-                         db.get("receiptsLastMinute"), db.get("receiptsLastHour"),
-                         durations.age(db.get("newestAgeSeconds")) if db.get("newestReceivedAt") else None, unresolved,
-                         db.get("error") or db.get("note") or item.get("note")])
+            newest = durations.age(db.get("newestAgeSeconds")) + " ago" if db.get("newestReceivedAt") else None
+            rows.append([label, db["ready"], db["unacked"], db["consumersConnected"],
+                         _dead_text(db["deadLetters"], db["deadByCode"]), db.get("receiptsLastMinute"),
+                         db.get("receiptsLastHour"), newest, unresolved,
+                         db.get("error") or db.get("queueNote") or db.get("note") or db.get("deadNote")])
+        unrouted = item.get("unrouted")
+        if unrouted and unrouted["ready"]:
+            rows.append([f"{item['consumer']}/unrouted", unrouted["ready"], None, None, None, None, None, None, None,
+                         f"{unrouted['queue']}: reached no partition"])
     if rows:
         echo_table(["consumer", "ready", "unacked", "consumers", "dead letters", "last min", "last hour",
                     "newest", "unresolved", "note"], rows)
@@ -213,6 +233,10 @@ def _from_env(key: str) -> str:
     return f" (from ${var})" if os.environ.get(var) else ""
 
 
+#: Partitions whose run line ``config check`` prints (``--json`` has them all).
+PARTITIONS_SHOWN = 4
+
+
 @click.group()
 def config() -> None:
     """The deployment file (--config, DELIVERY_CONFIG, ./delivery.toml)."""
@@ -233,18 +257,30 @@ def config_check(as_json: bool) -> None:
 
     dep = _deployment()
     problems: list[str] = []
-    consumers = []
+    consumers: list[dict[str, Any]] = []
     for name, entry in dep.consumers.items():
         problems += config_lib.check_database(dep, entry)
-        topo = system.topology(dep, name)
-        run = ["delivery-consumer", "run", "--consumer", name, "--db", str(entry.db)]
-        # not the defaults' queues: without the file, this line alone must still name them
-        run += [f"--exchange={dep.exchange}"] if dep.exchange != DEFAULT_EXCHANGE else []
-        run += [f"--queue-prefix={dep.queue_prefix}"] if dep.queue_prefix != DEFAULT_PREFIX else []
-        run += [f"--{k.replace('_', '-')}={v}" for k, v in entry.options.items()]
+        count = system.partition_count(entry) if entry.partitions or entry.db.is_dir() else None
+        runs = []
+        for partition, path, topo in system.places(dep, entry):
+            # without the file, each line alone must still name the database, queues and options
+            run = ["delivery-consumer", "run", "--consumer", name, "--db", str(path)]
+            if partition is not None and count is not None:
+                run += ["--partition", partition[1:], "--partitions", str(count)]
+            run += [f"--exchange={dep.exchange}"] if dep.exchange != DEFAULT_EXCHANGE else []
+            run += [f"--queue-prefix={dep.queue_prefix}"] if dep.queue_prefix != DEFAULT_PREFIX else []
+            for key, value in entry.options.items():
+                if key == "metrics_port" and partition is not None:
+                    value += int(partition[1:])  # one port per partition, as run takes it from the file
+                run.append(f"--{key.replace('_', '-')}={value}")
+            runs.append({"partition": partition, "database": str(path), "queue": topo.queue,
+                         "deadQueue": topo.dead_queue, "run": shlex.join(run)})
         consumers.append({"consumer": name, "db": str(entry.db), "exists": entry.db.exists(),
-                          "databases": [str(p) for _, p in entry.databases()], "queue": topo.queue,
-                          "deadQueue": topo.dead_queue, "options": entry.options, "run": shlex.join(run)})
+                          "partitions": count, "databases": [r["database"] for r in runs],
+                          "queue": runs[0]["queue"] if count is None else None,
+                          "deadQueue": runs[0]["deadQueue"] if count is None else None, "options": entry.options,
+                          "run": runs[0]["run"] if count is None else None,
+                          **({"partitionRuns": runs} if count is not None else {})})
     producers = []
     for name, producer in dep.producers.items():
         if producer.db.exists():
@@ -267,8 +303,15 @@ def config_check(as_json: bool) -> None:
                      ("queue prefix", dep.queue_prefix + _from_env("queue_prefix")),
                      ("outbox max age", durations.format(dep.outbox_max_age_s))])
         for c in consumers:
-            click.echo(f"consumer {c['consumer']}: {c['db']}" + ("" if c["exists"] else " (not created yet)"))
-            click.echo(f"  queues {c['queue']}, {c['deadQueue']}; run: {c['run']}")
+            click.echo(f"consumer {c['consumer']}: {c['db']}" + ("" if c["exists"] else " (not created yet)")
+                       + (f", {c['partitions']} partitions" if c["partitions"] else ""))
+            if c["partitions"] is None:
+                click.echo(f"  queues {c['queue']}, {c['deadQueue']}; run: {c['run']}")
+                continue
+            for r in c["partitionRuns"][:PARTITIONS_SHOWN]:
+                click.echo(f"  {r['partition']}: queues {r['queue']}, {r['deadQueue']}; run: {r['run']}")
+            if len(c["partitionRuns"]) > PARTITIONS_SHOWN:
+                click.echo(f"  ... and so on to p{len(c['partitionRuns']) - 1} (--json lists them all)")
         for p in producers:
             click.echo(f"producer {p['producer']}: {p['db']}" + ("" if p["exists"] else " (not created yet)"))
         if single is not None:

@@ -20,6 +20,7 @@ from contextlib import ExitStack, suppress
 from html import escape
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlencode, urlsplit
 
@@ -28,6 +29,7 @@ from ..config import Deployment
 from ..errors import DeliveryError
 from ..queries import NotFound
 from ..store import ConsumerDB
+from ..topology import Topology
 from . import chart
 
 log = logging.getLogger("delivery_consumer.console")
@@ -130,11 +132,15 @@ class Console:
         for item in shown["consumers"]:
             for db in item["databases"]:
                 label = item["consumer"] + (f"/{db['partition']}" if db["partition"] else "")
-                rows.append([label, item["ready"], item["unacked"], item["consumersConnected"], item["deadLetters"],
+                rows.append([label, db["ready"], db["unacked"], db["consumersConnected"], db["deadLetters"],
                              db.get("receiptsLastMinute"), db.get("receiptsLastHour"),
                              _ago(db.get("newestAgeSeconds"), db.get("newestReceivedAt")),
                              sum((db.get("unresolvedRejections") or {}).values()),
-                             _e(db.get("error") or db.get("note") or item.get("note"))])
+                             _e(db.get("error") or db.get("queueNote") or db.get("note") or db.get("deadNote"))])
+            unrouted = item.get("unrouted")
+            if unrouted and unrouted["ready"]:
+                rows.append([f"{item['consumer']}/unrouted", unrouted["ready"], None, None, None, None, None, "-",
+                             None, f'<span class="bad">{_e(unrouted["queue"])}: reached no partition</span>'])
         parts.append("<section><h2>Consumers</h2>" + _table(
             ["consumer", "ready", "unacked", "consumers", "dead letters", "last minute", "last hour", "newest receipt",
              "unresolved", "note"], rows, numeric={1, 2, 3, 4, 5, 6, 8}, raw={7, 9}) + "</section>")
@@ -176,29 +182,34 @@ class Console:
         parts = ['<section id="dead"><h2>Dead letters</h2>']
         any_letters = False
         for item in shown["consumers"]:
-            groups = item.get("deadGroups") or []
-            if not groups:
-                continue
-            any_letters = True
-            parts.append(f"<h3>{_e(item['consumer'])} <small>{_e(item['deadQueue'])}</small></h3>")
-            rows = []
-            for group in groups:
-                reasons = "<br>".join(_e(r) for r in group["reasons"])
-                ids = " ".join(f'<a href="/trace?{urlencode({"q": i})}"><code>{_e(i)}</code></a>'
-                               for i in group["eventIds"])
-                rows.append([group["code"], group["count"], reasons, ids,
-                             self._action_links(item["consumer"], code=group["code"])])
-            parts.append(_table(["code", "count", "reasons", "eventIds", ""], rows, numeric={1}, raw={2, 3, 4}))
+            for db in item["databases"]:
+                groups = db.get("deadGroups") or []
+                if not groups:
+                    continue
+                any_letters = True
+                label = item["consumer"] + (f"/{db['partition']}" if db["partition"] else "")
+                parts.append(f"<h3>{_e(label)} <small>{_e(db['deadQueue'])}</small></h3>")
+                rows = []
+                for group in groups:
+                    reasons = "<br>".join(_e(r) for r in group["reasons"])
+                    ids = " ".join(f'<a href="/trace?{urlencode({"q": i})}"><code>{_e(i)}</code></a>'
+                                   for i in group["eventIds"])
+                    rows.append([group["code"], group["count"], reasons, ids,
+                                 self._action_links(item["consumer"], db["partition"], code=group["code"])])
+                parts.append(_table(["code", "count", "reasons", "eventIds", ""], rows, numeric={1},
+                                    raw={2, 3, 4}))
         if not any_letters:
             parts.append("<p>none</p>")
         return "".join(parts) + "</section>"
 
-    def _action_links(self, consumer: str, *, code: str | None = None, event_id: str | None = None) -> str:
+    def _action_links(self, consumer: str, partition: str | None, *, code: str | None = None,
+                      event_id: str | None = None) -> str:
         if not self.allow_actions:
             return ""
         out = []
         for action in ("requeue", "purge"):
-            query = {"consumer": consumer, "action": action, **({"code": code} if code else {}),
+            query = {"consumer": consumer, "action": action, **({"partition": partition} if partition else {}),
+                     **({"code": code} if code else {}),
                      **({"event": event_id} if event_id else {})}
             out.append(f'<a class="action" href="/dead/confirm?{escape(urlencode(query))}">{action}…</a>')
         return " ".join(out)
@@ -234,6 +245,9 @@ class Console:
             + "</section>")
         for item in shown["consumers"]:
             label = item["consumer"] + (f"/{item['partition']}" if item["partition"] else "")
+            if item.get("home") is False and item["trace"] is None and "error" not in item \
+                    and not (item.get("deadQueue") or {}).get("letters"):
+                continue  # a partition that is not the article's: its verdict says so
             parts.append(f"<section><h2>{_e(label)}</h2>")
             trace = item["trace"]
             if trace is not None:
@@ -253,7 +267,8 @@ class Console:
             for letter in dead.get("letters", []):
                 parts.append(f'<p class="bad dead-letter">dead letter now in {_e(dead["queue"])}: '
                              f"{_e(letter['code'])}: {_e(letter['reason'])} "
-                             f"{self._action_links(item['consumer'], event_id=shown['eventId'])}</p>")
+                             f"{self._action_links(item['consumer'], item['partition'], event_id=shown['eventId'])}"
+                             "</p>")
             if dead.get("error"):
                 parts.append(f"<p>dead queue not read: {_e(dead['error'])}</p>")
             parts.append("</section>")
@@ -273,6 +288,20 @@ class Console:
                       raw=set(range(1, 4 + len(labels))))
 
     # -- actions ------------------------------------------------------------------------------
+
+    def _place(self, form: dict[str, str]) -> tuple[str, Path, Topology]:
+        """The consumer's database and queues the form names (a partition's, with ``partition``)."""
+        consumer = form.get("consumer", "")
+        entry = self.dep.consumers.get(consumer)
+        if entry is None:
+            raise ValueError(f"unknown consumer {consumer!r}")
+        partition = form.get("partition") or None
+        for found, path, topo in system.places(self.dep, entry):
+            if found == partition:
+                return consumer, path, topo
+        if partition is None:
+            raise ValueError(f"{consumer} is partitioned: choose the dead letters of one partition")
+        raise ValueError(f"{consumer} has no partition {partition!r}")
 
     def _selection(self, form: dict[str, str]) -> tuple[str, Any]:
         from ..deadletters import Selection
@@ -294,15 +323,17 @@ class Console:
             return HTTPStatus.BAD_REQUEST, self.page("Bad request", "<p>unknown action</p>")
         try:
             consumer, selection = self._selection(form)
-            snapshot = list_dead(self.dep.amqp_url, system.topology(self.dep, consumer))
+            _, _, topo = self._place(form)
+            snapshot = list_dead(self.dep.amqp_url, topo)
         except (ValueError, DeliveryError) as exc:
             return HTTPStatus.BAD_REQUEST, self.page("Cannot do that", f'<p class="bad">{_e(exc)}</p>')
         chosen = [letter for letter, _ in snapshot.select(selection)]
         rows = [[c.position, c.code, c.event_id, c.reason] for c in chosen]
         hidden = "".join(f'<input type="hidden" name="{k}" value="{escape(v)}">' for k, v in form.items()
-                         if k in ("consumer", "code", "event"))
+                         if k in ("consumer", "partition", "code", "event"))
         verb = "Requeue" if action == "requeue" else "Purge for good"
-        body = (f"<p>{len(chosen)} dead letters of <b>{_e(consumer)}</b> selected ({_e(selection.describe())}) in "
+        where = consumer + (f"/{form['partition']}" if form.get("partition") else "")
+        body = (f"<p>{len(chosen)} dead letters of <b>{_e(where)}</b> selected ({_e(selection.describe())}) in "
                 f"{_e(snapshot.queue)}:</p>" + _table(["#", "code", "eventId", "reason"], rows, numeric={0})
                 + f'<form method="post" action="/dead/{action}">{hidden}'
                 f'<input type="hidden" name="csrf" value="{escape(self.token)}">'
@@ -315,22 +346,19 @@ class Console:
 
         try:
             consumer, selection = self._selection(form)
-            entry = self.dep.consumers[consumer]
-            if entry.db.is_dir():
-                raise ValueError("a partitioned consumer: use dead requeue/purge on the command line")
-            topo = system.topology(self.dep, consumer)
+            _, path, topo = self._place(form)
             with ExitStack() as stack:
-                db = stack.enter_context(ConsumerDB.open(entry.db, consumer)) if entry.db.exists() else None
+                db = stack.enter_context(ConsumerDB.open(path, consumer)) if path.exists() else None
                 dq, snapshot = stack.enter_context(deadletters.reading(self.dep.amqp_url, topo))
                 if action == "requeue":
                     if db is None:
-                        raise ValueError(f"{entry.db}: no such database; requeue needs it")
+                        raise ValueError(f"{path}: no such database; requeue needs it")
                     report = deadletters.requeue(db, dq, snapshot, topo, selection)
                 else:
                     report = deadletters.purge(db, dq, snapshot, selection)
         except (ValueError, DeliveryError) as exc:
             return HTTPStatus.CONFLICT, self.page("Not done", f'<p class="bad">{_e(exc)}</p>')
-        log.info("console %s %s (%s): %s", action, consumer, selection.describe(), report.counts())
+        log.info("console %s %s (%s): %s", action, topo.queue, selection.describe(), report.counts())
         rows = [[i.outcome, i.letter.event_id, i.letter.code, i.detail] for i in report.items]
         rows += [["not-found", e, None, None] for e in report.missing]
         counts = ", ".join(f"{n} {k}" for k, n in sorted(report.counts().items())) or "nothing selected"
