@@ -1,4 +1,5 @@
-"""Helpers shared by the tests: envelopes, table snapshots, the CLI.
+"""Helpers shared by the tests: envelopes, table snapshots, the CLI, and
+:func:`wait_until`, the one way a test waits for something to happen.
 
 A plain module (not a conftest) so that tests can import it by name: pytest
 puts ``tests/`` on ``sys.path`` (rootdir-relative "prepend" import mode).
@@ -10,10 +11,11 @@ import os
 import shutil
 import sqlite3
 import sys
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import orjson
 from click.testing import CliRunner, Result
@@ -110,8 +112,12 @@ def read_rows(path: Path, table: str, columns: str = "*", where: str = "",
 
 
 def cli(args: Sequence[str], *, input: bytes | str | None = None, env: dict[str, str] | None = None) -> Result:
-    """Run ``delivery-consumer ARGS`` in-process and return click's Result."""
-    runner = CliRunner(env=env)
+    """Run ``delivery-consumer ARGS`` in-process and return click's Result.
+    Only *env* sets ``DELIVERY_*`` variables: those of the test process are
+    hidden, so that a test sees the same CLI whatever the shell exported."""
+    isolated: dict[str, str | None] = {k: None for k in os.environ if k.startswith("DELIVERY_")}
+    isolated.update(env or {})
+    runner = CliRunner(env=isolated)
     return runner.invoke(main, list(args), input=input, catch_exceptions=False)
 
 
@@ -136,3 +142,39 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("DELIVERY_")}
     environ.update(extra)
     return environ
+
+
+T = TypeVar("T")
+
+
+class _Process(Protocol):
+    def poll(self) -> int | None: ...
+
+
+def wait_until(what: str, condition: Callable[[], T], timeout: float = 60.0, procs: Sequence[_Process] = (), *,
+               ignoring: tuple[type[BaseException], ...] = (), interval: float = 0.02) -> T:
+    """Poll *condition* until it returns something true, and return that.
+
+    What a test waits for must be observable: a receipt count, a queue depth,
+    a log line, a metric, a file. *timeout* only bounds a failure (it is
+    generous: the machine may be loaded), it never decides an outcome. The
+    wait fails at once, with that process's log when it keeps one (see
+    ``brokerkit.RunProcess``), if a process of *procs* exits meanwhile.
+    Exceptions of the types *ignoring* count as "not yet" (a port not
+    listening yet, a broker still starting)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            value = condition()
+        except ignoring:
+            value = None
+        if value:
+            return value
+        for proc in procs:
+            if proc.poll() is not None:
+                output = getattr(proc, "output", None)
+                log = output()[1][-3000:] if output is not None else ""
+                raise AssertionError(f"a process exited ({proc.poll()}) while waiting for {what}:\n{log}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(interval)
