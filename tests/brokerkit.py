@@ -31,6 +31,7 @@ from urllib.parse import urlparse
 import orjson
 import pika
 import pytest
+from support import wait_until
 
 from delivery_consumer import consumers
 from delivery_consumer.broker import OutMessage, Publisher
@@ -96,6 +97,12 @@ class RunProcess(subprocess.Popen[str]):
         for reader in self._readers:
             reader.join()
         return self.output()
+
+    def wait_for_log(self, text: str, timeout: float = 60.0) -> str:
+        """Wait until the process has written *text* on stderr; its stderr so far.
+        Fails with the log if the process exits first."""
+        wait_until(f"{text!r} on stderr", lambda: text in self.output()[1], timeout=timeout, procs=[self])
+        return self.output()[1]
 
     def until_idle(self, timeout: float) -> subprocess.CompletedProcess[str]:
         """The result of a ``run --exit-when-idle``; its group killed, and the
@@ -184,21 +191,20 @@ class Namespace:
             if conn.is_open:
                 conn.close()
 
-    def drain(self, queue: str, *, timeout: float = 5.0) -> list[tuple[Any, bytes]]:
+    def drain(self, queue: str, *, timeout: float = 60.0) -> list[tuple[Any, bytes]]:
         """Take every message from *queue* (acking them): (properties, body) pairs, in order."""
         out: list[tuple[Any, bytes]] = []
         conn, ch = self.channel()
-        try:
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
+        def emptied() -> bool:
+            while True:
                 method, props, body = ch.basic_get(queue, auto_ack=False)
-                if method is None:
-                    if self.count(queue) == 0:
-                        break
-                    time.sleep(0.05)
-                    continue
+                if method is None:  # none ready now; done when none is left at all
+                    return self.count(queue) == 0
                 out.append((props, body))
                 ch.basic_ack(method.delivery_tag)
+
+        try:
+            wait_until(f"{queue} to be drained", emptied, timeout=timeout)
         finally:
             if conn.is_open:
                 conn.close()
@@ -288,13 +294,12 @@ def session_processes(sid: int) -> list[int]:
 
 
 def wait_session_gone(sid: int, timeout: float) -> list[int]:
-    """Poll until no process of session *sid* lives; what is still alive after *timeout*."""
-    deadline = time.monotonic() + timeout
-    while True:
-        alive = session_processes(sid)
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.05)
+    """Wait until no process of session *sid* lives; what is still alive after *timeout*."""
+    try:
+        wait_until(f"session {sid} to end", lambda: not session_processes(sid), timeout=timeout)
+    except AssertionError:
+        return session_processes(sid)
+    return []
 
 
 def kill(proc: RunProcess, *, main_only: bool = False, within: float = 5.0) -> None:
@@ -335,15 +340,12 @@ def receipts(db: Path) -> int:
 
 def wait_for_broker(url: str, timeout: float = 60.0) -> None:
     """Block until the broker accepts an AMQP connection."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            pika.BlockingConnection(pika.URLParameters(url)).close()
-            return
-        except pika.exceptions.AMQPError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.25)
+    def answers() -> bool:
+        pika.BlockingConnection(pika.URLParameters(url)).close()
+        return True
+
+    wait_until(f"the broker at {url} to accept a connection", answers, timeout=timeout,
+               ignoring=(pika.exceptions.AMQPError,), interval=0.25)
 
 
 def restart_broker(url: str, *, down_for: float = 1.0) -> None:
@@ -354,6 +356,6 @@ def restart_broker(url: str, *, down_for: float = 1.0) -> None:
     run in parallel with other broker tests (CI runs tests one at a time).
     """
     subprocess.run(["rabbitmqctl", "stop_app"], check=True, capture_output=True, timeout=120)
-    time.sleep(down_for)
+    time.sleep(down_for)  # the outage itself: how long the broker stays down is what the caller tests
     subprocess.run(["rabbitmqctl", "start_app"], check=True, capture_output=True, timeout=120)
     wait_for_broker(url)

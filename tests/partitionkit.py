@@ -16,9 +16,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import time
 import uuid
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +24,7 @@ from typing import Any
 import orjson
 import pika
 from brokerkit import Namespace, RunProcess, wait_for_broker
+from support import wait_until
 
 from delivery_consumer.partitions import SLOT_COUNT, partition_of
 
@@ -76,17 +75,6 @@ def query(path: Path, sql: str) -> list[tuple[Any, ...]]:
         return conn.execute(sql).fetchall()
     finally:
         conn.close()
-
-
-def wait_until(what: str, condition: Callable[[], bool], timeout: float, procs: Sequence[RunProcess] = ()) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        dead = [p for p in procs if p.poll() is not None]
-        if dead:
-            raise AssertionError(f"a run exited while waiting for {what}:\n{dead[0].output()[1][-3000:]}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
 
 
 @dataclass

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import os
 import signal
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import orjson
 import pytest
 from brokerkit import Namespace, RunProcess, kill, receipts, session_processes, wait_session_gone
-from support import new_event, read_rows
+from support import new_event, read_rows, wait_until
 from webhook_server import WebhookServer
 
 pytestmark = pytest.mark.broker
@@ -25,18 +24,9 @@ CONSUMERS = ("catalog", "audit", "webhook")
 SLOW_TIERS = ("--retry-delays", "5s")
 
 
-def wait_until(what: str, check: Callable[[], bool], proc: RunProcess, timeout: float = 60) -> None:
-    """Poll *check* until true; fail with the run's log if it never is (or the run died)."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline or proc.poll() is not None:
-            raise AssertionError(f"never saw {what}:\n{proc.output()[1][-3000:]}")
-        time.sleep(0.02)
-
-
 def worker_of(proc: RunProcess) -> int:
     """The worker process of a run (the other process of its session)."""
-    wait_until("the worker process", lambda: len(session_processes(proc.pid)) == 2, proc)
+    wait_until("the worker process", lambda: len(session_processes(proc.pid)) == 2, procs=[proc])
     (worker,) = [pid for pid in session_processes(proc.pid) if pid != proc.pid]
     return worker
 
@@ -78,7 +68,7 @@ def test_kill_9_of_the_main_pid_when_idle_leaves_no_process(ns: Namespace, serve
     """Idle (everything applied): kill -9 of the main PID alone; the worker is gone within 5 s."""
     proc, _, events = start(ns, consumer, server, 3)
     worker_of(proc)
-    wait_until("every receipt", lambda: receipts(ns.db(consumer)) == len(events), proc)
+    wait_until("every receipt", lambda: receipts(ns.db(consumer)) == len(events), procs=[proc])
     kill(proc, main_only=True)
 
 
@@ -89,7 +79,7 @@ def test_kill_9_of_the_main_pid_mid_batch_leaves_no_process_and_loses_nothing(
     alive 5 s later, and a restart applies every event once (one effect per key)."""
     n = 60 if consumer == "webhook" else 3000
     proc, env, events = start(ns, consumer, server, n, "--batch", "20" if consumer == "webhook" else "100")
-    wait_until("the first receipts", lambda: receipts(ns.db(consumer)) > 0, proc)
+    wait_until("the first receipts", lambda: receipts(ns.db(consumer)) > 0, procs=[proc])
     kill(proc, main_only=True)
     assert receipts(ns.db(consumer)) < n
     restart_applies_each_once(ns, consumer, server, env, events)
@@ -99,7 +89,7 @@ def test_kill_9_of_the_main_pid_during_a_slow_call_leaves_no_process(ns: Namespa
     """While the webhook waits 3 s for an answer: kill -9 of the main PID alone;
     the worker is gone within 5 s and a restart notifies once (same key, one effect)."""
     proc, env, events = start(ns, "webhook", server, 1, title="slow:3")
-    wait_until("the call", lambda: server.served > 0, proc)
+    wait_until("the call", lambda: server.served > 0, procs=[proc])
     kill(proc, main_only=True)
     server.healed = True
     restart_applies_each_once(ns, "webhook", server, env, events)
@@ -137,7 +127,7 @@ def test_kill_9_of_the_worker_stops_the_main_process(ns: Namespace, server: Webh
     n = 60 if consumer == "webhook" else 3000
     proc, env, events = start(ns, consumer, server, n, "--batch", "20" if consumer == "webhook" else "100")
     worker = worker_of(proc)
-    wait_until("the first receipts", lambda: receipts(ns.db(consumer)) > 0, proc)
+    wait_until("the first receipts", lambda: receipts(ns.db(consumer)) > 0, procs=[proc])
     os.kill(worker, signal.SIGKILL)
     proc.communicate(timeout=10)
     assert -signal.SIGKILL == proc.returncode
