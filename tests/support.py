@@ -151,7 +151,7 @@ class _Process(Protocol):
     def poll(self) -> int | None: ...
 
 
-def wait_until(what: str, condition: Callable[[], T], timeout: float = 60.0, procs: Sequence[_Process] = (), *,
+def wait_until(what: str, condition: Callable[[], T | None], timeout: float = 60.0, procs: Sequence[_Process] = (), *,
                ignoring: tuple[type[BaseException], ...] = (), interval: float = 0.02) -> T:
     """Poll *condition* until it returns something true, and return that.
 
