@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,20 +45,12 @@ def count(db: Path, table: str, where: str = "", what: str = "count(*)") -> int:
     return int(read_rows(db, table, what, where)[0][0])
 
 
-def wait_for_line(proc: RunProcess, text: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while text not in proc.output()[1]:
-        if time.monotonic() > deadline or proc.poll() is not None:
-            raise AssertionError(f"never logged {text!r}:\n{proc.output()[1][-3000:]}")
-        time.sleep(0.05)
-
-
 def start_on_full_disk(ns: Namespace, disk: Path, *args: str) -> tuple[RunProcess, Path]:
     events = [new_event(article_id=f"a-{i}") for i in range(EVENTS)]
     ns.publish([orjson.dumps(e) for e in events], declare=["audit"])
     db = disk / "audit.db"
     proc = ns.start_run("audit", "--db", str(db), "--retry-delays", "100ms", "--max-attempts", "2", *args)
-    wait_for_line(proc, "database unusable")
+    proc.wait_for_log("database unusable")
     return proc, db
 
 

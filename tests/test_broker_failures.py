@@ -13,7 +13,7 @@ import flaky_consumer  # noqa: F401  (registers the "flaky" consumer in this pro
 import orjson
 import pytest
 from brokerkit import Namespace, kill, receipts, restart_broker
-from support import new_event, read_rows
+from support import new_event, read_rows, wait_until
 
 FAST_RETRY = ("--retry-delays", "100ms,200ms,300ms")
 
@@ -134,11 +134,7 @@ def test_sigterm_finishes_batch_and_exits_zero(ns: Namespace) -> None:
     ns.publish([orjson.dumps(new_event(article_id=f"a-{i}")) for i in range(2000)], declare=["audit"])
     proc = ns.start_run("audit", "--batch", "50", "--prefetch", "100")
     db = ns.db("audit")
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if receipts(db) > 100:
-            break
-        time.sleep(0.02)
+    wait_until("100 receipts", lambda: receipts(db) > 100, procs=[proc])
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=30)
     assert 0 == proc.returncode, err
@@ -156,11 +152,7 @@ def test_broker_restart_mid_consumption(ns: Namespace) -> None:
     ns.publish([orjson.dumps(new_event(article_id=f"a-{i}")) for i in range(3000)], declare=["audit"])
     proc = ns.start_run("audit", "--batch", "20", "--prefetch", "40", "--exit-when-idle", "3")
     db = ns.db("audit")
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if receipts(db) > 200:
-            break
-        time.sleep(0.02)
+    wait_until("200 receipts", lambda: receipts(db) > 200, procs=[proc])
     restart_broker(ns.url)
     try:
         _, err = proc.communicate(timeout=120)
@@ -216,7 +208,7 @@ def test_broker_down_run_keeps_retrying_and_stops_on_sigterm(ns: Namespace) -> N
     and SIGTERM still stops it cleanly."""
     env = ns.env(DELIVERY_AMQP_URL="amqp://guest:guest@127.0.0.1:1/%2F")
     proc = ns.start_run("catalog", env=env)
-    time.sleep(3)
+    wait_until("a second retry", lambda: proc.output()[1].count("reconnecting in") >= 2, procs=[proc])
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=30)
     assert 0 == proc.returncode, err

@@ -7,14 +7,14 @@ drained. The ledger must balance exactly."""
 
 from __future__ import annotations
 
+import functools
 import os
 import random
-import time
 
 import orjson
 import pytest
-from brokerkit import Namespace, kill
-from support import new_event, read_rows
+from brokerkit import Namespace, RunProcess, kill, receipts
+from support import new_event, read_rows, wait_until
 
 ARTICLES = 300
 REVISIONS = 10  # 3000 distinct events
@@ -52,6 +52,11 @@ def expected_catalog(events: list[dict[str, object]]) -> list[tuple[object, ...]
     )
 
 
+def progressed(ns: Namespace, procs: dict[str, RunProcess], targets: dict[str, int]) -> bool:
+    """Each run has committed its target number of receipts, or exited."""
+    return all(p.poll() is not None or receipts(ns.db(c)) >= targets[c] for c, p in procs.items())
+
+
 @pytest.mark.slow
 def test_ledger_balances_after_random_kills(ns: Namespace) -> None:
     """Every distinct eventId has one receipt, audit holds exactly the distinct
@@ -64,7 +69,10 @@ def test_ledger_balances_after_random_kills(ns: Namespace) -> None:
     kills = {"catalog": 0, "audit": 0}
     for round_ in range(KILLS):
         procs = {c: ns.start_run(c, *a) for c, a in args.items()}
-        time.sleep(rng.uniform(0.3, 1.2))
+        # Killed at a random point of their progress: once each has committed a random
+        # number of receipts more (or exited), wherever that finds it.
+        targets = {c: receipts(ns.db(c)) + rng.randint(1, len(events) // KILLS) for c in procs}
+        wait_until("each run's next receipts", functools.partial(progressed, ns, procs, targets), timeout=300)
         for consumer, proc in procs.items():
             if proc.poll() is None:
                 kill(proc, main_only=round_ % 2 == 0)

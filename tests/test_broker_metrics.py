@@ -8,7 +8,7 @@ import urllib.request
 
 import orjson
 from brokerkit import Namespace
-from support import new_event
+from support import new_event, wait_until
 
 
 def free_port() -> int:
@@ -35,20 +35,15 @@ def test_metrics_scrape_shows_the_counts_of_a_known_run(ns: Namespace) -> None:
     ns.publish(bodies, declare=["audit"])
     port = free_port()
     proc = ns.start_run("audit", "--metrics-port", str(port), "--exit-when-idle", "30")
+    def settled() -> dict[str, float] | None:
+        m = scrape(port)
+        # Dead copies are confirmed after their batch commits: wait for both.
+        done = sum(v for k, v in m.items() if k.startswith("delivery_events_total")) >= 27 and sum(
+            v for k, v in m.items() if k.startswith("delivery_dead_letters_total")) >= 2
+        return m if done else None
+
     try:
-        deadline = time.monotonic() + 30
-        m: dict[str, float] = {}
-        while time.monotonic() < deadline:
-            try:
-                m = scrape(port)
-            except OSError:
-                time.sleep(0.1)
-                continue
-            # Dead copies are confirmed after their batch commits: wait for both.
-            if sum(v for k, v in m.items() if k.startswith("delivery_events_total")) >= 27 and sum(
-                    v for k, v in m.items() if k.startswith("delivery_dead_letters_total")) >= 2:
-                break
-            time.sleep(0.1)
+        m = wait_until("27 outcomes and 2 dead letters on /metrics", settled, procs=[proc], ignoring=(OSError,))
     finally:
         proc.terminate()
         _, err = proc.communicate(timeout=30)
