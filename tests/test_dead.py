@@ -9,6 +9,7 @@ dead letters come from a main queue with ``x-delivery-limit`` 1.
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import signal
@@ -23,7 +24,7 @@ from typing import Any
 import orjson
 import pika
 from brokerkit import Namespace
-from support import new_event, read_rows
+from support import new_event, read_rows, wait_until
 
 from delivery_consumer.broker import DeadQueue, OutMessage, Publisher, declare
 from delivery_consumer.store import ConsumerDB, now_iso
@@ -109,9 +110,7 @@ def test_list_names_broker_dead_letters_by_their_x_death(ns: Namespace) -> None:
             ch.basic_reject(method.delivery_tag, requeue=True)
     finally:
         conn.close()
-    deadline = time.monotonic() + 5
-    while ns.count(topo.dead_queue) == 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until("the broker to dead-letter it", lambda: ns.count(topo.dead_queue) == 1)
     (letter,) = dead_json(ns)["messages"]
     assert ("delivery-limit", event["eventId"], "material.published") == (
         letter["code"], letter["eventId"], letter["routingKey"])
@@ -147,17 +146,16 @@ def test_list_while_dead_letters_arrive_loses_and_reorders_nothing(ns: Namespace
             if listing_done.is_set() and not late_during_listing:
                 late_during_listing.append(len(late))
             i += 1
-            time.sleep(0.002)
+            time.sleep(0.002)  # paces the publisher, so that the listing is not starved; no test waits on it
         conn.close()
 
     thread = threading.Thread(target=publish_late)
     thread.start()
     try:
-        while len(late) < 5:
-            time.sleep(0.01)
+        wait_until("5 late dead letters", lambda: len(late) >= 5)
         listed = dead_json(ns)
         listing_done.set()
-        time.sleep(0.1)
+        wait_until("a late dead letter after the listing", lambda: late_during_listing)
     finally:
         stop.set()
         thread.join()
@@ -274,6 +272,11 @@ def test_requeue_killed_after_confirm_then_applied_copy_is_left_until_drop_appli
     assert [(0,)] == read_rows(db, "rejected", "count(*)", where="resolved_at IS NULL")
 
 
+def reached(ns: Namespace, queue: str, target: int, proc: subprocess.Popen[str]) -> bool:
+    """*queue* holds *target* messages, or *proc* has exited."""
+    return proc.poll() is not None or ns.count(queue) >= target
+
+
 def test_requeue_killed_at_random_moments_loses_nothing(ns: Namespace) -> None:
     """requeue --all killed at random moments, then run to completion: at every point
     each event is in the dead queue or the consumer's queue, and in the end every
@@ -284,11 +287,13 @@ def test_requeue_killed_at_random_moments_loses_nothing(ns: Namespace) -> None:
     topo = ns.topology("catalog")
     cmd = [sys.executable, "-m", "delivery_consumer", "dead", "requeue", "--consumer", "catalog",
            "--db", str(ns.db("catalog")), "--all"]
-    # A whole requeue of 100 takes about 1 s here, start-up (~0.4 s) included.
     for _ in range(3):
+        # Killed at a random point of its progress: once it has sent a random number of
+        # events home (or finished), wherever that finds it.
+        target = ns.count(topo.queue) + rng.randint(1, 30)
         proc = subprocess.Popen(cmd, cwd=ns.workdir, env=ns.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)
-        time.sleep(rng.uniform(0.5, 1.0))
+        wait_until(f"{target} events requeued", functools.partial(reached, ns, topo.queue, target, proc))
         proc.send_signal(signal.SIGKILL)
         proc.communicate()
         present = set(ids(ns.peek(topo.dead_queue))) | set(ids(ns.peek(topo.queue)))
