@@ -9,6 +9,7 @@ checked exactly, without a broker and without waiting.
 from __future__ import annotations
 
 import sqlite3
+import sys
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -438,16 +439,29 @@ def test_a_busy_database_is_waited_out(db_path: Path, conn: sqlite3.Connection) 
         mine.close()
 
 
-def test_a_stop_interrupts_a_long_backoff(conn: sqlite3.Connection) -> None:
-    """stop() (what SIGTERM calls) ends a 30 s outage backoff within a fraction of a second."""
-    import threading
-    import time
-
+def test_a_stop_interrupts_a_long_backoff(conn: sqlite3.Connection, monkeypatch: pytest.MonkeyPatch) -> None:
+    """stop() (what SIGTERM calls) ends a 30 s outage backoff within a fraction of a second: the
+    backoff sleeps in slices of at most 0.2 s and sleeps no further slice once stopped."""
     d = outbox.Dispatcher(conn, FakePublisher(), outbox.DispatchConfig(exchange="x"))
-    threading.Timer(0.1, d.stop).start()
-    started = time.monotonic()
+    slices: list[float] = []
+
+    class Time:
+        """The dispatcher module's clock: a stop arrives during the first slice."""
+
+        now = 1000.0
+
+        def monotonic(self) -> float:
+            return self.now
+
+        def sleep(self, seconds: float) -> None:
+            slices.append(seconds)
+            self.now += seconds
+            if len(slices) == 1:
+                d.stop()
+
+    monkeypatch.setattr(sys.modules[outbox.Dispatcher.__module__], "time", Time())
     d.sleep(30)
-    assert time.monotonic() - started < 1
+    assert 1 == len(slices) and 0 < slices[0] <= 0.2
 
 
 # -- list / stats / show / prune --------------------------------------------------------------

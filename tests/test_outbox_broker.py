@@ -9,6 +9,7 @@ the outbox and, where it matters, what ``run --consumer catalog`` makes of it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 import re
 import signal
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from brokerkit import Namespace, kill, restart_broker
-from support import read_rows
+from support import read_rows, wait_until
 
 from delivery_consumer import outbox, producer
 
@@ -143,6 +144,11 @@ def test_crash_in_the_middle_of_marking_a_batch_leaves_none_of_it_marked(ns: Nam
     assert len(twice) >= at_crash - 100  # every copy of the unmarked batches goes again
 
 
+def reached(db: Path, target: int, proc: subprocess.Popen[str]) -> bool:
+    """*target* rows of *db* are published, or *proc* has exited."""
+    return proc.poll() is not None or published(db) >= target
+
+
 def test_sigkill_at_random_moments_loses_nothing(ns: Namespace) -> None:
     """Dispatchers SIGKILLed at random while publishing: every event reaches the catalog, applied once."""
     db = ns.workdir / "producer.db"
@@ -152,10 +158,10 @@ def test_sigkill_at_random_moments_loses_nothing(ns: Namespace) -> None:
     for _ in range(3):
         before = published(db)
         proc = start_dispatch(ns, db, "--batch", "25", "--lease", "1s", "--poll", "100ms")
-        deadline = time.monotonic() + 30
-        while published(db) == before and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(rng.uniform(0, 0.08))
+        # Killed at a random point of its progress: once it has published a random number of
+        # rows more (or exited), wherever that finds it.
+        target = before + rng.randint(1, 150)
+        wait_until(f"{target} rows published", functools.partial(reached, db, target, proc))
         if proc.poll() is None:
             kills += 1
         kill(proc)

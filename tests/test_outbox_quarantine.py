@@ -15,7 +15,6 @@ import socket
 import sqlite3
 import subprocess
 import sys
-import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import closing
@@ -31,6 +30,7 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from outboxkit import Clock, FakePublisher, add, dispatcher, envelope, row
+from support import wait_until
 
 from delivery_consumer import outbox, producer
 from delivery_consumer.cli import main
@@ -471,10 +471,8 @@ def test_a_running_owner_here_keeps_its_lease_without_heartbeat_a_stopped_one_lo
         d = dispatcher(conn, FakePublisher(), clock)
         assert 0 == d.step()
         os.kill(owner.pid, signal.SIGSTOP)
-        for _ in range(500):  # the stop is asynchronous: wait for the state to show it
-            if (owners.proc_stat(owner.pid) or ("?",))[0] in ("T", "t"):
-                break
-            time.sleep(0.01)
+        wait_until("the owner's state to show the stop",  # the stop is asynchronous
+                   lambda: (owners.proc_stat(owner.pid) or ("?",))[0] in ("T", "t"))
         clock.now += 1.5
         assert 1 == d.step()
         assert "no heartbeat for" in conn.execute("SELECT last_error FROM outbox").fetchone()[0]
@@ -702,18 +700,13 @@ def test_dispatch_serves_metrics_while_it_waits_for_the_broker(tmp_path: Path) -
     proc = subprocess.Popen([sys.executable, "-m", "delivery_consumer", "dispatch", "--db", str(db), "--amqp-url",
                              "amqp://guest:guest@127.0.0.1:1/%2F", "--exit-when-idle", "30s", "--metrics-port",
                              str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    def scrape() -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+            return str(answer.read().decode())
+
     try:
-        text = ""
-        for _ in range(600):
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
-                    text = answer.read().decode()
-                break
-            except OSError:
-                if proc.poll() is not None:
-                    break
-                time.sleep(0.05)
-        assert 'outbox_rows{state="quarantined"} 1.0' in text, proc.stderr.read() if proc.poll() is not None else ""
+        text = wait_until("dispatch's /metrics", scrape, procs=[proc], ignoring=(OSError,))
+        assert 'outbox_rows{state="quarantined"} 1.0' in text
         assert 'outbox_rows{state="published"} 1.0' in text
     finally:
         proc.terminate()
