@@ -11,7 +11,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import orjson
 import pytest
 from brokerkit import Namespace, RunProcess
 from deploykit import dc, deploy_env, run_until_idle, write_deployment
+from support import wait_until
 from webhook_server import WebhookServer
 
 pytestmark = pytest.mark.broker
@@ -49,16 +49,13 @@ class ConsoleProcess:
     def __init__(self, config: Path, *args: str) -> None:
         self.proc = RunProcess([sys.executable, "-m", "delivery_consumer", "console", "--port", "0", *args],
                                cwd=config.parent, env=deploy_env(config))
-        deadline = time.monotonic() + 60
-        while True:
-            found = re.search(r"console on (http://\S+/)", self.proc.output()[1])
-            if found:
-                self.url = found.group(1)
-                return
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise AssertionError(f"console did not start: {self.proc.output()[1]}")
-            time.sleep(0.05)
+        try:
+            found = wait_until("the console's URL on stderr",
+                               lambda: re.search(r"console on (http://\S+/)", self.proc.output()[1]), procs=[self.proc])
+        except AssertionError:
+            self.stop()
+            raise
+        self.url = found.group(1)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

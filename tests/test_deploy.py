@@ -10,7 +10,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ import orjson
 import pytest
 import yaml
 from brokerkit import Namespace
-from support import REPO, new_event
+from support import REPO, new_event, wait_until
 from webhook_server import free_port
 
 DEPLOY = REPO / "deploy"
@@ -69,15 +68,12 @@ def test_every_metric_the_rules_and_dashboard_name_is_in_a_real_scrape(ns: Names
     port = free_port()
     ns.publish([orjson.dumps(new_event()), b"{not json"], routing_key="material.published", declare=["catalog"])
     proc = ns.start_run("catalog", "--metrics-port", str(port))
+    def both_counted() -> str | None:
+        text = scrape(port)
+        return text if 'outcome="updated"' in text and "delivery_dead_letters_total{" in text else None
+
     try:
-        deadline = time.monotonic() + 60
-        text = ""
-        while 'outcome="updated"' not in text or "delivery_dead_letters_total{" not in text:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.output()[1][-3000:]
-            try:
-                text = scrape(port)
-            except OSError:
-                time.sleep(0.1)  # not listening yet
+        text = wait_until("the good and the bad event on /metrics", both_counted, procs=[proc], ignoring=(OSError,))
         assert re.search(r'delivery_queue_ready\{consumer="catalog",kind="dead",queue="[^"]+"\} 1\.0', text), text
         missing = named_metrics() - exported(text)
         assert not missing, f"named in deploy/ but not exported by run: {sorted(missing)}"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import orjson
@@ -42,10 +41,11 @@ def test_inspect_trace_dead_prune_and_metrics_of_a_partitioned_consumer(cluster:
     wait_until("every receipt", lambda: cluster.receipts() >= len(events), 120, runs)
     wait_until("the conflict dead-lettered", lambda: cluster.ns.count(
         f"{cluster.ns.prefix}.catalog.p{home}.dead") == 1, 60, runs)
-    m: dict[str, float] = {}
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not any("revision-conflict" in k for k in m):
+    def conflict_counted() -> dict[str, float] | None:
         m = scrape(port)
+        return m if any("revision-conflict" in k for k in m) else None
+
+    m = wait_until("the conflict on /metrics", conflict_counted, 60, runs)
     assert m[f'delivery_dead_letters_total{{code="revision-conflict",consumer="catalog",partition="{home}"}}'] == 1
     cluster.stop()
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import time
 from typing import Any
 
 import orjson
@@ -83,14 +82,14 @@ def test_sigkill_after_a_call_to_a_non_idempotent_endpoint_is_never_repeated(ns:
 
 
 def test_an_endpoint_down_for_a_while_is_retried_through_the_tiers(ns: Namespace) -> None:
-    """Connection refused for ~1.5 s: the events go through the retry tiers and are
-    notified once each when the endpoint comes up."""
+    """Connection refused until the run has sent a retry copy: the events go through the
+    retry tiers and are notified once each when the endpoint comes up."""
     server = WebhookServer(free_port())
     keys = publish(ns, *(new_event(article_id=f"a-{i}") for i in range(3)))
     proc = ns.start_run("webhook", "--exit-when-idle", "3", *TIERS, "--max-attempts", "8",
                         env=hook_env(ns, server))
     try:
-        time.sleep(1.5)
+        proc.wait_for_log("retry copy sent")  # the endpoint stays down until an event is in a retry tier
         server.start()
         _, err = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:

@@ -163,7 +163,7 @@ def _handler(server: WebhookServer) -> type[BaseHTTPRequestHandler]:
                 body = {}
             status, headers, payload, delay = server.answer(unquote(key) if key else None, body)
             if delay:
-                time.sleep(delay)
+                time.sleep(delay)  # a deliberately slow endpoint: the slowness is what the caller tests
             try:
                 self.send_response(status)
                 for name, value in headers.items():
@@ -187,6 +187,6 @@ if __name__ == "__main__":
     print(endpoint.port, flush=True)
     try:
         while True:
-            time.sleep(3600)
+            time.sleep(3600)  # serves from its threads until interrupted
     except KeyboardInterrupt:
         endpoint.stop()
