@@ -5,7 +5,7 @@ declared again before every measurement), the same 20,000 events:
 
 * **one confirm per message** -- pika ``BlockingConnection`` with
   ``confirm_delivery()``: each ``basic_publish`` waits for its confirm;
-* **pipelined publish** -- ``broker.Publisher.publish`` of all the events
+* **pipelined publish** -- ``amqp.publisher.Publisher.publish`` of all the events
   (window 1000), which is what ``delivery-consumer publish`` does once it
   has read and validated its files;
 * **dispatch** -- ``outbox.Dispatcher`` draining an outbox of the same
@@ -67,7 +67,8 @@ import orjson
 import pika
 
 from delivery_consumer import outbox
-from delivery_consumer.broker import DEFAULT_URL, BrokerError, OutMessage, Publisher, PublishResult, StreamPublisher
+from delivery_consumer.amqp.connection import DEFAULT_URL, BrokerError
+from delivery_consumer.amqp.publisher import OutMessage, Publisher, PublishResult, StreamPublisher
 from delivery_consumer.topology import Topology
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -38,7 +38,8 @@ from pathlib import Path
 import orjson
 from bench_run import delete_queues, make_events
 
-from delivery_consumer.broker import DEFAULT_URL, OutMessage, Publisher
+from delivery_consumer.amqp.connection import DEFAULT_URL
+from delivery_consumer.amqp.publisher import OutMessage, Publisher
 from delivery_consumer.partitions import partition_topologies, route, slot_headers, slots_exchange, unrouted_name
 from delivery_consumer.topology import Topology
 

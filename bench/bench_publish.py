@@ -6,7 +6,7 @@ quorum queue, persistent and mandatory, three ways:
 
 * ``one confirm per message``: pika ``BlockingChannel`` in confirm mode,
   where ``basic_publish`` waits for each confirm (the naive safe publisher);
-* ``Publisher (library)``: ``delivery_consumer.broker.Publisher`` in-process,
+* ``Publisher (library)``: ``delivery_consumer.amqp.publisher.Publisher`` in-process,
   with a window of unconfirmed messages;
 * ``delivery-consumer publish``: the whole command as a process (reading
   and validating the NDJSON file, start-up included).
@@ -35,7 +35,9 @@ import pika
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_run import delete_queues, make_events
 
-from delivery_consumer.broker import DEFAULT_URL, OutMessage, Publisher, declare
+from delivery_consumer.amqp.admin import declare
+from delivery_consumer.amqp.connection import DEFAULT_URL
+from delivery_consumer.amqp.publisher import OutMessage, Publisher
 from delivery_consumer.topology import Topology
 
 

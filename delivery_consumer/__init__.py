@@ -3,7 +3,7 @@ out-of-order revisions and crashes, with one SQLite database per consumer.
 
 Follow an event by names: bytes -> :mod:`.envelope` -> :func:`.store.apply_event`
 -> :mod:`.consumers` (``catalog``, ``audit``, ...) -> receipt -> commit ->
-:mod:`.broker` acks.
+:mod:`.amqp.consumer` acks.
 """
 
 __version__ = "0.1.0"

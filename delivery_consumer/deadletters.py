@@ -11,7 +11,7 @@ from two places:
   (the backstop): no headers of ours, an ``x-death`` entry with reason
   ``delivery_limit``, and no row in ``rejected``.
 
-Every command reads the queue through :class:`~delivery_consumer.broker.DeadQueue`:
+Every command reads the queue through :class:`~delivery_consumer.amqp.dead_queue.DeadQueue`:
 an exclusive consumer holds every message unacknowledged, and whatever is
 not acknowledged returns to its own place when the connection closes, also
 if the process is killed. Listing therefore never loses nor reorders a
@@ -49,7 +49,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from .broker import DeadQueue, Delivery, HeldMessage, OutMessage, PublishResult
+from .amqp.consumer import Delivery
+from .amqp.dead_queue import DeadQueue, HeldMessage
+from .amqp.publisher import OutMessage, PublishResult
 from .deliveries import delivery_key
 from .envelope import KOMBU_COMPRESSION_HEADER, MAX_BODY_BYTES, body_digest, parse
 from .errors import DELIVERY_LIMIT as DELIVERY_LIMIT_CODE

@@ -2,7 +2,7 @@
 
 Never payloads or secrets: the code only logs eventIds, outcomes, codes,
 short safe reasons, delivery tags and queue names, and the broker URL is
-logged without its password (broker.redact).
+logged without its password (amqp.connection.redact).
 """
 
 from __future__ import annotations
@@ -53,4 +53,4 @@ def setup(level: str = "info", fmt: str = "text", consumer: str | None = None) -
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(getattr(logging, level.upper()))
-    logging.getLogger("pika").setLevel(logging.CRITICAL)  # its errors are reported by broker.classify
+    logging.getLogger("pika").setLevel(logging.CRITICAL)  # its errors are reported by amqp.connection.classify

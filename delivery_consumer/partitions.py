@@ -23,7 +23,7 @@ consistent-hash exchange):
   binding goes to the exchange's alternate exchange and waits in
   ``<prefix>.<consumer>.unrouted``: never dropped.
 
-No pika here: the broker calls go through :mod:`delivery_consumer.broker`.
+No pika here: the broker calls go through :mod:`delivery_consumer.amqp`.
 """
 
 from __future__ import annotations
@@ -171,9 +171,10 @@ def reroute(url: str, base: Topology, *, dry_run: bool = False) -> list[Rerouted
     the consumer's slots exchange with the slot headers (mandatory, confirmed),
     and only then is the original removed. A body that does not parse, or a
     copy that is not confirmed, stays in the queue. The queue is held by one
-    exclusive reader meanwhile (see broker.DeadQueue).
+    exclusive reader meanwhile (see amqp.dead_queue.DeadQueue).
     """
-    from .broker import DeadQueue, OutMessage  # (the broker module imports pika)
+    from .amqp.dead_queue import DeadQueue  # (amqp imports pika)
+    from .amqp.publisher import OutMessage
     from .envelope import KOMBU_COMPRESSION_HEADER, MAX_BODY_BYTES, parse
     from .errors import Rejection
 

@@ -30,7 +30,8 @@ class QueueCollector(Collector):
         self.topology = topology
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        from .broker import BrokerError, queue_counts
+        from .amqp.admin import queue_counts
+        from .amqp.connection import BrokerError
 
         labels = ["consumer", "queue", "kind"]
         ready = GaugeMetricFamily("delivery_queue_ready", "Messages ready in the queue (passive declare at scrape).",

@@ -100,7 +100,7 @@ def partition_count(entry: ConsumerEntry) -> int | None:
 def dead_letters(dep: Deployment, consumer: str, topo: Topology | None = None) -> Row:
     """The dead queue of *consumer* (of the partition *topo* names) as read now:
     ``{"queue", "letters", "complete"}`` or ``{"error"}``."""
-    from .broker import BrokerError
+    from .amqp.connection import BrokerError
     from .deadletters import list_dead
 
     topo = topo or topology(dep, consumer)
@@ -420,7 +420,8 @@ def _total(values: list[Any]) -> int | None:
 def status(dep: Deployment, *, now: float | None = None, broker: bool = True) -> Row:
     """Every consumer (every partition) and producer of *dep*, and the problems that need a person."""
     from . import outbox
-    from .broker import BrokerError, queue_counts
+    from .amqp.admin import queue_counts
+    from .amqp.connection import BrokerError
 
     now = time.time() if now is None else now
     problems: list[str] = []
@@ -506,7 +507,7 @@ def status(dep: Deployment, *, now: float | None = None, broker: bool = True) ->
 
 
 def _redacted(url: str) -> str:
-    from .broker import redact
+    from .amqp.connection import redact
 
     return redact(url)
 

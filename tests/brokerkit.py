@@ -34,7 +34,7 @@ import pytest
 from support import wait_until
 
 from delivery_consumer import consumers
-from delivery_consumer.broker import OutMessage, Publisher
+from delivery_consumer.amqp.publisher import OutMessage, Publisher
 from delivery_consumer.partitions import slot_headers
 from delivery_consumer.topology import Topology
 

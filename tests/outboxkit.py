@@ -8,7 +8,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from delivery_consumer import outbox
-from delivery_consumer.broker import BrokerUnavailable, OutMessage, PublishResult
+from delivery_consumer.amqp.connection import BrokerUnavailable
+from delivery_consumer.amqp.publisher import OutMessage, PublishResult
 
 
 def envelope(article: str = "article-1", revision: int = 1, **extra: Any) -> dict[str, Any]:
@@ -41,7 +42,7 @@ class Clock:
 
 
 class FakePublisher:
-    """broker.StreamPublisher's interface; verdicts scripted per eventId."""
+    """amqp.publisher.StreamPublisher's interface; verdicts scripted per eventId."""
 
     def __init__(self) -> None:
         self.down = 0  # connect() fails this many more times

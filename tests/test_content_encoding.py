@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from support import body, make_envelope, read_rows
 
 from delivery_consumer import deadletters, envelope
-from delivery_consumer.broker import HeldMessage, declare
+from delivery_consumer.amqp.admin import declare
+from delivery_consumer.amqp.dead_queue import HeldMessage
 from delivery_consumer.envelope import decode_body, parse
 from delivery_consumer.errors import Rejection
 from delivery_consumer.topology import Topology

@@ -26,7 +26,9 @@ import pika
 from brokerkit import Namespace
 from support import new_event, read_rows, wait_until
 
-from delivery_consumer.broker import DeadQueue, OutMessage, Publisher, declare
+from delivery_consumer.amqp.admin import declare
+from delivery_consumer.amqp.dead_queue import DeadQueue
+from delivery_consumer.amqp.publisher import OutMessage, Publisher
 from delivery_consumer.store import ConsumerDB, now_iso
 
 SMALL_LIMIT = ("--max-bytes", "2048")

@@ -1,6 +1,6 @@
 """The outbox and its dispatcher on real SQLite files, with a scripted publisher.
 
-The broker side is a fake with the interface of ``broker.Publisher``
+The broker side is a fake with the interface of ``amqp.publisher.Publisher``
 (connect / publish / idle) whose verdict per message is scripted, and the
 clock and sleep are the test's: every lease, backoff and outage decision is
 checked exactly, without a broker and without waiting.
@@ -20,7 +20,8 @@ from click.testing import CliRunner
 from outboxkit import Clock, FakePublisher, add, dispatcher, envelope, row
 
 from delivery_consumer import outbox, producer
-from delivery_consumer.broker import BrokerFatal, PublishResult
+from delivery_consumer.amqp.connection import BrokerFatal
+from delivery_consumer.amqp.publisher import PublishResult
 from delivery_consumer.cli import main
 from delivery_consumer.envelope import parse
 from delivery_consumer.errors import ConfigError, DatabaseError, Rejection, TransientError

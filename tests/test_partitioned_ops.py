@@ -133,7 +133,7 @@ def test_an_event_without_a_slot_waits_in_unrouted_until_rerouted(cluster: Clust
     """A message without the slot headers reaches no partition: it waits in <consumer>.unrouted (also
     when another consumer took it, so no return could tell), repartition refuses until it is gone, and
     reroute sends it to its article's partition."""
-    from delivery_consumer.broker import OutMessage, Publisher
+    from delivery_consumer.amqp.publisher import OutMessage, Publisher
 
     ns = cluster.ns
     assert ns.cli("topology", "declare", "--consumer", "audit").returncode == 0
@@ -167,7 +167,7 @@ def test_another_count_is_refused_by_the_broker(cluster: Cluster) -> None:
     assert declared.stderr.strip().splitlines() == [
         f"delivery-consumer: catalog is partitioned with another count on this broker (the queue "
         f"{ns.prefix}.catalog.partitions records it); change the count with repartition"]
-    from delivery_consumer.broker import queue_counts
+    from delivery_consumer.amqp.admin import queue_counts
 
     assert queue_counts(ns.url, [f"{ns.prefix}.catalog.p3"]) == {f"{ns.prefix}.catalog.p3": None}
     assert ns.cli("topology", "declare", "--consumer", "catalog", "--partitions", str(COUNT)).returncode == 0

@@ -25,7 +25,9 @@ from support import env as envelope
 from support import new_event, wait_until
 
 from delivery_consumer import retention
-from delivery_consumer.broker import DeadQueue, OutMessage, Publisher, declare
+from delivery_consumer.amqp.admin import declare
+from delivery_consumer.amqp.dead_queue import DeadQueue
+from delivery_consumer.amqp.publisher import OutMessage, Publisher
 from delivery_consumer.errors import Rejection
 from delivery_consumer.store import ConsumerDB, apply_event, inbox_rowid_before, now_iso
 

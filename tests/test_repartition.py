@@ -133,7 +133,7 @@ def test_an_unpartitioned_consumer_is_split(undeclared: Cluster) -> None:
     moved = ns.cli("repartition", "--consumer", "catalog", "--partitions", "4")
     assert moved.returncode == 0, moved.stderr
     assert not plain_db.exists()
-    from delivery_consumer.broker import queue_counts
+    from delivery_consumer.amqp.admin import queue_counts
 
     assert queue_counts(ns.url, [f"{ns.prefix}.catalog"]) == {f"{ns.prefix}.catalog": None}
     after = {r[0]: r[1] for k in range(4) for r in query(cluster.db(k), "SELECT event_id, result FROM inbox")}

@@ -19,7 +19,7 @@ from deploykit import dc, deploy_env, run_until_idle, write_deployment
 from partitionkit import Cluster, wait_until
 from webhook_server import WebhookServer
 
-from delivery_consumer.broker import OutMessage, Publisher
+from delivery_consumer.amqp.publisher import OutMessage, Publisher
 from delivery_consumer.partitions import partition_of
 
 pytestmark = pytest.mark.broker

@@ -21,7 +21,9 @@ from typing import Any
 import pytest
 from support import body, new_event, read_rows
 
-from delivery_consumer.broker import BrokerUnavailable, Delivery, OutMessage
+from delivery_consumer.amqp.connection import BrokerUnavailable
+from delivery_consumer.amqp.consumer import Delivery
+from delivery_consumer.amqp.publisher import OutMessage
 from delivery_consumer.consumers import ConsumerSpec
 from delivery_consumer.deliveries import delivery_key
 from delivery_consumer.envelope import Envelope

@@ -175,7 +175,7 @@ def _selection(event_ids: tuple[str, ...], code: str | None, select_all: bool) -
 
 
 def _broker_call(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    from ..broker import BrokerError
+    from ..amqp.connection import BrokerError
 
     try:
         return fn(*args, **kwargs)
@@ -366,7 +366,7 @@ def inbox_prune(consumer: str | None, db_path: Path | None, amqp_url: str, excha
     keeps committing meanwhile.
     """
     from .. import deadletters, retention
-    from ..broker import BrokerError
+    from ..amqp.connection import BrokerError
 
     try:
         retention.check_older_than(older_than, horizon)

@@ -121,7 +121,8 @@ def dispatch(db_path: Path, amqp_url: str, exchange: str, queue_prefix: str, dec
     reached. Bad credentials, a missing vhost or an unusable database: one
     line on stderr, exit 2.
     """
-    from ..broker import BrokerFatal, StreamPublisher
+    from ..amqp.connection import BrokerFatal
+    from ..amqp.publisher import StreamPublisher
 
     _setup_logging(log_level)
     try:

@@ -34,7 +34,8 @@ def repartition(consumer: str, amqp_url: str, exchange: str, queue_prefix: str, 
     declared before the old ones are removed, and queues no longer needed
     are deleted. Run it again if it was interrupted.
     """
-    from ..broker import BrokerError, declare, delete_unused_queues, queue_counts
+    from ..amqp.admin import declare, delete_unused_queues, queue_counts
+    from ..amqp.connection import BrokerError
 
     base = _topology(consumer, exchange, queue_prefix)
     paths = partitioned_paths(consumer, None, root)
@@ -110,7 +111,7 @@ def reroute(consumer: str, amqp_url: str, exchange: str, queue_prefix: str, dry_
     Arriving late, an older revision may then be answered stale. Exit 1 if
     any message was left in the queue.
     """
-    from ..broker import BrokerError
+    from ..amqp.connection import BrokerError
     from ..partitions import reroute as reroute_messages
 
     base = _topology(consumer, exchange, queue_prefix)

@@ -198,7 +198,7 @@ def run(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue
     queue allows one active consumer: a second run of the same partition is
     a standby that takes over when the first dies).
     """
-    from ..broker import BrokerError
+    from ..amqp.connection import BrokerError
     from ..errors import StoreOutage
     from ..service.config import RunConfig
     from ..service.run import run as run_consumer
@@ -277,7 +277,8 @@ def publish(amqp_url: str, exchange: str, queue_prefix: str, declare_for: tuple[
     1 when any was invalid, unroutable, nacked or unconfirmed (named on
     stderr), 2 for usage or broker errors.
     """
-    from ..broker import BrokerError, OutMessage, Publisher
+    from ..amqp.connection import BrokerError
+    from ..amqp.publisher import OutMessage, Publisher
 
     try:
         files = sources_lib.expand(sources)
@@ -330,7 +331,7 @@ def publish(amqp_url: str, exchange: str, queue_prefix: str, declare_for: tuple[
 def _connect(publisher: Any, attempts: int) -> None:
     """Connect, retrying an unreachable broker a few times with backoff; a
     broker still down after that is an error (exit 2), not a hang."""
-    from ..broker import BrokerUnavailable
+    from ..amqp.connection import BrokerUnavailable
     from ..retry import reconnect_delay_s
 
     for attempt in range(1, attempts + 1):
@@ -374,7 +375,8 @@ def declare_cmd(names: tuple[str, ...], amqp_url: str, exchange: str, queue_pref
     Without --consumer, every consumer the deployment file names, each with
     its partition count (``partitions = N``); flags override the file.
     """
-    from ..broker import BrokerError, declare
+    from ..amqp.admin import declare
+    from ..amqp.connection import BrokerError
 
     counts = _declared_counts(names, partitions)
     bases = [_topology(n, exchange, queue_prefix, retry_delays_ms=retry_delays,

@@ -253,7 +253,7 @@ def config_check(as_json: bool) -> None:
     """
     from .. import config as config_lib
     from .. import outbox
-    from ..broker import redact
+    from ..amqp.connection import redact
 
     dep = _deployment()
     problems: list[str] = []

@@ -8,7 +8,7 @@ consumer's inbox absorbs the duplicates (same eventId, same fingerprint).
 Rounds
 ------
 A round claims a batch (``batch`` rows, at most 16 MiB of bodies), sends it
-through :class:`~delivery_consumer.broker.StreamPublisher`, and -- once its
+through :class:`~delivery_consumer.amqp.publisher.StreamPublisher`, and -- once its
 confirms are all in -- marks it. Up to ``depth`` batches (2 by default) are in
 flight: the next one is claimed and sent behind the previous one on the same
 channel while that one waits for its confirms, so the broker never idles at
@@ -76,7 +76,7 @@ Failures
 * the database busy past its timeout -> backoff and retry; a batch sent but
   not marked keeps its lease and goes again after it (duplicates, no loss);
 * fatal broker errors (credentials, vhost, permissions) -> the leases in
-  flight are released and :class:`~delivery_consumer.broker.BrokerFatal`
+  flight are released and :class:`~delivery_consumer.amqp.connection.BrokerFatal`
   propagates.
 
 Crash points (:func:`delivery_consumer.faults.crashpoint`):
@@ -86,7 +86,7 @@ and ``dispatch-mid-batch`` (half of a batch marked inside the uncommitted mark
 transaction: the whole mark is lost, none of it half-applied). Whatever the
 moment of a SIGKILL, at most ``depth * batch`` rows are published twice.
 
-pika is never imported here: :mod:`delivery_consumer.broker` is imported
+pika is never imported here: :mod:`delivery_consumer.amqp` is imported
 lazily by the dispatcher, so producers calling ``enqueue`` and the
 ``outbox`` read commands do not load it.
 """
@@ -114,7 +114,7 @@ from . import owners
 from .table import MAX_ERROR_CHARS, _path_of, routing_key_problem, transaction
 
 if TYPE_CHECKING:
-    from ..broker import OutMessage, PublishResult
+    from ..amqp.publisher import OutMessage, PublishResult
 
 log = logging.getLogger("delivery_consumer.dispatch")
 
@@ -125,7 +125,7 @@ REAP_EVERY_S: Final = 1.0
 
 
 class PublisherLike(Protocol):
-    """What the dispatcher needs of :class:`delivery_consumer.broker.StreamPublisher`:
+    """What the dispatcher needs of :class:`delivery_consumer.amqp.publisher.StreamPublisher`:
     batches sent one behind the other on one channel, collected in order."""
 
     def connect(self) -> None: ...
@@ -248,7 +248,7 @@ class Dispatcher:
 
     *conn* must be this thread's own writable connection
     (:func:`~delivery_consumer.outbox.connect`); *publisher* is a
-    :class:`delivery_consumer.broker.StreamPublisher` (or a fake in tests);
+    :class:`delivery_consumer.amqp.publisher.StreamPublisher` (or a fake in tests);
     *clock* (seconds since the epoch) and *sleep* are replaceable for tests.
     """
 
@@ -452,7 +452,8 @@ class Dispatcher:
         broker is unreachable and the backoff was waited). Raises BrokerFatal
         (every lease in flight released).
         """
-        from ..broker import BrokerUnavailable, OutMessage
+        from ..amqp.connection import BrokerUnavailable
+        from ..amqp.publisher import OutMessage
 
         if not self._connected:
             # Batches left by a lost connection come back at once (unconfirmed

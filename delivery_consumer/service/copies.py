@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..broker import Delivery, OutMessage
+from ..amqp.consumer import Delivery
+from ..amqp.publisher import OutMessage
 from ..errors import RETRIES_EXHAUSTED, Rejection
 from ..retry import GiveUp, RetryPolicy, attempts_done, retry_after_tier
 from ..store import Outcome, now_iso

@@ -12,7 +12,7 @@ from functools import partial
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
-from ..broker import ConsumerIO, Delivery
+from ..amqp.consumer import ConsumerIO, Delivery
 from ..faults import crashpoint
 from .messages import (
     Ack,

@@ -11,7 +11,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from ..broker import Delivery, OutMessage
+from ..amqp.consumer import Delivery
+from ..amqp.publisher import OutMessage
 
 # -- connection process -> worker process ---------------------------------------------
 

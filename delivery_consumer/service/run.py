@@ -7,7 +7,8 @@ import multiprocessing
 import signal
 from types import FrameType
 
-from ..broker import BrokerError, ConsumerIO
+from ..amqp.connection import BrokerError
+from ..amqp.consumer import ConsumerIO
 from ..deliveries import ObserverFactory
 from ..errors import DatabaseError, StoreOutage
 from .config import RunConfig

@@ -17,7 +17,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from ..broker import Delivery, OutMessage
+from ..amqp.consumer import Delivery
+from ..amqp.publisher import OutMessage
 from ..deliveries import Observer, delivery_key
 from ..envelope import KOMBU_COMPRESSION_HEADER, Envelope, body_digest, parse
 from ..errors import DELIVERY_LIMIT, DeliveryError, Rejection, StoreOutage, StoreUnavailable

@@ -15,7 +15,8 @@ from multiprocessing.connection import Connection
 from types import FrameType
 
 from .. import faults
-from ..broker import BrokerUnavailable, OutMessage
+from ..amqp.connection import BrokerUnavailable
+from ..amqp.publisher import OutMessage
 from ..deliveries import ObserverFactory
 from ..errors import DeliveryError, StoreOutage
 from ..store import forget_in_flight

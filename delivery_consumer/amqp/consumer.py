@@ -1,0 +1,327 @@
+"""The connection side of ``run``: consume, ack, publish copies, reconnect.
+
+:class:`ConsumerIO` owns pika's ``SelectConnection`` loop in the calling
+thread: it declares the consumer's topology, hands each :class:`Delivery` to
+a callback, reconnects with backoff and jitter, and acks and publishes the
+retry and dead-letter copies (on a confirm channel) when asked from the loop
+thread. Delivery tags belong to one channel: each channel gets a
+*generation* and an ack for an older one is dropped, never sent (see
+docs/amqp.md).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import pika
+import pika.exceptions as pex
+from pika import spec
+from pika.adapters.select_connection import IOLoop, PollEvents
+
+from ..retry import reconnect_delay_s
+from ..topology import Topology
+from .connection import BrokerError, BrokerFatal, BrokerUnavailable, classify, parameters
+from .declare import Steps, declare_steps
+from .publisher import OutMessage
+
+log = logging.getLogger("delivery_consumer.broker")
+
+
+@dataclass(slots=True)
+class Delivery:
+    """One message received by ``run``, with its channel generation."""
+
+    generation: int
+    tag: int
+    body: bytes
+    routing_key: str
+    redelivered: bool
+    message_id: str | None
+    headers: dict[str, Any]
+    content_type: str | None = None
+    exchange: str = ""
+    content_encoding: str | None = None
+
+
+@dataclass
+class _PendingCopies:
+    future: Future[None]
+    remaining: set[int] = field(default_factory=set)
+    failure: str | None = None
+
+
+class ConsumerIO:
+    """The connection side of ``run``; :meth:`run` owns the calling thread.
+
+    *on_delivery* is called in the loop thread for each message and must not
+    block (it hands the delivery to the worker). *on_channel* is told the new
+    generation after every (re)connect, *on_lost* the generation that died.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        topology: Topology,
+        *,
+        prefetch: int,
+        on_delivery: Callable[[Delivery], None],
+        on_channel: Callable[[int], None] = lambda gen: None,
+        on_lost: Callable[[int, str], None] = lambda gen, why: None,
+        name: str = "delivery-consumer run",
+        retry_first_connect: bool = True,
+    ) -> None:
+        self.url = url
+        self.topology = topology
+        self.prefetch = prefetch
+        self._params = parameters(url, name=name)
+        self._on_delivery = on_delivery
+        self._on_channel_cb = on_channel
+        self._on_lost = on_lost
+        self.ioloop = IOLoop()
+        self._conn: pika.SelectConnection | None = None
+        self._channel: Any = None  # consuming channel (acks go here)
+        self._pub: Any = None  # confirm-mode channel for retry / dead copies
+        self._pub_seq = 0
+        self._pub_pending: dict[int, _PendingCopies] = {}
+        self._consumer_tag: str | None = None
+        self.generation = 0
+        self._live_generation = 0  # 0 while no channel is consuming
+        self._stopping = False
+        self._failures = 0
+        #: False: a failure before the first successful consume is fatal (a
+        #: one-shot run with a wrong address must say so, not wait forever).
+        self._retry_first_connect = retry_first_connect
+        self._ever_consumed = False
+        self.fatal: BrokerError | None = None
+
+    # -- lifecycle (loop thread) --
+    def run(self) -> None:
+        """Connect and consume until :meth:`shutdown_now`; raises BrokerFatal."""
+        self._connect()
+        self.ioloop.start()
+        self.ioloop.close()
+        if self.fatal is not None:
+            raise self.fatal
+
+    def _connect(self) -> None:
+        if self._stopping:
+            self.ioloop.stop()
+            return
+        self._conn = pika.SelectConnection(
+            self._params,
+            on_open_callback=self._on_open,
+            on_open_error_callback=self._on_open_error,
+            on_close_callback=self._on_closed,
+            custom_ioloop=self.ioloop,
+        )
+
+    def _retry_later(self, why: BrokerError) -> None:
+        if isinstance(why, BrokerFatal) or not (self._ever_consumed or self._retry_first_connect):
+            self.fatal = why
+            self._stopping = True
+            self.ioloop.stop()
+            return
+        if self._stopping:
+            self.ioloop.stop()
+            return
+        self._failures += 1
+        delay = reconnect_delay_s(self._failures)
+        log.warning("%s; reconnecting in %.1fs (attempt %d)", why, delay, self._failures)
+        self.ioloop.call_later(delay, self._connect)
+
+    def _on_open_error(self, _conn: Any, exc: BaseException) -> None:
+        self._conn = None
+        self._retry_later(classify(exc, url=self.url))
+
+    def _on_open(self, conn: pika.SelectConnection) -> None:
+        conn.channel(on_open_callback=self._on_consume_channel)
+
+    def _on_consume_channel(self, channel: Any) -> None:
+        self._channel = channel
+        channel.add_on_close_callback(self._on_channel_closed)
+        channel.add_on_cancel_callback(lambda _f: self._reconnect("the broker cancelled the consumer"))
+        Steps(
+            declare_steps(channel, [self.topology]),
+            lambda: self._conn.channel(on_open_callback=self._on_pub_channel) if self._conn else None,
+        ).start()
+
+    def _on_pub_channel(self, channel: Any) -> None:
+        self._pub = channel
+        channel.add_on_close_callback(self._on_channel_closed)
+        channel.add_on_return_callback(self._on_return)
+
+        def confirmed(_frame: Any) -> None:
+            self._pub_seq = 0
+            self._channel.basic_qos(prefetch_count=self.prefetch, callback=self._on_qos)
+
+        channel.confirm_delivery(ack_nack_callback=self._on_confirm, callback=confirmed)
+
+    def _on_qos(self, _frame: Any) -> None:
+        if self._stopping:
+            self._close()
+            return
+        self.generation += 1
+        gen = self.generation
+        self._on_channel_cb(gen)
+        self._live_generation = gen
+        self._consumer_tag = self._channel.basic_consume(
+            self.topology.queue,
+            lambda _ch, method, props, body: self._deliver(gen, method, props, body),
+            auto_ack=False,
+        )
+        self._failures = 0
+        self._ever_consumed = True
+        log.info("consuming %s (prefetch %d, channel generation %d)", self.topology.queue, self.prefetch, gen)
+
+    def _deliver(self, gen: int, method: Any, props: Any, body: bytes) -> None:
+        self._on_delivery(
+            Delivery(
+                generation=gen,
+                tag=method.delivery_tag,
+                body=body,
+                routing_key=method.routing_key,
+                redelivered=method.redelivered,
+                message_id=props.message_id,
+                headers=props.headers or {},
+                content_type=props.content_type,
+                exchange=method.exchange,
+                content_encoding=props.content_encoding,
+            )
+        )
+
+    def _on_channel_closed(self, _channel: Any, reason: BaseException) -> None:
+        if self._stopping and isinstance(reason, pex.ChannelClosedByClient):
+            return
+        error = classify(reason, url=self.url)
+        if self._live_generation == 0 and isinstance(error, BrokerFatal):
+            # Failed while declaring: the topology is incompatible; retrying cannot help.
+            self.fatal = error
+            self._stopping = True
+        else:
+            log.error("channel closed: %s", error)
+        self._close()
+
+    def _on_closed(self, _conn: Any, reason: BaseException) -> None:
+        gen, self._live_generation = self._live_generation, 0
+        self._conn = self._channel = self._pub = None
+        self._consumer_tag = None
+        why = str(classify(reason, url=self.url))
+        for pending in list(self._pub_pending.values()):
+            self._settle(pending, f"connection lost before the confirm: {why}")
+        self._pub_pending.clear()
+        if gen:
+            self._on_lost(gen, why)
+        if self._stopping:
+            self.ioloop.stop()
+        elif isinstance(reason, pex.ConnectionClosedByClient):
+            self._retry_later(BrokerUnavailable("reconnecting after a channel error"))
+        else:
+            self._retry_later(classify(reason, url=self.url))
+
+    def _close(self) -> None:
+        conn = self._conn
+        if conn is not None and not (conn.is_closing or conn.is_closed):
+            conn.close()
+        elif conn is None and self._stopping:
+            self.ioloop.stop()
+
+    def _reconnect(self, why: str) -> None:
+        log.warning("%s; reconnecting", why)
+        self._close()
+
+    # -- from another thread or a signal handler --
+    def cancel(self) -> None:
+        """Stop receiving new deliveries (the connection stays for acks)."""
+        self.ioloop.add_callback_threadsafe(self._cancel)
+
+    # -- loop-thread API (for code already running in the loop, e.g. a watched pipe) --
+    def soon(self, callback: Callable[[], None]) -> None:
+        """Call *callback* on the next turn of the loop (after the current events)."""
+        self.ioloop.call_later(0, callback)
+
+    def watch(self, fd: int, on_readable: Callable[[], None]) -> None:
+        """Call *on_readable* in the loop whenever *fd* has data."""
+        self.ioloop.add_handler(fd, lambda _fd, _events: on_readable(), PollEvents.READ)
+
+    def unwatch(self, fd: int) -> None:
+        self.ioloop.remove_handler(fd)
+
+    def ack_now(self, generation: int, tag: int, *, multiple: bool = True) -> None:
+        """Acknowledge up to *tag* on channel *generation*, if it still lives."""
+        channel = self._channel
+        if generation != self._live_generation or channel is None or not channel.is_open:
+            log.info("dropping ack of tag %d from channel generation %d (channel gone)", tag, generation)
+            return
+        channel.basic_ack(tag, multiple=multiple)
+
+    def publish_now(self, generation: int, messages: Sequence[OutMessage]) -> Future[None]:
+        """Publish *messages* on the confirm channel; the future resolves when
+        every one is confirmed, or fails (BrokerUnavailable) if any was
+        returned, nacked or lost -- or if *generation* is no longer live."""
+        future: Future[None] = Future()
+        pub = self._pub
+        if generation != self._live_generation or pub is None or not pub.is_open:
+            future.set_exception(BrokerUnavailable("the channel of these deliveries is gone"))
+            return future
+        pending = _PendingCopies(future)
+        for msg in messages:
+            pub.basic_publish(msg.exchange, msg.routing_key, msg.body, msg.properties(), mandatory=True)
+            self._pub_seq += 1
+            pending.remaining.add(self._pub_seq)
+            self._pub_pending[self._pub_seq] = pending
+        return future
+
+    def reconnect_now(self, why: str) -> None:
+        """Drop the connection (unacked deliveries return to the queue)."""
+        self._reconnect(why)
+
+    def shutdown_now(self) -> None:
+        """Stop consuming, close the connection and end :meth:`run`."""
+        self._stopping = True
+        self._cancel()
+        if self._conn is None:
+            self.ioloop.stop()
+        else:
+            self._close()
+
+    # -- confirms and returns of the copies --
+    def _on_return(self, _channel: Any, method: Any, _props: Any, _body: bytes) -> None:
+        # The return precedes the ack of the same message; the oldest pending
+        # group is the one it belongs to (copies are confirmed in order).
+        if self._pub_pending:
+            first = self._pub_pending[min(self._pub_pending)]
+            first.failure = f"copy to {method.routing_key} unroutable: {method.reply_code} {method.reply_text}"
+
+    def _on_confirm(self, frame: Any) -> None:
+        method = frame.method
+        ack = isinstance(method, spec.Basic.Ack)
+        tags = [t for t in self._pub_pending if t <= method.delivery_tag] if method.multiple else [
+            method.delivery_tag]
+        for tag in tags:
+            pending = self._pub_pending.pop(tag, None)
+            if pending is None:
+                continue
+            pending.remaining.discard(tag)
+            if not ack:
+                pending.failure = pending.failure or "the broker nacked a copy"
+            if not pending.remaining:
+                self._settle(pending, pending.failure)
+
+    @staticmethod
+    def _settle(pending: _PendingCopies, failure: str | None) -> None:
+        if pending.future.done():
+            return
+        if failure:
+            pending.future.set_exception(BrokerUnavailable(failure))
+        else:
+            pending.future.set_result(None)
+
+    def _cancel(self) -> None:
+        channel = self._channel
+        if channel is not None and channel.is_open and self._consumer_tag is not None:
+            channel.basic_cancel(self._consumer_tag)
+            self._consumer_tag = None

@@ -1,0 +1,397 @@
+"""Publishing with publisher confirms, from ordinary synchronous code.
+
+:class:`Publisher` publishes a batch of persistent, mandatory messages with a
+window of unconfirmed ones and tells the fate of each (:class:`PublishResult`);
+:class:`StreamPublisher` lets batches overlap on the same channel, for the
+outbox dispatcher. Both run pika's ``SelectConnection`` loop inside their own
+methods only, so confirms are pipelined (see docs/amqp.md).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pika
+import pika.exceptions as pex
+from pika import spec
+from pika.adapters.select_connection import IOLoop
+
+from ..errors import safe_reason
+from ..topology import Route, Topology
+from .connection import DEFAULT_URL, BrokerError, BrokerFatal, BrokerUnavailable, classify, parameters
+from .declare import Steps, declare_steps
+
+PERSISTENT = 2
+
+
+@dataclass(slots=True)
+class OutMessage:
+    """A message to publish: persistent, mandatory, with a message_id."""
+
+    routing_key: str
+    body: bytes
+    exchange: str = ""
+    message_id: str | None = None
+    headers: dict[str, Any] | None = None
+    content_type: str = "application/json"
+    content_encoding: str | None = None
+
+    def properties(self) -> pika.BasicProperties:
+        return pika.BasicProperties(
+            delivery_mode=PERSISTENT,
+            content_type=self.content_type,
+            content_encoding=self.content_encoding,
+            message_id=self.message_id,
+            headers=self.headers or None,
+        )
+
+
+@dataclass(slots=True)
+class PublishResult:
+    """The fate of one published message."""
+
+    status: str  # "confirmed" | "returned" | "nacked" | "unconfirmed" | "unencodable"
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "confirmed"
+
+
+class Publisher:
+    """Publish with pipelined confirms from ordinary synchronous code.
+
+    The I/O loop runs only inside this object's methods; between calls the
+    connection is idle (keep gaps below the heartbeat, or call :meth:`idle`).
+    """
+
+    def __init__(
+        self,
+        url: str = DEFAULT_URL,
+        *,
+        topologies: Sequence[Topology] = (),
+        exchanges: Sequence[str] = (),
+        routes: Sequence[Route] = (),
+        name: str = "delivery-consumer publisher",
+        timeout_s: float = 30.0,
+        window: int = 1000,
+    ) -> None:
+        self.url = url
+        self._params = parameters(url, name=name)
+        self._topologies = list(topologies)
+        self._exchanges = list(exchanges)
+        self._routes = list(routes)
+        self._timeout_s = timeout_s
+        self.window = window
+        self._ioloop = IOLoop()
+        self._conn: pika.SelectConnection | None = None
+        self._channel: Any = None
+        self._ready = False
+        self._error: BrokerError | None = None
+        self._waiting: Callable[[], bool] | None = None
+        self._seq = 0
+        self._pending: dict[int, int] = {}
+        self._results: list[PublishResult | None] = []
+        self._batch: Sequence[OutMessage] = ()
+        self._next = 0
+
+    # loop driving
+    def _check(self) -> None:
+        if self._waiting is not None and (self._error is not None or self._waiting()):
+            self._waiting = None
+            self._ioloop.stop()
+
+    def _run_until(self, done: Callable[[], bool], what: str) -> None:
+        if self._error is None and done():
+            return
+        self._waiting = done
+        handle = self._ioloop.call_later(self._timeout_s, lambda: self._fail(BrokerUnavailable(
+            f"timed out after {self._timeout_s:g}s waiting for the broker to {what}")))
+        try:
+            self._ioloop.start()
+        finally:
+            self._ioloop.remove_timeout(handle)
+
+    def _fail(self, error: BrokerError) -> None:
+        if self._error is None:
+            self._error = error
+        self._waiting = self._waiting or (lambda: True)
+        self._check()
+
+    # connection
+    def connect(self) -> None:
+        """Open the connection and a confirm-mode channel, declare topology."""
+        if self._ready:
+            return
+        self._error = None
+        self._conn = pika.SelectConnection(
+            self._params,
+            on_open_callback=self._on_open,
+            on_open_error_callback=lambda _c, exc: self._fail(classify(exc, url=self.url)),
+            on_close_callback=self._on_closed,
+            custom_ioloop=self._ioloop,
+        )
+        self._run_until(lambda: self._ready, "open the connection")
+        if self._error is not None:
+            error, self._error = self._error, None
+            self._abort()
+            raise error
+
+    def _on_open(self, conn: pika.SelectConnection) -> None:
+        conn.channel(on_open_callback=self._on_channel)
+
+    def _on_channel(self, channel: Any) -> None:
+        self._channel = channel
+        channel.add_on_close_callback(self._on_channel_closed)
+        channel.add_on_return_callback(self._on_return)
+
+        def confirmed(_frame: Any) -> None:
+            self._seq = 0
+            Steps(declare_steps(channel, self._topologies, self._exchanges, self._routes), self._on_ready).start()
+
+        channel.confirm_delivery(ack_nack_callback=self._on_confirm, callback=confirmed)
+
+    def _on_ready(self) -> None:
+        self._ready = True
+        self._check()
+
+    def _on_channel_closed(self, _channel: Any, reason: BaseException) -> None:
+        self._ready = False
+        self._lose_pending(reason)
+        self._fail(classify(reason, url=self.url))
+        if self._conn is not None and self._conn.is_open:
+            self._conn.close()
+
+    def _on_closed(self, _conn: Any, reason: BaseException) -> None:
+        self._ready = False
+        self._conn = None
+        self._lose_pending(reason)
+        if not isinstance(reason, pex.ConnectionClosedByClient):
+            self._fail(classify(reason, url=self.url))
+        else:
+            self._check()
+
+    def _lose_pending(self, reason: BaseException) -> None:
+        text = str(classify(reason, url=self.url))
+        for index in self._pending.values():
+            self._results[index] = PublishResult("unconfirmed", text)
+        self._pending.clear()
+
+    def _abort(self) -> None:
+        conn = self._conn
+        if conn is not None and not (conn.is_closed or conn.is_closing):
+            conn.close()
+            self._run_until(lambda: self._conn is None, "close the connection")
+        self._conn = None
+        self._ready = False
+
+    # confirms and returns
+    def _on_confirm(self, frame: Any) -> None:
+        method = frame.method
+        ack = isinstance(method, spec.Basic.Ack)
+        tags = [t for t in self._pending if t <= method.delivery_tag] if method.multiple else [method.delivery_tag]
+        for tag in tags:
+            index = self._pending.pop(tag, None)
+            if index is None:
+                continue
+            previous = self._results[index]
+            if previous is None:  # not returned before its ack
+                self._results[index] = PublishResult("confirmed") if ack else PublishResult(
+                    "nacked", "the broker could not store the message")
+        self._pump()
+        self._check()
+
+    def _on_return(self, _channel: Any, method: Any, props: Any, _body: bytes) -> None:
+        # A basic.return precedes the ack of the same message; match it to the
+        # oldest unconfirmed message with the same routing key and message_id.
+        for tag in sorted(self._pending):
+            index = self._pending[tag]
+            msg = self._batch[index]
+            if (msg.routing_key == method.routing_key and msg.message_id == props.message_id
+                    and self._results[index] is None):
+                self._results[index] = PublishResult(
+                    "returned", f"unroutable: {method.reply_code} {method.reply_text}")
+                break
+
+    def _pump(self) -> None:
+        channel = self._channel
+        while self._next < len(self._batch) and len(self._pending) < self.window and self._ready:
+            msg = self._batch[self._next]
+            channel.basic_publish(msg.exchange, msg.routing_key, msg.body, msg.properties(), mandatory=True)
+            self._seq += 1
+            self._pending[self._seq] = self._next
+            self._next += 1
+
+    def publish(self, messages: Sequence[OutMessage]) -> list[PublishResult]:
+        """Publish *messages* in order; return one result per message.
+
+        Connection loss is not raised: the affected messages come back
+        ``unconfirmed`` (they may or may not have reached the queue), so the
+        caller can retry them -- a duplicate is absorbed by the consumer's
+        inbox, a loss would not be.
+        """
+        if not messages:
+            return []
+        try:
+            self.connect()
+        except BrokerUnavailable as exc:
+            return [PublishResult("unconfirmed", str(exc)) for _ in messages]
+        self._batch = messages
+        self._results = [None] * len(messages)
+        self._next = 0
+        self._pump()
+        self._run_until(lambda: self._next >= len(self._batch) and not self._pending, "confirm messages")
+        if self._error is not None:
+            if isinstance(self._error, BrokerFatal):
+                error, self._error = self._error, None
+                self._abort()
+                raise error
+            self._error = None
+            self._abort()
+        reason = "not sent: the connection was lost first"
+        results = [r if r is not None else PublishResult("unconfirmed", reason) for r in self._results]
+        self._batch, self._results = (), []
+        return results
+
+    def idle(self, seconds: float) -> None:
+        """Let the connection service heartbeats for *seconds*."""
+        if self._conn is None:
+            return
+        deadline = [False]
+
+        def wake() -> None:
+            deadline[0] = True
+            self._check()
+
+        self._ioloop.call_later(seconds, wake)
+        self._run_until(lambda: deadline[0], "idle")
+        self._error = None
+
+    def close(self) -> None:
+        self._error = None
+        try:
+            self._abort()
+        finally:
+            self._ioloop.close()
+
+    def __enter__(self) -> Publisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    """A batch given to :meth:`StreamPublisher.send`: absolute message indexes."""
+
+    start: int
+    end: int
+
+
+#: What pika raises while encoding one message's frames. pika marshals every
+#: frame of a message before writing any (pika/connection.py, _send_message),
+#: so such a message fails alone and the channel stays usable.
+_UNENCODABLE = (pex.ShortStringTooLong, UnicodeError, struct.error, TypeError, ValueError, OverflowError)
+
+
+class StreamPublisher(Publisher):
+    """Publisher whose batches overlap; collect them in the order sent.
+
+    :meth:`send` queues a batch behind the ones before it and returns at
+    once; :meth:`collect` runs the loop until that batch is settled while
+    later ones keep flowing. One channel, one window: the broker receives the
+    batches in the order they were sent. A message pika cannot encode comes
+    back ``unencodable``, alone.
+
+    Connection loss is not raised by :meth:`collect`: the batch comes back
+    ``unconfirmed`` (or "not sent"), and so do the batches sent after it,
+    which the caller must collect before it connects again. BrokerFatal is
+    raised.
+    """
+
+    def __init__(self, url: str = DEFAULT_URL, **kwargs: Any) -> None:
+        super().__init__(url, **kwargs)
+        self._batch: list[OutMessage] = []
+        self._offset = 0  # absolute index of self._batch[0]
+        self._broken: str | None = None  # why the connection was given up
+
+    def connect(self) -> None:
+        if self._broken is not None:
+            if self._batch:
+                raise RuntimeError("collect every batch sent before connecting again")
+            self._broken = None
+            self._next, self._pending = 0, {}
+        super().connect()
+
+    def send(self, messages: Sequence[OutMessage]) -> Ticket:
+        """Queue *messages* behind everything sent so far; returns at once
+        (the loop, and with it the sending, runs inside :meth:`collect` and
+        :meth:`idle`). Call :meth:`connect` first."""
+        start = self._offset + len(self._batch)
+        self._batch.extend(messages)
+        self._results.extend([None] * len(messages))
+        if self._broken is None:
+            self._pump()
+        return Ticket(start, start + len(messages))
+
+    def collect(self, ticket: Ticket) -> list[PublishResult]:
+        """Wait until every message of *ticket* is settled; its results, in order.
+
+        Tickets are collected in the order they were sent.
+        """
+        if ticket.start != self._offset:
+            raise ValueError("collect batches in the order they were sent")
+        end = ticket.end - self._offset
+
+        def settled() -> bool:  # pending is in sending order: its first entry is the oldest
+            return self._next >= end and (not self._pending or next(iter(self._pending.values())) >= end)
+
+        if self._broken is None and not self._ready:
+            self._broken = "not connected"
+        if self._broken is None:
+            self._run_until(settled, "confirm messages")
+            if self._error is not None:
+                error, self._error = self._error, None
+                self._broken = str(error)
+                self._abort()  # closing marks every pending message unconfirmed
+                if isinstance(error, BrokerFatal):
+                    raise error
+        reason = f"not sent: {self._broken}"
+        results = [r if r is not None else PublishResult("unconfirmed", reason) for r in self._results[:end]]
+        del self._batch[:end], self._results[:end]
+        self._next = max(0, self._next - end)
+        self._pending = {tag: index - end for tag, index in self._pending.items()}
+        self._offset = ticket.end
+        return results
+
+    def _pump(self) -> None:
+        channel = self._channel
+        while self._next < len(self._batch) and len(self._pending) < self.window and self._ready:
+            msg = self._batch[self._next]
+            try:
+                channel.basic_publish(msg.exchange, msg.routing_key, msg.body, msg.properties(), mandatory=True)
+            except _UNENCODABLE as exc:  # a closed channel raises other errors: those propagate
+                self._results[self._next] = PublishResult(
+                    "unencodable", safe_reason(f"{type(exc).__name__}: {exc}", 120))
+                self._next += 1
+                continue
+            self._seq += 1
+            self._pending[self._seq] = self._next
+            self._next += 1
+
+    def __enter__(self) -> StreamPublisher:
+        return self
+
+    def publish(self, messages: Sequence[OutMessage]) -> list[PublishResult]:
+        """Publisher.publish's contract: one call, one settled batch."""
+        if not messages:
+            return []
+        try:
+            self.connect()
+        except BrokerUnavailable as exc:
+            return [PublishResult("unconfirmed", str(exc)) for _ in messages]
+        return self.collect(self.send(messages))
