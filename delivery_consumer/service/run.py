@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import signal
+import socket
+from contextlib import suppress
+from multiprocessing.connection import Connection
 from types import FrameType
 
 from ..amqp.connection import BrokerError
@@ -18,6 +22,18 @@ from .worker_process import worker_main
 
 log = logging.getLogger("delivery_consumer.run")
 
+#: What either process may write to the pipe before a write waits for the
+#: other to read (the kernel caps it at net.core.wmem_max).
+PIPE_BUFFER_BYTES = 4 << 20
+
+
+def _roomy(end: Connection) -> None:
+    """Let *end* hold a whole prefetch window unread: the worker reads
+    between batches, and the connection process must not stop receiving
+    (and acking) while it waits for that."""
+    with suppress(OSError), socket.socket(fileno=os.dup(end.fileno())) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, PIPE_BUFFER_BYTES)
+
 
 def run(config: RunConfig, observer_factory: ObserverFactory | None = None) -> int:
     """Run the consumer until SIGTERM/SIGINT or idle; returns the exit code.
@@ -30,6 +46,8 @@ def run(config: RunConfig, observer_factory: ObserverFactory | None = None) -> i
     topology = config.topology()
     context = multiprocessing.get_context("fork")  # before any connection or thread exists
     parent_end, child_end = context.Pipe(duplex=True)
+    _roomy(parent_end)
+    _roomy(child_end)
     process = context.Process(target=worker_main, args=(config, child_end, parent_end, observer_factory),
                               name=f"delivery-worker-{config.consumer}")
     process.start()

@@ -7,11 +7,10 @@ It runs in the worker process and talks to the connection only through
 from __future__ import annotations
 
 import logging
-import queue
 import re
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -40,10 +39,17 @@ from .copies import Copy, CopyMaker
 
 log = logging.getLogger("delivery_consumer.run")
 _T = TypeVar("_T")
+#: The longest the worker waits for the connection in one go (then it looks at its flags).
+_IDLE_WAIT_S = 0.2
 
 
 class WorkerIO(Protocol):
-    """What the worker asks of the connection (in ``run``: the connection process)."""
+    """The worker's connection (in ``run``: the connection process, through the pipe)."""
+
+    def pump(self, timeout: float) -> None:
+        """Wait up to *timeout* seconds for news from the connection and hand
+        it to the worker (:meth:`Worker.deliver_all`, :meth:`Worker.channel_opened`,
+        ...), in the calling thread: the worker's."""
 
     def ack(self, generation: int, tag: int, *, multiple: bool = True) -> None: ...
 
@@ -102,7 +108,8 @@ class Worker(threading.Thread):
         self.observer = observer or Observer()
         self.stats = Stats()
         self.io: WorkerIO | None = None
-        self.inbox: queue.SimpleQueue[Delivery] = queue.SimpleQueue()
+        #: Deliveries received and not yet taken into a batch, in arrival order.
+        self.waiting: deque[Delivery] = deque()
         self.ready = threading.Event()
         self.stop_requested = threading.Event()
         #: Set when the connection process is gone: nothing can be acked any more.
@@ -110,7 +117,6 @@ class Worker(threading.Thread):
         self.error: BaseException | None = None
         self.live_generation = 0
         self._given_up: set[int] = set()
-        self._held: Delivery | None = None
         self._last_activity = time.monotonic()
         self.db: ConsumerDB | None = None
         self.in_flight: InFlight | None = None
@@ -119,15 +125,14 @@ class Worker(threading.Thread):
         self._outage_tries = 0
         self._outage_code = ""
 
-    # -- called from the thread that reads the connection's messages --
-    def deliver(self, delivery: Delivery) -> None:
+    # -- what the connection says (WorkerIO.pump calls these) --
+    def deliver_all(self, deliveries: Sequence[Delivery]) -> None:
         if not self.stats.first_delivery:
             self.stats.first_delivery = time.perf_counter()
-        self.inbox.put(delivery)
+        self.waiting.extend(deliveries)
 
-    def deliver_all(self, deliveries: Sequence[Delivery]) -> None:
-        for d in deliveries:
-            self.deliver(d)
+    def deliver(self, delivery: Delivery) -> None:
+        self.deliver_all((delivery,))
 
     def channel_opened(self, generation: int) -> None:
         self.live_generation = generation
@@ -202,44 +207,53 @@ class Worker(threading.Thread):
     def _suspicious(d: Delivery) -> bool:
         return d.redelivered or _int_header(d.headers, H_DELIVERY_COUNT) > 0
 
-    def _take(self, timeout: float | None) -> Delivery | None:
-        """The next delivery of the live channel, or None after *timeout*."""
-        if self._held is not None:
-            held, self._held = self._held, None
-            return held
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            try:
-                if deadline is None:
-                    d = self.inbox.get_nowait()
-                else:
-                    d = self.inbox.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                return None
+    def _next_live(self) -> Delivery | None:
+        """The first waiting delivery of the live channel (left waiting);
+        those of channels that are gone are dropped: the broker redelivers them."""
+        waiting = self.waiting
+        while waiting:
+            d = waiting[0]
             if d.generation == self.live_generation and d.generation not in self._given_up:
                 return d
-            # A delivery of a channel that is gone: the broker redelivers it.
+            waiting.popleft()
+        return None
 
     def _collect(self) -> list[Delivery]:
-        first = self._take(0.2)
+        """The next batch: deliveries of one live channel, up to ``batch`` of
+        them, waiting at most ``batch_wait_ms`` for more once it has begun."""
+        assert self.io is not None
+        first = self._next_live()
         if first is None:
-            return []
-        batch = [first]
-        deadline = time.monotonic() + self.config.batch_wait_ms / 1000
-        while len(batch) < self.config.batch:
-            d = self._take(None)
-            if d is None:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                d = self._take(remaining)
-                if d is None:
-                    break
-            if d.generation != first.generation:
-                self._held = d  # the first of the next batch
-                break
-            batch.append(d)
-        return batch
+            self.io.pump(_IDLE_WAIT_S)
+            first = self._next_live()
+            if first is None:
+                return []
+        gen, limit, waiting = first.generation, self.config.batch, self.waiting
+        batch: list[Delivery] = []
+        deadline = 0.0
+        while True:
+            while waiting and len(batch) < limit:
+                if waiting[0].generation != gen:
+                    return batch  # the first of the next batch stays waiting
+                batch.append(waiting.popleft())
+            if len(batch) >= limit:
+                return batch
+            now = time.monotonic()
+            deadline = deadline or now + self.config.batch_wait_ms / 1000
+            if now >= deadline or self.stop_requested.is_set():
+                return batch
+            self.io.pump(deadline - now)
+
+    def _pause(self, seconds: float) -> bool:
+        """Wait *seconds* while listening to the connection; True when stopping."""
+        assert self.io is not None
+        deadline = time.monotonic() + seconds
+        while not self.stop_requested.is_set():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self.io.pump(min(remaining, _IDLE_WAIT_S))
+        return True
 
     # -- one batch --
     def _parse(self, d: Delivery) -> Envelope | Rejection:
@@ -346,7 +360,7 @@ class Worker(threading.Thread):
             return False
         self._outage_tries += 1
         delay = min(reconnect_delay_s(self._outage_tries, base_s=0.2, cap_s=10.0), limit - (now - self._outage))
-        return not self.stop_requested.wait(max(0.0, delay))
+        return not self._pause(delay)
 
     def _hooks(self) -> WorkHooks:
         def wait_for_store(exc: StoreUnavailable) -> None:
@@ -452,7 +466,11 @@ class Worker(threading.Thread):
         """
         assert self.io is not None and self.db is not None
         try:
-            self.io.publish_copies(gen, [c.message for c in copies]).result(self.config.confirm_timeout_s)
+            confirmed = self.io.publish_copies(gen, [c.message for c in copies])
+            deadline = time.monotonic() + self.config.confirm_timeout_s
+            while not confirmed.done() and not self.abandoned.is_set() and time.monotonic() < deadline:
+                self.io.pump(min(deadline - time.monotonic(), _IDLE_WAIT_S))
+            confirmed.result(0)
         except Exception as exc:  # BrokerUnavailable, or a timeout waiting for the confirm
             why = str(exc) or type(exc).__name__
             log.error("could not confirm %d retry/dead copies (%s); giving up channel %d", len(copies), why, gen)

@@ -50,7 +50,9 @@ _PR_SET_PDEATHSIG = 1
 
 
 class ConnectionProxy:
-    """The worker's :class:`~.worker.WorkerIO` in the worker process: every call is a message."""
+    """The worker's :class:`~.worker.WorkerIO` in the worker process: every
+    call is a message, and the worker's own thread reads the answers
+    (:meth:`pump`), so no other thread competes with it for the GIL."""
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
@@ -58,6 +60,23 @@ class ConnectionProxy:
         self._requests: dict[int, Future[None]] = {}
         self._next = 0
         self.gone = False
+        #: What to do with each message from the connection process (set by worker_main).
+        self.dispatch: Dispatch[ToWorker] = Dispatch()
+        #: Called once the pipe says the connection process is gone.
+        self.on_gone: Callable[[], None] = lambda: None
+
+    def pump(self, timeout: float) -> None:
+        if self.gone:
+            time.sleep(min(timeout, _PARENT_CHECK_S))  # nothing can come any more
+            return
+        conn = self._conn
+        try:
+            if conn.poll(timeout):
+                self.dispatch(conn.recv())
+                while conn.poll(0):
+                    self.dispatch(conn.recv())
+        except (EOFError, OSError):
+            self.on_gone()
 
     def send(self, message: ToConnection) -> None:
         with self._lock:
@@ -146,12 +165,6 @@ def worker_main(config: RunConfig, conn: Connection, parent_end: Connection,
         return
     worker = Worker(config, observer)
     worker.io = proxy
-    worker.start()
-    worker.ready.wait()
-    if worker.error is not None:
-        conn.send(Failed(str(worker.error)))
-        return
-    conn.send(Ready())
 
     def orphaned() -> None:
         # Nothing can be acked any more: finish what is in hand, start nothing
@@ -160,7 +173,8 @@ def worker_main(config: RunConfig, conn: Connection, parent_end: Connection,
         proxy.fail_all("the connection process is gone")
         worker.abandon()
 
-    dispatch: Dispatch[ToWorker] = (
+    proxy.on_gone = orphaned
+    proxy.dispatch = (
         Dispatch()
         .on(Deliveries, lambda m: worker.deliver_all(m.unpack()))
         .on(ChannelOpened, lambda m: worker.channel_opened(m.generation))
@@ -168,17 +182,12 @@ def worker_main(config: RunConfig, conn: Connection, parent_end: Connection,
         .on(CopiesSettled, proxy.settle)
         .on(Stop, lambda _m: worker.stop_requested.set())
     )
-
-    def read() -> None:
-        while True:
-            try:
-                message = conn.recv()
-            except (EOFError, OSError):
-                orphaned()
-                return
-            dispatch(message)
-
-    threading.Thread(target=read, name="delivery-pipe", daemon=True).start()
+    worker.start()
+    worker.ready.wait()
+    if worker.error is not None:
+        conn.send(Failed(str(worker.error)))
+        return
+    conn.send(Ready())
     deadline: float | None = None
     while worker.is_alive():
         worker.join(_PARENT_CHECK_S)
