@@ -20,8 +20,8 @@ from pika import spec
 from pika.adapters.select_connection import IOLoop
 
 from ..errors import safe_reason
-from ..topology import Route, Topology
-from .connection import DEFAULT_URL, BrokerError, BrokerFatal, BrokerUnavailable, classify, parameters
+from ..topology import DEFAULT_URL, Route, Topology
+from .connection import BrokerError, BrokerFatal, BrokerUnavailable, classify, parameters
 from .declare import Steps, declare_steps
 
 PERSISTENT = 2
@@ -225,6 +225,17 @@ class Publisher:
             self._pending[self._seq] = self._next
             self._next += 1
 
+    def _connect_for(self, messages: Sequence[OutMessage]) -> list[PublishResult] | None:
+        """Connect before publishing *messages*; None when connected, else the
+        result of each (unconfirmed, or none at all when there are none)."""
+        if not messages:
+            return []
+        try:
+            self.connect()
+        except BrokerUnavailable as exc:
+            return [PublishResult("unconfirmed", str(exc)) for _ in messages]
+        return None
+
     def publish(self, messages: Sequence[OutMessage]) -> list[PublishResult]:
         """Publish *messages* in order; return one result per message.
 
@@ -233,12 +244,9 @@ class Publisher:
         caller can retry them -- a duplicate is absorbed by the consumer's
         inbox, a loss would not be.
         """
-        if not messages:
-            return []
-        try:
-            self.connect()
-        except BrokerUnavailable as exc:
-            return [PublishResult("unconfirmed", str(exc)) for _ in messages]
+        done = self._connect_for(messages)
+        if done is not None:
+            return done
         self._batch = messages
         self._results = [None] * len(messages)
         self._next = 0
@@ -388,10 +396,7 @@ class StreamPublisher(Publisher):
 
     def publish(self, messages: Sequence[OutMessage]) -> list[PublishResult]:
         """Publisher.publish's contract: one call, one settled batch."""
-        if not messages:
-            return []
-        try:
-            self.connect()
-        except BrokerUnavailable as exc:
-            return [PublishResult("unconfirmed", str(exc)) for _ in messages]
+        done = self._connect_for(messages)
+        if done is not None:
+            return done
         return self.collect(self.send(messages))
