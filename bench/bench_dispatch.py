@@ -67,9 +67,9 @@ import orjson
 import pika
 
 from delivery_consumer import outbox
-from delivery_consumer.amqp.connection import DEFAULT_URL, BrokerError
+from delivery_consumer.amqp.connection import BrokerError
 from delivery_consumer.amqp.publisher import OutMessage, Publisher, PublishResult, StreamPublisher
-from delivery_consumer.topology import Topology
+from delivery_consumer.topology import DEFAULT_URL, Topology
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_run import delete_queues, make_events

@@ -38,10 +38,9 @@ from pathlib import Path
 import orjson
 from bench_run import delete_queues, make_events
 
-from delivery_consumer.amqp.connection import DEFAULT_URL
 from delivery_consumer.amqp.publisher import OutMessage, Publisher
 from delivery_consumer.partitions import partition_topologies, route, slot_headers, slots_exchange, unrouted_name
-from delivery_consumer.topology import Topology
+from delivery_consumer.topology import DEFAULT_URL, Topology
 
 
 def seed(url: str, base: Topology, bodies: list[bytes], partitions: int | None) -> float:

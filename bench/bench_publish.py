@@ -36,9 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_run import delete_queues, make_events
 
 from delivery_consumer.amqp.admin import declare
-from delivery_consumer.amqp.connection import DEFAULT_URL
 from delivery_consumer.amqp.publisher import OutMessage, Publisher
-from delivery_consumer.topology import Topology
+from delivery_consumer.topology import DEFAULT_URL, Topology
 
 
 def one_confirm_each(url: str, topo: Topology, bodies: list[bytes]) -> float:

@@ -48,8 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_run import delete_queues, make_events, seed
 
-from delivery_consumer.amqp.connection import DEFAULT_URL
-from delivery_consumer.topology import Topology
+from delivery_consumer.topology import DEFAULT_URL, Topology
 
 GOAL = 0.5
 BATCH_LINE = re.compile(r"batch (\d+)-(\d+) acked")

@@ -31,9 +31,8 @@ from pathlib import Path
 
 import orjson
 
-from delivery_consumer.amqp.connection import DEFAULT_URL
 from delivery_consumer.amqp.publisher import OutMessage, Publisher
-from delivery_consumer.topology import Topology
+from delivery_consumer.topology import DEFAULT_URL, Topology
 
 BARE = textwrap.dedent(
     """

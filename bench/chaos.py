@@ -43,7 +43,7 @@ from brokerkit import Namespace, session_processes, wait_session_gone
 from support import read_rows
 from webhook_server import WebhookServer
 
-from delivery_consumer.amqp.connection import DEFAULT_URL
+from delivery_consumer.topology import DEFAULT_URL
 
 ACTIONS = ("kill -9 main PID", "kill -9 group", "SIGTERM")
 

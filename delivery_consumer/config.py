@@ -36,11 +36,10 @@ from typing import Any
 
 from .errors import ConfigError, DeliveryError
 from .partitions import SLOT_COUNT
-from .topology import DEFAULT_EXCHANGE, DEFAULT_PREFIX
+from .topology import DEFAULT_EXCHANGE, DEFAULT_PREFIX, DEFAULT_URL
 
 DEFAULT_NAME = "delivery.toml"
 ENV = "DELIVERY_CONFIG"
-DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
 #: An unpublished outbox row older than this makes ``status`` ask for a person.
 DEFAULT_OUTBOX_MAX_AGE_S = 300.0
 #: The database file inside each partition directory ``p<k>/``.

@@ -38,6 +38,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+#: The broker when neither a flag, DELIVERY_AMQP_URL nor the deployment file names one.
+DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
 DEFAULT_EXCHANGE = "delivery.events"
 DEFAULT_PREFIX = "delivery"
 #: Retry delays in milliseconds (1 s, 10 s, 60 s).

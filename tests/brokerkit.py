@@ -36,9 +36,8 @@ from support import wait_until
 from delivery_consumer import consumers
 from delivery_consumer.amqp.publisher import OutMessage, Publisher
 from delivery_consumer.partitions import slot_headers
-from delivery_consumer.topology import Topology
+from delivery_consumer.topology import DEFAULT_URL, Topology
 
-DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
 TESTS_DIR = Path(__file__).resolve().parent
 
 

@@ -13,8 +13,6 @@ import pika.exceptions as pex
 
 from ..errors import DeliveryError
 
-DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
-
 # AMQP reply codes (https://www.rabbitmq.com/amqp-0-9-1-reference#constants).
 _FATAL_REPLY_CODES = {
     403: "access refused",

@@ -28,6 +28,7 @@ from ..topology import (
     DEFAULT_DELIVERY_LIMIT,
     DEFAULT_EXCHANGE,
     DEFAULT_PREFIX,
+    DEFAULT_URL,
     Topology,
 )
 from ._common import (
@@ -44,7 +45,6 @@ from ._common import (
 from ._partitions import partition_identity, partition_options
 
 F = TypeVar("F", bound=Callable[..., Any])
-DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
 #: Delays of the retry tiers, in milliseconds: 1 ms .. 7 days each.
 RETRY_DELAYS = Duration(minimum=0.001, maximum=7 * 86400, many=True, milliseconds=True)
 
