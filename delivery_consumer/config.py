@@ -282,6 +282,44 @@ def producer_database(path: Path) -> str | None:
     return None
 
 
+def stored_owner(path: Path) -> str | None:
+    """The consumer a consumer database records (``meta``), or None when it records none or cannot be read."""
+    import sqlite3
+    from urllib.parse import quote
+
+    try:
+        conn = sqlite3.connect(f"file:{quote(str(path.resolve()))}?mode=ro", uri=True)
+        try:
+            row = conn.execute("SELECT value FROM meta WHERE key = 'consumer'").fetchone()
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        return None
+    return str(row[0]) if row else None
+
+
+def foreign_databases(deployment: Deployment) -> list[str]:
+    """Each database the file gives to a consumer that is another consumer's or a producer's,
+    one line naming the file and the key: a mistake in the file, not a state of the system."""
+    problems = []
+    for entry in deployment.consumers.values():
+        for partition, db_path in entry.databases():
+            if not db_path.is_file():
+                continue
+            where = deployment.key(f"consumers.{entry.name}.db" + (f" ({partition})" if partition else ""))
+            owner = stored_owner(db_path)
+            if owner is not None and owner != entry.name:
+                problems.append(f"{where}: {db_path}: this database belongs to consumer {owner!r}, "
+                                f"not {entry.name!r}")
+            elif owner is None and (foreign := producer_database(db_path)):
+                problems.append(f"{where}: {foreign}")
+    for name, producer in deployment.producers.items():
+        if producer.db.is_file() and stored_owner(producer.db) is not None:
+            problems.append(f"{deployment.key(f'producers.{name}.db')}: {producer.db}: this is a consumer's inbox "
+                            "database, not a producer's")
+    return problems
+
+
 def check_database(deployment: Deployment, entry: ConsumerEntry) -> list[str]:
     """Problems of one consumer's databases (each one line naming the file and key); [] when fine.
 
@@ -331,9 +369,11 @@ __all__ = [
     "Deployment",
     "ProducerEntry",
     "check_database",
+    "foreign_databases",
     "load",
     "locate",
     "parse",
     "parse_file",
     "producer_database",
+    "stored_owner",
 ]

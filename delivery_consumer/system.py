@@ -247,9 +247,9 @@ def trace_event(dep: Deployment, event_id: str, *, article_id: str | None = None
             elif item.get("home") is False and item["trace"] is None and not letters:
                 item["verdict"] = (f"not this partition's article (articleId {article} lives in {home})" if article
                                    else f"not this partition's event (it is in {home})")
-            elif "note" in item and not letters:
-                item["verdict"] = (f"published, not yet received ({item['note']})" if routed and published
-                                   else item["note"])
+            elif "note" in item and not letters:  # no database yet: what the outbox row says, if any
+                verdict = _verdict(None, [], routed, published, unpublished) if known else item["note"]
+                item["verdict"] = f"{verdict} ({item['note']})" if verdict.startswith("published") else verdict
             else:
                 item["verdict"] = _verdict(item["trace"], letters, routed, published, unpublished)
             result["consumers"].append(item)
@@ -390,7 +390,7 @@ def _queue_figures(dep: Deployment, label: str, topo: Topology, counts: dict[str
                  "consumersConnected": main.consumers if main else None,
                  "deadLetters": dead.ready if dead else None, "deadByCode": {}, "deadGroups": []}
     if asked and main is None:
-        item["queueNote"] = f"queue {topo.queue} does not exist yet (start the consumer or topology declare)"
+        item["queueNote"] = "no queue yet (topology declare)"
     if dead is not None and dead.ready:
         letters = dead_letters(dep, topo.consumer, topo)
         if "error" in letters:
@@ -406,6 +406,14 @@ def _queue_figures(dep: Deployment, label: str, topo: Topology, counts: dict[str
         problems.append(f"{label}: {_count(main.ready, 'message')} {'waits' if main.ready == 1 else 'wait'} in "
                         f"{topo.queue} and no consumer is connected")
     return item
+
+
+def notes(row: Row) -> str | None:
+    """What a status row has to say besides its figures, in a few words."""
+    if row.get("error"):
+        return str(row["error"])
+    found = [row[key] for key in ("note", "queueNote", "deadNote") if row.get(key)]
+    return "; ".join(found) or None
 
 
 def _count(n: int, what: str) -> str:
@@ -512,5 +520,5 @@ def _redacted(url: str) -> str:
     return redact(url)
 
 
-__all__ = ["dead_letters", "group_dead_letters", "outbox_history", "status", "topic_matches", "topology",
-           "trace_article", "trace_event"]
+__all__ = ["dead_letters", "group_dead_letters", "notes", "outbox_history", "partition_count", "places", "status",
+           "topic_matches", "topology", "trace_article", "trace_event"]

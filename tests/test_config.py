@@ -109,12 +109,13 @@ def test_paths_are_relative_to_the_file_and_flags_override_it(tmp_path: Path) ->
 
 
 def test_a_database_of_another_consumer_is_refused_naming_the_key(tmp_path: Path) -> None:
-    """The file names a catalog database for audit: every command using it, and
-    config check, exit 2 with one line naming the file and consumers.audit.db."""
+    """The file names a catalog database for audit: every command using it, config check and the
+    system view (status, trace, console) exit 2 with one line naming the file and consumers.audit.db."""
     config = write_deployment(tmp_path, consumers=("catalog", "audit"))
     assert 0 == with_config(config, "init", "--consumer", "catalog", "--db", str(tmp_path / "state/audit/inbox.db"))[0]
     for args in (["inbox", "list", "--consumer", "audit"], ["run", "--consumer", "audit", "--exit-when-idle", "1"],
-                 ["config", "check"]):
+                 ["config", "check"], ["status", "--offline"], ["trace", EVENT_ID, "--offline"],
+                 ["console", "--port", "0"]):
         code, _out, err = with_config(config, *args)
         assert 2 == code, (args, err)
         line = [x for x in err.splitlines() if "consumers.audit.db" in x]
@@ -124,7 +125,7 @@ def test_a_database_of_another_consumer_is_refused_naming_the_key(tmp_path: Path
 def test_a_producer_and_a_consumer_database_swapped_in_the_file_are_named_for_what_they_are(
         tmp_path: Path) -> None:
     """The producer's database named as catalog's, the catalog's as the producer's: every command
-    says which key names which kind of database, in one line, exit 2 (status: a problem, exit 1)."""
+    says which key names which kind of database, in one line, exit 2."""
     config = write_deployment(tmp_path, consumers=("catalog",))
     assert 0 == with_config(config, "produce", "--article", "a", "--title", "T", "--url", "u")[0]
     assert 1 == with_config(config, "replay", "--consumer", "catalog", str(SAMPLES))[0]
@@ -132,12 +133,10 @@ def test_a_producer_and_a_consumer_database_swapped_in_the_file_are_named_for_wh
     config.write_text(text.replace('"producer.db"', '"state/catalog/inbox.db"').replace('"SWAP"', '"producer.db"'))
     as_consumer = f"{config}: consumers.catalog.db: {tmp_path / 'producer.db'}: this is a producer's database"
     for args in (["config", "check"], ["inbox", "list", "--consumer", "catalog"],
-                 ["run", "--consumer", "catalog", "--exit-when-idle", "1"]):
+                 ["run", "--consumer", "catalog", "--exit-when-idle", "1"], ["status", "--offline"]):
         code, _out, err = with_config(config, *args)
         assert 2 == code and any(line.startswith(f"delivery-consumer: {as_consumer}") for line in err.splitlines()), (
             args, err)
-    code, out, _err = with_config(config, "status", "--offline")
-    assert 1 == code and f"NEEDS A PERSON: catalog: {tmp_path / 'producer.db'}: this is a producer's" in out, out
     as_producer = (f"{config}: producers.material.db: {tmp_path / 'state/catalog/inbox.db'}: "
                    "this is a consumer's inbox database, not a producer's")
     for args in (["outbox", "list"], ["outbox", "stats"], ["produce", "--article", "a", "--title", "T"]):
@@ -217,7 +216,7 @@ def test_trace_and_status_offline_across_producer_and_consumer(tmp_path: Path) -
     assert 0 == code
     shown = orjson.loads(out)
     assert shown["outbox"][0]["publishedAt"] is None and "a-1" == shown["outbox"][0]["articleId"]
-    assert {"catalog": "not published yet", "audit": "no database yet"} == {
+    assert {"catalog": "not published yet", "audit": "not published yet"} == {
         c["consumer"]: c["verdict"] for c in shown["consumers"]}
     code, out, _err = with_config(config, "trace", EVENT_ID, "--offline")
     assert 0 == code and re.search(r"catalog\s+applied updated", out), out
@@ -227,6 +226,18 @@ def test_trace_and_status_offline_across_producer_and_consumer(tmp_path: Path) -
     assert 0 == code and [produced] == [e["eventId"] for e in orjson.loads(out)["events"]]
     code, out, _err = with_config(config, "status", "--offline", "--json")
     assert 0 == code and orjson.loads(out)["healthy"]
+
+
+def test_status_thresholds_come_from_the_file_and_flags_override_them(tmp_path: Path) -> None:
+    """outbox_max_age = "0s" in the file: an unpublished row needs a person (exit 1, the row named);
+    --outbox-max-age 1h on the command line wins (exit 0)."""
+    config = write_deployment(tmp_path, consumers=("catalog",), extra='[status]\noutbox_max_age = "0s"')
+    assert 0 == with_config(config, "produce", "--article", "a-1", "--title", "T", "--url", "https://x/1")[0]
+    code, out, _err = with_config(config, "status", "--offline")
+    assert 1 == code and re.search(r"NEEDS A PERSON: producer material: 1 unpublished row, the oldest \d+s old "
+                                   r"\(more than 0s\): is dispatch running\?", out), out
+    code, out, _err = with_config(config, "status", "--offline", "--outbox-max-age", "1h")
+    assert 0 == code and out.rstrip().endswith("healthy"), out
 
 
 def test_a_reader_that_closes_the_pipe_stops_the_command_quietly(tmp_path: Path) -> None:

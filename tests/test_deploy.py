@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -106,19 +107,42 @@ def test_the_dashboard_is_grafana_json_with_templated_queries() -> None:
         assert "$consumer" in expr or "$job" in expr, expr
 
 
+def _exec_start(text: str, instance: str, program: str) -> list[str]:
+    """The unit's ExecStart as systemd runs it for *instance*: specifiers and ``$$`` resolved,
+    split as systemd splits it (its quoting is the shell's), *program* instead of the installed one."""
+    [line] = re.findall(r"^ExecStart=(.*)$", text, re.M)
+    line = line.replace("/opt/delivery-consumer/.venv/bin/delivery-consumer", program)
+    line = re.sub(r"%(.)", lambda m: {"%": "%", "i": instance}[m.group(1)], line).replace("$$", "$")
+    return shlex.split(line)
+
+
+@pytest.mark.parametrize(("instance", "args"), [
+    ("audit", "run --consumer audit --log-format json"),
+    ("catalog.p12", "run --consumer catalog --partition 12 --log-format json"),
+    ("my.plugin", "run --consumer my.plugin --log-format json"),
+])
+def test_the_systemd_instance_is_a_consumer_or_one_partition_of_one(instance: str, args: str) -> None:
+    """The instance name becomes run's options: NAME, or NAME.pK for partition K."""
+    done = subprocess.run(_exec_start(UNIT.read_text(), instance, "/bin/echo"), capture_output=True, text=True,
+                          timeout=30)
+    assert (0, args) == (done.returncode, done.stdout.strip()), done.stderr
+
+
 def test_the_systemd_unit_template_kills_the_whole_group_and_verifies(tmp_path: Path) -> None:
-    """KillMode=control-group, one instance per consumer; systemd-analyze verify finds nothing wrong."""
+    """KillMode=control-group, run is exec'd (the main process); systemd-analyze verify finds nothing
+    wrong with an instance of a consumer or of a partition."""
     text = UNIT.read_text()
     assert re.search(r"^KillMode=control-group$", text, re.M)
-    assert re.search(r"^ExecStart=\S+ run --consumer %i\b", text, re.M)
+    assert "exec /opt/delivery-consumer/.venv/bin/delivery-consumer run " in text
     analyze = shutil.which("systemd-analyze")
     if analyze is None:
         pytest.skip("systemd-analyze is not installed: the unit was only read, not verified")
     script = Path(sys.executable).parent / "delivery-consumer"
     unit = tmp_path / "delivery-consumer@.service"
     unit.write_text(text.replace("/opt/delivery-consumer/.venv/bin/delivery-consumer", str(script)))
-    (tmp_path / "delivery-consumer@catalog.service").symlink_to(unit.name)
-    done = subprocess.run([analyze, "verify", str(tmp_path / "delivery-consumer@catalog.service")],
-                          capture_output=True, text=True, timeout=60)
-    ours = [line for line in done.stderr.splitlines() if "delivery-consumer@" in line]
-    assert 0 == done.returncode and not ours, done.stderr
+    for instance in ("catalog", "catalog.p1"):
+        (tmp_path / f"delivery-consumer@{instance}.service").symlink_to(unit.name)
+        done = subprocess.run([analyze, "verify", str(tmp_path / f"delivery-consumer@{instance}.service")],
+                              capture_output=True, text=True, timeout=60)
+        ours = [line for line in done.stderr.splitlines() if "delivery-consumer@" in line]
+        assert 0 == done.returncode and not ours, done.stderr

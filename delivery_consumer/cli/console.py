@@ -36,6 +36,7 @@ def console(host: str, port: int, hours: float, allow_actions: bool) -> None:
     from ..console import Console, make_server
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logging.getLogger("pika").setLevel(logging.WARNING)  # a connection per dead queue read: no news
     app = Console(_deployment(), allow_actions=allow_actions, hours=hours)
     try:
         server = make_server(app, host, port)

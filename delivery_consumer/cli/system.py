@@ -11,6 +11,7 @@ unusable database.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 import sys
@@ -29,10 +30,18 @@ from .inbox import Missing, read_options
 from .ops import trace as consumer_trace
 
 
-def _deployment() -> Deployment:
+def _deployment(*, owners: bool = True) -> Deployment:
+    """The deployment file, or exit 2 in one line; with *owners*, also when it gives a consumer
+    a database of another consumer or of a producer (a mistake in the file, not a state to report)."""
+    from ..config import foreign_databases
+
     found = deployment()
     if found is None:
         raise Fatal("no deployment file: give --config PATH (or DELIVERY_CONFIG), or run where ./delivery.toml is")
+    foreign = foreign_databases(found) if owners else []
+    if foreign:
+        raise Fatal(foreign[0] + (f" (and {len(foreign) - 1} more: config check lists them)"
+                                  if len(foreign) > 1 else ""))
     return found
 
 
@@ -168,15 +177,28 @@ def _echo_article(shown: dict[str, Any]) -> None:
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON on stdout.")
 @click.option("--offline", is_flag=True, help="Do not ask the broker (queues and dead letters unknown).")
+@click.option("--outbox-max-age", type=durations.Duration(),
+              help="An unpublished outbox row older than this needs a person (default: the file's "
+                   "[status] outbox_max_age, else 5m).")
+@click.option("--backlog-max", type=click.IntRange(0),
+              help="Ready messages tolerated in a queue with no consumer connected (default: the file's "
+                   "[status] backlog_max, else 0).")
 @handle_errors
-def status(as_json: bool, offline: bool) -> None:
-    """One screen for the deployment: queues, dead letters, receipts, outbox.
+def status(as_json: bool, offline: bool, outbox_max_age: float | None, backlog_max: int | None) -> None:
+    """One screen for the deployment: queues (per partition), dead letters,
+    receipts, outbox.
 
-    Exit 0 when healthy, 1 when something needs a person: a dead letter, an
-    outbox row older than [status] outbox_max_age, messages waiting with no
+    Exit 0 when healthy, 1 when something needs a person: a dead letter, a
+    message in a partitioned consumer's unrouted queue, an outbox row older
+    than --outbox-max-age, more than --backlog-max messages waiting with no
     consumer connected, a database or broker that cannot be read.
     """
-    shown = system.status(_deployment(), broker=not offline)
+    dep = _deployment()
+    if outbox_max_age is not None:
+        dep = dataclasses.replace(dep, outbox_max_age_s=outbox_max_age)
+    if backlog_max is not None:
+        dep = dataclasses.replace(dep, backlog_max=backlog_max)
+    shown = system.status(dep, broker=not offline)
     if as_json:
         emit_json(shown)
     else:
@@ -196,12 +218,13 @@ def _echo_status(shown: dict[str, Any]) -> None:
     for item in shown["consumers"]:
         for db in item["databases"]:
             label = item["consumer"] + (f"/{db['partition']}" if db["partition"] else "")
-            unresolved = sum((db.get("unresolvedRejections") or {}).values())
+            rejections = db.get("unresolvedRejections")
+            unresolved = None if rejections is None else sum(rejections.values())
             newest = durations.age(db.get("newestAgeSeconds")) + " ago" if db.get("newestReceivedAt") else None
             rows.append([label, db["ready"], db["unacked"], db["consumersConnected"],
                          _dead_text(db["deadLetters"], db["deadByCode"]), db.get("receiptsLastMinute"),
                          db.get("receiptsLastHour"), newest, unresolved,
-                         db.get("error") or db.get("queueNote") or db.get("note") or db.get("deadNote")])
+                         system.notes(db)])
         unrouted = item.get("unrouted")
         if unrouted and unrouted["ready"]:
             rows.append([f"{item['consumer']}/unrouted", unrouted["ready"], None, None, None, None, None, None, None,
@@ -213,7 +236,7 @@ def _echo_status(shown: dict[str, Any]) -> None:
     for item in shown["producers"]:
         age = item.get("oldestUnpublishedAgeSeconds")
         prows.append([item["producer"], item.get("unpublished"), durations.age(age) if age is not None else None,
-                      item.get("failed"), item.get("quarantined"), item.get("error")])
+                      item.get("failed"), item.get("quarantined"), system.notes(item)])
     if prows:
         click.echo()
         echo_table(["producer", "unpublished", "oldest", "with errors", "quarantined", "note"], prows)
@@ -255,7 +278,7 @@ def config_check(as_json: bool) -> None:
     from .. import outbox
     from ..amqp.connection import redact
 
-    dep = _deployment()
+    dep = _deployment(owners=False)  # every problem below, not only the first
     problems: list[str] = []
     consumers: list[dict[str, Any]] = []
     for name, entry in dep.consumers.items():

@@ -135,8 +135,9 @@ class Console:
                 rows.append([label, db["ready"], db["unacked"], db["consumersConnected"], db["deadLetters"],
                              db.get("receiptsLastMinute"), db.get("receiptsLastHour"),
                              _ago(db.get("newestAgeSeconds"), db.get("newestReceivedAt")),
-                             sum((db.get("unresolvedRejections") or {}).values()),
-                             _e(db.get("error") or db.get("queueNote") or db.get("note") or db.get("deadNote"))])
+                             None if db.get("unresolvedRejections") is None
+                             else sum(db["unresolvedRejections"].values()),
+                             _e(system.notes(db))])
             unrouted = item.get("unrouted")
             if unrouted and unrouted["ready"]:
                 rows.append([f"{item['consumer']}/unrouted", unrouted["ready"], None, None, None, None, None, "-",
@@ -146,7 +147,7 @@ class Console:
              "unresolved", "note"], rows, numeric={1, 2, 3, 4, 5, 6, 8}, raw={7, 9}) + "</section>")
         prows = [[p["producer"], p.get("unpublished"),
                   _ago(p.get("oldestUnpublishedAgeSeconds"), p.get("oldestUnpublishedAt")), p.get("failed"),
-                  p.get("quarantined"), p.get("lastPublishedAt"), p.get("error")] for p in shown["producers"]]
+                  p.get("quarantined"), p.get("lastPublishedAt"), system.notes(p)] for p in shown["producers"]]
         if prows:
             parts.append("<section><h2>Producers</h2>" + _table(
                 ["producer", "unpublished", "oldest unpublished", "with errors", "quarantined", "last published",
