@@ -480,6 +480,12 @@ def test_a_partitioned_consumer_in_the_file_runs_and_is_checked_partition_by_par
     code, _out, err = with_config(config, "run", "--consumer", "catalog")
     assert 2 == code and one_line(err) == (f"delivery-consumer: {config}: consumers.catalog: catalog is partitioned "
                                            "(2 partitions): give --partition K (one run per partition)")
+    for args, what in ((["dead", "list"], "read its dead queue"), (["dead", "requeue", "--all"], "requeue its dead "
+                       "letters"), (["inbox", "prune", "--older-than", "30d"], "prune it")):
+        code, _out, err = with_config(config, *args, "--consumer", "catalog")
+        assert 2 == code and one_line(err) == (f"delivery-consumer: {config}: consumers.catalog: catalog is "
+                                               f"partitioned (2 partitions): give --partition K to {what} (each "
+                                               "partition has its own queues and database)"), err
 
     from delivery_consumer.partitions import Identity
     from delivery_consumer.store import ConsumerDB

@@ -32,6 +32,7 @@ from ._common import (
     Fatal,
     consumer_option,
     db_option,
+    deployment,
     emit_json,
     handle_errors,
     json_option,
@@ -59,16 +60,23 @@ def _one_partition(consumer: str | None, db_path: Path | None, partition: int | 
     without --partition (or --db) is refused in one line."""
     if partition is not None:
         return partition_db(consumer or "", partition, db_path)
-    if db_path is not None or consumer is None:
+    if consumer is None:
         return db_path
-    try:
-        paths = partitioned_paths(consumer, None)
+    found = deployment()
+    entry = found.consumer(consumer) if found is not None else None
+    if found is not None and entry is not None and entry.partitions is not None and db_path in (None, entry.db):
+        raise Fatal(f"{found.key(f'consumers.{consumer}')}: {consumer} is partitioned ({entry.partitions} "
+                    f"partitions): give --partition K to {what} (each partition has its own queues and database)")
+    if db_path is not None and not db_path.is_dir():
+        return db_path
+    try:  # the deployment file's directory, else --db's, else state/<consumer>/ of the working directory
+        paths = partitioned_paths(consumer, db_path if db_path is not None else entry.db if entry else None)
     except DeliveryError as exc:
         raise Fatal(str(exc)) from None
     if paths is not None:
         raise Fatal(f"{consumer} is partitioned here ({len(paths)} partitions): give --partition K to {what} "
                     "(each partition has its own queues and database)")
-    return None
+    return db_path
 
 
 # -- trace -----------------------------------------------------------------------
