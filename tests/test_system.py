@@ -16,7 +16,8 @@ import orjson
 import pytest
 from brokerkit import Namespace, RunProcess
 from deploykit import dc, deploy_env, run_until_idle, write_deployment
-from partitionkit import Cluster, wait_until
+from partitionkit import Cluster
+from support import wait_until
 from webhook_server import WebhookServer
 
 from delivery_consumer.amqp.publisher import OutMessage, Publisher
