@@ -35,14 +35,15 @@ from pathlib import Path
 
 from delivery_consumer.config import parse_file
 from delivery_consumer.console import Console, make_server
-from delivery_consumer.store import ConsumerDB, now_iso
+from delivery_consumer.consumers import open_db
+from delivery_consumer.sqlite import now_iso
 
 
 def build(path: Path, receipts: int, hours: float) -> None:
     now = time.time()
     step = hours * 3600 / receipts
     results = ["updated"] * 18 + ["duplicate:updated", "stale"]
-    with ConsumerDB.open(path, "catalog", create=True) as db:
+    with open_db(path, "catalog", create=True) as db:
         db.conn.execute("BEGIN IMMEDIATE")
         db.conn.executemany(
             "INSERT INTO inbox (event_id, fingerprint, result, event_type, received_at) VALUES (?, ?, ?, ?, ?)",
@@ -65,7 +66,7 @@ def get(url: str) -> float:
 
 def chart_floor(path: Path, hours: float) -> float:
     started = time.perf_counter()
-    with ConsumerDB.open(path, "catalog", readonly=True) as db:
+    with open_db(path, "catalog", readonly=True) as db:
         db.conn.execute("SELECT substr(received_at, 1, 16), result, count(*) FROM inbox WHERE received_at >= ?"
                         " GROUP BY 1, 2", (now_iso(time.time() - hours * 3600),)).fetchall()
     return time.perf_counter() - started
@@ -74,7 +75,7 @@ def chart_floor(path: Path, hours: float) -> float:
 def status_floor(path: Path) -> float:
     now = time.time()
     started = time.perf_counter()
-    with ConsumerDB.open(path, "catalog", readonly=True) as db:
+    with open_db(path, "catalog", readonly=True) as db:
         db.conn.execute("SELECT count(*) FILTER (WHERE received_at >= ?), count(*) FROM inbox WHERE received_at >= ?",
                         (now_iso(now - 60), now_iso(now - 3600))).fetchall()
         db.conn.execute("SELECT max(received_at) FROM inbox").fetchall()

@@ -37,10 +37,11 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from delivery_consumer import fence
+from delivery_consumer.consumers import open_db
 from delivery_consumer.consumers.webhook import Notifier, WebhookConfig
+from delivery_consumer.contract import DeliveryMark, WorkHooks
 from delivery_consumer.envelope import Envelope, from_mapping
-from delivery_consumer.store import ConsumerDB, DeliveryMark, InFlight, WorkHooks, receipt_of, write_receipt
+from delivery_consumer.inbox import ConsumerDB, InFlight, fence, receipt_of, write_receipt
 
 SERVER = Path(__file__).resolve().parent.parent / "tests" / "webhook_server.py"
 
@@ -114,7 +115,7 @@ MODES: list[tuple[str, Mode]] = [
 
 def measure(mode: Mode, notifier: Notifier, n: int, size: int, workdir: Path) -> float:
     events = make_events(n)
-    db = ConsumerDB.open(workdir / f"{uuid.uuid4().hex[:8]}.db", "webhook", create=True)
+    db = open_db(workdir / f"{uuid.uuid4().hex[:8]}.db", "webhook", create=True)
     try:
         started = time.perf_counter()
         mode(notifier, events, size, db)

@@ -326,7 +326,7 @@ def check_database(deployment: Deployment, entry: ConsumerEntry) -> list[str]:
     A database not created yet is fine (``run`` creates it); one of another
     consumer, or not a consumer database at all, is not.
     """
-    from .store import ConsumerDB
+    from .consumers import open_db
 
     problems = []
     for partition, db_path in entry.databases():
@@ -334,9 +334,9 @@ def check_database(deployment: Deployment, entry: ConsumerEntry) -> list[str]:
             continue
         where = f"consumers.{entry.name}.db" + (f" ({partition})" if partition else "")
         try:
-            ConsumerDB.open(db_path, entry.name, readonly=True).close()
+            open_db(db_path, entry.name, readonly=True).close()
         except Exception as exc:  # a DatabaseError, or sqlite3's own for a damaged file
-            problems.append(f"{deployment.key(where)}: {producer_database(db_path) or exc}")
+            problems.append(f"{deployment.key(where)}: {exc}")
             continue
         if partition is not None:
             problems += _partition_mismatch(deployment, entry, int(partition[1:]), db_path)

@@ -57,7 +57,8 @@ from .envelope import KOMBU_COMPRESSION_HEADER, MAX_BODY_BYTES, body_digest, par
 from .errors import DELIVERY_LIMIT as DELIVERY_LIMIT_CODE
 from .errors import Rejection
 from .faults import crashpoint
-from .store import ConsumerDB, now_iso
+from .inbox import ConsumerDB
+from .sqlite import now_iso
 from .topology import (
     H_ATTEMPTS,
     H_CONSUMER,

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 from .envelope import body_digest
 
 if TYPE_CHECKING:
-    from .store import Outcome
+    from .contract import Outcome
 
 #: The longest message_id used as a key as it is; a longer one is replaced by the body's hash.
 MAX_KEY_CHARS = 128

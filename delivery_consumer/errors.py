@@ -28,7 +28,7 @@ RETRIES_EXHAUSTED: Final = "retries-exhausted"
 #: ``run``: the message killed the process ``max_crashes`` times while it was
 #: handled alone (poison); its copy went to the dead queue unapplied.
 DELIVERY_LIMIT: Final = "delivery-limit"
-#: Effects outside the database (the webhook consumer, fence.py): the endpoint
+#: Effects outside the database (the webhook consumer, inbox/fence.py): the endpoint
 #: refused the request for good (a 4xx), or a call to an endpoint that is not
 #: idempotent may have had its effect and must not be repeated on a guess.
 ENDPOINT_REJECTED: Final = "endpoint-rejected"
@@ -111,6 +111,11 @@ class StoreUnavailable(TransientError):
 
 class DatabaseError(DeliveryError):
     """The consumer database cannot be opened or used (not about one event)."""
+
+
+class WrongDatabase(DatabaseError):
+    """The file is a database of something else: another consumer's, or a
+    producer's (it holds an outbox)."""
 
 
 class StoreOutage(DatabaseError):

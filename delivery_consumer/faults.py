@@ -11,7 +11,7 @@ Points in ``run`` (see service/worker.py): ``before-commit``, ``after-commit``
 (the copy is confirmed by the broker, the original not acked yet), and
 ``connection-awaiting-confirm`` (the connection process alone, a copy
 published and its confirm awaited: what a ``kill -9`` of the main PID does).
-Points of the fence protocol (fence.py, the webhook consumer):
+Points of the fence protocol (inbox/fence.py, the webhook consumer):
 ``webhook-after-claim`` (the keys are claimed, nothing called) and
 ``webhook-after-call`` (the endpoint answered, nothing recorded yet).
 With the variable unset, :func:`crashpoint` is a dictionary lookup.

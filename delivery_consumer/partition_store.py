@@ -140,7 +140,7 @@ def split_merge(consumer: str, new_count: int, root: Path | None = None) -> Move
     <old>to<new>-<time>/`` for the operator to delete. The caller has made sure
     nothing runs on them (the queues are drained and unconsumed).
     """
-    from .store import ConsumerDB  # store imports this package's partitions module
+    from .consumers import open_db  # the store imports this package's partitions module
 
     check_count(new_count)
     base = (root if root is not None else Path("state")) / consumer
@@ -155,7 +155,7 @@ def split_merge(consumer: str, new_count: int, root: Path | None = None) -> Move
     staging = base / f".repartition-{old_count}to{new_count}-{stamp}"
     moved = Moved(old_count, new_count, from_unpartitioned=paths == [plain])
     for k in range(new_count):
-        ConsumerDB.open(staging / f"p{k}" / "inbox.db", consumer, create=True,
+        open_db(staging / f"p{k}" / "inbox.db", consumer, create=True,
                         partition=Identity(k, new_count)).close()
     for k in range(new_count):
         conn = sqlite3.connect(staging / f"p{k}" / "inbox.db", isolation_level=None)

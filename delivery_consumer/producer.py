@@ -24,10 +24,10 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import outbox
+from . import outbox, sqlite
 from .envelope import Envelope, from_mapping
 from .errors import ConfigError, DatabaseError
-from .store import _statements, now_iso
+from .sqlite import now_iso
 
 PUBLISHED = "material.published"
 WITHDRAWN = "material.withdrawn"
@@ -54,16 +54,10 @@ def open_db(path: Path | str) -> sqlite3.Connection:
     try:
         with outbox.transaction(conn):
             version = conn.execute("PRAGMA user_version").fetchone()[0]
-            has_material = conn.execute(
-                "SELECT 1 FROM sqlite_schema WHERE type = 'table' AND name = 'material'").fetchone()
-            if version > len(MIGRATIONS):
-                raise DatabaseError(f"{path}: producer schema version {version} is newer than this code's")
-            if version and not has_material:
+            if version and version <= len(MIGRATIONS) and "material" not in sqlite.table_names(conn):
                 raise DatabaseError(f"{path}: not a demo producer database (user_version {version}, no material)")
-            for script in MIGRATIONS[version:]:
-                for statement in _statements(script):
-                    conn.execute(statement)
-            conn.execute(f"PRAGMA user_version = {len(MIGRATIONS)}")
+            applied = sqlite.migrate(conn, MIGRATIONS, version, what="producer schema")
+            conn.execute(f"PRAGMA user_version = {applied}")
             outbox.install(conn)
     except BaseException:
         conn.close()

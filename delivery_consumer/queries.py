@@ -1,6 +1,6 @@
 """Read-only queries behind the inspect commands.
 
-Every function takes an open :class:`~delivery_consumer.store.ConsumerDB`
+Every function takes an open :class:`~delivery_consumer.inbox.ConsumerDB`
 (the inspect commands open it with ``readonly=True``, i.e. ``mode=ro``) and
 returns plain dicts and lists, ready for ``orjson.dumps``: keys are the
 envelope's camelCase names, times the store's ISO-8601 UTC text.
@@ -28,7 +28,8 @@ from typing import Any, Final, ParamSpec, TypeVar
 
 from .durations import format as format_duration
 from .errors import DeliveryError
-from .store import ConsumerDB, now_iso, translate
+from .inbox import ConsumerDB
+from .sqlite import now_iso, translate
 
 P = ParamSpec("P")
 T = TypeVar("T")

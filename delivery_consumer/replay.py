@@ -1,7 +1,7 @@
 """Apply envelopes from files straight into a consumer's database (no broker).
 
 The same path as a broker delivery: bytes -> :func:`envelope.parse` ->
-:func:`store.apply_batch`, ``batch`` events per transaction; results do not
+:func:`inbox.apply_batch`, ``batch`` events per transaction; results do not
 depend on the batch size.
 """
 
@@ -12,10 +12,11 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
+from .contract import Outcome
 from .envelope import MAX_BODY_BYTES, Envelope, body_digest, parse
 from .errors import Rejection, TransientError
+from .inbox import ConsumerDB, apply_batch
 from .sources import Item
-from .store import ConsumerDB, Outcome, apply_batch
 
 #: A whole batch that meets a busy database past its busy_timeout is tried
 #: again this many times (with jittered backoff) before replay gives up.

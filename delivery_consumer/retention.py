@@ -34,7 +34,8 @@ from typing import Any
 
 from .durations import format as format_duration
 from .errors import DeliveryError
-from .store import ConsumerDB, inbox_rowid_before, now_iso
+from .inbox import ConsumerDB, inbox_rowid_before
+from .sqlite import now_iso
 
 DAY_S = 86400
 #: Default redelivery horizon: receipts younger than this are never pruned.
@@ -94,7 +95,7 @@ class PruneReport:
 _UNRESOLVED = "EXISTS (SELECT 1 FROM rejected r WHERE r.event_id = {col} AND r.resolved_at IS NULL)"
 _KEPT = "{col} IN (SELECT event_id FROM temp.prune_keep)"
 
-# ``rowid <= :last`` (see store.inbox_rowid_before) lets SQLite read the inbox
+# ``rowid <= :last`` (see inbox.inbox_rowid_before) lets SQLite read the inbox
 # from its start instead of scanning it all; ``received_at < :cutoff`` stays
 # the exact rule.
 _RECEIPTS = (

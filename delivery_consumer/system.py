@@ -21,13 +21,14 @@ from typing import Any
 import orjson
 
 from . import consumers as registry
-from .config import ConsumerEntry, Deployment, producer_database
+from .config import ConsumerEntry, Deployment
 from .durations import age as age_text
 from .durations import format as format_duration
 from .errors import DeliveryError
+from .inbox import ConsumerDB, inbox_rowid_before
 from .partitions import partition_of, partition_topology, unrouted_name
 from .queries import NotFound, _records, _snapshot
-from .store import ConsumerDB, inbox_rowid_before, now_iso
+from .sqlite import now_iso
 from .topology import Topology
 from .trace import trace as trace_one
 
@@ -60,7 +61,7 @@ def topic_matches(pattern: str, key: str) -> bool:
 
 @contextmanager
 def _consumer_db(path: Any, consumer: str) -> Iterator[ConsumerDB]:
-    with ConsumerDB.open(path, consumer, readonly=True) as db:
+    with registry.open_db(path, consumer, readonly=True) as db:
         yield db
 
 
@@ -461,7 +462,7 @@ def status(dep: Deployment, *, now: float | None = None, broker: bool = True) ->
                     with _consumer_db(path, name) as db:
                         db_item.update(_consumer_db_status(db, now))
                 except DeliveryError as exc:
-                    db_item["error"] = producer_database(path) or str(exc)
+                    db_item["error"] = str(exc)
                     problems.append(f"{label}: {db_item['error']}")
             item["databases"].append(db_item)
         rows = item["databases"]

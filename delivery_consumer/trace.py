@@ -20,8 +20,8 @@ from typing import Any
 
 from .errors import DELIVERY_LIMIT as DELIVERY_LIMIT_CODE
 from .errors import ENDPOINT_REJECTED, OUTCOME_UNKNOWN, REJECTION_CODES, RETRIES_EXHAUSTED, WRONG_PARTITION
+from .inbox import ConsumerDB
 from .queries import NotFound, _reads, _records, _snapshot
-from .store import ConsumerDB
 from .views import article_of
 
 Row = dict[str, Any]

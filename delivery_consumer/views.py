@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .consumers import View
+from .contract import View
 from .errors import DatabaseError
+from .inbox import ConsumerDB
 from .queries import NotFound, Row, _camel, _limit, _reads
-from .store import ConsumerDB
 
 #: (partition, database); partition None for an unpartitioned consumer.
 Part = tuple[int | None, ConsumerDB]

@@ -9,8 +9,8 @@ import pytest
 from support import OpenDB
 
 from delivery_consumer import consumers
-from delivery_consumer.consumers import ConsumerSpec
-from delivery_consumer.store import ConsumerDB
+from delivery_consumer.contract import ConsumerSpec
+from delivery_consumer.inbox import ConsumerDB
 
 # Broker fixtures (amqp_url, ns) for the tests that need RabbitMQ.
 pytest_plugins = ["brokerkit"]
@@ -36,7 +36,7 @@ def open_db(tmp_path: Path) -> Iterator[OpenDB]:
     def _open(consumer: str = "catalog", name: str | None = None, **kwargs: object) -> ConsumerDB:
         path = tmp_path / (name or f"{consumer}.db")
         kwargs.setdefault("create", True)
-        db = ConsumerDB.open(path, consumer, **kwargs)  # type: ignore[arg-type]
+        db = consumers.open_db(path, consumer, **kwargs)  # type: ignore[arg-type]
         opened.append(db)
         return db
 

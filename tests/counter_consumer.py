@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import sqlite3
 
-from delivery_consumer.consumers import ConsumerSpec, View, register
+from delivery_consumer.consumers import register
+from delivery_consumer.contract import ConsumerSpec, View
 from delivery_consumer.envelope import Envelope
 
 RESULT = "counted"

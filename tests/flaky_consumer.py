@@ -17,7 +17,8 @@ import signal
 import sqlite3
 from pathlib import Path
 
-from delivery_consumer.consumers import ConsumerSpec, register
+from delivery_consumer.consumers import register
+from delivery_consumer.contract import ConsumerSpec
 from delivery_consumer.envelope import Envelope
 from delivery_consumer.errors import TransientError
 

@@ -22,7 +22,7 @@ from click.testing import CliRunner, Result
 
 from delivery_consumer.cli import main
 from delivery_consumer.envelope import Envelope, from_mapping
-from delivery_consumer.store import ConsumerDB
+from delivery_consumer.inbox import ConsumerDB
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent

@@ -20,11 +20,10 @@ from support import (
     read_rows,
 )
 
+from delivery_consumer import consumers, sources
 from delivery_consumer import replay as replay_lib
-from delivery_consumer import sources
 from delivery_consumer.envelope import MAX_BODY_BYTES
 from delivery_consumer.errors import REJECTION_CODES
-from delivery_consumer.store import ConsumerDB
 
 A = make_envelope()
 B = new_event(article_id="article-7", title="Очередь повторов", url="https://example.org/a/7")
@@ -140,7 +139,7 @@ def test_usage_and_database_errors_exit_2(tmp_path: Path, args: list[str], messa
     (tmp_path / "ok.ndjson").write_bytes(ndjson([A]))
     (tmp_path / "events.txt").write_bytes(ndjson([A]))
     (tmp_path / "corrupt.db").write_bytes(b"\x00garbage" * 512)
-    ConsumerDB.open(tmp_path / "catalog.db", "catalog", create=True).close()
+    consumers.open_db(tmp_path / "catalog.db", "catalog", create=True).close()
     before = sorted(p.name for p in tmp_path.iterdir())
 
     result = cli([arg.replace("{tmp}", str(tmp_path)) for arg in args])
@@ -175,7 +174,7 @@ def test_a_huge_line_is_never_held_in_memory_whole(tmp_path: Path) -> None:
     source = tmp_path / "huge.ndjson"
     source.write_bytes(ndjson([A, body(new_event(title="x" * (5 << 20))), B]))
 
-    with ConsumerDB.open(tmp_path / "c.db", "catalog", create=True) as db:
+    with consumers.open_db(tmp_path / "c.db", "catalog", create=True) as db:
         tracemalloc.start()
         try:
             items = sources.read(sources.expand([str(source)]))

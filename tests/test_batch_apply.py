@@ -21,10 +21,12 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from delivery_consumer.consumers import ConsumerSpec, register, unregister
+from delivery_consumer import consumers
+from delivery_consumer.consumers import register, unregister
+from delivery_consumer.contract import ConsumerSpec, Outcome
 from delivery_consumer.envelope import Envelope, from_mapping
 from delivery_consumer.errors import INVALID_ENVELOPE, Rejection, TransientError
-from delivery_consumer.store import ConsumerDB, Outcome, apply_batch
+from delivery_consumer.inbox import ConsumerDB, apply_batch
 
 EVENT_IDS = [str(uuid.UUID(int=i + 1)) for i in range(6)]
 
@@ -102,8 +104,8 @@ def _state(db: ConsumerDB, table: str) -> dict[str, list[tuple[Any, ...]]]:
 
 def _check(consumer: str, table: str, events: list[Envelope | Rejection], sizes: list[int]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        optimistic = ConsumerDB.open(Path(tmp) / "a.db", consumer, create=True)
-        reference = ConsumerDB.open(Path(tmp) / "b.db", consumer, create=True)
+        optimistic = consumers.open_db(Path(tmp) / "a.db", consumer, create=True)
+        reference = consumers.open_db(Path(tmp) / "b.db", consumer, create=True)
         try:
             start = 0
             for size in sizes:

@@ -22,11 +22,11 @@ import orjson
 import pytest
 from click.testing import CliRunner, Result
 
-from delivery_consumer import queries
+from delivery_consumer import consumers, queries
 from delivery_consumer.cli import COMMANDS, main
 from delivery_consumer.cli.inbox import INBOX_COMMANDS
 from delivery_consumer.envelope import from_mapping
-from delivery_consumer.store import ConsumerDB, apply_event
+from delivery_consumer.inbox import ConsumerDB, apply_event
 
 A = "0b1e9c1e-4a53-4f0e-9d2a-6f1f3f7b2c11"  # published r1, then reused with another title
 B = "1a2b3c4d-0000-4000-8000-000000000002"  # withdrawn r2
@@ -165,7 +165,7 @@ def test_inbox_list_filters_by_result_and_limits(catalog_db: Path) -> None:
 
 def test_inbox_list_of_an_empty_inbox_says_so_on_stderr(tmp_path: Path) -> None:
     """An empty inbox prints the header on stdout and '(no receipts)' on stderr, exit 0."""
-    ConsumerDB.open(tmp_path / "empty.db", "catalog", create=True).close()
+    consumers.open_db(tmp_path / "empty.db", "catalog", create=True).close()
     result = invoke("inbox", "list", "--db", tmp_path / "empty.db")
 
     assert (result.exit_code, result.stderr) == (0, "(no receipts)\n")
@@ -460,6 +460,19 @@ def test_missing_database_is_one_line_exit_2(command: list[str], tmp_path: Path)
     assert not (tmp_path / "nope.db").exists()
 
 
+@pytest.mark.parametrize("command", [*READ_COMMANDS, ["init"], ["replay", "-"]], ids=[*IDS, "init", "replay"])
+def test_a_producers_database_is_one_line_exit_2(command: list[str], tmp_path: Path) -> None:
+    """A consumer command given a producer's database (it holds an outbox): one line naming the file
+    and what it is, exit 2, and the file is left as it was."""
+    producer_db = tmp_path / "producer.db"
+    produced = invoke("produce", "--db", producer_db, "--article", "a", "--title", "T", "--url", "https://x.test/a")
+    assert 0 == produced.exit_code, produced.output
+    before = producer_db.read_bytes()
+    one_line_error(invoke(*command, "--db", producer_db), 2,
+                   f"{producer_db}: this is a producer's database (it holds an outbox), not a consumer's inbox")
+    assert before == producer_db.read_bytes()
+
+
 @pytest.mark.parametrize("command", READ_COMMANDS, ids=IDS)
 def test_corrupt_file_is_one_line_exit_2(command: list[str], tmp_path: Path) -> None:
     """A file that is not SQLite: one line, exit 2."""
@@ -547,7 +560,7 @@ def test_commands_never_modify_the_database(catalog_db: Path, audit_db: Path) ->
 
 def test_commands_do_not_touch_a_live_wal(catalog_db: Path) -> None:
     """With a writer's uncheckpointed WAL present, inspecting changes neither the database nor the WAL."""
-    writer = ConsumerDB.open(catalog_db, "catalog")
+    writer = consumers.open_db(catalog_db, "catalog")
     try:
         apply_event(writer, from_mapping(event("1a2b3c4d-0000-4000-8000-000000000009", article="wal")))
         before = db_state(catalog_db)
@@ -567,7 +580,7 @@ def test_a_writer_commits_while_an_inspect_is_running(catalog_db: Path, monkeypa
 
     def inbox_list_then_write(db: ConsumerDB, **kwargs: Any) -> list[dict[str, Any]]:
         rows = real(db, **kwargs)
-        with ConsumerDB.open(catalog_db, "catalog", busy_timeout_ms=100) as writer:
+        with consumers.open_db(catalog_db, "catalog", busy_timeout_ms=100) as writer:
             apply_event(writer, from_mapping(event("1a2b3c4d-0000-4000-8000-000000000010", article="during")))
             seen.append(writer.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone())
         return rows
@@ -583,7 +596,7 @@ def test_a_writer_commits_while_an_inspect_is_running(catalog_db: Path, monkeypa
 
 def test_inspect_works_while_a_writer_holds_the_write_lock(catalog_db: Path) -> None:
     """A writer inside BEGIN IMMEDIATE does not block inspect commands (WAL readers never wait)."""
-    writer = ConsumerDB.open(catalog_db, "catalog", busy_timeout_ms=100)
+    writer = consumers.open_db(catalog_db, "catalog", busy_timeout_ms=100)
     try:
         writer.conn.execute("BEGIN IMMEDIATE")
         writer.conn.execute("DELETE FROM catalog")
@@ -603,7 +616,7 @@ def test_inspect_works_while_a_writer_holds_the_write_lock(catalog_db: Path) -> 
 def test_control_characters_are_escaped_in_text_output(tmp_path: Path) -> None:
     """A title with an escape sequence or a newline is printed escaped, keeping one row per line."""
     db = tmp_path / "catalog.db"
-    with ConsumerDB.open(db, "catalog", create=True) as writer:
+    with consumers.open_db(db, "catalog", create=True) as writer:
         apply_event(writer, from_mapping(event(A, title="red\x1b[31m\nline")))
     result = invoke("catalog", "list", "--db", db)
 

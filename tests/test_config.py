@@ -487,11 +487,11 @@ def test_a_partitioned_consumer_in_the_file_runs_and_is_checked_partition_by_par
                                                f"partitioned (2 partitions): give --partition K to {what} (each "
                                                "partition has its own queues and database)"), err
 
+    from delivery_consumer.consumers import open_db
     from delivery_consumer.partitions import Identity
-    from delivery_consumer.store import ConsumerDB
 
-    ConsumerDB.open(tmp_path / "state/catalog/p1/inbox.db", "catalog", create=True,
-                    partition=Identity(1, 4)).close()  # a partition of 4, where the file says 2
+    open_db(tmp_path / "state/catalog/p1/inbox.db", "catalog", create=True,
+            partition=Identity(1, 4)).close()  # a partition of 4, where the file says 2
     code, _out, err = with_config(config, "config", "check")
     assert 2 == code and f"{config}: consumers.catalog.partitions: {tmp_path / 'state/catalog/p1/inbox.db'}: " \
                          "records partition 1 of 4, the file makes it partition 1 of 2" in err, err

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from support import OpenDB
 
 from delivery_consumer.console import chart
-from delivery_consumer.store import ConsumerDB, now_iso
+from delivery_consumer.inbox import ConsumerDB
+from delivery_consumer.sqlite import now_iso
 
 RESULTS = st.sampled_from(["updated", "duplicate:updated", "stale", "same-state"])
 

@@ -27,11 +27,11 @@ from support import (
 )
 
 from delivery_consumer import consumers
-from delivery_consumer.consumers import ConsumerSpec
+from delivery_consumer.contract import ConsumerSpec
 from delivery_consumer.envelope import from_mapping
 from delivery_consumer.errors import EVENT_ID_REUSED, ConfigError, DatabaseError, Rejection
+from delivery_consumer.inbox import ConsumerDB, apply_event
 from delivery_consumer.partition_store import split_merge
-from delivery_consumer.store import ConsumerDB, apply_event
 
 # -- the registry -------------------------------------------------------------
 
@@ -227,4 +227,4 @@ def test_contract_database_belongs_to_one_consumer(any_db: ConsumerDB) -> None:
     other = "audit" if any_db.consumer != "audit" else "catalog"
 
     with pytest.raises(DatabaseError, match=f"belongs to consumer '{any_db.consumer}'"):
-        ConsumerDB.open(any_db.path, other)
+        consumers.open_db(any_db.path, other)

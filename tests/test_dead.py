@@ -26,10 +26,11 @@ import pika
 from brokerkit import Namespace
 from support import new_event, read_rows, wait_until
 
+from delivery_consumer import consumers
 from delivery_consumer.amqp.admin import declare
 from delivery_consumer.amqp.dead_queue import DeadQueue
 from delivery_consumer.amqp.publisher import OutMessage, Publisher
-from delivery_consumer.store import ConsumerDB, now_iso
+from delivery_consumer.sqlite import now_iso
 
 SMALL_LIMIT = ("--max-bytes", "2048")
 
@@ -317,7 +318,7 @@ def test_requeue_leaves_a_conflict_and_sends_broker_dead_letters_home(ns: Namesp
     topo = ns.topology("catalog", delivery_limit=1)
     declare(ns.url, [topo])
     applied = new_event()
-    ConsumerDB.open(ns.db("catalog"), "catalog", create=True).close()
+    consumers.open_db(ns.db("catalog"), "catalog", create=True).close()
     reused = {**applied, "data": {**applied["data"], "title": "another title"}}
     poison = new_event(article_id="p")
     with Publisher(ns.url) as pub:

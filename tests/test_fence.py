@@ -16,12 +16,13 @@ import pytest
 from support import cli, env, json_lines, read_rows
 from webhook_server import WebhookServer, free_port
 
-from delivery_consumer import consumers, fence
+from delivery_consumer import consumers
 from delivery_consumer.consumers.webhook import Notifier, WebhookConfig, idempotency_key_header, payload
+from delivery_consumer.contract import DeliveryMark, Outcome, WorkHooks
 from delivery_consumer.envelope import Envelope
 from delivery_consumer.errors import ConfigError, TransientError
+from delivery_consumer.inbox import ConsumerDB, InFlight, fence, unsynced_transaction
 from delivery_consumer.retry import Retry, retry_after_tier
-from delivery_consumer.store import ConsumerDB, DeliveryMark, InFlight, Outcome, WorkHooks, unsynced_transaction
 
 Step = Callable[..., Notifier]
 
@@ -33,7 +34,7 @@ class Killed(BaseException):
 @pytest.fixture
 def db(tmp_path: Path) -> Iterator[ConsumerDB]:
     """A fresh webhook database."""
-    opened = ConsumerDB.open(tmp_path / "webhook.db", "webhook", create=True)
+    opened = consumers.open_db(tmp_path / "webhook.db", "webhook", create=True)
     yield opened
     opened.close()
 
@@ -434,7 +435,7 @@ def test_fence_for_event_is_what_trace_shows(db: ConsumerDB, step: Step, tmp_pat
 
     assert "article-42:1:notify" == (fence.fence_for_event(db.conn, E1) or {}).get("key")
     assert None is fence.fence_for_event(db.conn, E2)
-    catalog = ConsumerDB.open(tmp_path / "catalog.db", "catalog", create=True)
+    catalog = consumers.open_db(tmp_path / "catalog.db", "catalog", create=True)
     try:
         assert None is fence.fence_for_event(catalog.conn, E1)
         assert [] == fence.fence_list(catalog.conn)
@@ -490,7 +491,7 @@ def test_retry_after_picks_the_first_tier_long_enough() -> None:
 
 def test_the_webhook_consumer_refuses_to_run_inside_a_transaction(db: ConsumerDB) -> None:
     """replay cannot fence a call: the in-transaction apply is a transient refusal."""
-    from delivery_consumer.store import apply_event
+    from delivery_consumer.inbox import apply_event
 
     with pytest.raises(TransientError, match="run only"):
         apply_event(db, env(event_id=E1))

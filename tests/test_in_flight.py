@@ -1,5 +1,5 @@
 """Poison detection in the store: the notes of what a process is handling
-(``store.InFlight``), who owns them, and what a dead owner's note means."""
+(``inbox.InFlight``), who owns them, and what a dead owner's note means."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from support import OpenDB, read_rows
 
 from delivery_consumer.errors import DatabaseError, StoreUnavailable
-from delivery_consumer.store import ConsumerDB, InFlight, owner_alive, process_owner, translate
+from delivery_consumer.inbox import ConsumerDB, InFlight, owner_alive, process_owner
+from delivery_consumer.sqlite import translate
 
 GONE = "gone:1:1"  # another boot: certainly not running
 

@@ -30,10 +30,11 @@ REVISIONS = 6
 
 LIBRARY_REPLAY = """
 import sys, orjson
+from delivery_consumer import consumers
 from delivery_consumer.envelope import parse
-from delivery_consumer.store import ConsumerDB, apply_event
+from delivery_consumer.inbox import ConsumerDB, apply_event
 db_path, consumer, source = sys.argv[1:4]
-with ConsumerDB.open(db_path, consumer, create=True) as db, open(source, "rb") as lines:
+with consumers.open_db(db_path, consumer, create=True) as db, open(source, "rb") as lines:
     for line in lines:
         env = parse(line.rstrip(b"\\n"))
         print(orjson.dumps({"eventId": env.event_id, "result": apply_event(db, env)}).decode(), flush=True)

@@ -19,14 +19,14 @@ import pytest
 from click.testing import CliRunner
 from outboxkit import Clock, FakePublisher, add, dispatcher, envelope, row
 
-from delivery_consumer import outbox, producer
+from delivery_consumer import consumers, outbox, producer
 from delivery_consumer.amqp.connection import BrokerFatal
 from delivery_consumer.amqp.publisher import PublishResult
 from delivery_consumer.cli import main
 from delivery_consumer.envelope import parse
 from delivery_consumer.errors import ConfigError, DatabaseError, Rejection, TransientError
 from delivery_consumer.queries import NotFound
-from delivery_consumer.store import ConsumerDB, now_iso
+from delivery_consumer.sqlite import now_iso
 
 
 @pytest.fixture
@@ -90,7 +90,7 @@ def test_a_newer_outbox_is_refused(conn: sqlite3.Connection, db_path: Path) -> N
 def test_a_consumer_inbox_is_not_a_producer_database(tmp_path: Path) -> None:
     """Pointing --db at a consumer's inbox database is refused without changing it."""
     path = tmp_path / "catalog.db"
-    ConsumerDB.open(path, "catalog", create=True).close()
+    consumers.open_db(path, "catalog", create=True).close()
     with pytest.raises(DatabaseError, match="inbox database"):
         outbox.connect(path)
 

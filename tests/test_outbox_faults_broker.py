@@ -23,7 +23,7 @@ from support import read_rows, wait_until
 from test_outbox_broker import make_events, published, queued_ids, start_dispatch
 
 from delivery_consumer import outbox
-from delivery_consumer.store import now_iso
+from delivery_consumer.sqlite import now_iso
 
 pytestmark = pytest.mark.broker
 

@@ -36,7 +36,7 @@ from delivery_consumer import outbox, producer
 from delivery_consumer.cli import main
 from delivery_consumer.errors import DatabaseError, TransientError
 from delivery_consumer.outbox import owners
-from delivery_consumer.store import now_iso
+from delivery_consumer.sqlite import now_iso
 
 
 @pytest.fixture

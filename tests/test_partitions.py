@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from support import cli
 
+from delivery_consumer import consumers
 from delivery_consumer.errors import ConfigError, DatabaseError
 from delivery_consumer.partitions import (
     SLOT_COUNT,
@@ -22,7 +23,6 @@ from delivery_consumer.partitions import (
     slot_headers,
     slot_of,
 )
-from delivery_consumer.store import ConsumerDB
 from delivery_consumer.topology import Topology
 
 articles = st.text(min_size=1, max_size=64)
@@ -95,23 +95,23 @@ def test_partition_out_of_range() -> None:
 def test_database_refuses_another_partition(tmp_path: Path) -> None:
     """A partition database records consumer, partition and count and refuses to be opened as another."""
     path = tmp_path / "p1" / "inbox.db"
-    ConsumerDB.open(path, "catalog", create=True, partition=Identity(1, 4)).close()
-    ConsumerDB.open(path, "catalog", create=True, partition=Identity(1, 4)).close()
+    consumers.open_db(path, "catalog", create=True, partition=Identity(1, 4)).close()
+    consumers.open_db(path, "catalog", create=True, partition=Identity(1, 4)).close()
     for other in (Identity(0, 4), Identity(1, 8)):
         with pytest.raises(DatabaseError, match="is partition 1 of 4 of consumer 'catalog', not partition"):
-            ConsumerDB.open(path, "catalog", create=True, partition=other)
+            consumers.open_db(path, "catalog", create=True, partition=other)
     with pytest.raises(DatabaseError, match="not the unpartitioned consumer"):
-        ConsumerDB.open(path, "catalog", create=True, unpartitioned=True)
+        consumers.open_db(path, "catalog", create=True, unpartitioned=True)
     plain = tmp_path / "plain.db"
-    ConsumerDB.open(plain, "catalog", create=True).close()
+    consumers.open_db(plain, "catalog", create=True).close()
     with pytest.raises(DatabaseError, match="is the unpartitioned 'catalog', not partition 0 of 4"):
-        ConsumerDB.open(plain, "catalog", create=True, partition=Identity(0, 4))
+        consumers.open_db(plain, "catalog", create=True, partition=Identity(0, 4))
 
 
 def test_run_refuses_another_partition_in_one_line(tmp_path: Path) -> None:
     """run --partition on another partition's database: one line on stderr, exit 2 (before any broker call)."""
     path = tmp_path / "inbox.db"
-    ConsumerDB.open(path, "catalog", create=True, partition=Identity(1, 4)).close()
+    consumers.open_db(path, "catalog", create=True, partition=Identity(1, 4)).close()
     result = cli(["run", "--consumer", "catalog", "--partition", "0", "--db", str(path),
                   "--amqp-url", "amqp://guest:guest@127.0.0.1:1/%2F"])
     assert result.exit_code == 2
@@ -143,12 +143,12 @@ def test_a_partition_directory_given_as_db_reads_as_one_consumer(tmp_path: Path)
     import orjson
 
     from delivery_consumer.envelope import parse
-    from delivery_consumer.store import apply_event
+    from delivery_consumer.inbox import apply_event
 
     directory = tmp_path / "catalog"
     articles = [f"article-{i}" for i in range(12)]
     for k in range(3):
-        with ConsumerDB.open(directory / f"p{k}" / "inbox.db", "catalog", create=True,
+        with consumers.open_db(directory / f"p{k}" / "inbox.db", "catalog", create=True,
                              partition=Identity(k, 3)) as db:
             for i, article in enumerate(a for a in articles if partition_of(a, 3) == k):
                 apply_event(db, parse(orjson.dumps({
@@ -174,7 +174,7 @@ def test_a_partition_database_refuses_another_partitions_article(tmp_path: Path)
 
     from delivery_consumer.envelope import parse
     from delivery_consumer.errors import Rejection
-    from delivery_consumer.store import apply_event
+    from delivery_consumer.inbox import apply_event
 
     def event(article: str, n: int) -> bytes:
         return orjson.dumps({"eventId": f"00000000-0000-4000-8000-{n:012d}", "type": "material.published",
@@ -183,7 +183,7 @@ def test_a_partition_database_refuses_another_partitions_article(tmp_path: Path)
 
     ours = next(f"a-{i}" for i in range(100) if partition_of(f"a-{i}", 2) == 0)
     theirs = next(f"a-{i}" for i in range(100) if partition_of(f"a-{i}", 2) == 1)
-    with ConsumerDB.open(tmp_path / "p0.db", "catalog", create=True, partition=Identity(0, 2)) as db:
+    with consumers.open_db(tmp_path / "p0.db", "catalog", create=True, partition=Identity(0, 2)) as db:
         assert apply_event(db, parse(event(ours, 1))) == "updated"
         with pytest.raises(Rejection) as refused:
             apply_event(db, parse(event(theirs, 2)))

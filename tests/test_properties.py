@@ -40,9 +40,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support import PUBLISHED, WITHDRAWN, rows
 
-from delivery_consumer import envelope
+from delivery_consumer import consumers, envelope
 from delivery_consumer.envelope import Envelope
-from delivery_consumer.store import ConsumerDB, apply_batch, apply_event
+from delivery_consumer.inbox import ConsumerDB, apply_batch, apply_event
 
 # -- fingerprint: invariant to key order ------------------------------------------
 
@@ -169,11 +169,11 @@ def test_catalog_converges_whatever_the_order_and_duplicates(
     """Any order, any redeliveries, any batch size: the same catalog state and receipts as revision order."""
     events, bodies, batch = case
     with tempfile.TemporaryDirectory() as tmp:
-        with ConsumerDB.open(Path(tmp, "ref.db"), "catalog", create=True) as ref:
+        with consumers.open_db(Path(tmp, "ref.db"), "catalog", create=True) as ref:
             reference = [apply_event(ref, e) for e in in_revision_order(events)]
             expected_catalog = rows(ref, "catalog", CATALOG_STATE)
             expected_receipts = rows(ref, "inbox", RECEIPTS)
-        with ConsumerDB.open(Path(tmp, "db.db"), "catalog", create=True) as db:
+        with consumers.open_db(Path(tmp, "db.db"), "catalog", create=True) as db:
             statuses = replay_bodies(db, bodies, batch)
             catalog = rows(db, "catalog", CATALOG_STATE)
             written_by = dict(rows(db, "catalog", "article_id, event_id"))
@@ -212,7 +212,7 @@ def test_audit_records_each_distinct_envelope_once(case: tuple[list[dict[str, An
     expected_rows = sorted(
         (e.event_id, e.fingerprint, e.canonical.decode()) for e in map(envelope.from_mapping, events)
     )
-    with tempfile.TemporaryDirectory() as tmp, ConsumerDB.open(Path(tmp, "a.db"), "audit", create=True) as db:
+    with tempfile.TemporaryDirectory() as tmp, consumers.open_db(Path(tmp, "a.db"), "audit", create=True) as db:
         statuses = replay_bodies(db, bodies, batch)
         audit = rows(db, "audit", "event_id, fingerprint, envelope")
         receipts = rows(db, "inbox", "event_id, result")
@@ -233,7 +233,7 @@ def test_results_do_not_depend_on_the_batch_size(case: tuple[list[dict[str, Any]
     statuses: dict[int, list[str]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, size in (("one", 1), ("many", batch)):
-            with ConsumerDB.open(Path(tmp, f"{name}.db"), "catalog", create=True) as db:
+            with consumers.open_db(Path(tmp, f"{name}.db"), "catalog", create=True) as db:
                 statuses[size] = replay_bodies(db, bodies, size)
                 tables[size] = (rows(db, "catalog"), rows(db, "inbox", "event_id, fingerprint, result"))
 

@@ -24,12 +24,13 @@ from hypothesis import strategies as st
 from support import env as envelope
 from support import new_event, wait_until
 
-from delivery_consumer import retention
+from delivery_consumer import consumers, retention
 from delivery_consumer.amqp.admin import declare
 from delivery_consumer.amqp.dead_queue import DeadQueue
 from delivery_consumer.amqp.publisher import OutMessage, Publisher
 from delivery_consumer.errors import Rejection
-from delivery_consumer.store import ConsumerDB, apply_event, inbox_rowid_before, now_iso
+from delivery_consumer.inbox import apply_event, inbox_rowid_before
+from delivery_consumer.sqlite import now_iso
 
 DAY = 86400.0
 
@@ -76,7 +77,7 @@ def ids(n: int) -> list[str]:
 
 def new_db(ns: Namespace, consumer: str = "catalog") -> Path:
     path = ns.db(consumer)
-    ConsumerDB.open(path, consumer, create=True).close()
+    consumers.open_db(path, consumer, create=True).close()
     return path
 
 
@@ -296,7 +297,7 @@ def test_the_rowid_bound_ends_the_prefix_received_before_the_cutoff(
     binary search finds are exactly the receipts received before the cutoff."""
     stamps = sorted(ago(days) for days in ages)
     with tempfile.TemporaryDirectory() as tmp:
-        db = ConsumerDB.open(Path(tmp) / "x.db", "catalog", create=True)
+        db = consumers.open_db(Path(tmp) / "x.db", "catalog", create=True)
         try:
             add = "INSERT INTO inbox (event_id, fingerprint, result, event_type, received_at) VALUES (?, ?, ?, ?, ?)"
             db.conn.executemany(add, [(str(uuid.uuid4()), "f" * 64, "updated", "t", s) for s in stamps])

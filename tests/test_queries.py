@@ -10,11 +10,12 @@ from typing import Any
 
 import pytest
 
-from delivery_consumer import queries, store, views
+from delivery_consumer import consumers, queries, views
 from delivery_consumer.consumers.catalog import SPEC as CATALOG_SPEC
 from delivery_consumer.envelope import from_mapping
 from delivery_consumer.errors import DatabaseError, Rejection
-from delivery_consumer.store import ConsumerDB, apply_event
+from delivery_consumer.inbox import ConsumerDB, apply_event, database
+from delivery_consumer.inbox import apply as inbox_apply
 
 assert CATALOG_SPEC.view is not None
 CATALOG = CATALOG_SPEC.view
@@ -39,7 +40,7 @@ def envelope(*, event_id: str | None = None, revision: int = 1, article: str = "
 @pytest.fixture
 def writer(tmp_path: Path) -> Iterator[ConsumerDB]:
     """A writable catalog database in tmp_path."""
-    db = ConsumerDB.open(tmp_path / "catalog.db", "catalog", create=True)
+    db = consumers.open_db(tmp_path / "catalog.db", "catalog", create=True)
     yield db
     db.close()
 
@@ -47,7 +48,7 @@ def writer(tmp_path: Path) -> Iterator[ConsumerDB]:
 @pytest.fixture
 def reader(writer: ConsumerDB) -> Iterator[ConsumerDB]:
     """The same database opened read-only, as the inspect commands do."""
-    db = ConsumerDB.open(writer.path, readonly=True)
+    db = consumers.open_db(writer.path, readonly=True)
     yield db
     db.close()
 
@@ -55,10 +56,10 @@ def reader(writer: ConsumerDB) -> Iterator[ConsumerDB]:
 @pytest.fixture
 def at(monkeypatch: pytest.MonkeyPatch) -> Callable[[float], None]:
     """Set the clock the store stamps receipts and rejections with."""
-    real_now_iso = store.now_iso
+    real_now_iso = inbox_apply.now_iso
 
     def _at(when: float) -> None:
-        monkeypatch.setattr(store, "now_iso", lambda _when=None: real_now_iso(when))
+        monkeypatch.setattr(inbox_apply, "now_iso", lambda _when=None: real_now_iso(when))
 
     return _at
 
@@ -159,8 +160,9 @@ def test_unknown_keys_raise_not_found(reader: ConsumerDB) -> None:
 
 def test_effect_tables_of_another_consumer_are_refused(tmp_path: Path) -> None:
     """The catalog's view on an audit database is a DatabaseError, not an SQL error."""
-    ConsumerDB.open(tmp_path / "audit.db", "audit", create=True).close()
-    with ConsumerDB.open(tmp_path / "audit.db", readonly=True) as db, pytest.raises(DatabaseError, match="no catalog"):
+    consumers.open_db(tmp_path / "audit.db", "audit", create=True).close()
+    with (consumers.open_db(tmp_path / "audit.db", readonly=True) as db,
+          pytest.raises(DatabaseError, match="no catalog")):
         views.list_rows([(None, db)], CATALOG)
 
 
@@ -207,7 +209,7 @@ def test_query_refuses_anything_but_one_read(
 
 def test_query_allows_reading_pragmas(reader: ConsumerDB) -> None:
     """Pragmas that only read (with or without a table argument) are allowed."""
-    assert queries.query(reader, "PRAGMA user_version")["rows"] == [[store.STORE_VERSION]]
+    assert queries.query(reader, "PRAGMA user_version")["rows"] == [[database.STORE_VERSION]]
     columns = [row[1] for row in queries.query(reader, "PRAGMA table_info(catalog)")["rows"]]
     assert columns == ["article_id", "revision", "title", "url", "published", "event_id", "occurred_at"]
 
@@ -263,7 +265,7 @@ def test_no_read_snapshot_is_left_open(
 def test_damaged_pages_found_while_reading_are_a_database_error(tmp_path: Path) -> None:
     """A table whose pages are damaged, in a file that opens fine, gives DatabaseError, not sqlite3.Error."""
     path = tmp_path / "catalog.db"
-    with ConsumerDB.open(path, "catalog", create=True) as db:
+    with consumers.open_db(path, "catalog", create=True) as db:
         apply_event(db, envelope())
         page_size = db.conn.execute("PRAGMA page_size").fetchone()[0]
         (root,) = db.conn.execute("SELECT rootpage FROM sqlite_schema WHERE name = 'catalog'").fetchone()
@@ -272,5 +274,5 @@ def test_damaged_pages_found_while_reading_are_a_database_error(tmp_path: Path) 
     data[start : start + page_size] = b"\xff" * page_size
     path.write_bytes(bytes(data))
 
-    with ConsumerDB.open(path, readonly=True) as db, pytest.raises(DatabaseError, match="malformed"):
+    with consumers.open_db(path, readonly=True) as db, pytest.raises(DatabaseError, match="malformed"):
         views.list_rows([(None, db)], CATALOG)

@@ -11,9 +11,9 @@ import pytest
 from brokerkit import Namespace
 from partitionkit import Cluster, make_events, query, wait_until
 
+from delivery_consumer import consumers
 from delivery_consumer.partition_store import split_merge, stored_identity
 from delivery_consumer.partitions import Identity, partition_of
-from delivery_consumer.store import ConsumerDB
 
 ARTICLES = 300
 
@@ -90,7 +90,7 @@ def test_split_merge_moves_keyless_rows_and_refuses_nothing(tmp_path: Path) -> N
     land in a partition the old one's slots go to; a keyless receipt is kept in each of them."""
     root = tmp_path / "state"
     for k in range(2):
-        with ConsumerDB.open(root / "catalog" / f"p{k}" / "inbox.db", "catalog", create=True,
+        with consumers.open_db(root / "catalog" / f"p{k}" / "inbox.db", "catalog", create=True,
                              partition=Identity(k, 2)) as db:
             db.conn.execute("INSERT INTO inbox (event_id, fingerprint, result, event_type, received_at)"
                             f" VALUES ('old-{k}', 'f', 'updated', 'material.published', 'now')")

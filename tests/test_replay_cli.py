@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from support import WITHDRAWN, cli, json_lines, make_envelope, ndjson, new_event, read_rows, subprocess_env
 
-from delivery_consumer.store import ConsumerDB
+from delivery_consumer import consumers
 
 A = make_envelope()
 B = new_event(type=WITHDRAWN, revision=2)
@@ -28,7 +28,7 @@ def test_init_creates_the_database_and_is_idempotent(tmp_path: Path) -> None:
     assert (0, 0) == (first.exit_code, second.exit_code)
     assert f"{db}: consumer catalog" in first.stdout
     assert schema == read_rows(db, "sqlite_schema", "name, sql")
-    with ConsumerDB.open(db, readonly=True) as opened:
+    with consumers.open_db(db, readonly=True) as opened:
         assert "catalog" == opened.consumer
 
 
@@ -147,6 +147,7 @@ PROGRESS_REPLAY = """
 import sys
 import delivery_consumer.cli.replay as replay_cmd
 replay_cmd.PROGRESS_MIN_BYTES = int(sys.argv.pop(1))  # "large" made small, to keep the test fast
+from delivery_consumer import consumers
 from delivery_consumer.cli import main
 main(prog_name="delivery-consumer")
 """

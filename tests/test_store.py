@@ -24,8 +24,8 @@ from support import (
     rows,
 )
 
-from delivery_consumer import store
-from delivery_consumer.consumers import ConsumerSpec
+from delivery_consumer import consumers, sqlite
+from delivery_consumer.contract import ConsumerSpec
 from delivery_consumer.envelope import Envelope, from_mapping
 from delivery_consumer.errors import (
     EVENT_ID_REUSED,
@@ -35,7 +35,7 @@ from delivery_consumer.errors import (
     Rejection,
     TransientError,
 )
-from delivery_consumer.store import ConsumerDB, apply_batch, apply_event
+from delivery_consumer.inbox import ConsumerDB, apply_batch, apply_event, database
 
 SECOND_ID = "5d2f8a61-9c3e-4b7a-8e15-2a6c0f4d9b83"
 THIRD_ID = "9a7c3e15-2b4d-4f6a-b8e9-1c0d5f7a3e26"
@@ -334,7 +334,7 @@ def test_writable_connection_pragmas(catalog_db: ConsumerDB) -> None:
 
 def test_readonly_connection_pragmas(catalog_db: ConsumerDB) -> None:
     """A read-only connection also waits for writers (busy_timeout) and sees the WAL file."""
-    with ConsumerDB.open(catalog_db.path, readonly=True) as ro:
+    with consumers.open_db(catalog_db.path, readonly=True) as ro:
         assert ("wal", 5000) == (
             ro.conn.execute("PRAGMA journal_mode").fetchone()[0],
             ro.conn.execute("PRAGMA busy_timeout").fetchone()[0],
@@ -353,7 +353,7 @@ def test_second_writer_waits_instead_of_failing(catalog_db: ConsumerDB) -> None:
     committed) and then succeeds."""
     opened, locked, began = threading.Event(), threading.Event(), threading.Event()
     result: list[str] = []
-    with ConsumerDB.open(catalog_db.path, "catalog") as other:
+    with consumers.open_db(catalog_db.path, "catalog") as other:
         worker = threading.Thread(
             target=lambda: result.append(_apply_in_thread(catalog_db.path, opened, locked, began)))
         worker.start()
@@ -372,7 +372,7 @@ def test_second_writer_waits_instead_of_failing(catalog_db: ConsumerDB) -> None:
 
 def _apply_in_thread(path: Path, opened: threading.Event, locked: threading.Event, began: threading.Event) -> str:
     # Each thread opens its own connection: connections are never shared.
-    with ConsumerDB.open(path, "catalog") as db:
+    with consumers.open_db(path, "catalog") as db:
         opened.set()
         locked.wait(10)
         # The trace callback runs as a statement starts: from then on BEGIN
@@ -383,7 +383,7 @@ def _apply_in_thread(path: Path, opened: threading.Event, locked: threading.Even
 
 def test_busy_past_the_timeout_is_transient(catalog_db: ConsumerDB) -> None:
     """A writer still blocked after busy_timeout gets TransientError database-busy, not a crash."""
-    with ConsumerDB.open(catalog_db.path, "catalog", busy_timeout_ms=50) as impatient:
+    with consumers.open_db(catalog_db.path, "catalog", busy_timeout_ms=50) as impatient:
         catalog_db.conn.execute("BEGIN IMMEDIATE")
         try:
             with pytest.raises(TransientError) as info:
@@ -421,12 +421,12 @@ def test_connection_is_not_shared_between_threads(catalog_db: ConsumerDB) -> Non
 def test_database_of_another_consumer_is_refused(catalog_db: ConsumerDB, readonly: bool) -> None:
     """A catalog database cannot be opened as audit."""
     with pytest.raises(DatabaseError, match="belongs to consumer 'catalog', not 'audit'"):
-        ConsumerDB.open(catalog_db.path, "audit", readonly=readonly)
+        consumers.open_db(catalog_db.path, "audit", readonly=readonly)
 
 
 def test_consumer_defaults_to_the_recorded_one(catalog_db: ConsumerDB) -> None:
     """Opening by path alone uses the consumer the database records."""
-    with ConsumerDB.open(catalog_db.path) as db:
+    with consumers.open_db(catalog_db.path) as db:
         assert "catalog" == db.consumer
 
 
@@ -449,7 +449,7 @@ def test_foreign_sqlite_file_is_refused_and_left_unchanged(tmp_path: Path, reado
     content = path.read_bytes()
 
     with pytest.raises(DatabaseError, match="not a delivery-consumer database"):
-        ConsumerDB.open(path, "catalog", create=True, readonly=readonly)
+        consumers.open_db(path, "catalog", create=True, readonly=readonly)
 
     assert content == path.read_bytes()
     assert "delete" == _journal_mode(path)
@@ -464,7 +464,7 @@ def test_corrupt_file_is_refused(tmp_path: Path, readonly: bool) -> None:
     content = path.read_bytes()
 
     with pytest.raises(DatabaseError, match=r"inbox\.db: .*file is not a database"):
-        ConsumerDB.open(path, "catalog", readonly=readonly)
+        consumers.open_db(path, "catalog", readonly=readonly)
 
     assert content == path.read_bytes()
 
@@ -472,18 +472,18 @@ def test_corrupt_file_is_refused(tmp_path: Path, readonly: bool) -> None:
 @pytest.mark.parametrize("readonly", [False, True])
 def test_newer_schema_version_is_refused(catalog_db: ConsumerDB, readonly: bool) -> None:
     """A database written by a newer delivery-consumer (higher user_version) is refused."""
-    catalog_db.conn.execute(f"PRAGMA user_version = {store.STORE_VERSION + 1}")
+    catalog_db.conn.execute(f"PRAGMA user_version = {database.STORE_VERSION + 1}")
     catalog_db.close()
 
     with pytest.raises(DatabaseError, match="newer"):
-        ConsumerDB.open(catalog_db.path, "catalog", readonly=readonly)
+        consumers.open_db(catalog_db.path, "catalog", readonly=readonly)
 
 
 @pytest.mark.parametrize("readonly", [False, True])
 def test_directory_is_refused(tmp_path: Path, readonly: bool) -> None:
     """A directory given as the database is refused with a clear message."""
     with pytest.raises(DatabaseError, match="is a directory"):
-        ConsumerDB.open(tmp_path, "catalog", create=True, readonly=readonly)
+        consumers.open_db(tmp_path, "catalog", create=True, readonly=readonly)
 
 
 def test_path_under_a_regular_file_is_refused(tmp_path: Path) -> None:
@@ -492,18 +492,18 @@ def test_path_under_a_regular_file_is_refused(tmp_path: Path) -> None:
     parent.write_text("not a directory")
 
     with pytest.raises(DatabaseError, match=r"(?i)not a directory"):
-        ConsumerDB.open(parent / "inbox.db", "catalog", create=True)
+        consumers.open_db(parent / "inbox.db", "catalog", create=True)
     with pytest.raises(DatabaseError, match=r"(?i)not a directory"):
-        ConsumerDB.open(parent / "catalog" / "inbox.db", "catalog", create=True)
+        consumers.open_db(parent / "catalog" / "inbox.db", "catalog", create=True)
     with pytest.raises(DatabaseError, match="no such database"):
-        ConsumerDB.open(parent / "inbox.db", "catalog")
+        consumers.open_db(parent / "inbox.db", "catalog")
 
 
 @pytest.mark.parametrize("readonly", [False, True])
 def test_missing_database_is_not_created_without_create(tmp_path: Path, readonly: bool) -> None:
     """Without create, a missing database is an error naming the init command, and no file appears."""
     with pytest.raises(DatabaseError, match=r"no such database.*delivery-consumer init"):
-        ConsumerDB.open(tmp_path / "inbox.db", "catalog", readonly=readonly)
+        consumers.open_db(tmp_path / "inbox.db", "catalog", readonly=readonly)
 
     assert [] == list(tmp_path.iterdir())
 
@@ -513,16 +513,16 @@ def test_a_database_of_the_first_schema_is_migrated_forward(tmp_path: Path) -> N
     loses that index, reaches the current version and keeps its receipts."""
     path = tmp_path / "old.db"
     conn = sqlite3.connect(path, isolation_level=None)
-    for statement in store._statements(store.CORE_MIGRATIONS[0]):
+    for statement in sqlite.statements(database.CORE_MIGRATIONS[0]):
         conn.execute(statement)
     conn.execute("INSERT INTO meta (key, value) VALUES ('consumer', 'catalog'), ('consumer_schema_version', '0')")
     conn.execute("INSERT INTO inbox VALUES ('e', 'f', 'updated', 'material.published', '2026-11-29T10:00:00.000Z')")
     conn.execute("PRAGMA user_version = 1")
     conn.close()
 
-    db = ConsumerDB.open(path, "catalog", create=True)
+    db = consumers.open_db(path, "catalog", create=True)
 
-    assert store.STORE_VERSION == db.conn.execute("PRAGMA user_version").fetchone()[0]
+    assert database.STORE_VERSION == db.conn.execute("PRAGMA user_version").fetchone()[0]
     assert [] == db.conn.execute("SELECT name FROM sqlite_schema WHERE name = 'inbox_received_at'").fetchall()
     assert 1 == len(rows(db, "inbox"))
     db.close()
@@ -536,11 +536,11 @@ def test_reopening_is_idempotent(catalog_db: ConsumerDB) -> None:
     meta = catalog_db.meta()
 
     for _ in range(2):
-        ConsumerDB.open(catalog_db.path, "catalog", create=True).close()
+        consumers.open_db(catalog_db.path, "catalog", create=True).close()
 
     assert schema == rows(conn, "sqlite_schema", "type, name, sql")
     assert meta == catalog_db.meta()
-    assert store.STORE_VERSION == conn.execute("PRAGMA user_version").fetchone()[0]
+    assert database.STORE_VERSION == conn.execute("PRAGMA user_version").fetchone()[0]
     assert {"consumer": "catalog", "consumer_schema_version": "1"}.items() <= meta.items()
     assert 1 == len(rows(catalog_db, "inbox"))
 
@@ -566,16 +566,16 @@ def test_consumer_migrations_are_forward_only(
     db.close()
 
     register(v2)
-    with ConsumerDB.open(db.path, "notes") as upgraded:
+    with consumers.open_db(db.path, "notes") as upgraded:
         assert "2" == upgraded.meta()["consumer_schema_version"]
         assert [(EVENT_ID, "")] == rows(upgraded, "notes")
-    with ConsumerDB.open(db.path, "notes") as again:
+    with consumers.open_db(db.path, "notes") as again:
         assert [(EVENT_ID, "")] == rows(again, "notes")
 
     register(v1)
     for readonly in (False, True):
         with pytest.raises(DatabaseError, match="newer"):
-            ConsumerDB.open(db.path, "notes", readonly=readonly)
+            consumers.open_db(db.path, "notes", readonly=readonly)
 
 
 def test_readonly_open_of_an_outdated_consumer_schema_asks_for_init(
@@ -588,7 +588,7 @@ def test_readonly_open_of_an_outdated_consumer_schema_asks_for_init(
     register(ConsumerSpec(name="notes", apply=_notes_apply, migrations=NOTES_V2, tables=("notes",)))
 
     with pytest.raises(DatabaseError, match=r"older.*run init"):
-        ConsumerDB.open(db.path, "notes", readonly=True)
+        consumers.open_db(db.path, "notes", readonly=True)
 
 
 @pytest.mark.parametrize("consumer", ["catalog", "audit"])
@@ -623,7 +623,7 @@ def test_readonly_open_cannot_write(catalog_db: ConsumerDB) -> None:
     """A read-only database refuses transactions, apply_event and raw writes."""
     apply_event(catalog_db, env())
 
-    with ConsumerDB.open(catalog_db.path, "catalog", readonly=True) as ro:
+    with consumers.open_db(catalog_db.path, "catalog", readonly=True) as ro:
         assert [(EVENT_ID,)] == rows(ro, "inbox", "event_id")
         with pytest.raises(DatabaseError, match="read-only"):
             apply_event(ro, env(event_id=SECOND_ID, revision=2))

@@ -24,14 +24,14 @@ from support import body, new_event, read_rows
 from delivery_consumer.amqp.connection import BrokerUnavailable
 from delivery_consumer.amqp.consumer import Delivery
 from delivery_consumer.amqp.publisher import OutMessage
-from delivery_consumer.consumers import ConsumerSpec
+from delivery_consumer.contract import ConsumerSpec
 from delivery_consumer.deliveries import delivery_key
 from delivery_consumer.envelope import Envelope
 from delivery_consumer.errors import DELIVERY_LIMIT, MALFORMED_JSON, RETRIES_EXHAUSTED, TransientError
+from delivery_consumer.inbox import InFlight
 from delivery_consumer.service.config import RunConfig
 from delivery_consumer.service.messages import Ack, Deliveries, Dispatch, ProtocolError, Stop, pack
 from delivery_consumer.service.worker import Worker
-from delivery_consumer.store import InFlight
 from delivery_consumer.topology import H_ATTEMPTS, H_ERROR_CODE
 
 #: A name of a process that no longer exists (another boot): its notes are a crash's.

@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 import orjson
 
-from ..errors import ConfigError, DatabaseError, DeliveryError
-from ..store import ConsumerDB
+from ..consumers import open_db as open_consumer_db
+from ..errors import ConfigError, DatabaseError, DeliveryError, WrongDatabase
+from ..inbox import ConsumerDB
 
 if TYPE_CHECKING:
     from ..config import Deployment
@@ -101,7 +102,7 @@ def open_db(
     if consumer is None and db_path is None:
         raise Fatal("give --consumer NAME or --db PATH (or DELIVERY_CONSUMER / DELIVERY_DB)")
     try:
-        return ConsumerDB.open(db_path, consumer, create=create, readonly=readonly)
+        return open_consumer_db(db_path, consumer, create=create, readonly=readonly)
     except (DatabaseError, ConfigError) as exc:
         raise Fatal(_from_file(db_path) + str(exc)) from None
 
@@ -231,14 +232,11 @@ def _check_owner(found: Deployment, consumer: str, db_path: Path) -> None:
     if not db_path.is_file():
         return
     try:
-        ConsumerDB.open(db_path, consumer, readonly=True).close()
-    except (DatabaseError, ConfigError) as exc:
-        from ..config import producer_database
-
-        foreign = producer_database(db_path)
-        if foreign or "belongs to consumer" in str(exc):
-            raise Fatal(f"{found.key(f'consumers.{consumer}.db')}: {foreign or exc}") from None
-        # anything else: the command itself says what is wrong, naming the key
+        open_consumer_db(db_path, consumer, readonly=True).close()
+    except WrongDatabase as exc:
+        raise Fatal(f"{found.key(f'consumers.{consumer}.db')}: {exc}") from None
+    except (DatabaseError, ConfigError):
+        pass  # the command itself says what is wrong, naming the key
 
 
 def emit_json(value: Any) -> None:

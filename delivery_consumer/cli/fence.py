@@ -18,8 +18,8 @@ from typing import Any
 
 import click
 
-from .. import fence as fence_lib
-from ..store import translate
+from ..inbox import fence as fence_lib
+from ..sqlite import translate
 from ._common import Fatal, emit_json, handle_errors, open_db
 from ._output import echo_record, echo_table
 from .inbox import Missing, limit_option, read_options, reading

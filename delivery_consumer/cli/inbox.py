@@ -32,9 +32,9 @@ from .. import queries
 from ..durations import Duration
 from ..durations import age as _age
 from ..errors import DeliveryError
+from ..inbox import ConsumerDB, default_db_path
 from ..partition_store import partition_db, partitioned_paths
 from ..partitions import SLOT_COUNT
-from ..store import ConsumerDB, default_db_path
 from . import LazyGroup
 from ._common import EXIT_REJECTED, F, Fatal, consumer_option, db_option, emit_json, handle_errors, json_option, open_db
 from ._output import echo_record, echo_table

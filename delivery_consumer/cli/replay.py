@@ -13,9 +13,9 @@ import orjson
 
 from .. import replay as replay_lib
 from .. import sources as sources_lib
+from ..contract import Outcome
 from ..envelope import MAX_BODY_BYTES
 from ..errors import ConfigError, TransientError
-from ..store import Outcome
 from ._common import (
     EXIT_OK,
     EXIT_REJECTED,

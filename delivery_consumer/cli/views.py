@@ -1,5 +1,5 @@
 """``<consumer> list|show``: the commands of a consumer's own view, made from
-the :class:`~delivery_consumer.consumers.View` in its spec (any registered
+the :class:`~delivery_consumer.contract.View` in its spec (any registered
 consumer: built-in, ``DELIVERY_PLUGINS`` or an entry point).
 
 The reading is :mod:`delivery_consumer.views`; the database handling
@@ -14,7 +14,7 @@ from typing import Any
 import click
 
 from .. import views
-from ..consumers import ConsumerSpec, View
+from ..contract import ConsumerSpec, View
 from ..partitions import partition_of
 from ._common import emit_json, handle_errors
 from ._output import echo_record, echo_table

@@ -1,7 +1,7 @@
 """Outcomes per minute from the receipts' times, and their chart as inline SVG.
 
 The minutes come from the end of the inbox (receipts are appended in time
-order: :func:`store.inbox_rowid_before`) and the ``rejected_at`` index, over
+order: :func:`inbox.inbox_rowid_before`) and the ``rejected_at`` index, over
 a bounded window. Minutes that can no longer change are kept in memory
 (:class:`MinuteCache`), so a page load reads only the last few minutes of a
 busy database, not the whole window again.
@@ -15,7 +15,8 @@ from collections import Counter
 from html import escape
 from typing import Any
 
-from ..store import ConsumerDB, inbox_rowid_before, now_iso
+from ..inbox import ConsumerDB, inbox_rowid_before
+from ..sqlite import now_iso
 
 #: Outcome categories, in drawing order, with their colour.
 CATEGORIES: dict[str, str] = {"applied": "#2e7d32", "duplicate": "#90a4ae", "stale": "#f9a825",

@@ -26,9 +26,9 @@ from urllib.parse import parse_qs, urlencode, urlsplit
 
 from .. import durations, system
 from ..config import Deployment
+from ..consumers import open_db
 from ..errors import DeliveryError
 from ..queries import NotFound
-from ..store import ConsumerDB
 from ..topology import Topology
 from . import chart
 
@@ -98,7 +98,7 @@ class Console:
         for name, entry in self.dep.consumers.items():
             for _partition, path in entry.databases():
                 try:
-                    with ConsumerDB.open(path, name, readonly=True) as db:
+                    with open_db(path, name, readonly=True) as db:
                         self.minutes.minutes(db, self.hours)
                 except DeliveryError:
                     continue  # the page says what is wrong with it
@@ -169,7 +169,7 @@ class Console:
                     parts.append(f"<h3>{_e(label)}</h3><p>no database yet</p>")
                     continue
                 try:
-                    with ConsumerDB.open(path, name, readonly=True) as db:
+                    with open_db(path, name, readonly=True) as db:
                         minutes = self.minutes.minutes(db, self.hours, now)
                 except DeliveryError as exc:
                     parts.append(f"<h3>{_e(label)}</h3><p class=bad>{_e(exc)}</p>")
@@ -349,7 +349,7 @@ class Console:
             consumer, selection = self._selection(form)
             _, path, topo = self._place(form)
             with ExitStack() as stack:
-                db = stack.enter_context(ConsumerDB.open(path, consumer)) if path.exists() else None
+                db = stack.enter_context(open_db(path, consumer)) if path.exists() else None
                 dq, snapshot = stack.enter_context(deadletters.reading(self.dep.amqp_url, topo))
                 if action == "requeue":
                     if db is None:

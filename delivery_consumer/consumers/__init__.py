@@ -1,13 +1,8 @@
-"""The registry of consumers: one module per domain effect.
+"""The registry of consumers: one module per domain effect, found by name.
 
-A consumer is a :class:`ConsumerSpec`: a name, the forward-only migrations
-that create its effect tables, the AMQP binding keys of its queue, and an
-``apply`` function. ``apply`` receives an open connection *inside* the
-store's transaction and the validated envelope, changes its own tables and
-returns a result string (``updated``, ``recorded``, ...). It never commits,
-rolls back or opens a transaction: the store owns the boundary. It raises
-:class:`~delivery_consumer.errors.Rejection` for a permanent refusal and
-:class:`~delivery_consumer.errors.TransientError` to ask for a retry.
+A consumer is a :class:`~delivery_consumer.contract.ConsumerSpec` (its
+contract: ``contract.py``). The store never looks consumers up: whoever opens
+a database by a consumer's name does it here (:func:`open_db`).
 
 Adding a consumer is one module plus its registration, in one of three ways:
 
@@ -17,7 +12,7 @@ Adding a consumer is one module plus its registration, in one of three ways:
 * ad hoc: ``DELIVERY_PLUGINS=my.module,other.module`` (each module calls
   :func:`register` on import), or :func:`register` from Python.
 
-A spec may carry a :class:`View` of its effect table, as data: the CLI then
+A spec may carry a ``View`` of its effect table, as data: the CLI then
 offers ``delivery-consumer <name> list|show`` and ``trace`` shows the
 consumer's own rows, with no code of the consumer's (see ``views.py``).
 """
@@ -26,101 +21,16 @@ from __future__ import annotations
 
 import importlib
 import os
-import sqlite3
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
 
-from ..envelope import Envelope
+from ..contract import ConsumerSpec
 from ..errors import ConfigError
-
-if TYPE_CHECKING:
-    from ..errors import Rejection
-    from ..store import ConsumerDB, DeliveryMark, Outcome, WorkHooks
-
-ApplyFn = Callable[[sqlite3.Connection, Envelope], str]
-#: Applies several events at once (see ``ConsumerSpec.apply_many``).
-ApplyManyFn = Callable[[sqlite3.Connection, Sequence[Envelope]], list[str]]
-#: Applies a batch whose effect lives outside the database (fence.py): the
-#: parsed deliveries (a Rejection for a body that did not parse), their
-#: delivery marks and run's hooks (store.WorkHooks) in, one Outcome per delivery out.
-ExternalBatchFn = Callable[
-    ["ConsumerDB", Sequence["Envelope | Rejection"], Sequence["DeliveryMark"], "WorkHooks"], list["Outcome"]
-]
-#: Given the options of ``run`` (``RunConfig.consumer_options``), checks them
-#: (ConfigError) and returns the batch function.
-ExternalFactory = Callable[[Mapping[str, Any]], ExternalBatchFn]
+from ..inbox.database import ConsumerDB
+from ..partitions import Identity
+from ..sqlite import DEFAULT_BUSY_TIMEOUT_MS
 
 ENTRY_POINT_GROUP = "delivery_consumer.consumers"
 PLUGINS_ENV = "DELIVERY_PLUGINS"
-
-
-@dataclass(frozen=True)
-class View:
-    """How ``<consumer> list|show`` and ``trace`` read one effect table.
-
-    Columns are SQL column names of ``table``; rows come out keyed by their
-    camelCase form (``article_id`` -> ``articleId``) unless ``rename`` says
-    otherwise.
-    """
-
-    table: str
-    columns: Sequence[str]
-    #: ``list`` order: column names (``rowid`` too), ``-`` in front for descending.
-    order: Sequence[str] = ()
-    #: The unique column ``show KEY`` looks up; None: no ``show``.
-    key: str | None = None
-    #: The columns of ``list``'s text table (default: all); ``--json`` has all.
-    brief: Sequence[str] = ()
-    #: Option name -> column: ``list --NAME VALUE`` keeps the rows where it equals VALUE.
-    filters: Mapping[str, str] = field(default_factory=dict)
-    #: Default ``--limit`` of ``list``; 0 lists every row.
-    limit: int = 0
-    #: The column holding the articleId: ``show`` of a partitioned consumer
-    #: reads the article's partition, ``trace`` shows the article's row.
-    article: str | None = None
-    #: The column holding the eventId that last wrote the row: ``trace`` finds
-    #: the event's article by it.
-    event: str | None = None
-    #: Column -> output name, where camelCase is not the name wanted.
-    rename: Mapping[str, str] = field(default_factory=dict)
-    #: Column -> function applied to its stored value (``bool`` for a 0/1 flag).
-    decode: Mapping[str, Callable[[Any], Any]] = field(default_factory=dict)
-    #: What ``list`` prints when there is no row.
-    empty: str = "no rows"
-
-
-@dataclass(frozen=True)
-class ConsumerSpec:
-    """Everything the store and the broker need to know about one consumer."""
-
-    name: str
-    apply: ApplyFn
-    #: Forward-only SQL scripts creating and evolving the effect tables; the
-    #: store runs the ones a database has not seen yet, in order. Never edit
-    #: or remove a published entry: append a new one.
-    migrations: Sequence[str]
-    #: Topic-exchange binding keys of the consumer's queue.
-    binding_keys: Sequence[str] = ("#",)
-    description: str = ""
-    #: Optional: the same effect as ``apply`` for several events in one go
-    #: (fewer statements). It receives events that have no receipt and
-    #: distinct eventIds, in delivery order, and returns exactly the results
-    #: ``apply`` would have returned called on each in turn; or it raises
-    #: (any error, at any point, even after writing): the store then rolls
-    #: the transaction back and applies the batch event by event.
-    apply_many: ApplyManyFn | None = None
-    #: Effect tables of the consumer (``trace`` shows their rows with an
-    #: ``event_id`` column; ``repartition`` moves them by ``article_id``).
-    tables: Sequence[str] = field(default_factory=tuple)
-    #: For an effect outside the database (an HTTP call, see
-    #: ``consumers/webhook.py``): ``run`` applies its batches with this instead
-    #: of ``apply`` (the fence protocol of ``fence.py``). None for effects
-    #: that live inside the store's transaction.
-    external: ExternalFactory | None = None
-    #: The view of ``<name> list|show`` and of ``trace``; None: no such commands.
-    view: View | None = None
-
 
 _BUILTINS: dict[str, str] = {
     "catalog": "delivery_consumer.consumers.catalog",
@@ -194,13 +104,29 @@ def find(name: str) -> ConsumerSpec | None:
     return get(name)
 
 
+def open_db(
+    path: Path | str | None = None,
+    consumer: str | None = None,
+    *,
+    create: bool = False,
+    readonly: bool = False,
+    busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS,
+    partition: Identity | None = None,
+    unpartitioned: bool = False,
+) -> ConsumerDB:
+    """:meth:`ConsumerDB.open` by the consumer's name: the database of
+    *consumer*, or of the consumer the database records when no name is given."""
+    spec = None
+    if consumer is not None and (path is None or not Path(path).is_dir()):
+        spec = get(consumer)
+    return ConsumerDB.open(path, spec, lookup=get, create=create, readonly=readonly,
+                           busy_timeout_ms=busy_timeout_ms, partition=partition, unpartitioned=unpartitioned)
+
+
 def names() -> list[str]:
     """Names of every consumer that can be used, built-in and registered."""
     _load_plugins()
     return sorted(set(_BUILTINS) | set(_REGISTRY))
 
 
-__all__ = [
-    "ApplyFn", "ApplyManyFn", "ConsumerSpec", "ExternalBatchFn", "ExternalFactory", "View",
-    "find", "get", "names", "register", "unregister",
-]
+__all__ = ["ENTRY_POINT_GROUP", "PLUGINS_ENV", "find", "get", "names", "open_db", "register", "unregister"]

@@ -22,9 +22,9 @@ from collections.abc import Sequence
 
 import orjson
 
+from ..contract import ConsumerSpec, View
 from ..envelope import Envelope, fingerprint
 from ..errors import REVISION_CONFLICT, Rejection
-from . import ConsumerSpec, View
 
 PUBLISHED = "material.published"
 WITHDRAWN = "material.withdrawn"

@@ -56,16 +56,17 @@ from urllib.parse import quote, urlsplit
 import orjson
 
 from .. import __version__
+from ..contract import ConsumerSpec, ExternalBatchFn
 from ..envelope import Envelope, canonical_bytes
 from ..errors import ENDPOINT_REJECTED, ConfigError, Rejection, TransientError, safe_reason
-from ..fence import MIGRATION, Call, CallResult, apply_fenced
+from ..inbox.fence import MIGRATION, Call, CallResult, apply_fenced
 from ..topology import DEFAULT_RETRY_DELAYS_MS
-from . import ConsumerSpec, ExternalBatchFn
 
 if TYPE_CHECKING:
     import httpx
 
-    from ..store import ConsumerDB, DeliveryMark, Outcome, WorkHooks
+    from ..contract import DeliveryMark, Outcome, WorkHooks
+    from ..inbox import ConsumerDB
 
 PUBLISHED: Final = "material.published"
 STEP: Final = "notify"

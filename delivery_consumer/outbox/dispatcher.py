@@ -109,9 +109,9 @@ from ..errors import DeliveryError, TransientError, safe_reason
 from ..faults import crashpoint
 from ..partitions import slot_headers
 from ..retry import reconnect_delay_s
-from ..store import now_iso
+from ..sqlite import now_iso, path_of
 from . import owners
-from .table import MAX_ERROR_CHARS, _path_of, routing_key_problem, transaction
+from .table import MAX_ERROR_CHARS, routing_key_problem, transaction
 
 if TYPE_CHECKING:
     from ..amqp.publisher import OutMessage, PublishResult
@@ -567,7 +567,7 @@ class Dispatcher:
         register it and start its heartbeat (skipped for a database without
         a file). A busy database only delays the registration: the first
         heartbeat makes it."""
-        path = _path_of(self.conn)
+        path = path_of(self.conn)
         if not os.path.isfile(path):
             return None
         with suppress(DeliveryError):

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Final
 
 from ..errors import DeliveryError, safe_reason
-from ..store import now_iso
+from ..sqlite import now_iso
 from .table import MAX_ERROR_CHARS, connect, transaction
 
 log = logging.getLogger("delivery_consumer.dispatch")

@@ -26,8 +26,8 @@ import orjson
 
 from ..errors import safe_reason
 from ..queries import NotFound
-from ..store import now_iso
-from .table import _path_of, _rollback, transaction
+from ..sqlite import now_iso, path_of, rollback
+from .table import transaction
 
 Row = dict[str, Any]
 STATES: Final = ("all", "unpublished", "pending", "leased", "retrying", "held", "failed", "quarantined", "dropped",
@@ -55,7 +55,7 @@ def _snapshot(conn: sqlite3.Connection) -> Iterator[None]:
     try:
         yield
     finally:
-        _rollback(conn)
+        rollback(conn)
 
 
 def pending_states(conn: sqlite3.Connection, now_s: str) -> dict[int, tuple[str, str | None]]:
@@ -195,7 +195,7 @@ def stats(conn: sqlite3.Connection, *, now: float | None = None) -> Row:
             " GROUP BY quarantine_reason ORDER BY count(*) DESC, quarantine_reason LIMIT 5"
         ).fetchall()
     return {
-        "database": _path_of(conn),
+        "database": path_of(conn),
         "rows": total,
         "published": published,
         "unpublished": total - published - dropped,

@@ -25,14 +25,14 @@ from __future__ import annotations
 import re
 import sqlite3
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Final
-from urllib.parse import quote
 
+from .. import sqlite
 from ..envelope import Envelope, from_mapping, parse
 from ..errors import EVENT_ID_REUSED, DatabaseError, DeliveryError, Rejection
-from ..store import DEFAULT_BUSY_TIMEOUT_MS, _statements, now_iso, translate
+from ..sqlite import DEFAULT_BUSY_TIMEOUT_MS, now_iso
 
 #: Forward-only migrations of the outbox tables; ``outbox_meta.version`` is
 #: the number applied. Never edit an entry: append one.
@@ -133,75 +133,62 @@ def connect(
     path: Path | str, *, readonly: bool = False, install_tables: bool = True,
     busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS,
 ) -> sqlite3.Connection:
-    """Open the producer's database the way the store opens a consumer's.
+    """Open the producer's database through :func:`delivery_consumer.sqlite.connect`.
 
-    Autocommit mode (``isolation_level=None``) with explicit ``BEGIN
-    IMMEDIATE`` / ``COMMIT`` (see :func:`transaction`), WAL with
-    ``synchronous=FULL`` (a row the producer committed survives power loss),
-    ``busy_timeout``. Writable connections create the file and install (or
-    upgrade) the outbox tables (``install_tables=False`` to leave that to the
-    caller); read-only ones (``mode=ro``) require them.
+    Autocommit mode with explicit ``BEGIN IMMEDIATE`` / ``COMMIT`` (see
+    :func:`transaction`), WAL with ``synchronous=FULL`` (a row the producer
+    committed survives power loss), ``busy_timeout``. Writable connections
+    create the file and install (or upgrade) the outbox tables
+    (``install_tables=False`` to leave that to the caller); read-only ones
+    (``mode=ro``) require them.
     """
     path = Path(path)
-    if path.is_dir():
-        raise DatabaseError(f"{path}: is a directory, not a database file")
-    if readonly and not path.is_file():
+    if readonly and not path.is_dir() and not path.is_file():
         raise DatabaseError(f"{path}: no such database")
-    try:
-        if readonly:
-            uri = f"file:{quote(str(path.resolve()))}?mode=ro"
-            conn = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=busy_timeout_ms / 1000)
-        else:
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise DatabaseError(f"{path}: cannot create its directory: {exc.strerror or exc}") from None
-            conn = sqlite3.connect(path, isolation_level=None, timeout=busy_timeout_ms / 1000)
-    except sqlite3.Error as exc:
-        raise DatabaseError(f"{path}: cannot open database: {exc}") from None
-    try:
-        conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
-        if readonly:
-            version = installed_version(conn)
-            if version == 0:
-                _check_foreign(conn, path)
-                raise DatabaseError(f"{path}: no outbox in this database")
-            if version > VERSION:
-                raise DatabaseError(f"{path}: outbox schema version {version} is newer than this code's {VERSION}")
-            if version < VERSION:
-                raise DatabaseError(f"{path}: outbox schema version {version} is older than this code's {VERSION};"
-                                    " open it once for writing (e.g. run dispatch) to upgrade it")
-        else:
+    if not readonly and not path.is_dir():
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise DatabaseError(f"{path}: cannot create its directory: {exc.strerror or exc}") from None
+
+    def check(conn: sqlite3.Connection) -> None:
+        if not readonly:
             _check_foreign(conn, path)
-            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-            if mode != "wal":
-                raise DatabaseError(f"{path}: cannot switch to WAL mode (got {mode!r})")
-            conn.execute("PRAGMA synchronous = FULL")
-            if install_tables:
-                install(conn)
-    except sqlite3.Error as exc:
-        conn.close()
-        raise DatabaseError(f"{path}: cannot use this database: {exc}") from None
-    except BaseException:
-        conn.close()
-        raise
+            return
+        version = installed_version(conn)
+        if version == 0:
+            _check_foreign(conn, path)
+            raise DatabaseError(f"{path}: no outbox in this database")
+        if version > VERSION:
+            raise DatabaseError(f"{path}: outbox schema version {version} is newer than this code's {VERSION}")
+        if version < VERSION:
+            raise DatabaseError(f"{path}: outbox schema version {version} is older than this code's {VERSION};"
+                                " open it once for writing (e.g. run dispatch) to upgrade it")
+
+    conn = sqlite.connect(path, readonly=readonly, busy_timeout_ms=busy_timeout_ms, check=check)
+    if install_tables and not readonly:
+        try:
+            install(conn)
+        except sqlite3.Error as exc:
+            conn.close()
+            raise DatabaseError(f"{path}: cannot use this database: {exc}") from None
+        except BaseException:
+            conn.close()
+            raise
     return conn
 
 
 def _check_foreign(conn: sqlite3.Connection, path: Path) -> None:
     """Refuse a consumer's inbox database before switching anything in it."""
-    names = {row[0] for row in conn.execute("SELECT name FROM sqlite_schema WHERE type = 'table'")}
+    names = sqlite.table_names(conn)
     if "inbox" in names and "meta" in names:
         raise DatabaseError(f"{path}: this is a consumer's inbox database, not a producer's")
 
 
 @contextmanager
 def transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
-    """``BEGIN IMMEDIATE`` ... ``COMMIT`` (or ``ROLLBACK``) on *conn*.
-
-    IMMEDIATE takes the write lock at once, so the read-then-write of
-    :func:`enqueue` never hits the deferred upgrade that fails without
-    waiting in WAL mode (https://sqlite.org/lang_transaction.html).
+    """``BEGIN IMMEDIATE`` ... ``COMMIT`` (or ``ROLLBACK``) on *conn*
+    (:func:`delivery_consumer.sqlite.transaction`).
 
     Transactions do not nest: on a connection with a transaction already
     open this raises :class:`OutboxError` and leaves that transaction as it
@@ -211,33 +198,8 @@ def transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
     if conn.in_transaction:
         raise OutboxError("outbox.transaction cannot be nested: this connection already has an open transaction"
                           " (call outbox.enqueue inside it instead)")
-    try:
-        conn.execute("BEGIN IMMEDIATE")
-    except sqlite3.Error as exc:  # nothing was begun: nothing to roll back
-        raise translate(exc, _path_of(conn)) from None
-    try:
+    with sqlite.transaction(conn):
         yield conn
-        conn.execute("COMMIT")
-    except sqlite3.Error as exc:
-        _rollback(conn)
-        raise translate(exc, _path_of(conn)) from None
-    except BaseException:
-        _rollback(conn)
-        raise
-
-
-def _rollback(conn: sqlite3.Connection) -> None:
-    if conn.in_transaction:
-        with suppress(sqlite3.Error):  # SQLite may have rolled back by itself
-            conn.execute("ROLLBACK")
-
-
-def _path_of(conn: sqlite3.Connection) -> str:
-    with suppress(sqlite3.Error):
-        row = conn.execute("PRAGMA database_list").fetchone()
-        if row and row[2]:
-            return str(row[2])
-    return "producer database"
 
 
 def installed_version(conn: sqlite3.Connection) -> int:
@@ -263,13 +225,7 @@ def install(conn: sqlite3.Connection) -> int:
         conn.execute("BEGIN IMMEDIATE")
     try:
         version = installed_version(conn)
-        if version > VERSION:
-            raise DatabaseError(
-                f"{_path_of(conn)}: outbox schema version {version} is newer than this code's {VERSION}; upgrade it"
-            )
-        for script in MIGRATIONS[version:]:
-            for statement in _statements(script):
-                conn.execute(statement)
+        sqlite.migrate(conn, MIGRATIONS, version, what="outbox schema")
         if version < VERSION:
             conn.execute("INSERT OR REPLACE INTO outbox_meta (key, value) VALUES ('version', ?)", (str(VERSION),))
             if version == 0:
@@ -278,7 +234,7 @@ def install(conn: sqlite3.Connection) -> int:
             conn.execute("COMMIT")
     except BaseException:
         if own:
-            _rollback(conn)
+            sqlite.rollback(conn)
         raise
     return VERSION
 
@@ -329,9 +285,9 @@ def enqueue(
         )
     except sqlite3.OperationalError as exc:
         if installed_version(conn) == 0:
-            raise OutboxError(f"{_path_of(conn)}: the outbox is not installed in this database"
+            raise OutboxError(f"{sqlite.path_of(conn)}: the outbox is not installed in this database"
                               " (open it with outbox.connect, or call outbox.install first)") from None
-        raise translate(exc, _path_of(conn)) from None
+        raise sqlite.translate(exc, sqlite.path_of(conn)) from None
     if cur.rowcount == 1:
         return True
     row = conn.execute("SELECT fingerprint FROM outbox WHERE event_id = ?", (env.event_id,)).fetchone()

@@ -8,9 +8,9 @@ from typing import Any
 
 from .. import consumers
 from ..envelope import MAX_BODY_BYTES
+from ..inbox import ConsumerDB
 from ..partitions import Identity
 from ..partitions import db_path as partition_db_path
-from ..store import ConsumerDB
 from ..topology import DEFAULT_DELIVERY_LIMIT, DEFAULT_EXCHANGE, DEFAULT_PREFIX, DEFAULT_RETRY_DELAYS_MS, Topology
 
 
@@ -62,5 +62,5 @@ class RunConfig:
         path = self.db_path
         if path is None and self.partition is not None:
             path = partition_db_path(self.consumer, self.partition.partition)
-        return ConsumerDB.open(path, self.consumer, create=True, partition=self.partition,
+        return consumers.open_db(path, self.consumer, create=True, partition=self.partition,
                                unpartitioned=self.partition is None)

@@ -8,9 +8,10 @@ from typing import Any
 
 from ..amqp.consumer import Delivery
 from ..amqp.publisher import OutMessage
+from ..contract import Outcome
 from ..errors import RETRIES_EXHAUSTED, Rejection
 from ..retry import GiveUp, RetryPolicy, attempts_done, retry_after_tier
-from ..store import Outcome, now_iso
+from ..sqlite import now_iso
 from ..topology import (
     H_ATTEMPTS,
     H_CONSUMER,

@@ -18,21 +18,13 @@ from typing import Any, Protocol, TypeVar
 
 from ..amqp.consumer import Delivery
 from ..amqp.publisher import OutMessage
+from ..contract import DeliveryMark, Outcome, WorkHooks
 from ..deliveries import Observer, delivery_key
 from ..envelope import KOMBU_COMPRESSION_HEADER, Envelope, body_digest, parse
 from ..errors import DELIVERY_LIMIT, DeliveryError, Rejection, StoreOutage, StoreUnavailable
 from ..faults import crashpoint
+from ..inbox import ConsumerDB, InFlight, Transaction, apply_batch, has_receipt
 from ..retry import RetryPolicy, attempts_done, reconnect_delay_s
-from ..store import (
-    ConsumerDB,
-    DeliveryMark,
-    InFlight,
-    Outcome,
-    Transaction,
-    WorkHooks,
-    apply_batch,
-    has_receipt,
-)
 from ..topology import H_ATTEMPTS, H_DELIVERY_COUNT
 from .config import RunConfig
 from .copies import Copy, CopyMaker

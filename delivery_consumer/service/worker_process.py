@@ -19,7 +19,7 @@ from ..amqp.connection import BrokerUnavailable
 from ..amqp.publisher import OutMessage
 from ..deliveries import ObserverFactory
 from ..errors import DeliveryError, StoreOutage
-from ..store import forget_in_flight
+from ..inbox import forget_in_flight
 from .config import RunConfig
 from .messages import (
     Ack,

@@ -23,7 +23,7 @@ Protocol, for a batch of deliveries (``apply_fenced``):
 
 Claiming and completing a whole batch in one transaction each amortises
 the commits over the batch, and the claim's commit is not even synced
-(``store.UnsyncedTransaction``), so the fence adds no fsync to a batch
+(``inbox.UnsyncedTransaction``), so the fence adds no fsync to a batch
 (bench/bench_webhook.py). Why that is safe (``_CLAIM_DURABILITY``): nothing
 is acknowledged on the claim alone -- the completing transaction always
 runs before ``run`` acks, and its sync of the WAL persists the claim's
@@ -52,7 +52,7 @@ its own commit (one fsync per call): a crash in the middle of a batch must
 not leave the calls that were never made in doubt.
 
 While a call is under way, only its delivery is noted as under way
-(``store.InFlight``, poison detection): a process that dies during a call
+(``inbox.InFlight``, poison detection): a process that dies during a call
 blames that delivery alone, never the rest of the batch; copies of one
 event in a batch are one call and one piece of work.
 
@@ -74,22 +74,14 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
-from .envelope import Envelope
-from .errors import OUTCOME_UNKNOWN, REVISION_CONFLICT, DeliveryError, Rejection, StoreUnavailable, TransientError
-from .faults import crashpoint
-from .store import (
-    ConsumerDB,
-    DeliveryMark,
-    InFlight,
-    Outcome,
-    Transaction,
-    WorkHooks,
-    _duplicate,
-    now_iso,
-    receipt_of,
-    unsynced_transaction,
-    write_receipt,
-)
+from ..contract import DeliveryMark, Outcome, WorkHooks
+from ..envelope import Envelope
+from ..errors import OUTCOME_UNKNOWN, REVISION_CONFLICT, DeliveryError, Rejection, StoreUnavailable, TransientError
+from ..faults import crashpoint
+from ..sqlite import now_iso
+from .apply import Transaction, duplicate, receipt_of, unsynced_transaction, write_receipt
+from .database import ConsumerDB
+from .in_flight import InFlight
 
 log = logging.getLogger("delivery_consumer.fence")
 
@@ -286,14 +278,14 @@ def _claim(
 ) -> Outcome | _Plan:
     """Step (1) for one event: an Outcome when no call is needed, else its plan."""
     conn = tx.conn
-    duplicate = receipt_of(tx, env)
-    if duplicate is not None:
-        return Outcome(env.event_id, result=duplicate)
+    answer = receipt_of(tx, env)
+    if answer is not None:
+        return Outcome(env.event_id, result=answer)
     first = claimed.get(env.event_id)
     if first is not None and first != env.fingerprint:
         # This eventId was claimed earlier in the batch with another body: the
         # same answer as when its receipt exists (whatever the batch size).
-        _duplicate((first, ""), env)
+        duplicate((first, ""), env)
     claimed.setdefault(env.event_id, env.fingerprint)
     key = fence_key(env.article_id, env.revision, step.name)
     where = (env.article_id, step.name, env.revision)

@@ -1,0 +1,48 @@
+"""The consumer's inbox: its database, the one path that applies events, and the fence.
+
+* :mod:`.database` -- open a consumer's database, check whose it is, migrate it;
+* :mod:`.apply` -- the transaction of a batch: receipt check, effect, receipt,
+  rejection rows, commit (:func:`apply_batch`, used by replay, run and the fence);
+* :mod:`.in_flight` -- what each process is handling now (poison detection);
+* :mod:`.fence` -- an effect outside the database: claim, call, complete.
+
+The event's path through these modules: docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+from .apply import (
+    Transaction,
+    UnsyncedTransaction,
+    apply_batch,
+    apply_event,
+    has_receipt,
+    receipt_of,
+    unsynced_transaction,
+    write_receipt,
+)
+from .database import CORE_MIGRATIONS, STORE_VERSION, ConsumerDB, default_db_path, inbox_rowid_before
+from .in_flight import CRASHED, INTERRUPTED, OPEN_OUTCOMES, InFlight, forget_in_flight, owner_alive, process_owner
+
+__all__ = [
+    "CORE_MIGRATIONS",
+    "CRASHED",
+    "INTERRUPTED",
+    "OPEN_OUTCOMES",
+    "STORE_VERSION",
+    "ConsumerDB",
+    "InFlight",
+    "Transaction",
+    "UnsyncedTransaction",
+    "apply_batch",
+    "apply_event",
+    "default_db_path",
+    "forget_in_flight",
+    "has_receipt",
+    "inbox_rowid_before",
+    "owner_alive",
+    "process_owner",
+    "receipt_of",
+    "unsynced_transaction",
+    "write_receipt",
+]

@@ -1,0 +1,522 @@
+"""Applying events: bytes parsed into envelopes go through here, into one transaction each batch.
+
+:func:`apply_batch` is the one place a batch is applied -- by ``replay``, by
+``run`` and by the fence (``inbox/fence.py``). In one write transaction
+(``BEGIN IMMEDIATE``) it reads the inbox receipts, runs the effect of every
+event that has none, writes their receipts and the rejection rows, lets the
+caller write what goes with the batch (``before_commit``: run's delivery
+counts, the fence's own rows) and commits; only then may a delivery be
+acknowledged. For each event:
+
+* same eventId, same fingerprint -> ``duplicate:<stored result>``, nothing
+  else changes;
+* same eventId, another fingerprint -> rejection ``event-id-reused``;
+* otherwise the effect decides the result (the consumer's ``apply``, or the
+  caller's *effect*).
+
+A batch is applied optimistically first (no savepoints, the SQL per batch);
+if any event fails, it is rolled back and applied again event by event
+under savepoints, so a rejected event never undoes its neighbours
+(docs/hot-path.md).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import orjson
+
+from .. import sqlite
+from ..contract import ApplyFn, DeliveryCount, Outcome
+from ..envelope import Envelope
+from ..errors import EVENT_ID_REUSED, WRONG_PARTITION, DatabaseError, Rejection, TransientError, safe_reason
+from ..partitions import misplaced
+from ..sqlite import now_iso
+
+if TYPE_CHECKING:
+    from .database import ConsumerDB
+
+_RECEIPT_SELECT = "SELECT fingerprint, result FROM inbox WHERE event_id = ?"
+_RECEIPTS_SELECT = (
+    "SELECT event_id, fingerprint, result FROM inbox WHERE event_id IN (SELECT value FROM json_each(?))"
+)
+_RECEIPT_INSERT = (
+    "INSERT INTO inbox (event_id, fingerprint, result, event_type, received_at, partition_key)"
+    " VALUES (?, ?, ?, ?, ?, ?)"
+)
+
+
+class _Fallback(Exception):
+    """The optimistic batch met a failing event: apply it event by event.
+
+    *env* and *outcome*: the event whose effect failed and how, when known.
+    """
+
+    def __init__(self, env: Envelope | None = None, outcome: Outcome | None = None) -> None:
+        super().__init__()
+        self.env = env
+        self.outcome = outcome
+
+
+def duplicate(receipt: tuple[str, str], env: Envelope) -> str:
+    """The answer to an event whose eventId has a receipt (fingerprint, result):
+    ``duplicate:<result>``, or rejection ``event-id-reused`` for another body."""
+    if receipt[0] == env.fingerprint:
+        return "duplicate:" + str(receipt[1])
+    raise Rejection(
+        EVENT_ID_REUSED,
+        f"eventId was first received with fingerprint {receipt[0][:12]}…, this body differs",
+        event_id=env.event_id,
+        fingerprint=env.fingerprint,
+    )
+
+
+class Transaction:
+    """The write transaction of a :meth:`ConsumerDB.transaction` block.
+
+    A plain class rather than a ``@contextmanager`` generator: at
+    ``--batch 1`` it is entered once per event, and the generator machinery
+    showed in the profile (bench/bench_replay.py).
+    """
+
+    __slots__ = ("_known", "apply_many_fn", "conn", "db", "effect", "now", "spec")
+
+    def __init__(self, db: ConsumerDB, now: str = ""):
+        self.db = db
+        self.conn = db.conn
+        self.spec = db.spec
+        self.now = now
+        #: The effect of one event (the consumer's ``apply`` unless a caller of
+        #: :func:`apply_batch` brings its own) and of several, if any.
+        self.effect: ApplyFn = db.spec.apply
+        self.apply_many_fn = db.spec.apply_many
+        #: Receipts read ahead by :meth:`prefetch` (eventId -> (fingerprint, result)).
+        self._known: dict[str, tuple[str, str]] | None = None
+
+    def __enter__(self) -> Transaction:
+        try:
+            self.conn.execute("BEGIN IMMEDIATE")
+            self.now = now_iso()
+        except sqlite3.Error as exc:
+            sqlite.rollback(self.conn)
+            raise sqlite.translate(exc, self.db.path) from None
+        except BaseException:
+            sqlite.rollback(self.conn)
+            raise
+        return self
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if exc is None:
+            try:
+                self.conn.execute("COMMIT")
+                return
+            except sqlite3.Error as error:
+                exc = error
+            except BaseException:
+                sqlite.rollback(self.conn)
+                raise
+        sqlite.rollback(self.conn)
+        if isinstance(exc, sqlite3.Error):
+            raise sqlite.translate(exc, self.db.path) from None
+        # Any other exception goes on as it is.
+
+    def apply(self, env: Envelope) -> Outcome:
+        """Apply one event under its own savepoint; never raises for the event.
+
+        A rejection or a transient failure rolls the event's changes back to
+        its savepoint and is returned in the :class:`Outcome`; the rest of the
+        transaction goes on. sqlite3 errors propagate: they concern the whole
+        transaction (except a constraint failing on the event's own writes).
+        """
+        conn = self.conn
+        conn.execute("SAVEPOINT event")
+        try:
+            result = self._apply(env)
+        except Exception as exc:
+            outcome = self._failure(env, exc)
+            self._undo()
+            return outcome
+        conn.execute("RELEASE event")
+        return Outcome(env.event_id, result=result)
+
+    def _failure(self, env: Envelope, exc: Exception) -> Outcome:
+        """The outcome of an event whose effect raised *exc*; raises *exc*
+        again when it concerns the whole transaction."""
+        if isinstance(exc, Rejection):
+            return Outcome(env.event_id, rejection=exc)
+        if isinstance(exc, TransientError):
+            return Outcome(env.event_id, transient=exc)
+        # A bug in an effect: retried, then dead-lettered. A constraint
+        # failing on the event's own writes (IntegrityError) aborted only that
+        # statement: it is this event's bug. Other sqlite3 errors (busy, disk
+        # full, I/O) concern the transaction.
+        if isinstance(exc, sqlite3.Error) and not isinstance(exc, sqlite3.IntegrityError):
+            raise exc
+        reason = f"{type(exc).__name__} in {self.spec.name} effect: {exc}"
+        return Outcome(env.event_id, transient=TransientError(reason, code="handler-error"))
+
+    def _undo(self) -> None:
+        self.conn.execute("ROLLBACK TO event")
+        self.conn.execute("RELEASE event")
+
+    def apply_many(self, items: Sequence[Envelope | Rejection]) -> list[Outcome]:
+        """Apply a batch; the first thing done in the transaction.
+
+        Optimistic: receipts read in one statement, the fresh events applied
+        together (the consumer's ``apply_many``, else ``apply`` in turn) with
+        no savepoint, their receipts written by one ``executemany``. When any
+        event fails (a rejection, a transient or an effect's error), the
+        transaction is rolled back and begun again, and the batch is applied
+        event by event under savepoints (:meth:`apply`): the outcomes and the
+        database are those of the per-event path, which
+        ``tests/test_batch_apply.py`` checks. Parse rejections in *items*
+        become rejection outcomes; recording them is the caller's.
+        """
+        try:
+            return self._optimistic(items)
+        except _Fallback as fallback:
+            failed, failure = fallback.env, fallback.outcome
+        self._restart()
+        envs = [item for item in items if not isinstance(item, Rejection)]
+        if len(envs) > 1:
+            self.prefetch(envs)
+        outcomes: list[Outcome] = []
+        for item in items:
+            if isinstance(item, Rejection):
+                outcomes.append(Outcome(item.event_id, rejection=item))
+            elif item is failed and failure is not None:
+                # The effect already answered for this event, after the same
+                # events before it: not called twice for one delivery.
+                outcomes.append(failure)
+                failed = None
+            else:
+                outcomes.append(self.apply(item))
+        return outcomes
+
+    def _optimistic(self, items: Sequence[Envelope | Rejection]) -> list[Outcome]:
+        conn = self.conn
+        envs = [item for item in items if not isinstance(item, Rejection)]
+        if len(envs) == 1:
+            row = conn.execute(_RECEIPT_SELECT, (envs[0].event_id,)).fetchone()
+            known = {} if row is None else {envs[0].event_id: row}
+        else:
+            ids = orjson.dumps([env.event_id for env in envs]).decode()
+            known = {row[0]: row[1:] for row in conn.execute(_RECEIPTS_SELECT, (ids,))}
+        # Each item is answered now (a receipt, a parse rejection) or by the
+        # effect: index of its fresh event, the first with its eventId.
+        outcomes: list[Outcome | int] = []
+        fresh: list[Envelope] = []
+        first: dict[str, int] = {}
+        for item in items:
+            if isinstance(item, Rejection):
+                outcomes.append(Outcome(item.event_id, rejection=item))
+                continue
+            row = known.get(item.event_id)
+            if row is not None:
+                try:
+                    outcomes.append(Outcome(item.event_id, result=duplicate(row, item)))
+                except Rejection as rej:
+                    outcomes.append(Outcome(item.event_id, rejection=rej))
+                continue
+            index = first.get(item.event_id)
+            if index is None:
+                first[item.event_id] = len(fresh)
+                outcomes.append(len(fresh))
+                fresh.append(item)
+            elif fresh[index].fingerprint == item.fingerprint:
+                outcomes.append(~index)  # a duplicate of a fresh event of this batch
+            else:
+                raise _Fallback  # event-id-reused within the batch: rare, let the per-event path say it
+        if not fresh:
+            return outcomes  # type: ignore[return-value]
+        part = self.db.partition
+        if part is not None and any(misplaced(env.article_id, part) for env in fresh):
+            raise _Fallback  # the per-event path rejects the misplaced event alone
+        apply_many, effect, now = self.apply_many_fn, self.effect, self.now
+        try:
+            if apply_many is not None:
+                results = apply_many(conn, fresh)
+            else:
+                results = []
+                for env in fresh:
+                    try:
+                        results.append(effect(conn, env))
+                    except Exception as exc:
+                        raise _Fallback(env, self._failure(env, exc)) from None
+            # Inside the try: an effect's bad result (None) fails here, as
+            # the per-event path's receipt INSERT does.
+            conn.executemany(_RECEIPT_INSERT, [
+                (env.event_id, env.fingerprint, result, env.type, now, env.article_id)
+                for env, result in zip(fresh, results, strict=True)
+            ])
+        except _Fallback:
+            raise
+        except Exception as exc:
+            if isinstance(exc, sqlite3.Error) and not isinstance(exc, sqlite3.IntegrityError):
+                raise
+            raise _Fallback from None
+        return [
+            o if isinstance(o, Outcome)
+            else Outcome(fresh[o].event_id, result=results[o]) if o >= 0
+            else Outcome(fresh[~o].event_id, result="duplicate:" + results[~o])
+            for o in outcomes
+        ]
+
+    def _restart(self) -> None:
+        """Roll the transaction back and begin it again (same receipt time)."""
+        try:
+            self.conn.execute("ROLLBACK")
+            self.conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            raise sqlite.translate(exc, self.db.path) from None
+        self._known = None
+
+    def prefetch(self, envs: Sequence[Envelope]) -> None:
+        """Read the receipts of a whole batch in one statement.
+
+        :meth:`apply` then looks receipts up in memory instead of one SELECT
+        per event. Exact because the transaction holds the write lock (BEGIN
+        IMMEDIATE): no other writer can add a receipt meanwhile, and receipts
+        written in this transaction are added as they are written.
+        """
+        ids = orjson.dumps([env.event_id for env in envs]).decode()
+        self._known = {
+            event_id: (fingerprint, result)
+            for event_id, fingerprint, result in self.conn.execute(_RECEIPTS_SELECT, (ids,))
+        }
+
+    def _apply(self, env: Envelope) -> str:
+        conn = self.conn
+        known = self._known
+        if known is None:
+            row = conn.execute(_RECEIPT_SELECT, (env.event_id,)).fetchone()
+        else:
+            row = known.get(env.event_id)
+        if row is not None:
+            return duplicate(row, env)
+        part = self.db.partition
+        if part is not None and (why := misplaced(env.article_id, part)):
+            raise Rejection(WRONG_PARTITION, why, event_id=env.event_id, fingerprint=env.fingerprint)
+        result = self.effect(conn, env)
+        conn.execute(_RECEIPT_INSERT, (env.event_id, env.fingerprint, result, env.type, self.now, env.article_id))
+        if known is not None:
+            known[env.event_id] = (env.fingerprint, result)
+        return result
+
+    def record_rejection(
+        self,
+        rejection: Rejection,
+        *,
+        source: str | None = None,
+        body_sha256: str | None = None,
+        attempts: int = 0,
+        dead_letter: str | None = None,
+    ) -> int:
+        """Write one row to ``rejected``; returns its id."""
+        cur = self.conn.execute(
+            "INSERT INTO rejected (code, reason, event_id, fingerprint, body_sha256, source,"
+            " attempts, dead_letter, rejected_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                rejection.code,
+                rejection.reason,
+                rejection.event_id,
+                rejection.fingerprint,
+                body_sha256,
+                safe_reason(source) if source else None,
+                attempts,
+                dead_letter,
+                self.now,
+            ),
+        )
+        assert cur.lastrowid is not None
+        return cur.lastrowid
+
+    def record_delivery(
+        self,
+        key: str,
+        event_id: str | None,
+        *,
+        redelivered: bool,
+        attempt: int,
+        outcome: str,
+        count: bool = True,
+        delivered_hint: int = 0,
+    ) -> DeliveryCount:
+        """Count one broker delivery of *key* durably and store its outcome.
+
+        *attempt* is the try number the delivery carries (1 for the first
+        publication, 2 after one retry tier, ...); stored counts never
+        decrease, so a crash or a lost header cannot reset them.
+        *delivered_hint* is what the broker says (``x-delivery-count + 1``).
+        ``count=False`` only updates the outcome of a delivery counted
+        earlier. Crashes are not counted here: see :class:`InFlight`.
+        """
+        row = self.conn.execute(
+            "INSERT INTO deliveries (key, event_id, deliveries, redeliveries, attempts, crashes,"
+            " first_at, last_at, last_outcome) VALUES (?1, ?2, max(1, ?3), ?4, ?5, 0, ?6, ?6, ?7)"
+            " ON CONFLICT (key) DO UPDATE SET"
+            " deliveries = max(deliveries + ?8, ?3),"
+            " redeliveries = redeliveries + ?4 * ?8,"
+            " attempts = max(attempts, excluded.attempts),"
+            " event_id = coalesce(excluded.event_id, event_id),"
+            " last_at = excluded.last_at, last_outcome = excluded.last_outcome"
+            " RETURNING deliveries, attempts, crashes",
+            (key, event_id, delivered_hint, int(redelivered), attempt, self.now, outcome, int(count)),
+        ).fetchone()
+        return DeliveryCount(int(row[0]), int(row[1]), int(row[2]))
+
+
+
+def apply_event(db: ConsumerDB, env: Envelope, *, source: str | None = None) -> str:
+    """Apply one envelope in its own transaction and return its result.
+
+    Raises :class:`Rejection` (already recorded in ``rejected`` and
+    committed) or :class:`TransientError` (nothing committed).
+    """
+    with db.transaction() as tx:
+        outcome = tx.apply(env)
+        if outcome.rejection is not None:
+            tx.record_rejection(outcome.rejection, source=source)
+    if outcome.rejection is not None:
+        raise outcome.rejection
+    if outcome.transient is not None:
+        raise outcome.transient
+    assert outcome.result is not None
+    return outcome.result
+
+
+#: Called inside a batch's transaction once its outcomes are known, before
+#: the commit: what a caller writes beside the batch (run counts deliveries,
+#: the fence writes its own rows).
+BatchHook = Callable[["Transaction", list[Outcome]], None]
+
+
+def apply_batch(
+    db: ConsumerDB,
+    items: Sequence[Envelope | Rejection],
+    *,
+    sources: Sequence[str | None] | None = None,
+    body_digests: Sequence[str | None] | None = None,
+    record_rejections: bool = True,
+    before_commit: BatchHook | None = None,
+    effect: ApplyFn | None = None,
+) -> list[Outcome]:
+    """Apply a batch in one transaction (:meth:`Transaction.apply_many`) and return outcomes.
+
+    The one place a batch is applied (replay, run and the fence). *items*
+    may contain rejections found before the store (a body that did not
+    parse): they are recorded in ``rejected`` with the others, with the
+    matching entry of *sources* and *body_digests* -- unless
+    ``record_rejections`` is False (run records them once their dead-letter
+    copy is confirmed). *before_commit* writes what goes with the batch.
+    *effect* replaces the consumer's ``apply`` (and ``apply_many``) for this
+    batch: the fence answers with the calls it made before the transaction.
+    The outcomes are in the order of *items*; the transaction commits once.
+    """
+    with db.transaction() as tx:
+        if effect is not None:
+            tx.effect, tx.apply_many_fn = effect, None
+        outcomes = tx.apply_many(items)
+        if record_rejections:
+            for i, outcome in enumerate(outcomes):
+                if outcome.rejection is not None:
+                    tx.record_rejection(
+                        outcome.rejection,
+                        source=sources[i] if sources is not None else None,
+                        body_sha256=body_digests[i] if body_digests is not None else None,
+                    )
+        if before_commit is not None:
+            before_commit(tx, outcomes)
+    return outcomes
+
+
+def receipt_of(tx: Transaction, env: Envelope) -> str | None:
+    """``duplicate:<result>`` when *env* has a receipt, None when it has none.
+
+    Raises :class:`Rejection` ``event-id-reused`` when the receipt is of
+    another body (the same check as :meth:`Transaction.apply`).
+    """
+    row = tx.conn.execute("SELECT fingerprint, result FROM inbox WHERE event_id = ?", (env.event_id,)).fetchone()
+    return None if row is None else duplicate(row, env)
+
+
+def has_receipt(db: ConsumerDB, event_id: str) -> bool:
+    """Whether *event_id* has a receipt (read outside any transaction)."""
+    return db.conn.execute("SELECT 1 FROM inbox WHERE event_id = ?", (event_id,)).fetchone() is not None
+
+
+def write_receipt(tx: Transaction, env: Envelope, result: str) -> bool:
+    """Write the receipt of *env*; False when it already had one (written by
+    another process since :func:`receipt_of` looked), which is kept."""
+    cur = tx.conn.execute(
+        "INSERT INTO inbox (event_id, fingerprint, result, event_type, received_at, partition_key)"
+        " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (event_id) DO NOTHING",
+        (env.event_id, env.fingerprint, result, env.type, tx.now, env.article_id),
+    )
+    return cur.rowcount == 1
+
+
+class UnsyncedTransaction(Transaction):
+    """A write transaction whose COMMIT is not synced (``synchronous=NORMAL``
+    for this transaction only; the connection goes back to FULL after it).
+
+    Only for a transaction that nothing is acknowledged on. It survives a
+    crash of the process like any commit (the WAL is in the OS's cache), and
+    the next ordinary commit makes it durable too: that commit syncs the WAL
+    file, which holds this transaction's frames before its own
+    (https://sqlite.org/wal.html, https://sqlite.org/pragma.html#pragma_synchronous).
+    Only a power loss before that next commit can lose it. The fence's claim
+    uses it (docs/fence.md says why that loss is harmless there).
+    """
+
+    __slots__ = ()
+
+    def __enter__(self) -> Transaction:
+        try:
+            self.conn.execute("PRAGMA synchronous = NORMAL")
+        except sqlite3.Error as exc:
+            raise sqlite.translate(exc, self.db.path) from None
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._restore()
+            raise
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        try:
+            super().__exit__(exc_type, exc, tb)
+        finally:
+            self._restore()
+
+    def _restore(self) -> None:
+        try:
+            self.conn.execute("PRAGMA synchronous = FULL")  # what every writable connection uses (sqlite.connect)
+        except sqlite3.Error as exc:
+            # Left at NORMAL, later commits could be acknowledged without being durable.
+            raise DatabaseError(f"{self.db.path}: cannot restore PRAGMA synchronous: {exc}") from None
+
+
+def unsynced_transaction(db: ConsumerDB) -> UnsyncedTransaction:
+    """``with unsynced_transaction(db) as tx:`` -- see :class:`UnsyncedTransaction`."""
+    if db.readonly:
+        raise DatabaseError(f"{db.path}: opened read-only")
+    return UnsyncedTransaction(db)
+
+
+
+
+__all__ = [
+    "BatchHook",
+    "Transaction",
+    "UnsyncedTransaction",
+    "apply_batch",
+    "apply_event",
+    "duplicate",
+    "has_receipt",
+    "now_iso",
+    "receipt_of",
+    "unsynced_transaction",
+    "write_receipt",
+]

@@ -1,0 +1,378 @@
+"""The consumer's database: open it, check whose it is, migrate it.
+
+One database per consumer (or per partition of one). :meth:`ConsumerDB.open`
+refuses a file that is not this consumer's -- missing, foreign, a producer's,
+corrupt, newer, another consumer's or another partition's -- and brings an
+older one up to date under one write lock. Transactions on it:
+``inbox/apply.py``.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable
+from pathlib import Path
+
+from .. import __version__, sqlite
+from ..contract import ConsumerSpec
+from ..errors import DatabaseError, WrongDatabase
+from ..partitions import Identity, identity_from_meta
+from ..sqlite import DEFAULT_BUSY_TIMEOUT_MS, now_iso
+from .apply import Transaction
+
+#: Pages of WAL after which a commit runs a checkpoint (SQLite's default: 1000).
+WAL_AUTOCHECKPOINT_PAGES = 10_000
+#: Page cache of a writable connection, KiB (SQLite's default: 2000).
+CACHE_KIB = 64 * 1024
+# A writer's commit pays for the automatic checkpoint: checkpoint every ~40 MB
+# of WAL instead of every 4 MB (fewer, larger copies of pages that change again
+# and again), and keep the hot b-tree pages of the inbox and the effect tables
+# in memory: the receipt lookups are random by eventId. Both per connection.
+# (No mmap: an I/O error on a mapped page is a SIGBUS, not an exception,
+# https://sqlite.org/mmap.html.)
+_WRITER_PRAGMAS = (f"wal_autocheckpoint = {WAL_AUTOCHECKPOINT_PAGES}", f"cache_size = -{CACHE_KIB}")
+
+#: Forward-only migrations of the store's own tables. ``PRAGMA user_version``
+#: is the number of entries applied. Never edit an entry: append one.
+#: ``inbox`` is a rowid table on purpose: rows are appended in rowid order and
+#: only the small (eventId -> rowid) index takes random inserts; as a WITHOUT
+#: ROWID table every receipt would land on a random leaf page.
+CORE_MIGRATIONS: tuple[str, ...] = (
+    """
+    CREATE TABLE meta (
+        key   TEXT PRIMARY KEY,
+        value TEXT NOT NULL
+    ) STRICT;
+    CREATE TABLE inbox (
+        event_id    TEXT PRIMARY KEY,
+        fingerprint TEXT NOT NULL,
+        result      TEXT NOT NULL,
+        event_type  TEXT NOT NULL,
+        received_at TEXT NOT NULL
+    ) STRICT;
+    CREATE INDEX inbox_received_at ON inbox (received_at);
+    CREATE TABLE rejected (
+        id          INTEGER PRIMARY KEY,
+        code        TEXT NOT NULL,
+        reason      TEXT NOT NULL,
+        event_id    TEXT,
+        fingerprint TEXT,
+        body_sha256 TEXT,
+        source      TEXT,
+        attempts    INTEGER NOT NULL DEFAULT 0,
+        dead_letter TEXT,
+        rejected_at TEXT NOT NULL,
+        resolved_at TEXT
+    ) STRICT;
+    CREATE INDEX rejected_event_id ON rejected (event_id);
+    CREATE INDEX rejected_at ON rejected (rejected_at);
+    CREATE TABLE deliveries (
+        key          TEXT PRIMARY KEY,
+        event_id     TEXT,
+        deliveries   INTEGER NOT NULL,
+        redeliveries INTEGER NOT NULL,
+        attempts     INTEGER NOT NULL,
+        crashes      INTEGER NOT NULL DEFAULT 0,
+        first_at     TEXT NOT NULL,
+        last_at      TEXT NOT NULL,
+        last_outcome TEXT
+    ) STRICT, WITHOUT ROWID;
+    CREATE INDEX deliveries_last_at ON deliveries (last_at);
+    """,
+    # The key that places an event in a partition (its articleId), kept with
+    # its receipt so that changing the partition count can move receipts
+    # with their article (partitions.py). NULL in receipts written before.
+    """
+    ALTER TABLE inbox ADD COLUMN partition_key TEXT;
+    """,
+    # What each process is handling now (InFlight): one row per live process.
+    """
+    CREATE TABLE in_flight (
+        owner      TEXT PRIMARY KEY,
+        keys       TEXT NOT NULL,
+        started_at TEXT NOT NULL
+    ) STRICT;
+    """,
+    # Receipts are appended in time order along the rowid, so prune finds a
+    # time by binary search on the rowid (retention.py); the index was one
+    # more page written and synced by every commit.
+    """
+    DROP INDEX inbox_received_at;
+    """,
+)
+STORE_VERSION = len(CORE_MIGRATIONS)
+_CONSUMER_VERSION_KEY = "consumer_schema_version"
+
+#: Resolves the consumer a database records to its spec (the registry's ``get``).
+SpecLookup = Callable[[str], ConsumerSpec]
+
+
+def default_db_path(consumer: str) -> Path:
+    """Where a consumer's database lives unless told otherwise."""
+    return Path("state") / consumer / "inbox.db"
+
+
+def inbox_rowid_before(conn: sqlite3.Connection, cutoff: str) -> int:
+    """A rowid bound: the receipts at or below it are those received before *cutoff*.
+
+    Receipts are appended in time order, so ``received_at < cutoff`` holds
+    for a prefix of the rowids: a binary search over the rowid finds its end
+    in ~log2(n) lookups, with no index on ``received_at``. Callers keep
+    testing ``received_at`` too: if the clock ever went back, the prefix
+    found may be off by the receipts written meanwhile (prune then keeps some
+    old receipts longer and never deletes a younger one; a count of recent
+    receipts may miss some written while the clock was behind).
+    """
+    ((low, high),) = conn.execute("SELECT min(rowid), max(rowid) FROM inbox").fetchall()
+    if low is None:
+        return 0
+    high += 1  # the first rowid whose next receipt is not older than cutoff
+    while low < high:
+        middle = (low + high) // 2
+        row = conn.execute(
+            "SELECT rowid, received_at FROM inbox WHERE rowid >= ? ORDER BY rowid LIMIT 1", (middle,)
+        ).fetchone()
+        if row is None or row[1] >= cutoff:
+            high = middle
+        else:
+            low = row[0] + 1
+    return int(low) - 1
+
+
+class ConsumerDB:
+    """An open consumer database: its connection, path and consumer spec.
+
+    Use :meth:`open`; one instance per thread (connections are never shared).
+    Read-only instances (for the inspect commands) open the file with
+    ``mode=ro`` and autocommit, so they never hold a write lock nor a long
+    read snapshot.
+    """
+
+    def __init__(self, conn: sqlite3.Connection, path: Path, spec: ConsumerSpec, readonly: bool):
+        self.conn = conn
+        self.path = path
+        self.spec = spec
+        self.readonly = readonly
+        #: The partition this database serves (None: an unpartitioned consumer).
+        self.partition: Identity | None = None
+
+    # -- opening ---------------------------------------------------------------
+
+    @classmethod
+    def open(
+        cls,
+        path: Path | str | None = None,
+        spec: ConsumerSpec | None = None,
+        *,
+        lookup: SpecLookup | None = None,
+        create: bool = False,
+        readonly: bool = False,
+        busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS,
+        partition: Identity | None = None,
+        unpartitioned: bool = False,
+    ) -> ConsumerDB:
+        """Open (and with ``create`` make) the database of the consumer *spec*.
+
+        Either may be omitted: the path defaults to ``state/<consumer>/inbox.db``;
+        without *spec*, the consumer is the one the database records, resolved
+        by *lookup*. Raises :class:`DatabaseError` for a missing, foreign,
+        corrupt, newer or other consumer's database -- and, with *partition*,
+        for a database of another partition or count (a new one records
+        *partition*); with *unpartitioned*, for any partition's.
+        """
+        consumer = spec.name if spec is not None else None
+        if path is None:
+            if consumer is None:
+                raise DatabaseError("give a consumer name or a database path")
+            path = default_db_path(consumer)
+        path = Path(path)
+        if path.is_dir():
+            raise DatabaseError(f"{path}: is a directory, not a database file")
+        exists = path.exists()
+        if not exists and (readonly or not create):
+            hint = f" (create it with: delivery-consumer init --consumer {consumer or 'NAME'} --db {path})"
+            raise DatabaseError(f"{path}: no such database{hint}")
+        if not exists:
+            if consumer is None:
+                raise DatabaseError(f"{path}: no such database; give --consumer to create it")
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            except FileExistsError:  # mkdir's own message would be "File exists"
+                raise DatabaseError(f"{path}: cannot create its directory: {path.parent} is not a directory") from None
+            except OSError as exc:
+                raise DatabaseError(f"{path}: cannot create its directory: {exc.strerror or exc}") from None
+        checked = path
+
+        def refuse_foreign(conn: sqlite3.Connection) -> None:
+            # Before the switch to WAL, which is persistent: refusing must not modify the file.
+            cls._recorded_consumer(conn, checked)
+
+        conn = sqlite.connect(path, readonly=readonly, busy_timeout_ms=busy_timeout_ms,
+                              check=None if readonly else refuse_foreign, pragmas=() if readonly else _WRITER_PRAGMAS)
+        try:
+            if readonly:
+                stored = cls._check_readable(conn, path)
+            else:
+                stored = cls._prepare_writable(conn, path, spec, lookup, partition)
+            if consumer is not None and stored != consumer:
+                raise WrongDatabase(
+                    f"{path}: this database belongs to consumer {stored!r}, not {consumer!r}"
+                )
+            if partition is not None or unpartitioned:
+                cls._check_partition(conn, path, stored, partition)
+            if spec is None:
+                spec = cls._resolve(path, stored, lookup)
+            if readonly:
+                cls._check_consumer_version(conn, path, spec)
+            db = cls(conn, path, spec, readonly)
+            db.partition = identity_from_meta(db.meta())
+        except sqlite3.Error as exc:
+            conn.close()
+            raise DatabaseError(f"{path}: cannot use this database: {exc}") from None
+        except BaseException:
+            conn.close()
+            raise
+        return db
+
+    @staticmethod
+    def _resolve(path: Path, consumer: str, lookup: SpecLookup | None) -> ConsumerSpec:
+        if lookup is None:
+            raise DatabaseError(f"{path}: a database of consumer {consumer!r}; give its spec to open it")
+        return lookup(consumer)
+
+    @staticmethod
+    def _recorded_consumer(conn: sqlite3.Connection, path: Path) -> str | None:
+        """The consumer the database records; None for an empty file."""
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        tables = sqlite.table_names(conn)
+        if "meta" not in tables or "inbox" not in tables:
+            if not tables and version == 0:
+                return None
+            if "outbox" in tables:
+                raise WrongDatabase(
+                    f"{path}: this is a producer's database (it holds an outbox), not a consumer's inbox")
+            raise DatabaseError(f"{path}: not a delivery-consumer database")
+        if version > STORE_VERSION:
+            raise DatabaseError(
+                f"{path}: database schema version {version} is newer than this "
+                f"delivery-consumer ({__version__}) understands ({STORE_VERSION}); upgrade it"
+            )
+        if version == 0:
+            raise DatabaseError(f"{path}: not a delivery-consumer database")
+        row = conn.execute("SELECT value FROM meta WHERE key = 'consumer'").fetchone()
+        if row is None:
+            raise DatabaseError(f"{path}: not a delivery-consumer database (no consumer recorded)")
+        return str(row[0])
+
+    @classmethod
+    def _check_readable(cls, conn: sqlite3.Connection, path: Path) -> str:
+        stored = cls._recorded_consumer(conn, path)
+        if stored is None:
+            raise DatabaseError(f"{path}: empty database; run delivery-consumer init first")
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        if version < STORE_VERSION:
+            raise DatabaseError(f"{path}: schema version {version} is old; run init to upgrade it")
+        return stored
+
+    @staticmethod
+    def _check_consumer_version(conn: sqlite3.Connection, path: Path, spec: ConsumerSpec) -> None:
+        row = conn.execute("SELECT value FROM meta WHERE key = ?", (_CONSUMER_VERSION_KEY,)).fetchone()
+        version = int(row[0]) if row else 0
+        if version != len(spec.migrations):
+            state = "newer" if version > len(spec.migrations) else "older"
+            raise DatabaseError(
+                f"{path}: the {spec.name} tables are at version {version}, {state} than this "
+                f"delivery-consumer's {len(spec.migrations)}"
+                + ("; run init to upgrade them" if state == "older" else "")
+            )
+
+    @staticmethod
+    def _check_partition(conn: sqlite3.Connection, path: Path, consumer: str, wanted: Identity | None) -> None:
+        meta = dict(conn.execute("SELECT key, value FROM meta WHERE key IN ('partition', 'partition_count')"))
+        stored = identity_from_meta(meta)
+        if stored == wanted:
+            return
+        what = f"{stored.describe()} of consumer {consumer!r}" if stored else f"the unpartitioned {consumer!r}"
+        asked = wanted.describe() if wanted else "the unpartitioned consumer"
+        raise DatabaseError(f"{path}: this database is {what}, not {asked}")
+
+    @classmethod
+    def _prepare_writable(
+        cls, conn: sqlite3.Connection, path: Path, spec: ConsumerSpec | None, lookup: SpecLookup | None,
+        partition: Identity | None = None,
+    ) -> str:
+        """Check identity and run pending migrations, all under one write lock."""
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            stored = cls._recorded_consumer(conn, path)
+            if stored is None:
+                if spec is None:
+                    raise DatabaseError(f"{path}: empty database; give --consumer to initialise it")
+                stored = spec.name
+            elif spec is not None and stored != spec.name:
+                raise WrongDatabase(
+                    f"{path}: this database belongs to consumer {stored!r}, not {spec.name!r}"
+                )
+            spec = spec or cls._resolve(path, stored, lookup)
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            sqlite.migrate(conn, CORE_MIGRATIONS, version, what="database schema")
+            if version == 0:
+                conn.executemany(
+                    "INSERT INTO meta (key, value) VALUES (?, ?)",
+                    [
+                        ("consumer", stored),
+                        ("created_at", now_iso()),
+                        ("created_by", f"delivery-consumer {__version__}"),
+                        (_CONSUMER_VERSION_KEY, "0"),
+                        *([("partition", str(partition.partition)), ("partition_count", str(partition.count))]
+                          if partition is not None else []),
+                    ],
+                )
+            conn.execute(f"PRAGMA user_version = {STORE_VERSION}")
+            row = conn.execute(
+                "SELECT value FROM meta WHERE key = ?", (_CONSUMER_VERSION_KEY,)
+            ).fetchone()
+            applied = sqlite.migrate(conn, spec.migrations, int(row[0]) if row else 0,
+                                     what=f"the {spec.name} tables' schema")
+            conn.execute(
+                "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (_CONSUMER_VERSION_KEY, str(applied)),
+            )
+            conn.execute("COMMIT")
+            return stored
+        except BaseException:
+            sqlite.rollback(conn)
+            raise
+
+    # -- use -------------------------------------------------------------------
+
+    @property
+    def consumer(self) -> str:
+        return self.spec.name
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self) -> ConsumerDB:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def transaction(self) -> Transaction:
+        """One write transaction: ``with db.transaction() as tx:`` runs
+        BEGIN IMMEDIATE ... COMMIT, or ROLLBACK when the block raises.
+
+        sqlite3 errors leave as :class:`TransientError` (busy past the
+        timeout, disk full, I/O error: the caller may retry the whole batch)
+        or :class:`DatabaseError` (the database is unusable).
+        """
+        if self.readonly:
+            raise DatabaseError(f"{self.path}: opened read-only")
+        return Transaction(self)
+
+    def meta(self) -> dict[str, str]:
+        """The database's identity and versions."""
+        return dict(self.conn.execute("SELECT key, value FROM meta").fetchall())
+
+
+__all__ = ["CORE_MIGRATIONS", "STORE_VERSION", "ConsumerDB", "SpecLookup", "default_db_path", "inbox_rowid_before"]
