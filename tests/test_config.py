@@ -108,6 +108,22 @@ def test_paths_are_relative_to_the_file_and_flags_override_it(tmp_path: Path) ->
     assert 0 == code and [] == orjson.loads(out)
 
 
+@pytest.mark.parametrize("given", [["--config", "{config}"], ["--config={config}"]])
+def test_config_may_follow_the_command(tmp_path: Path, given: list[str]) -> None:
+    """``status --config PATH`` (the flag after the command, where an operator types it) reads PATH,
+    as ``--config PATH status`` does; a --config after ``--`` is an argument, not the flag."""
+    (tmp_path / "deploy").mkdir()
+    config = write_deployment(tmp_path / "deploy")  # not the working directory's ./delivery.toml
+    flag = [arg.format(config=config) for arg in given]
+    result = cli(["status", "--offline", "--json", *flag])
+    assert 0 == result.exit_code, result.stderr
+    assert str(config) == orjson.loads(result.stdout)["deployment"]
+
+    from delivery_consumer.cli import hoist_config
+
+    assert ["--config", "a", "x", "--", "--config", "b"] == hoist_config(["x", "--config", "a", "--", "--config", "b"])
+
+
 def test_a_database_of_another_consumer_is_refused_naming_the_key(tmp_path: Path) -> None:
     """The file names a catalog database for audit: every command using it, config check and the
     system view (status, trace, console) exit 2 with one line naming the file and consumers.audit.db."""

@@ -59,9 +59,31 @@ class LazyGroup(click.Group):
         return super().get_command(ctx, cmd_name)
 
 
+def hoist_config(args: list[str]) -> list[str]:
+    """``--config PATH`` moved to the front wherever it was given (``status --config
+    x.toml`` means what ``--config x.toml status`` means); nothing after ``--`` moves."""
+    end = args.index("--") if "--" in args else len(args)
+    front: list[str] = []
+    rest: list[str] = []
+    i = 0
+    while i < end:
+        arg = args[i]
+        if arg == "--config" and i + 1 < end:
+            front += args[i:i + 2]
+            i += 2
+            continue
+        (front if arg.startswith("--config=") else rest).append(arg)
+        i += 1
+    return front + rest + args[end:]
+
+
 class RootGroup(LazyGroup):
     """The root: its commands, then ``<consumer> list|show`` of every
-    registered consumer whose spec has a view (``cli/views.py``)."""
+    registered consumer whose spec has a view (``cli/views.py``).
+    ``--config`` is the root's option, accepted after the command too."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, hoist_config(args))
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         from .. import consumers
