@@ -6,11 +6,14 @@ healthy once the dead letter is requeued and applied."""
 
 from __future__ import annotations
 
+import html
 import re
 import sys
 import uuid
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
+from urllib.request import Request, urlopen
 
 import orjson
 import pytest
@@ -18,6 +21,7 @@ from brokerkit import Namespace, RunProcess
 from deploykit import dc, deploy_env, run_until_idle, write_deployment
 from partitionkit import Cluster
 from support import wait_until
+from test_console import ConsoleProcess
 from webhook_server import WebhookServer
 
 from delivery_consumer.amqp.publisher import OutMessage, Publisher
@@ -125,7 +129,8 @@ def test_a_partitioned_consumer_is_declared_from_the_file_and_shown_partition_by
         ns: Namespace, tmp_path: Path) -> None:
     """topology declare without flags declares what the file says (catalog in 2 partitions, audit); status
     gives each partition its own queue, consumers, dead letters and receipts, and the unrouted queue when a
-    message waits there; trace points at the article's partition; healthy again once both are dealt with."""
+    message waits there; trace points at the article's partition; the console purges the partition's dead
+    letter; healthy again once the unrouted message is rerouted and applied."""
     config = write_deployment(tmp_path, ns=ns, consumers=("catalog", "audit"), partitions={"catalog": 2})
     cluster = Cluster(ns, "catalog", 2)
     try:
@@ -186,8 +191,22 @@ def test_a_partitioned_consumer_is_declared_from_the_file_and_shown_partition_by
         assert f"consumer catalog/p1: not this partition's article (articleId {article[0]} lives in p0)" in text, text
         assert re.search(r"^  catalog/p0 +applied updated$", text, re.M), text
 
-        purged = dc(config, "dead", "purge", "--consumer", "catalog", "--partition", "1", "--all", "--yes")
-        assert 0 == purged.returncode, purged.stderr
+        console = ConsoleProcess(config, "--allow-actions")  # the partition's dead letter, purged from the page
+        try:
+            with urlopen(console.url, timeout=60) as answer:
+                page = answer.read().decode()
+            assert f"<h3>catalog/p1 <small>{ns.prefix}.catalog.p1.dead</small></h3>" in page, page
+            link = re.search(r'href="/(dead/confirm\?[^"]*action=purge[^"]*)"', page)
+            assert link is not None and "partition=p1" in link.group(1), page
+            with urlopen(console.url + html.unescape(link.group(1)), timeout=60) as answer:
+                confirm = answer.read().decode()
+            assert "1 dead letters of <b>catalog/p1</b>" in confirm, confirm
+            form = dict(re.findall(r'<input type="hidden" name="([^"]+)" value="([^"]*)">', confirm))
+            with urlopen(Request(console.url + "dead/purge", data=urlencode(form).encode()), timeout=60) as answer:
+                assert '<p id="result">1 purged</p>' in answer.read().decode()
+        finally:
+            console.stop()
+        assert 0 == ns.count(f"{ns.prefix}.catalog.p1.dead")
         assert 0 == dc(config, "reroute", "--consumer", "catalog").returncode
         wait_until("the stray applied in its partition", lambda: "healthy" in dc(config, "status").stdout, 60,
                    [serving])
