@@ -272,7 +272,7 @@ def test_a_reader_that_closes_the_pipe_stops_the_command_quietly(tmp_path: Path)
 
 def test_trace_tells_an_outbox_row_s_history_and_no_stale_error_as_current(tmp_path: Path) -> None:
     """A row quarantined, requeued by a person and then published: trace (text and console)
-    says so in that order, and shows no 'lastError' as if the published row were failing."""
+    says so in that order, and shows no "last error" as if the published row were failing."""
     from delivery_consumer.config import parse_file
     from delivery_consumer.console.server import Console
 
@@ -292,7 +292,7 @@ def test_trace_tells_an_outbox_row_s_history_and_no_stale_error_as_current(tmp_p
     code, out, _err = with_config(config, "trace", event_id, "--offline")
     assert 0 == code
     outbox_part = out.split("consumer catalog")[0]
-    assert "lastError" not in outbox_part, outbox_part
+    assert "last error" not in outbox_part, outbox_part
     history = [line.split(":", 1)[1].strip() for line in outbox_part.splitlines() if "history:" in line]
     assert 3 == len(history), outbox_part
     assert history[0].startswith("quarantined at 2026-12-01T08:00:00.000Z: returned: unroutable")

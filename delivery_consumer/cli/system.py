@@ -89,6 +89,11 @@ def trace(ctx: click.Context, consumer: str | None, db_path: Path | None, as_jso
         _echo_event(shown)
 
 
+#: The outbox row's fields as the text trace names them (--json keeps the keys).
+_LABELS = {"createdAt": "enqueued", "publishedAt": "published at", "lastAttemptAt": "last attempt",
+           "lastError": "last error", "passedBy": "passed by"}
+
+
 def _echo_event(shown: dict[str, Any]) -> None:
     click.echo(f"eventId {shown['eventId']} in {shown['deployment']}")
     for row in shown["outbox"]:
@@ -100,8 +105,7 @@ def _echo_event(shown: dict[str, Any]) -> None:
         if not row.get("publishedAt"):  # once published, an earlier error is history (below)
             keys.insert(7, "lastError")
         keys += [k for k in ("detail", "passedBy") if row.get(k)]
-        fields = [("enqueued" if k == "createdAt" else "published at" if k == "publishedAt" else k, row[k])
-                  for k in keys if k in row]
+        fields = [(_LABELS.get(k, k), row[k]) for k in keys if k in row]
         fields += [("history", line) for line in system.outbox_history(row)]
         echo_record(fields, indent="  ")
     if not shown["outbox"]:
