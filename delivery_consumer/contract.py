@@ -151,12 +151,11 @@ class DeliveryMark:
     count: bool = True
     delivered_hint: int = 0
 
-    def record(self, tx: Transaction, event_id: str | None, outcome: str, *, again: bool = False) -> DeliveryCount:
-        """Count the delivery with *outcome*; ``again`` only updates the outcome
-        of a delivery this batch counted already."""
+    def record(self, tx: Transaction, event_id: str | None, outcome: str) -> DeliveryCount:
+        """Count the delivery in *tx* with its *outcome*."""
         return tx.record_delivery(
             self.key, event_id, redelivered=self.redelivered, attempt=self.attempt, outcome=outcome,
-            count=self.count and not again, delivered_hint=self.delivered_hint,
+            count=self.count, delivered_hint=self.delivered_hint,
         )
 
 

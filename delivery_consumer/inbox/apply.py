@@ -1,23 +1,13 @@
-"""Applying events: bytes parsed into envelopes go through here, into one transaction each batch.
+"""The one path that applies events: envelope -> transaction -> effect -> receipt -> commit.
 
-:func:`apply_batch` is the one place a batch is applied -- by ``replay``, by
-``run`` and by the fence (``inbox/fence.py``). In one write transaction
-(``BEGIN IMMEDIATE``) it reads the inbox receipts, runs the effect of every
-event that has none, writes their receipts and the rejection rows, lets the
-caller write what goes with the batch (``before_commit``: run's delivery
-counts, the fence's own rows) and commits; only then may a delivery be
-acknowledged. For each event:
-
-* same eventId, same fingerprint -> ``duplicate:<stored result>``, nothing
-  else changes;
-* same eventId, another fingerprint -> rejection ``event-id-reused``;
-* otherwise the effect decides the result (the consumer's ``apply``, or the
-  caller's *effect*).
-
-A batch is applied optimistically first (no savepoints, the SQL per batch);
-if any event fails, it is rolled back and applied again event by event
-under savepoints, so a rejected event never undoes its neighbours
-(docs/hot-path.md).
+:func:`apply_batch` is used by ``replay``, by ``run`` and by the fence. Read
+in this order: :func:`apply_batch` -> :meth:`Transaction.__enter__` (BEGIN
+IMMEDIATE) -> :meth:`Transaction.apply_many` (receipts read, effects run,
+receipts written) -> ``before_commit`` (what goes with the batch) ->
+:meth:`Transaction.__exit__` (COMMIT); only then may a delivery be acked.
+For each event: a receipt with the same fingerprint -> ``duplicate:<result>``;
+with another -> rejection ``event-id-reused``; none -> the effect decides.
+The path drawn: docs/architecture.md; the optimistic batch: docs/hot-path.md.
 """
 
 from __future__ import annotations
@@ -37,6 +27,70 @@ from ..sqlite import now_iso
 
 if TYPE_CHECKING:
     from .database import ConsumerDB
+
+
+#: Called inside a batch's transaction once its outcomes are known, before
+#: the commit: what a caller writes beside the batch (run counts deliveries,
+#: the fence writes its own rows).
+BatchHook = Callable[["Transaction", list[Outcome]], None]
+
+
+def apply_batch(
+    db: ConsumerDB,
+    items: Sequence[Envelope | Rejection],
+    *,
+    sources: Sequence[str | None] | None = None,
+    body_digests: Sequence[str | None] | None = None,
+    record_rejections: bool = True,
+    before_commit: BatchHook | None = None,
+    effect: ApplyFn | None = None,
+) -> list[Outcome]:
+    """Apply a batch in one transaction (:meth:`Transaction.apply_many`) and return outcomes.
+
+    The one place a batch is applied (replay, run and the fence). *items*
+    may contain rejections found before the store (a body that did not
+    parse): they are recorded in ``rejected`` with the others, with the
+    matching entry of *sources* and *body_digests* -- unless
+    ``record_rejections`` is False (run records them once their dead-letter
+    copy is confirmed). *before_commit* writes what goes with the batch.
+    *effect* replaces the consumer's ``apply`` (and ``apply_many``) for this
+    batch: the fence answers with the calls it made before the transaction.
+    The outcomes are in the order of *items*; the transaction commits once.
+    """
+    with db.transaction() as tx:
+        if effect is not None:
+            tx.effect, tx.apply_many_fn = effect, None
+        outcomes = tx.apply_many(items)
+        if record_rejections:
+            for i, outcome in enumerate(outcomes):
+                if outcome.rejection is not None:
+                    tx.record_rejection(
+                        outcome.rejection,
+                        source=sources[i] if sources is not None else None,
+                        body_sha256=body_digests[i] if body_digests is not None else None,
+                    )
+        if before_commit is not None:
+            before_commit(tx, outcomes)
+    return outcomes
+
+
+def apply_event(db: ConsumerDB, env: Envelope, *, source: str | None = None) -> str:
+    """Apply one envelope in its own transaction and return its result.
+
+    Raises :class:`Rejection` (already recorded in ``rejected`` and
+    committed) or :class:`TransientError` (nothing committed).
+    """
+    with db.transaction() as tx:
+        outcome = tx.apply(env)
+        if outcome.rejection is not None:
+            tx.record_rejection(outcome.rejection, source=source)
+    if outcome.rejection is not None:
+        raise outcome.rejection
+    if outcome.transient is not None:
+        raise outcome.transient
+    assert outcome.result is not None
+    return outcome.result
+
 
 _RECEIPT_SELECT = "SELECT fingerprint, result FROM inbox WHERE event_id = ?"
 _RECEIPTS_SELECT = (
@@ -367,69 +421,6 @@ class Transaction:
         ).fetchone()
         return DeliveryCount(int(row[0]), int(row[1]), int(row[2]))
 
-
-
-def apply_event(db: ConsumerDB, env: Envelope, *, source: str | None = None) -> str:
-    """Apply one envelope in its own transaction and return its result.
-
-    Raises :class:`Rejection` (already recorded in ``rejected`` and
-    committed) or :class:`TransientError` (nothing committed).
-    """
-    with db.transaction() as tx:
-        outcome = tx.apply(env)
-        if outcome.rejection is not None:
-            tx.record_rejection(outcome.rejection, source=source)
-    if outcome.rejection is not None:
-        raise outcome.rejection
-    if outcome.transient is not None:
-        raise outcome.transient
-    assert outcome.result is not None
-    return outcome.result
-
-
-#: Called inside a batch's transaction once its outcomes are known, before
-#: the commit: what a caller writes beside the batch (run counts deliveries,
-#: the fence writes its own rows).
-BatchHook = Callable[["Transaction", list[Outcome]], None]
-
-
-def apply_batch(
-    db: ConsumerDB,
-    items: Sequence[Envelope | Rejection],
-    *,
-    sources: Sequence[str | None] | None = None,
-    body_digests: Sequence[str | None] | None = None,
-    record_rejections: bool = True,
-    before_commit: BatchHook | None = None,
-    effect: ApplyFn | None = None,
-) -> list[Outcome]:
-    """Apply a batch in one transaction (:meth:`Transaction.apply_many`) and return outcomes.
-
-    The one place a batch is applied (replay, run and the fence). *items*
-    may contain rejections found before the store (a body that did not
-    parse): they are recorded in ``rejected`` with the others, with the
-    matching entry of *sources* and *body_digests* -- unless
-    ``record_rejections`` is False (run records them once their dead-letter
-    copy is confirmed). *before_commit* writes what goes with the batch.
-    *effect* replaces the consumer's ``apply`` (and ``apply_many``) for this
-    batch: the fence answers with the calls it made before the transaction.
-    The outcomes are in the order of *items*; the transaction commits once.
-    """
-    with db.transaction() as tx:
-        if effect is not None:
-            tx.effect, tx.apply_many_fn = effect, None
-        outcomes = tx.apply_many(items)
-        if record_rejections:
-            for i, outcome in enumerate(outcomes):
-                if outcome.rejection is not None:
-                    tx.record_rejection(
-                        outcome.rejection,
-                        source=sources[i] if sources is not None else None,
-                        body_sha256=body_digests[i] if body_digests is not None else None,
-                    )
-        if before_commit is not None:
-            before_commit(tx, outcomes)
-    return outcomes
 
 
 def receipt_of(tx: Transaction, env: Envelope) -> str | None:

@@ -1,65 +1,12 @@
 """Fence an effect outside the database: claim a stable key, call, complete.
 
-The inbox makes an effect exactly-once only when the effect is a write in the
-consumer's own database, committed with the receipt. A call to another
-system (an HTTP endpoint) cannot join that transaction, so a crash between
-the call and the commit would make the redelivery call again. The fence is
-the remedy (``../shared/seeds/003``, issue 6): a row with a *stable* key for
-the business step, written before the call, and the provider's response id
-stored next to it afterwards.
-
-Protocol, for a batch of deliveries (``apply_fenced``):
-
-1. **claim** -- one transaction: for each event, the inbox receipt check
-   (``duplicate:<result>``), then its fence row ``<articleId>:<revision>:<step>``
-   is looked up or inserted (``claimed``); commit. Events that need no call
-   are finished here (duplicates, ``stale``, a fence already ``done``).
-2. **call** -- outside any transaction: each claimed key is sent to the
-   endpoint with the key as its idempotency key.
-3. **complete** -- one transaction: the provider's id is stored, the fence
-   marked ``done`` and the inbox receipt written, for every call that
-   succeeded; failures are written next to the key; commit. Then ``run``
-   acks.
-
-Claiming and completing a whole batch in one transaction each amortises
-the commits over the batch, and the claim's commit is not even synced
-(``inbox.UnsyncedTransaction``), so the fence adds no fsync to a batch
-(bench/bench_webhook.py). Why that is safe (``_CLAIM_DURABILITY``): nothing
-is acknowledged on the claim alone -- the completing transaction always
-runs before ``run`` acks, and its sync of the WAL persists the claim's
-frames, which come first; the claim survives a crash of the process like
-any commit; only a power loss between the claim and the completion can
-lose it, and then the call either was not made, or went to an idempotent
-endpoint (called again with the same key: one effect), or, for an endpoint
-that is not idempotent, was preceded by its own synced mark (``_mark_call``).
-
-A fence row is never deleted by the protocol:
-
-* ``claimed`` -- the step is under way or failed; ``calls`` counts the calls
-  started with the key, ``in_doubt`` says that the last of them may have
-  had its effect without our knowing (a crash after the call, a timeout);
-* ``done`` -- the effect happened; ``provider_id`` is the endpoint's id of it;
-* ``stale`` -- a newer revision of the article was claimed first; not sent.
-
-On a redelivery: a receipt -> ``duplicate:<result>``, no call; a ``done``
-fence without a receipt -> the receipt is written, no call; a ``claimed``
-fence -> called again with the *same* key when the endpoint is idempotent,
-and when it is not, called again only if no earlier call can have had its
-effect (``in_doubt`` = 0), otherwise rejected ``outcome-unknown`` for a
-person to resolve (``delivery-consumer fence resolve``): never twice on a
-guess. For an endpoint that is not idempotent the mark before each call is
-its own commit (one fsync per call): a crash in the middle of a batch must
-not leave the calls that were never made in doubt.
-
-While a call is under way, only its delivery is noted as under way
-(``inbox.InFlight``, poison detection): a process that dies during a call
-blames that delivery alone, never the rest of the batch; copies of one
-event in a batch are one call and one piece of work.
-
-Stale revisions are not sent: an event whose article already has a fence of
-a higher revision (claimed or done; a newer notification is under way) gets
-the receipt ``stale``. The same key with another payload is the rejection
-``revision-conflict``, as in the catalog.
+For a consumer whose effect is a call to another system (the webhook): (1)
+claim ``<articleId>:<revision>:<step>`` in a transaction of its own, (2)
+call outside any transaction with that key as the idempotency key, (3)
+complete through the one applier (:func:`inbox.apply_batch`), whose effect
+is the call's answer. Why this is exactly-once, and what a redelivery does
+in each state: docs/fence.md. Also here: the fence table's rows for
+``fence list|show|resolve`` and ``trace``.
 """
 
 from __future__ import annotations
@@ -70,7 +17,7 @@ import sqlite3
 import time
 from collections.abc import Callable, Sequence
 from contextlib import suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
@@ -78,8 +25,9 @@ from ..contract import DeliveryMark, Outcome, WorkHooks
 from ..envelope import Envelope
 from ..errors import OUTCOME_UNKNOWN, REVISION_CONFLICT, DeliveryError, Rejection, StoreUnavailable, TransientError
 from ..faults import crashpoint
+from ..partitions import misplaced
 from ..sqlite import now_iso
-from .apply import Transaction, duplicate, receipt_of, unsynced_transaction, write_receipt
+from .apply import Transaction, apply_batch, duplicate, receipt_of, unsynced_transaction
 from .database import ConsumerDB
 from .in_flight import InFlight
 
@@ -115,11 +63,9 @@ _BY_KEY = "article_id = ? AND step = ? AND revision = ?"
 
 STATES = ("claimed", "done", "stale")
 _NO_HOOKS = WorkHooks()
-#: The argument for the claim's unsynced commit, in the module docstring.
-_CLAIM_DURABILITY = "module docstring, 'Why that is safe'"
 #: How often the completing transaction is tried at once before the database
 #: is waited for (WorkHooks.wait_for_store); if that gives up, the answers are
-#: lost: the keys stay claimed (see the module docstring).
+#: lost: the keys stay claimed (docs/fence.md).
 COMPLETE_TRIES = 3
 
 
@@ -204,7 +150,10 @@ class _Plan:
     result: CallResult | None = None
     not_called: TransientError | None = None  # skipped: the endpoint failed on an earlier key
     recheck: bool = False  # another process marked the key first: read it again
-    followers: list[_Plan] = field(default_factory=list)
+
+
+#: What the claim found for one event: its result, its failure, or the call to make.
+_Answer = str | Rejection | TransientError | _Plan
 
 
 def apply_fenced(
@@ -213,51 +162,28 @@ def apply_fenced(
 ) -> list[Outcome]:
     """Apply a batch with the fence protocol; one Outcome per delivery, in order.
 
-    Deliveries are counted in ``deliveries`` with their outcome when the
-    batch completes. With ``hooks.in_flight``, the delivery being called is
-    noted alone while its call is under way (a crash there is its crash, not
-    the batch's), and the completing transaction clears the note. Raises
-    StoreUnavailable when the database as a whole failed before any call
-    (the caller retries the batch); once calls were made, their answers are
-    kept and the completion waits for the database (``hooks.wait_for_store``).
+    (1) claim, (2) call, (3) complete through :func:`inbox.apply_batch`, whose
+    effect is the answer of the call (docs/fence.md). Deliveries are counted
+    in ``deliveries`` with their outcome when the batch completes. With
+    ``hooks.in_flight``, the delivery being called is noted alone while its
+    call is under way (a crash there is its crash, not the batch's), and the
+    completing transaction clears the note. Raises StoreUnavailable when the
+    database as a whole failed before any call (the caller retries the
+    batch); once calls were made, their answers are kept and the completion
+    waits for the database (``hooks.wait_for_store``).
     """
-    outcomes: list[Outcome | None] = [None] * len(parsed)
-    plans: list[_Plan] = []
-    settled: list[tuple[DeliveryMark, Outcome]] = []  # needing no call; counted in (3)
-    with unsynced_transaction(db) as tx:  # (1) claim; why unsynced: see _CLAIM_DURABILITY
-        leaders: dict[str, _Plan] = {}
-        claimed: dict[str, str] = {}  # eventId -> fingerprint of the events this batch claimed
-        for i, item in enumerate(parsed):
-            done: Outcome | _Plan
-            if isinstance(item, Rejection):
-                done = Outcome(item.event_id, rejection=item)
-            else:
-                try:
-                    done = _claim(tx, i, item, step, leaders, claimed)
-                except Rejection as rej:
-                    done = Outcome(item.event_id, rejection=rej)
-            if isinstance(done, _Plan):
-                plans.append(done)
-            else:
-                outcomes[i] = done
-                settled.append((marks[i], done))
+    answers = _claim_all(db, parsed, step)
+    plans = [answer for answer in answers.values() if isinstance(answer, _Plan)]
+    plans.sort(key=lambda plan: plan.index)
     if plans:
         crashpoint("webhook-after-claim")
-        # (2) call, outside any transaction
         _call_all(db, [p for p in plans if p.leader is None], step, hooks, [m.key for m in marks])
+    completion = _Completion(parsed, answers, plans, marks, step, hooks)
     attempt = 0
     while True:  # (3) complete; always: its sync makes (1) durable
         try:
-            with db.transaction() as tx:
-                for mark, outcome in settled:
-                    mark.record(tx, outcome.event_id, outcome.status)
-                for plan in plans:
-                    outcome = _follow(tx, plan, outcomes, step) if plan.leader else _complete(tx, plan, step)
-                    outcomes[plan.index] = outcome
-                    marks[plan.index].record(tx, plan.env.event_id, outcome.status)
-                if hooks.in_flight is not None:
-                    hooks.in_flight.clear(tx)
-            break
+            return apply_batch(db, parsed, record_rejections=False, effect=completion.effect,
+                               before_commit=completion.before_commit)
         except StoreUnavailable as exc:
             attempt += 1
             if attempt < COMPLETE_TRIES:
@@ -269,18 +195,42 @@ def apply_fenced(
                 log.error("the answers of %d calls could not be committed (%s); their keys stay claimed",
                           len(plans), exc)
                 raise
-    return [o for o in outcomes if o is not None]
+
+
+def _claim_all(db: ConsumerDB, parsed: Sequence[Envelope | Rejection], step: ExternalStep) -> dict[int, _Answer]:
+    """Step (1): claim the batch's keys in one transaction, not synced (docs/fence.md
+    says why that is safe). The answers are keyed by ``id()`` of the parsed
+    envelope, which is what the completion's effect receives; an event the
+    applier answers by itself (a parse rejection, a receipt, a misplaced
+    article) has none."""
+    answers: dict[int, _Answer] = {}
+    part = db.partition
+    with unsynced_transaction(db) as tx:
+        leaders: dict[str, _Plan] = {}
+        claimed: dict[str, str] = {}  # eventId -> fingerprint of the events this batch claimed
+        for i, item in enumerate(parsed):
+            if isinstance(item, Rejection) or id(item) in answers:
+                continue
+            if part is not None and misplaced(item.article_id, part):
+                continue
+            try:
+                answer = _claim(tx, i, item, step, leaders, claimed)
+            except Rejection as rej:
+                answer = rej
+            if answer is not None:
+                answers[id(item)] = answer
+    return answers
 
 
 def _claim(
     tx: Transaction, index: int, env: Envelope, step: ExternalStep, leaders: dict[str, _Plan],
     claimed: dict[str, str],
-) -> Outcome | _Plan:
-    """Step (1) for one event: an Outcome when no call is needed, else its plan."""
+) -> _Answer | None:
+    """Step (1) for one event: its answer (a result, a failure, or the call to make),
+    None when its receipt answers it."""
     conn = tx.conn
-    answer = receipt_of(tx, env)
-    if answer is not None:
-        return Outcome(env.event_id, result=answer)
+    if receipt_of(tx, env) is not None:
+        return None
     first = claimed.get(env.event_id)
     if first is not None and first != env.fingerprint:
         # This eventId was claimed earlier in the batch with another body: the
@@ -295,9 +245,7 @@ def _claim(
     if leader is not None:  # the same key earlier in this batch: follow its call
         if leader.sha != sha:
             raise _conflict(env, key)
-        plan = _Plan(index, env, key, where, payload, sha, leader=leader)
-        leader.followers.append(plan)
-        return plan
+        return _Plan(index, env, key, where, payload, sha, leader=leader)
     # One probe of the primary key finds this key's row and any newer revision.
     rows = conn.execute(
         "SELECT revision, state, payload_sha256, event_id, calls, in_doubt FROM fence"
@@ -308,16 +256,13 @@ def _claim(
     if row is not None and row[2] != sha:
         raise _conflict(env, key)
     if row is not None and row[1] == "done":
-        result = step.result if row[3] == env.event_id else f"already-{step.result}"
-        write_receipt(tx, env, result)
-        return Outcome(env.event_id, result=result)
+        return step.result if row[3] == env.event_id else f"already-{step.result}"
     newer = max((r[0] for r in rows if r[0] > env.revision and r[1] != "stale"), default=None)
     if newer is not None:
         if row is not None:
             conn.execute(f"UPDATE fence SET state = 'stale', last_error = ? WHERE {_BY_KEY}",
                          (f"revision {newer} was claimed first", *where))
-        write_receipt(tx, env, "stale")
-        return Outcome(env.event_id, result="stale")
+        return "stale"
     # Calling an idempotent endpoint again is harmless, so the mark before the
     # call (calls + 1, in doubt) is batched here; for a non-idempotent one it
     # is a commit of its own just before each call (_mark_call).
@@ -410,70 +355,91 @@ def _mark_call(db: ConsumerDB, where: tuple[str, str, int], in_flight: InFlight 
         return cur.rowcount == 1
 
 
-def _complete(tx: Transaction, plan: _Plan, step: ExternalStep) -> Outcome:
-    """Step (3) for one called (or skipped) key."""
-    conn, env = tx.conn, plan.env
-    if plan.not_called is not None:
-        if plan.marked:  # the call was never made: undo its mark
-            conn.execute(f"UPDATE fence SET calls = ?, in_doubt = ? WHERE {_BY_KEY}", (*plan.prior, *plan.where))
-        return Outcome(env.event_id, transient=plan.not_called)
-    result = plan.result
-    if plan.recheck or result is None:
-        state = conn.execute(f"SELECT state FROM fence WHERE {_BY_KEY}", plan.where).fetchone()
-        if state is not None and state[0] == "done":
-            return _receipt(tx, env, step.result)
-        return Outcome(env.event_id, rejection=_unknown(env, plan.key, "another process called with this key"))
-    if result.failure is None:
-        conn.execute(
-            "UPDATE fence SET state = 'done', provider_id = ?, http_status = ?, in_doubt = 0, last_error = NULL,"
-            f" done_at = ? WHERE {_BY_KEY}",
-            (result.provider_id, result.status, tx.now, *plan.where),
-        )
-        return _receipt(tx, env, step.result)
-    failure = result.failure
-    conn.execute(
-        f"UPDATE fence SET http_status = ?, last_error = ?, in_doubt = ? WHERE {_BY_KEY}",
-        (result.status, f"{failure.code}: {failure.reason}", int(result.ambiguous), *plan.where),
-    )
-    if isinstance(failure, Rejection):
-        return Outcome(env.event_id, rejection=failure)
-    if result.ambiguous and not step.idempotent:
-        return Outcome(env.event_id, rejection=_unknown(env, plan.key, failure.reason))
-    return Outcome(env.event_id, transient=failure)
+class _Completion:
+    """Step (3)'s hooks for :func:`inbox.apply_batch`: the effect answers each
+    event with what (1) and (2) found; before the commit, the fence rows take
+    the calls' results, the deliveries are counted and the note is cleared."""
 
+    def __init__(self, parsed: Sequence[Envelope | Rejection], answers: dict[int, _Answer], plans: list[_Plan],
+                 marks: Sequence[DeliveryMark], step: ExternalStep, hooks: WorkHooks) -> None:
+        self.parsed = parsed
+        self.answers = answers
+        self.plans = plans
+        self.marks = marks
+        self.step = step
+        self.hooks = hooks
 
-def _follow(tx: Transaction, plan: _Plan, outcomes: list[Outcome | None], step: ExternalStep) -> Outcome:
-    """Step (3) for a delivery whose key an earlier delivery of the batch called."""
-    env = plan.env
-    assert plan.leader is not None
-    try:
-        duplicate = receipt_of(tx, env)  # the same event twice in the batch
-    except Rejection as rej:
-        return Outcome(env.event_id, rejection=rej)
-    if duplicate is not None:
-        return Outcome(env.event_id, result=duplicate)
-    leader = outcomes[plan.leader.index]
-    assert leader is not None
-    if leader.result is not None:
-        row = tx.conn.execute(f"SELECT state FROM fence WHERE {_BY_KEY}", plan.where).fetchone()
-        if row is not None and row[0] == "done":
-            return _receipt(tx, env, f"already-{step.result}")
-    if leader.rejection is not None:
-        first = leader.rejection
-        return Outcome(env.event_id, rejection=Rejection(first.code, first.reason, event_id=env.event_id,
-                                                         fingerprint=env.fingerprint))
-    return Outcome(env.event_id, transient=leader.transient or TransientError("the key was not completed"))
+    def effect(self, conn: sqlite3.Connection, env: Envelope) -> str:
+        """The result of *env*'s step, or its failure raised (the applier rolls its
+        savepoint back; the fence rows are written in :meth:`before_commit`)."""
+        answer = self.answers.get(id(env))
+        if answer is None:  # claimed by no one (cannot happen): try again later
+            raise TransientError("the event was not claimed", code="not-claimed")
+        if isinstance(answer, str):
+            return answer
+        if not isinstance(answer, _Plan):
+            raise answer
+        verdict = self._verdict(conn, answer.leader or answer)
+        if answer.leader is None:
+            if isinstance(verdict, str):
+                return verdict
+            raise verdict
+        # Another delivery of the batch with the same key made the call.
+        if isinstance(verdict, str):
+            return f"already-{self.step.result}"
+        if isinstance(verdict, Rejection):
+            raise Rejection(verdict.code, verdict.reason, event_id=env.event_id, fingerprint=env.fingerprint)
+        raise verdict
 
+    def _verdict(self, conn: sqlite3.Connection, plan: _Plan) -> str | Rejection | TransientError:
+        """What the call of *plan*'s key comes to: the step's result or its failure."""
+        env, step = plan.env, self.step
+        if plan.not_called is not None:
+            return plan.not_called
+        result = plan.result
+        if plan.recheck or result is None:
+            state = conn.execute(f"SELECT state FROM fence WHERE {_BY_KEY}", plan.where).fetchone()
+            if state is not None and state[0] == "done":
+                return step.result
+            return _unknown(env, plan.key, "another process called with this key")
+        failure = result.failure
+        if failure is None:
+            return step.result
+        if isinstance(failure, TransientError) and result.ambiguous and not step.idempotent:
+            return _unknown(env, plan.key, failure.reason)
+        return failure
 
-def _receipt(tx: Transaction, env: Envelope, result: str) -> Outcome:
-    """Write the receipt unless another process wrote it meanwhile."""
-    if write_receipt(tx, env, result):
-        return Outcome(env.event_id, result=result)
-    try:
-        duplicate = receipt_of(tx, env)
-    except Rejection as rej:
-        return Outcome(env.event_id, rejection=rej)
-    return Outcome(env.event_id, result=duplicate or result)
+    def before_commit(self, tx: Transaction, outcomes: list[Outcome]) -> None:
+        conn = tx.conn
+        for plan in self.plans:
+            if plan.leader is not None:
+                continue
+            result = plan.result
+            if plan.not_called is not None:
+                if plan.marked:  # the call was never made: undo its mark
+                    conn.execute(f"UPDATE fence SET calls = ?, in_doubt = ? WHERE {_BY_KEY}",
+                                 (*plan.prior, *plan.where))
+            elif plan.recheck or result is None:
+                pass  # another process owns the key's row
+            elif result.failure is None:
+                conn.execute(
+                    "UPDATE fence SET state = 'done', provider_id = ?, http_status = ?, in_doubt = 0,"
+                    f" last_error = NULL, done_at = ? WHERE {_BY_KEY}",
+                    (result.provider_id, result.status, tx.now, *plan.where),
+                )
+            else:
+                failure = result.failure
+                conn.execute(
+                    f"UPDATE fence SET http_status = ?, last_error = ?, in_doubt = ? WHERE {_BY_KEY}",
+                    (result.status, f"{failure.code}: {failure.reason}", int(result.ambiguous), *plan.where),
+                )
+        # Deliveries answered without a call first, then the called ones, in order.
+        called = [isinstance(self.answers.get(id(item)), _Plan) for item in self.parsed]
+        order = [i for i, c in enumerate(called) if not c] + [i for i, c in enumerate(called) if c]
+        for i in order:
+            self.marks[i].record(tx, outcomes[i].event_id, outcomes[i].status)
+        if self.hooks.in_flight is not None:
+            self.hooks.in_flight.clear(tx)
 
 
 def _conflict(env: Envelope, key: str) -> Rejection:
