@@ -75,7 +75,7 @@ class QueryError(DeliveryError):
     """Ad-hoc SQL was refused (a write, several statements) or failed."""
 
 
-def _reads(fn: Callable[P, T]) -> Callable[P, T]:
+def reads(fn: Callable[P, T]) -> Callable[P, T]:
     """Map sqlite3 errors met while reading to the project's own errors.
 
     A file can pass the checks of ``ConsumerDB.open`` and still have damaged
@@ -95,7 +95,7 @@ def _reads(fn: Callable[P, T]) -> Callable[P, T]:
 
 
 @contextmanager
-def _snapshot(conn: sqlite3.Connection) -> Iterator[None]:
+def read_snapshot(conn: sqlite3.Connection) -> Iterator[None]:
     """One short read transaction, so that several SELECTs see one state."""
     conn.execute("BEGIN DEFERRED")
     try:
@@ -105,7 +105,7 @@ def _snapshot(conn: sqlite3.Connection) -> Iterator[None]:
             conn.execute("ROLLBACK")  # nothing was written; ends the snapshot
 
 
-def _limit(limit: int | None) -> int:
+def sql_limit(limit: int | None) -> int:
     """SQLite's LIMIT value: None or 0 mean no limit."""
     return limit if limit else -1
 
@@ -125,7 +125,7 @@ def _receipt(row: tuple[Any, ...]) -> Row:
     }
 
 
-@_reads
+@reads
 def inbox_list(db: ConsumerDB, *, result: str | None = None, limit: int | None = 50) -> list[Row]:
     """Receipts, newest first, optionally only those with *result*.
 
@@ -136,32 +136,32 @@ def inbox_list(db: ConsumerDB, *, result: str | None = None, limit: int | None =
     where, params = ("WHERE result = ?", [result]) if result is not None else ("", [])
     rows = db.conn.execute(
         f"{_RECEIPT} {where} ORDER BY rowid DESC LIMIT ?",
-        [*params, _limit(limit)],
+        [*params, sql_limit(limit)],
     ).fetchall()
     return [_receipt(row) for row in rows]
 
 
-def _receipt_of(conn: sqlite3.Connection, event_id: str) -> Row | None:
+def receipt_row(conn: sqlite3.Connection, event_id: str) -> Row | None:
     rows = conn.execute(f"{_RECEIPT} WHERE event_id = ?", (event_id,)).fetchall()
     return _receipt(rows[0]) if rows else None
 
 
-def _camel(column: str) -> str:
+def camel(column: str) -> str:
     head, *rest = column.split("_")
     return head + "".join(part.capitalize() for part in rest)
 
 
-def _records(cursor: sqlite3.Cursor) -> list[Row]:
+def dict_rows(cursor: sqlite3.Cursor) -> list[Row]:
     """All rows of *cursor* as dicts keyed by camelCase column names.
 
     For the store's bookkeeping tables (``rejected``, ``deliveries``), whose
     columns grow with later issues: a new column shows up without a change here.
     """
-    names = [_camel(column[0]) for column in cursor.description]
+    names = [camel(column[0]) for column in cursor.description]
     return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
 
 
-@_reads
+@reads
 def inbox_show(db: ConsumerDB, event_id: str) -> Row:
     """Everything the database knows about one eventId.
 
@@ -169,10 +169,10 @@ def inbox_show(db: ConsumerDB, event_id: str) -> Row:
     the eventId appears nowhere (receipt, rejections, deliveries).
     """
     conn = db.conn
-    with _snapshot(conn):
-        receipt = _receipt_of(conn, event_id)
-        rejected = _records(conn.execute("SELECT * FROM rejected WHERE event_id = ? ORDER BY id", (event_id,)))
-        deliveries = _records(
+    with read_snapshot(conn):
+        receipt = receipt_row(conn, event_id)
+        rejected = dict_rows(conn.execute("SELECT * FROM rejected WHERE event_id = ? ORDER BY id", (event_id,)))
+        deliveries = dict_rows(
             conn.execute("SELECT * FROM deliveries WHERE event_id = ? ORDER BY first_at, key", (event_id,))
         )
     if receipt is None and not rejected and not deliveries:
@@ -191,7 +191,7 @@ def _age_seconds(stamp: str | None, now: float) -> float | None:
     return round(now - datetime.fromisoformat(stamp).timestamp(), 3)
 
 
-@_reads
+@reads
 def inbox_stats(db: ConsumerDB, *, now: float | None = None) -> Row:
     """Receipts by result (overall, last hour, last day), their age, rejections by code.
 
@@ -199,7 +199,7 @@ def inbox_stats(db: ConsumerDB, *, now: float | None = None) -> Row:
     """
     now = time.time() if now is None else now
     conn = db.conn
-    with _snapshot(conn):
+    with read_snapshot(conn):
         by_result = conn.execute(
             "SELECT result, count(*), sum(received_at >= ?), sum(received_at >= ?)"
             " FROM inbox GROUP BY result ORDER BY result",
@@ -229,12 +229,12 @@ def inbox_stats(db: ConsumerDB, *, now: float | None = None) -> Row:
 # -- rejected ------------------------------------------------------------------
 
 
-@_reads
+@reads
 def rejected_list(db: ConsumerDB, *, code: str | None = None, limit: int | None = 50) -> list[Row]:
     """Rejections, newest first, optionally only those with *code*."""
     where, params = ("WHERE code = ?", [code]) if code is not None else ("", [])
-    return _records(
-        db.conn.execute(f"SELECT * FROM rejected {where} ORDER BY id DESC LIMIT ?", [*params, _limit(limit)])
+    return dict_rows(
+        db.conn.execute(f"SELECT * FROM rejected {where} ORDER BY id DESC LIMIT ?", [*params, sql_limit(limit)])
     )
 
 
@@ -308,7 +308,7 @@ class _Deadline:
         return self.passed
 
 
-@_reads
+@reads
 def query(db: ConsumerDB, sql: str, *, timeout_s: float = QUERY_TIMEOUT_S) -> Row:
     """Run one read-only SQL statement; ``{"columns": [...], "rows": [[...], ...]}``.
 
@@ -338,7 +338,7 @@ def query(db: ConsumerDB, sql: str, *, timeout_s: float = QUERY_TIMEOUT_S) -> Ro
         # A denial by the authorizer is SQLITE_AUTH, a plain DatabaseError.
         if auth.denied is not None or isinstance(exc, sqlite3.OperationalError | sqlite3.ProgrammingError):
             raise _query_error(exc, auth) from None
-        raise  # a damaged page and the like: the file, not the query (see _reads)
+        raise  # a damaged page and the like: the file, not the query (see reads)
     finally:
         if cursor is not None:
             cursor.close()  # resets the statement: no read snapshot stays open
@@ -351,9 +351,15 @@ __all__ = [
     "QUERY_TIMEOUT_S",
     "NotFound",
     "QueryError",
+    "camel",
+    "dict_rows",
     "inbox_list",
     "inbox_show",
     "inbox_stats",
     "query",
+    "read_snapshot",
+    "reads",
+    "receipt_row",
     "rejected_list",
+    "sql_limit",
 ]

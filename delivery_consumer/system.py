@@ -27,7 +27,7 @@ from .durations import format as format_duration
 from .errors import DeliveryError
 from .inbox import ConsumerDB, inbox_rowid_before
 from .partitions import partition_of, partition_topology, unrouted_name
-from .queries import NotFound, _records, _snapshot
+from .queries import NotFound, dict_rows, read_snapshot
 from .sqlite import now_iso
 from .topology import Topology
 from .trace import trace as trace_one
@@ -312,7 +312,7 @@ def trace_article(dep: Deployment, article_id: str) -> Row:
            for partition, path in entry.databases() if path.exists()]
     for _, name, path in dbs:  # first every eventId of the article, from every database
         try:
-            with _consumer_db(path, name) as db, _snapshot(db.conn):
+            with _consumer_db(path, name) as db, read_snapshot(db.conn):
                 for event_id, seen in _article_rows(db, article_id).items():
                     known = events.setdefault(event_id, {"revision": seen.get("revision")})
                     known.setdefault("type", seen.get("type"))
@@ -343,7 +343,7 @@ def trace_article(dep: Deployment, article_id: str) -> Row:
 
 def _consumer_db_status(db: ConsumerDB, now: float) -> Row:
     conn = db.conn
-    with _snapshot(conn):
+    with read_snapshot(conn):
         hour_ago = now_iso(now - HOUR_S)
         last_minute, last_hour = conn.execute(
             "SELECT count(*) FILTER (WHERE received_at >= ?), count(*) FROM inbox"
@@ -352,7 +352,7 @@ def _consumer_db_status(db: ConsumerDB, now: float) -> Row:
         # The newest receipt is among the last written (appended in time order).
         (newest,) = conn.execute(
             "SELECT max(received_at) FROM (SELECT received_at FROM inbox ORDER BY rowid DESC LIMIT 1000)").fetchone()
-        unresolved = _records(conn.execute(
+        unresolved = dict_rows(conn.execute(
             "SELECT code, count(*) AS n FROM rejected WHERE resolved_at IS NULL GROUP BY code ORDER BY code"))
     from datetime import datetime
 

@@ -21,7 +21,7 @@ from typing import Any
 from .errors import DELIVERY_LIMIT as DELIVERY_LIMIT_CODE
 from .errors import ENDPOINT_REJECTED, OUTCOME_UNKNOWN, REJECTION_CODES, RETRIES_EXHAUSTED, WRONG_PARTITION
 from .inbox import ConsumerDB
-from .queries import NotFound, _reads, _records, _snapshot
+from .queries import NotFound, dict_rows, read_snapshot, reads
 from .views import article_of
 
 Row = dict[str, Any]
@@ -121,21 +121,21 @@ def _status(receipt: Row | None, rejections: list[Row], deliveries: Row) -> tupl
     return PENDING, f"not applied: {why} (last delivery {deliveries['lastAt']})"
 
 
-@_reads
+@reads
 def trace(db: ConsumerDB, event_id: str, *, article_id: str | None = None) -> Row:
     """Receipt, deliveries, rejections and effect rows of *event_id*; NotFound if none."""
-    from .queries import _receipt_of
+    from .queries import receipt_row
 
     conn = db.conn
-    with _snapshot(conn):
-        receipt = _receipt_of(conn, event_id)
-        rejections = _records(conn.execute(
+    with read_snapshot(conn):
+        receipt = receipt_row(conn, event_id)
+        rejections = dict_rows(conn.execute(
             "SELECT id, code, reason, rejected_at, source, attempts, dead_letter, resolved_at, fingerprint,"
             " body_sha256 FROM rejected WHERE event_id = ? ORDER BY id", (event_id,)))
-        deliveries = _deliveries_summary(_records(conn.execute(
+        deliveries = _deliveries_summary(dict_rows(conn.execute(
             "SELECT key, deliveries, redeliveries, attempts, crashes, first_at, last_at, last_outcome"
             " FROM deliveries WHERE event_id = ? OR key = ? ORDER BY first_at, key", (event_id, event_id))), receipt)
-        effects = {table: _records(conn.execute(f'SELECT * FROM "{table}" WHERE {column} = ?', (event_id,)))
+        effects = {table: dict_rows(conn.execute(f'SELECT * FROM "{table}" WHERE {column} = ?', (event_id,)))
                    for table, column in _event_id_tables(db).items()}
         view = db.spec.view
         by_article = view is not None and view.article is not None

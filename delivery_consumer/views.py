@@ -14,7 +14,7 @@ from typing import Any
 from .contract import View
 from .errors import DatabaseError
 from .inbox import ConsumerDB
-from .queries import NotFound, Row, _camel, _limit, _reads
+from .queries import NotFound, Row, camel, reads, sql_limit
 
 #: (partition, database); partition None for an unpartitioned consumer.
 Part = tuple[int | None, ConsumerDB]
@@ -22,7 +22,7 @@ Part = tuple[int | None, ConsumerDB]
 
 def name(view: View, column: str) -> str:
     """The output name of *column*."""
-    return view.rename.get(column) or _camel(column)
+    return view.rename.get(column) or camel(column)
 
 
 def _require(db: ConsumerDB, view: View) -> None:
@@ -41,7 +41,7 @@ def _terms(view: View) -> list[tuple[str, bool]]:
     return [(term.lstrip("-"), term.startswith("-")) for term in view.order]
 
 
-@_reads
+@reads
 def _select(db: ConsumerDB, view: View, where: Mapping[str, Any], limit: int) -> list[tuple[tuple[Any, ...], Row]]:
     """(sort key, row) of one database, in the view's order."""
     _require(db, view)
@@ -51,7 +51,7 @@ def _select(db: ConsumerDB, view: View, where: Mapping[str, Any], limit: int) ->
     order = ", ".join(f"{c} DESC" if desc else c for c, desc in terms)
     sql = (f"SELECT {', '.join(picks)} FROM {view.table}" + (f" WHERE {conds}" if conds else "")
            + (f" ORDER BY {order}" if order else "") + " LIMIT ?")
-    rows = db.conn.execute(sql, [*where.values(), _limit(limit)]).fetchall()
+    rows = db.conn.execute(sql, [*where.values(), sql_limit(limit)]).fetchall()
     width = len(view.columns)
     return [(tuple(row[width:]), _row(view, row[:width])) for row in rows]
 
@@ -72,7 +72,7 @@ def list_rows(parts: Sequence[Part], view: View, *, filters: Mapping[str, Any] |
     return rows[:limit] if limit else rows
 
 
-@_reads
+@reads
 def find(db: ConsumerDB, view: View, column: str, value: Any) -> Row:
     """The view's row whose *column* equals *value*, or NotFound."""
     _require(db, view)

@@ -11,7 +11,7 @@ from types import FrameType
 import click
 
 from ._common import Fatal, handle_errors
-from .system import _deployment
+from .system import checked_deployment
 
 
 def _loopback(host: str) -> bool:
@@ -37,7 +37,7 @@ def console(host: str, port: int, hours: float, allow_actions: bool) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("pika").setLevel(logging.WARNING)  # a connection per dead queue read: no news
-    app = Console(_deployment(), allow_actions=allow_actions, hours=hours)
+    app = Console(checked_deployment(), allow_actions=allow_actions, hours=hours)
     try:
         server = make_server(app, host, port)
     except OSError as exc:

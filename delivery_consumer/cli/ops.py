@@ -24,7 +24,6 @@ from ..durations import Duration
 from ..errors import DeliveryError
 from ..partition_store import partition_db, partitioned_paths
 from ..partitions import SLOT_COUNT
-from ..topology import Topology
 from ._common import (
     EXIT_OK,
     EXIT_REJECTED,
@@ -40,13 +39,7 @@ from ._common import (
 )
 from ._output import echo_record, echo_table
 from .inbox import find_first, read_options, reading_all
-from .rabbit import amqp_options
-
-
-def _topology(consumer: str, exchange: str, prefix: str, partition: int | None = None) -> Topology:
-    spec = consumers.get(consumer)
-    return Topology(consumer=consumer, binding_keys=tuple(spec.binding_keys), exchange=exchange, prefix=prefix,
-                    partition=partition)
+from .rabbit import amqp_options, topology_for
 
 
 def _partition_option(fn: F) -> F:
@@ -215,7 +208,7 @@ def dead_list(consumer: str, amqp_url: str, exchange: str, queue_prefix: str, pa
     from ..deadletters import list_dead
 
     _one_partition(consumer, None, partition, "read its dead queue")
-    topology = _topology(consumer, exchange, queue_prefix, partition)
+    topology = topology_for(consumer, exchange, queue_prefix, partition=partition)
     snapshot = _broker_call(list_dead, amqp_url, topology)
     letters = [letter for letter in snapshot.letters if code is None or letter.code == code]
     if as_json:
@@ -284,7 +277,7 @@ def dead_requeue(consumer: str, db_path: Path | None, amqp_url: str, exchange: s
 
     selection = _selection(event_ids, code, select_all)
     db_path = _one_partition(consumer, db_path, partition, "requeue its dead letters")
-    topology = _topology(consumer, exchange, queue_prefix, partition)
+    topology = topology_for(consumer, exchange, queue_prefix, partition=partition)
     with ExitStack() as stack:
         db = stack.enter_context(open_db(consumer, db_path))
         dq, snapshot = _broker_call(stack.enter_context, deadletters.reading(amqp_url, topology))
@@ -316,7 +309,7 @@ def dead_purge(consumer: str, db_path: Path | None, amqp_url: str, exchange: str
 
     selection = _selection(event_ids, code, select_all)
     db_path = _one_partition(consumer, db_path, partition, "purge its dead letters")
-    topology = _topology(consumer, exchange, queue_prefix, partition)
+    topology = topology_for(consumer, exchange, queue_prefix, partition=partition)
     with ExitStack() as stack:
         db = None
         try:
@@ -385,7 +378,7 @@ def inbox_prune(consumer: str | None, db_path: Path | None, amqp_url: str, excha
         db = stack.enter_context(open_db(consumer, db_path))
         if partition is None:  # a partition's database names its queues
             partition = _stored_partition(db)
-        topology = _topology(db.consumer, exchange, queue_prefix, partition)
+        topology = topology_for(db.consumer, exchange, queue_prefix, partition=partition)
         keep: set[str] | None = None
         refresh: Any = lambda: ()  # noqa: E731
         try:

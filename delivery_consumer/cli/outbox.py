@@ -34,7 +34,7 @@ from ..queries import NotFound
 from ._common import F, Fatal, emit_json, from_deployment, handle_errors, json_option
 from ._output import echo_record, echo_table
 from .inbox import Missing, limit_option
-from .rabbit import _setup_logging, _topology, amqp_options
+from .rabbit import amqp_options, setup_logging, topology_for
 
 log = logging.getLogger("delivery_consumer.dispatch")
 
@@ -124,9 +124,9 @@ def dispatch(db_path: Path, amqp_url: str, exchange: str, queue_prefix: str, dec
     from ..amqp.connection import BrokerFatal
     from ..amqp.publisher import StreamPublisher
 
-    _setup_logging(log_level)
+    setup_logging(log_level)
     try:
-        topologies = [_topology(c, exchange, queue_prefix) for c in declare_for]
+        topologies = [topology_for(c, exchange, queue_prefix) for c in declare_for]
         config = outbox_lib.DispatchConfig(
             exchange=exchange, batch=batch, depth=depth, lease_s=lease_s, poll_s=poll_s, retry_base_s=retry_base_s,
             retry_cap_s=retry_cap_s, max_attempts=max_attempts, exit_when_idle_s=exit_when_idle_s)

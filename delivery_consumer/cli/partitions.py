@@ -12,7 +12,7 @@ from ..errors import DeliveryError
 from ..partition_store import partitioned_paths, split_merge
 from ..partitions import SLOT_COUNT, partition_topologies, route, unrouted_name
 from ._common import EXIT_OK, EXIT_REJECTED, Fatal, consumer_option, handle_errors
-from .rabbit import _topology, amqp_options
+from .rabbit import amqp_options, topology_for
 
 
 @click.command()
@@ -37,7 +37,7 @@ def repartition(consumer: str, amqp_url: str, exchange: str, queue_prefix: str, 
     from ..amqp.admin import declare, delete_unused_queues, queue_counts
     from ..amqp.connection import BrokerError
 
-    base = _topology(consumer, exchange, queue_prefix)
+    base = topology_for(consumer, exchange, queue_prefix)
     paths = partitioned_paths(consumer, None, root)
     unpartitioned = paths is None
     if paths is None:
@@ -114,7 +114,7 @@ def reroute(consumer: str, amqp_url: str, exchange: str, queue_prefix: str, dry_
     from ..amqp.connection import BrokerError
     from ..partitions import reroute as reroute_messages
 
-    base = _topology(consumer, exchange, queue_prefix)
+    base = topology_for(consumer, exchange, queue_prefix)
     try:
         done = reroute_messages(amqp_url, base, dry_run=dry_run)
     except BrokerError as exc:

@@ -66,7 +66,7 @@ def amqp_options(fn: F) -> F:
     return fn
 
 
-def _topology(consumer: str, exchange: str, prefix: str, **extra: Any) -> Topology:
+def topology_for(consumer: str, exchange: str, prefix: str, **extra: Any) -> Topology:
     spec = consumers.get(consumer)
     return Topology(consumer=consumer, binding_keys=tuple(spec.binding_keys), exchange=exchange,
                     prefix=prefix, **extra)
@@ -135,7 +135,7 @@ def _metrics_factory(consumer: str, port: int, host: str, queues: tuple[str, Top
     return make
 
 
-def _setup_logging(level: str, fmt: str = "text", consumer: str | None = None) -> None:
+def setup_logging(level: str, fmt: str = "text", consumer: str | None = None) -> None:
     """Logging for a long-running command (see :mod:`delivery_consumer.logs`)."""
     from .. import logs
 
@@ -203,7 +203,7 @@ def run(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue
     from ..service.config import RunConfig
     from ..service.run import run as run_consumer
 
-    _setup_logging(log_level, log_format, consumer)
+    setup_logging(log_level, log_format, consumer)
     spec = consumers.get(consumer)  # unknown consumer: one line, exit 2
     db_path, partitions, metrics_port = _file_partition(consumer, db_path, partition, partitions, metrics_port)
     if spec.external is not None:
@@ -282,7 +282,7 @@ def publish(amqp_url: str, exchange: str, queue_prefix: str, declare_for: tuple[
 
     try:
         files = sources_lib.expand(sources)
-        topologies = [_topology(c, exchange, queue_prefix) for c in declare_for]
+        topologies = [topology_for(c, exchange, queue_prefix) for c in declare_for]
     except ConfigError as exc:
         raise click.BadParameter(str(exc)) from None
     counts: Counter[str] = Counter()
@@ -379,7 +379,7 @@ def declare_cmd(names: tuple[str, ...], amqp_url: str, exchange: str, queue_pref
     from ..amqp.connection import BrokerError
 
     counts = _declared_counts(names, partitions)
-    bases = [_topology(n, exchange, queue_prefix, retry_delays_ms=retry_delays,
+    bases = [topology_for(n, exchange, queue_prefix, retry_delays_ms=retry_delays,
                        delivery_limit=delivery_limit) for n in counts]
     topologies: list[Topology] = []
     routes = []

@@ -30,7 +30,7 @@ from .inbox import Missing, read_options
 from .ops import trace as consumer_trace
 
 
-def _deployment(*, owners: bool = True) -> Deployment:
+def checked_deployment(*, owners: bool = True) -> Deployment:
     """The deployment file, or exit 2 in one line; with *owners*, also when it gives a consumer
     a database of another consumer or of a producer (a mistake in the file, not a state to report)."""
     from ..config import foreign_databases
@@ -72,7 +72,7 @@ def trace(ctx: click.Context, consumer: str | None, db_path: Path | None, as_jso
         ctx.invoke(consumer_trace, consumer=consumer, db_path=db_path, as_json=as_json, article_id=article_id,
                    event_id=event_id)
         return
-    dep = _deployment()
+    dep = checked_deployment()
     try:
         if event_id is None:
             if article_id is None:
@@ -197,7 +197,7 @@ def status(as_json: bool, offline: bool, outbox_max_age: float | None, backlog_m
     than --outbox-max-age, more than --backlog-max messages waiting with no
     consumer connected, a database or broker that cannot be read.
     """
-    dep = _deployment()
+    dep = checked_deployment()
     if outbox_max_age is not None:
         dep = dataclasses.replace(dep, outbox_max_age_s=outbox_max_age)
     if backlog_max is not None:
@@ -282,7 +282,7 @@ def config_check(as_json: bool) -> None:
     from .. import outbox
     from ..amqp.connection import redact
 
-    dep = _deployment(owners=False)  # every problem below, not only the first
+    dep = checked_deployment(owners=False)  # every problem below, not only the first
     problems: list[str] = []
     consumers: list[dict[str, Any]] = []
     for name, entry in dep.consumers.items():
