@@ -107,7 +107,7 @@ def connect(
             conn = sqlite3.connect(path, isolation_level=None, timeout=timeout)
     except sqlite3.Error as exc:
         raise DatabaseError(f"{path}: cannot open database: {exc}") from None
-    try:
+    with closed_on_failure(conn, path):
         conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
         if check is not None:
             check(conn)
@@ -118,13 +118,21 @@ def connect(
             conn.execute("PRAGMA synchronous = FULL")
             for pragma in pragmas:
                 conn.execute(f"PRAGMA {pragma}")
+    return conn
+
+
+@contextmanager
+def closed_on_failure(conn: sqlite3.Connection, path: Path | str) -> Iterator[sqlite3.Connection]:
+    """Close *conn* when the block raises (a connection being prepared is
+    nobody's yet); an sqlite3 error leaves as DatabaseError naming *path*."""
+    try:
+        yield conn
     except sqlite3.Error as exc:
         conn.close()
         raise DatabaseError(f"{path}: cannot use this database: {exc}") from None
     except BaseException:
         conn.close()
         raise
-    return conn
 
 
 def statements(script: str) -> Iterator[str]:
@@ -184,6 +192,7 @@ def transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
 
 __all__ = [
     "DEFAULT_BUSY_TIMEOUT_MS",
+    "closed_on_failure",
     "connect",
     "migrate",
     "now_iso",

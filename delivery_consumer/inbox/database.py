@@ -209,7 +209,7 @@ class ConsumerDB:
 
         conn = sqlite.connect(path, readonly=readonly, busy_timeout_ms=busy_timeout_ms,
                               check=None if readonly else refuse_foreign, pragmas=() if readonly else _WRITER_PRAGMAS)
-        try:
+        with sqlite.closed_on_failure(conn, path):
             if readonly:
                 stored = cls._check_readable(conn, path)
             else:
@@ -226,12 +226,6 @@ class ConsumerDB:
                 cls._check_consumer_version(conn, path, spec)
             db = cls(conn, path, spec, readonly)
             db.partition = identity_from_meta(db.meta())
-        except sqlite3.Error as exc:
-            conn.close()
-            raise DatabaseError(f"{path}: cannot use this database: {exc}") from None
-        except BaseException:
-            conn.close()
-            raise
         return db
 
     @staticmethod

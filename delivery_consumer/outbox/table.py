@@ -167,14 +167,8 @@ def connect(
 
     conn = sqlite.connect(path, readonly=readonly, busy_timeout_ms=busy_timeout_ms, check=check)
     if install_tables and not readonly:
-        try:
+        with sqlite.closed_on_failure(conn, path):
             install(conn)
-        except sqlite3.Error as exc:
-            conn.close()
-            raise DatabaseError(f"{path}: cannot use this database: {exc}") from None
-        except BaseException:
-            conn.close()
-            raise
     return conn
 
 
