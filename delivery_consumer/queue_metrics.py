@@ -6,6 +6,11 @@ main queue and the dead letters waiting for a person are the broker's to tell.
 Prometheus scrapes, so the figures are as fresh as the scrape and cost one
 short connection per scrape, nothing between scrapes. When the broker cannot
 be asked, ``delivery_queue_up`` is 0 and the depths are left out.
+
+A partition's run labels these series ``partition`` as :class:`metrics.Metrics`
+labels the rest of its series, so that an alert can join a partition's queue
+to that partition's commits (``on (consumer, partition)``); an unpartitioned
+consumer's series have no ``partition`` label, like its other series.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ SCRAPE_TIMEOUT_S = 3.0
 
 class QueueCollector(Collector):
     """``delivery_queue_ready``, ``delivery_queue_consumers`` and ``delivery_queue_up``
-    for the consumer's main queue (``kind="main"``) and dead queue (``kind="dead"``)."""
+    for the consumer's (or the partition's) main queue (``kind="main"``) and dead
+    queue (``kind="dead"``)."""
 
     def __init__(self, url: str, topology: Topology) -> None:
         self.url = url
@@ -33,26 +39,30 @@ class QueueCollector(Collector):
         from .amqp.admin import queue_counts
         from .amqp.connection import BrokerError
 
-        labels = ["consumer", "queue", "kind"]
+        topo = self.topology
+        # The labels every series of the run starts with (as metrics.Metrics has them).
+        base, values = (["consumer"], [topo.consumer]) if topo.partition is None else (
+            ["consumer", "partition"], [topo.consumer, str(topo.partition)])
+        labels = [*base, "queue", "kind"]
         ready = GaugeMetricFamily("delivery_queue_ready", "Messages ready in the queue (passive declare at scrape).",
                                   labels=labels)
         consumers = GaugeMetricFamily("delivery_queue_consumers", "Consumers attached to the queue.", labels=labels)
         up = GaugeMetricFamily("delivery_queue_up", "1 when the broker answered the scrape's passive declare.",
-                               labels=["consumer"])
-        queues = {self.topology.queue: "main", self.topology.dead_queue: "dead"}
+                               labels=base)
+        queues = {topo.queue: "main", topo.dead_queue: "dead"}
         try:
-            counts = queue_counts(self.url, list(queues), name=f"delivery-consumer metrics {self.topology.consumer}",
+            counts = queue_counts(self.url, list(queues), name=f"delivery-consumer metrics {topo.consumer}",
                                   timeout_s=SCRAPE_TIMEOUT_S)
         except BrokerError:
-            up.add_metric([self.topology.consumer], 0)
+            up.add_metric(values, 0)
             yield up
             return
-        up.add_metric([self.topology.consumer], 1)
+        up.add_metric(values, 1)
         for queue, kind in queues.items():
             count = counts.get(queue)
             if count is not None:
-                ready.add_metric([self.topology.consumer, queue, kind], count.ready)
-                consumers.add_metric([self.topology.consumer, queue, kind], count.consumers)
+                ready.add_metric([*values, queue, kind], count.ready)
+                consumers.add_metric([*values, queue, kind], count.consumers)
         yield from (ready, consumers, up)
 
     def describe(self) -> Iterator[GaugeMetricFamily]:

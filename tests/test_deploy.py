@@ -19,8 +19,11 @@ import orjson
 import pytest
 import yaml
 from brokerkit import Namespace
+from partitionkit import Cluster
 from support import REPO, new_event, wait_until
 from webhook_server import free_port
+
+from delivery_consumer.partitions import partition_of
 
 DEPLOY = REPO / "deploy"
 RULES = DEPLOY / "prometheus" / "delivery-consumer.rules.yml"
@@ -50,6 +53,12 @@ def scrape(port: int) -> str:
         return text
 
 
+def samples(text: str, name: str) -> list[dict[str, str]]:
+    """The label sets of *name*'s samples in an exposition text."""
+    found = re.findall(rf"^{name}\{{([^}}]*)\}} ", text, re.M)
+    return [dict(re.findall(r'(\w+)="([^"]*)"', labels)) for labels in found]
+
+
 def exported(text: str) -> set[str]:
     """Sample names, and the families declared by # TYPE (a labelled counter not yet
     incremented has no sample), with the suffixes their samples would carry."""
@@ -76,12 +85,43 @@ def test_every_metric_the_rules_and_dashboard_name_is_in_a_real_scrape(ns: Names
     try:
         text = wait_until("the good and the bad event on /metrics", both_counted, procs=[proc], ignoring=(OSError,))
         assert re.search(r'delivery_queue_ready\{consumer="catalog",kind="dead",queue="[^"]+"\} 1\.0', text), text
+        assert not any("partition" in labels for labels in samples(text, "delivery_queue_up")), text
         missing = named_metrics() - exported(text)
         assert not missing, f"named in deploy/ but not exported by run: {sorted(missing)}"
     finally:
         os.kill(proc.pid, signal.SIGTERM)
         proc.communicate(timeout=60)
     assert 0 == proc.returncode
+
+
+@pytest.mark.broker
+def test_a_partition_runs_queue_metrics_carry_its_partition_label(ns: Namespace) -> None:
+    """run --partition K: the queue depths carry partition="K" as its commit time does, so that
+    DeliveryNoCommit (on consumer, partition) pairs partition K's commits with K's queue only."""
+    cluster = Cluster(ns, "catalog", 2)
+    cluster.declare()
+    port = free_port()
+    try:
+        event = new_event(article_id="metrics-a")
+        k = partition_of(event["articleId"], 2)
+        cluster.start(k, "--metrics-port", str(port))
+        cluster.publish([event])
+        def applied() -> str | None:
+            text = scrape(port)
+            return text if 'outcome="updated"' in text else None
+
+        text = wait_until(f"partition {k}'s event on /metrics", applied, procs=cluster.procs, ignoring=(OSError,))
+        queue = f"{ns.prefix}.catalog.p{k}"
+        expected = {"consumer": "catalog", "partition": str(k)}
+        assert [expected] == samples(text, "delivery_last_commit_timestamp_seconds"), text
+        assert [expected] == samples(text, "delivery_queue_up"), text
+        for name in ("delivery_queue_ready", "delivery_queue_consumers"):
+            assert [{**expected, "kind": "main", "queue": queue}, {**expected, "kind": "dead", "queue": queue + ".dead"}
+                    ] == sorted(samples(text, name), key=lambda labels: labels["queue"]), text
+    finally:
+        cluster.stop()
+        cluster.delete()
+    assert all(0 == proc.returncode for proc in cluster.procs)
 
 
 def test_the_alert_rules_are_well_formed() -> None:
