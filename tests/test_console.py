@@ -1,7 +1,8 @@
 """The console in a real headless browser (Debian's chromium driven by
 Playwright, nothing downloaded): the page loads with the deployment's state,
-a trace is found by eventId, a dead letter is requeued through the
-confirmation step when actions are allowed, and refused when they are not.
+a trace is found by eventId and by articleId, a dead letter is requeued
+through the confirmation step when actions are allowed, and refused when
+they are not.
 Screenshots go to the test's tmp_path (pytest's output directory)."""
 
 from __future__ import annotations
@@ -112,7 +113,8 @@ def start_console() -> Iterator[Any]:
 def test_the_page_traces_and_requeues_with_actions_allowed(
         deployment: tuple[Path, str, str], browser: Any, start_console: Any, ns: Namespace, tmp_path: Path) -> None:
     """Status with the dead letter grouped by code, a trace by eventId, then requeue through
-    the confirmation step: the dead queue is empty and the consumer applies the event."""
+    the confirmation step: the dead queue is empty and the consumer applies the event, which
+    the trace by articleId then lists as applied by both consumers."""
     config, fine, refused = deployment
     shots = tmp_path / "screenshots"
     console = start_console(config, "--allow-actions")
@@ -143,6 +145,14 @@ def test_the_page_traces_and_requeues_with_actions_allowed(
     assert 0 == run_until_idle(config, "webhook").returncode
     page.goto(console.url)
     assert "healthy" == page.inner_text("#verdict")
+
+    page.fill("#q", "a-2")
+    page.click("#search")
+    assert "Article a-2" == page.inner_text("main h1")
+    row = page.locator("main tr", has_text=refused)
+    assert 1 == row.count() and re.search(r"updated\s+notified", row.inner_text()), page.inner_text("main")
+    assert fine not in page.inner_text("main")  # a-1's event is not a-2's
+    page.screenshot(path=str(shots / "5-article.png"), full_page=True)
 
     forged = page.request.post(console.url + "dead/purge", form={"consumer": "webhook", "code": "x"})
     assert 403 == forged.status and "CSRF" in forged.text()
