@@ -263,20 +263,24 @@ def parse(raw: Mapping[str, Any], path: Path) -> Deployment:
     )
 
 
+def _read(path: Path, sql: str) -> list[Any] | None:
+    """The rows *sql* reads in *path* (opened read-only), or None when it cannot be read."""
+    from . import sqlite
+
+    try:
+        with sqlite.reading(path) as conn:
+            return conn.execute(sql).fetchall()
+    except DeliveryError:
+        return None
+
+
 def producer_database(path: Path) -> str | None:
     """``<path>: this is a producer's database ...`` when *path* holds an outbox and no
     consumer inbox (named where a consumer's database belongs), else None."""
-    import sqlite3
-    from urllib.parse import quote
-
-    try:
-        conn = sqlite3.connect(f"file:{quote(str(path.resolve()))}?mode=ro", uri=True)
-        try:
-            names = {row[0] for row in conn.execute("SELECT name FROM sqlite_schema WHERE type = 'table'")}
-        finally:
-            conn.close()
-    except sqlite3.Error:
+    rows = _read(path, "SELECT name FROM sqlite_schema WHERE type = 'table'")
+    if rows is None:
         return None
+    names = {row[0] for row in rows}
     if "outbox" in names and "meta" not in names:
         return f"{path}: this is a producer's database (it holds an outbox), not a consumer's inbox"
     return None
@@ -284,18 +288,8 @@ def producer_database(path: Path) -> str | None:
 
 def stored_owner(path: Path) -> str | None:
     """The consumer a consumer database records (``meta``), or None when it records none or cannot be read."""
-    import sqlite3
-    from urllib.parse import quote
-
-    try:
-        conn = sqlite3.connect(f"file:{quote(str(path.resolve()))}?mode=ro", uri=True)
-        try:
-            row = conn.execute("SELECT value FROM meta WHERE key = 'consumer'").fetchone()
-        finally:
-            conn.close()
-    except sqlite3.Error:
-        return None
-    return str(row[0]) if row else None
+    rows = _read(path, "SELECT value FROM meta WHERE key = 'consumer'")
+    return str(rows[0][0]) if rows else None
 
 
 def foreign_databases(deployment: Deployment) -> list[str]:

@@ -12,8 +12,8 @@ import sqlite3
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import quote
 
+from . import sqlite
 from .errors import ConfigError, DatabaseError
 from .partitions import SLOT_COUNT, Identity, check_count, identity_from_meta, partition_of, partition_of_slot
 from .partitions import db_path as partition_db_path
@@ -25,15 +25,9 @@ def stored_identity(path: Path) -> Identity | None:
     """The partition identity *path* records; None when it records none or does not exist."""
     if not path.is_file():
         return None
-    try:
-        conn = sqlite3.connect(f"file:{quote(str(path.resolve()))}?mode=ro", uri=True)
-        try:
-            rows = conn.execute("SELECT key, value FROM meta WHERE key IN ('partition', 'partition_count')")
-            return identity_from_meta(dict(rows.fetchall()))
-        finally:
-            conn.close()
-    except sqlite3.Error as exc:
-        raise DatabaseError(f"{path}: cannot read its partition: {exc}") from None
+    with sqlite.reading(path, what="read its partition") as conn:
+        rows = conn.execute("SELECT key, value FROM meta WHERE key IN ('partition', 'partition_count')")
+        return identity_from_meta(dict(rows.fetchall()))
 
 
 def _directory_paths(directory: Path) -> list[Path]:

@@ -122,6 +122,19 @@ def connect(
 
 
 @contextmanager
+def reading(path: Path | str, *, what: str = "read it") -> Iterator[sqlite3.Connection]:
+    """*path* opened read-only (:func:`connect`) for the block, closed after it;
+    an sqlite3 error in the block leaves as DatabaseError ``<path>: cannot <what>: ...``."""
+    conn = connect(path, readonly=True)
+    try:
+        yield conn
+    except sqlite3.Error as exc:
+        raise DatabaseError(f"{path}: cannot {what}: {exc}") from None
+    finally:
+        conn.close()
+
+
+@contextmanager
 def closed_on_failure(conn: sqlite3.Connection, path: Path | str) -> Iterator[sqlite3.Connection]:
     """Close *conn* when the block raises (a connection being prepared is
     nobody's yet); an sqlite3 error leaves as DatabaseError naming *path*."""
@@ -197,6 +210,7 @@ __all__ = [
     "migrate",
     "now_iso",
     "path_of",
+    "reading",
     "rollback",
     "statements",
     "table_names",

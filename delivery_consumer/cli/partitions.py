@@ -87,13 +87,10 @@ def repartition(consumer: str, amqp_url: str, exchange: str, queue_prefix: str, 
 
 def _repartitioned_from(path: Path) -> str | None:
     """The count a database was repartitioned from ("unpartitioned" from a plain consumer)."""
-    import sqlite3
+    from .. import sqlite
 
-    conn = sqlite3.connect(path)
-    try:
+    with sqlite.reading(path) as conn:
         row = conn.execute("SELECT value FROM meta WHERE key = 'repartitioned_from'").fetchone()
-    finally:
-        conn.close()
     return str(row[0]) if row else None
 
 
