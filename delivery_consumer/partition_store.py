@@ -152,7 +152,7 @@ def split_merge(consumer: str, new_count: int, root: Path | None = None) -> Move
         open_db(staging / f"p{k}" / "inbox.db", consumer, create=True,
                         partition=Identity(k, new_count)).close()
     for k in range(new_count):
-        conn = sqlite3.connect(staging / f"p{k}" / "inbox.db", isolation_level=None)
+        conn = sqlite.connect(staging / f"p{k}" / "inbox.db")
         conn.create_function("dc_partition", 1, lambda key: partition_of(key, new_count) if key is not None else None,
                              deterministic=True)
         counts = moved.rows.setdefault(k, {})
@@ -180,8 +180,7 @@ def split_merge(consumer: str, new_count: int, root: Path | None = None) -> Move
             conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('repartitioned_from', ?)",
                          ("unpartitioned" if moved.from_unpartitioned else str(old_count),))
         except sqlite3.Error as exc:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
+            sqlite.rollback(conn)
             raise DatabaseError(f"{staging / f'p{k}' / 'inbox.db'}: cannot move rows: {exc}; "
                                 f"the old databases are unchanged (delete {staging})") from None
         finally:

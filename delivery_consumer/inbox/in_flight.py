@@ -22,7 +22,8 @@ from pathlib import Path
 
 import orjson
 
-from ..errors import DeliveryError
+from .. import sqlite
+from ..errors import DatabaseError, DeliveryError
 from .apply import Transaction, unsynced_transaction
 from .database import ConsumerDB
 
@@ -165,8 +166,8 @@ class InFlight:
 def forget_in_flight(path: Path, owner: str) -> None:
     """Delete *owner*'s note from another thread than the one that owns the
     database connection (a process leaving on purpose); best effort, quick."""
-    with suppress(sqlite3.Error):
-        conn = sqlite3.connect(path, isolation_level=None, timeout=0.5)
+    with suppress(sqlite3.Error, DatabaseError):
+        conn = sqlite.connect(path, busy_timeout_ms=500)
         try:
             conn.execute("DELETE FROM in_flight WHERE owner = ?", (owner,))
         finally:
