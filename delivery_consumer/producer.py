@@ -51,17 +51,13 @@ MIGRATIONS: tuple[str, ...] = (
 def open_db(path: Path | str) -> sqlite3.Connection:
     """Open (creating) a demo producer database: material table and outbox."""
     conn = outbox.connect(path, install_tables=False)
-    try:
-        with outbox.transaction(conn):
-            version = conn.execute("PRAGMA user_version").fetchone()[0]
-            if version and version <= len(MIGRATIONS) and "material" not in sqlite.table_names(conn):
-                raise DatabaseError(f"{path}: not a demo producer database (user_version {version}, no material)")
-            applied = sqlite.migrate(conn, MIGRATIONS, version, what="producer schema")
-            conn.execute(f"PRAGMA user_version = {applied}")
-            outbox.install(conn)
-    except BaseException:
-        conn.close()
-        raise
+    with sqlite.closed_on_failure(conn, path), outbox.transaction(conn):
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        if version and version <= len(MIGRATIONS) and "material" not in sqlite.table_names(conn):
+            raise DatabaseError(f"{path}: not a demo producer database (user_version {version}, no material)")
+        applied = sqlite.migrate(conn, MIGRATIONS, version, what="producer schema")
+        conn.execute(f"PRAGMA user_version = {applied}")
+        outbox.install(conn)
     return conn
 
 

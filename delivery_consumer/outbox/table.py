@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 import sqlite3
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Final
 
@@ -214,22 +214,13 @@ def install(conn: sqlite3.Connection) -> int:
     commits), otherwise in its own ``BEGIN IMMEDIATE`` transaction.
     Idempotent. Refuses a database whose outbox is newer than this code.
     """
-    own = not conn.in_transaction
-    if own:
-        conn.execute("BEGIN IMMEDIATE")
-    try:
+    with nullcontext(conn) if conn.in_transaction else sqlite.transaction(conn):
         version = installed_version(conn)
         sqlite.migrate(conn, MIGRATIONS, version, what="outbox schema")
         if version < VERSION:
             conn.execute("INSERT OR REPLACE INTO outbox_meta (key, value) VALUES ('version', ?)", (str(VERSION),))
             if version == 0:
                 conn.execute("INSERT INTO outbox_meta (key, value) VALUES ('created_at', ?)", (now_iso(),))
-        if own:
-            conn.execute("COMMIT")
-    except BaseException:
-        if own:
-            sqlite.rollback(conn)
-        raise
     return VERSION
 
 
