@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sqlite3
 import threading
 from collections.abc import Callable
@@ -631,3 +632,20 @@ def test_readonly_open_cannot_write(catalog_db: ConsumerDB) -> None:
             ro.conn.execute("DELETE FROM inbox")
 
     assert [(EVENT_ID,)] == rows(catalog_db, "inbox", "event_id")
+
+
+def test_sqlite_reading_neither_creates_nor_keeps_open(tmp_path: Path) -> None:
+    """sqlite.reading refuses a missing file without creating it, names the file when a query
+    fails, and closes the connection after the block."""
+    missing = tmp_path / "missing.db"
+    with pytest.raises(DatabaseError, match="cannot open database"), sqlite.reading(missing):
+        pass
+    assert not missing.exists()
+
+    path = tmp_path / "plain.db"
+    sqlite3.connect(path).close()
+    with pytest.raises(DatabaseError, match=re.escape(f"{path}: cannot read meta: no such table")), \
+            sqlite.reading(path, what="read meta") as conn:
+        conn.execute("SELECT * FROM meta")
+    with pytest.raises(sqlite3.ProgrammingError, match="closed"):
+        conn.execute("SELECT 1")
