@@ -429,15 +429,17 @@ def test_fence_resolve_command(db: ConsumerDB) -> None:
     assert 2 == cli(["fence", "resolve", "nope:1:notify", "--db", path]).exit_code
 
 
-def test_fence_for_event_is_what_trace_shows(db: ConsumerDB, step: Step, tmp_path: Path) -> None:
-    """fence_for_event gives the fence an event claimed; None for other events and other consumers."""
-    apply(db, step(), env(event_id=E1))
+def test_trace_shows_the_fence_an_event_claimed(db: ConsumerDB, step: Step, tmp_path: Path) -> None:
+    """trace lists the fence row an event claimed among its effect rows, and none for another event;
+    a database without a fence table lists no fence."""
+    from delivery_consumer.trace import trace
 
-    assert "article-42:1:notify" == (fence.fence_for_event(db.conn, E1) or {}).get("key")
-    assert None is fence.fence_for_event(db.conn, E2)
+    apply(db, step(), env(event_id=E1), env(event_id=E2, revision=2))
+
+    assert ["article-42:1:notify"] == [r["key"] for r in trace(db, E1)["effects"]["fence"]]
+    assert ["article-42:2:notify"] == [r["key"] for r in trace(db, E2)["effects"]["fence"]]
     catalog = consumers.open_db(tmp_path / "catalog.db", "catalog", create=True)
     try:
-        assert None is fence.fence_for_event(catalog.conn, E1)
         assert [] == fence.fence_list(catalog.conn)
     finally:
         catalog.close()

@@ -518,18 +518,6 @@ def fence_show(conn: sqlite3.Connection, key: str) -> dict[str, Any] | None:
     return _row(rows[0]) if rows else None
 
 
-def fence_for_event(conn: sqlite3.Connection, event_id: str) -> dict[str, Any] | None:
-    """The fence an event claimed (for ``trace``), or None: no fence table in
-    this database, or the event claimed none (a duplicate, stale, a rejection,
-    or another event with the same key claimed it first)."""
-    if not has_fence(conn):
-        return None
-    rows = conn.execute(
-        f"SELECT {_COLUMNS} FROM fence WHERE event_id = ? ORDER BY claimed_at DESC LIMIT 1", (event_id,)
-    ).fetchall()
-    return _row(rows[0]) if rows else None
-
-
 def resolve(db: ConsumerDB, key: str, *, provider_id: str | None = None, not_sent: bool = False) -> dict[str, Any]:
     """A person's verdict on a claimed fence, typically after ``outcome-unknown``.
 
@@ -571,7 +559,6 @@ __all__ = [
     "ExternalStep",
     "FenceError",
     "apply_fenced",
-    "fence_for_event",
     "fence_key",
     "fence_list",
     "fence_show",
