@@ -102,9 +102,6 @@ class Topology:
         delay = self.retry_delays_ms[min(tier, len(self.retry_delays_ms) - 1)]
         return f"{self.queue}.retry.{delay}ms"
 
-    def retry_delay_ms(self, tier: int) -> int:
-        return self.retry_delays_ms[min(tier, len(self.retry_delays_ms) - 1)]
-
     def queues(self) -> list[tuple[str, dict[str, Any]]]:
         """Every queue with its declare arguments, the dead queue first (it
         must exist before anything can dead-letter into it)."""
