@@ -54,8 +54,7 @@ from .amqp.dead_queue import DeadQueue, HeldMessage
 from .amqp.publisher import OutMessage, PublishResult
 from .deliveries import delivery_key
 from .envelope import KOMBU_COMPRESSION_HEADER, MAX_BODY_BYTES, body_digest, parse
-from .errors import DELIVERY_LIMIT as DELIVERY_LIMIT_CODE
-from .errors import Rejection
+from .errors import DELIVERY_LIMIT, Rejection
 from .faults import crashpoint
 from .inbox import ConsumerDB
 from .sqlite import now_iso
@@ -165,7 +164,7 @@ def describe(position: int, msg: HeldMessage) -> DeadLetter:
     if death is not None:
         why = _text(death.get("reason")) or "?"
         if code is None:
-            code = DELIVERY_LIMIT_CODE if why == "delivery_limit" else f"dead-lettered:{why}"
+            code = DELIVERY_LIMIT if why == "delivery_limit" else f"dead-lettered:{why}"
             reason = (f"dead-lettered by the broker from {_text(death.get('queue'))} ({why}, "
                       f"{death.get('count', 1)} time(s))")
         failed_at = failed_at or _iso(death.get("time"))

@@ -18,8 +18,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import DELIVERY_LIMIT as DELIVERY_LIMIT_CODE
-from .errors import ENDPOINT_REJECTED, OUTCOME_UNKNOWN, REJECTION_CODES, RETRIES_EXHAUSTED, WRONG_PARTITION
+from .errors import (
+    DELIVERY_LIMIT,
+    ENDPOINT_REJECTED,
+    OUTCOME_UNKNOWN,
+    REJECTION_CODES,
+    RETRIES_EXHAUSTED,
+    WRONG_PARTITION,
+)
 from .inbox import ConsumerDB
 from .queries import NotFound, dict_rows, read_snapshot, reads
 from .views import article_of
@@ -27,7 +33,7 @@ from .views import article_of
 Row = dict[str, Any]
 
 #: Outcomes of a delivery that are rejections, not results.
-_REJECTION_CODES = frozenset({*REJECTION_CODES, RETRIES_EXHAUSTED, DELIVERY_LIMIT_CODE, ENDPOINT_REJECTED,
+_REJECTION_CODES = frozenset({*REJECTION_CODES, RETRIES_EXHAUSTED, DELIVERY_LIMIT, ENDPOINT_REJECTED,
                               OUTCOME_UNKNOWN, WRONG_PARTITION})
 
 #: Summary statuses.
