@@ -59,12 +59,13 @@ from .faults import crashpoint
 from .inbox import ConsumerDB
 from .sqlite import now_iso
 from .topology import (
+    BROKER_HEADERS,
     H_ATTEMPTS,
     H_CONSUMER,
-    H_DELIVERY_COUNT,
     H_ERROR_CODE,
     H_ERROR_REASON,
     H_FAILED_AT,
+    H_LAST_ERROR,
     H_ROUTING_KEY,
     Topology,
 )
@@ -76,9 +77,7 @@ H_REQUEUES = "x-requeues"
 #: Headers a requeued copy must not carry: its failure (a fresh attempt count)
 #: and what the broker owns (``x-death`` from a client is ignored from 4.0 on).
 DROPPED_HEADERS = frozenset({
-    H_ATTEMPTS, H_ERROR_CODE, H_ERROR_REASON, H_FAILED_AT, H_CONSUMER, H_DELIVERY_COUNT, "x-last-error",
-    "x-death", "x-first-death-exchange", "x-first-death-queue", "x-first-death-reason",
-    "x-last-death-exchange", "x-last-death-queue", "x-last-death-reason",
+    H_ATTEMPTS, H_ERROR_CODE, H_ERROR_REASON, H_FAILED_AT, H_CONSUMER, H_LAST_ERROR, *BROKER_HEADERS,
 })
 
 #: Code of a dead letter that carries neither our headers nor ``x-death``.

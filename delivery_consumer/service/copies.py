@@ -13,19 +13,16 @@ from ..errors import RETRIES_EXHAUSTED, Rejection
 from ..retry import GiveUp, RetryPolicy, attempts_done, retry_after_tier
 from ..sqlite import now_iso
 from ..topology import (
+    BROKER_HEADERS,
     H_ATTEMPTS,
     H_CONSUMER,
-    H_DELIVERY_COUNT,
     H_ERROR_CODE,
     H_ERROR_REASON,
     H_FAILED_AT,
+    H_LAST_ERROR,
     H_ROUTING_KEY,
     Topology,
 )
-
-#: Headers the broker owns; a copy must not carry them back.
-BROKER_HEADERS = ("x-death", "x-first-death-exchange", "x-first-death-queue", "x-first-death-reason",
-                  "x-last-death-exchange", "x-last-death-queue", "x-last-death-reason", H_DELIVERY_COUNT)
 
 
 @dataclass(slots=True)
@@ -63,7 +60,7 @@ class CopyMaker:
             decision = retry_after_tier(decision, self.topology.retry_delays_ms, outcome.transient.retry_after_s)
         headers = self._headers(d)
         headers[H_ATTEMPTS] = decision.attempts
-        headers["x-last-error"] = outcome.transient.reason
+        headers[H_LAST_ERROR] = outcome.transient.reason
         message = OutMessage(
             routing_key=self.topology.retry_queue(decision.tier),
             body=d.body,
