@@ -21,11 +21,15 @@ from .errors import DatabaseError, StoreUnavailable
 #: below the AMQP heartbeat (60 s) so that waiting never costs the connection.
 DEFAULT_BUSY_TIMEOUT_MS = 5000
 
+#: The StoreUnavailable code of a database still locked by another writer past
+#: the busy timeout (replay tries such a batch again by itself).
+DATABASE_BUSY = "database-busy"
+
 # SQLite primary result codes (https://sqlite.org/rescode.html) that are failures
 # of the environment, not of any event: busy/locked past the timeout, read-only,
 # I/O error, disk full, cannot open. Anything else (corrupt, not a database,
 # a schema error) makes the database unusable: DatabaseError.
-_ENVIRONMENT_CODES = {5: "database-busy", 6: "database-busy", 8: "database-read-only", 10: "io-error",
+_ENVIRONMENT_CODES = {5: DATABASE_BUSY, 6: DATABASE_BUSY, 8: "database-read-only", 10: "io-error",
                       13: "disk-full", 14: "cannot-open"}
 
 
@@ -204,6 +208,7 @@ def transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
 
 
 __all__ = [
+    "DATABASE_BUSY",
     "DEFAULT_BUSY_TIMEOUT_MS",
     "closed_on_failure",
     "connect",

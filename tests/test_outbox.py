@@ -19,7 +19,7 @@ import pytest
 from click.testing import CliRunner
 from outboxkit import Clock, FakePublisher, add, dispatcher, envelope, row
 
-from delivery_consumer import consumers, outbox, producer
+from delivery_consumer import consumers, outbox, producer, sqlite
 from delivery_consumer.amqp.connection import BrokerFatal
 from delivery_consumer.amqp.publisher import PublishResult
 from delivery_consumer.cli import main
@@ -314,7 +314,7 @@ def test_a_mark_that_fails_during_a_connection_loss_is_recovered(conn: sqlite3.C
     def flaky_mark(rows: Sequence[outbox.Claimed], results: Sequence[PublishResult]) -> None:
         calls.append(rows)
         if len(calls) == 1:
-            raise TransientError("database is locked", code="database-busy")
+            raise TransientError("database is locked", code=sqlite.DATABASE_BUSY)
         mark(rows, results)
 
     d.mark = flaky_mark  # type: ignore[method-assign]

@@ -392,7 +392,7 @@ def test_busy_past_the_timeout_is_transient(catalog_db: ConsumerDB) -> None:
         finally:
             catalog_db.conn.execute("ROLLBACK")
 
-    assert "database-busy" == info.value.code
+    assert sqlite.DATABASE_BUSY == info.value.code
     assert [] == rows(catalog_db, "inbox")
 
 
