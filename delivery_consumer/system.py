@@ -361,7 +361,7 @@ def _consumer_db_status(db: ConsumerDB, now: float) -> Row:
             "newestAgeSeconds": age, "unresolvedRejections": {r["code"]: r["n"] for r in unresolved}}
 
 
-def _management(dep: Deployment, queue: str) -> int | None:
+def unacknowledged(dep: Deployment, queue: str) -> int | None:
     """Unacknowledged messages from the management API, when the file names it."""
     if not dep.management_url:
         return None
@@ -387,7 +387,7 @@ def _queue_figures(dep: Deployment, label: str, topo: Topology, counts: dict[str
     main, dead = counts.get(topo.queue), counts.get(topo.dead_queue)
     item: Row = {"queue": topo.queue, "deadQueue": topo.dead_queue,
                  "ready": main.ready if main else None,
-                 "unacked": _management(dep, topo.queue) if main else None,
+                 "unacked": unacknowledged(dep, topo.queue) if main else None,
                  "consumersConnected": main.consumers if main else None,
                  "deadLetters": dead.ready if dead else None, "deadByCode": {}, "deadGroups": []}
     if asked and main is None:
@@ -522,4 +522,4 @@ def _redacted(url: str) -> str:
 
 
 __all__ = ["dead_letters", "group_dead_letters", "notes", "outbox_history", "partition_count", "places", "status",
-           "topic_matches", "topology", "trace_article", "trace_event"]
+           "topic_matches", "topology", "trace_article", "trace_event", "unacknowledged"]

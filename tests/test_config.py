@@ -444,7 +444,7 @@ def test_unacked_counts_come_from_the_management_api_when_it_is_named(tmp_path: 
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from delivery_consumer.config import parse_file
-    from delivery_consumer.system import _management
+    from delivery_consumer.system import unacknowledged
 
     asked: list[tuple[str, str | None]] = []
 
@@ -467,8 +467,8 @@ def test_unacked_counts_come_from_the_management_api_when_it_is_named(tmp_path: 
         config.write_text(f'amqp_url = "amqp://bob:pw@127.0.0.1:5672/v1"\n'
                           f'management_url = "http://127.0.0.1:{server.server_address[1]}"\n')
         dep = parse_file(config)
-        assert 7 == _management(dep, "delivery.catalog")
-        assert _management(dep, "delivery.audit") is None
+        assert 7 == unacknowledged(dep, "delivery.catalog")
+        assert unacknowledged(dep, "delivery.audit") is None
     finally:
         server.shutdown()
         server.server_close()
