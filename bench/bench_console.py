@@ -1,6 +1,6 @@
 """The console's status page on a consumer database with a million receipts.
 
-    python bench/bench_console.py [--receipts 1000000] [--hours 3] [--repeat 5]
+    python bench/bench_console.py [--receipts 1000000] [--window 3h] [--repeat 5]
 
 Builds a catalog database whose receipts are spread evenly over the chart's
 window (the worst case: every receipt is drawn), plus a few thousand
@@ -33,25 +33,26 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+from delivery_consumer import durations
 from delivery_consumer.config import parse_file
 from delivery_consumer.console import Console, make_server
 from delivery_consumer.consumers import open_db
 from delivery_consumer.sqlite import now_iso
 
 
-def build(path: Path, receipts: int, hours: float) -> None:
+def build(path: Path, receipts: int, window_s: float) -> None:
     now = time.time()
-    step = hours * 3600 / receipts
+    step = window_s / receipts
     results = ["updated"] * 18 + ["duplicate:updated", "stale"]
     with open_db(path, "catalog", create=True) as db:
         db.conn.execute("BEGIN IMMEDIATE")
         db.conn.executemany(
             "INSERT INTO inbox (event_id, fingerprint, result, event_type, received_at) VALUES (?, ?, ?, ?, ?)",
-            ((f"{i:032x}", "f" * 64, results[i % 20], "material.published", now_iso(now - hours * 3600 + i * step))
+            ((f"{i:032x}", "f" * 64, results[i % 20], "material.published", now_iso(now - window_s + i * step))
              for i in range(receipts)))
         db.conn.executemany(
             "INSERT INTO rejected (code, reason, event_id, rejected_at, resolved_at) VALUES (?, ?, ?, ?, ?)",
-            (("revision-conflict", "bench", f"r{i}", now_iso(now - hours * 3600 + i * 3), now_iso(now))
+            (("revision-conflict", "bench", f"r{i}", now_iso(now - window_s + i * 3), now_iso(now))
              for i in range(receipts // 500)))
         db.conn.execute("COMMIT")
 
@@ -64,11 +65,11 @@ def get(url: str) -> float:
     return time.perf_counter() - started
 
 
-def chart_floor(path: Path, hours: float) -> float:
+def chart_floor(path: Path, window_s: float) -> float:
     started = time.perf_counter()
     with open_db(path, "catalog", readonly=True) as db:
         db.conn.execute("SELECT substr(received_at, 1, 16), result, count(*) FROM inbox WHERE received_at >= ?"
-                        " GROUP BY 1, 2", (now_iso(time.time() - hours * 3600),)).fetchall()
+                        " GROUP BY 1, 2", (now_iso(time.time() - window_s),)).fetchall()
     return time.perf_counter() - started
 
 
@@ -92,30 +93,30 @@ def serve(console: Console) -> tuple[str, object]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--receipts", type=int, default=1_000_000)
-    parser.add_argument("--hours", type=float, default=3.0)
+    parser.add_argument("--window", type=durations.parse, default="3h", help="The chart's window (e.g. 90m, 12h).")
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-console-") as tmp:
         directory = Path(tmp)
         db = directory / "state" / "catalog" / "inbox.db"
         started = time.perf_counter()
-        build(db, args.receipts, args.hours)
-        print(f"built {args.receipts:,} receipts over {args.hours:g} h in {time.perf_counter() - started:.1f}s "
-              f"({db.stat().st_size / 1e6:.0f} MB)")
+        build(db, args.receipts, args.window)
+        print(f"built {args.receipts:,} receipts over {durations.format(args.window)} "
+              f"in {time.perf_counter() - started:.1f}s ({db.stat().st_size / 1e6:.0f} MB)")
         config = directory / "delivery.toml"
         config.write_text(f'queue_prefix = "bench-{uuid.uuid4().hex[:8]}"\n[consumers.catalog]\n'
                           'db = "state/catalog/inbox.db"\n')
         dep = parse_file(config)
-        warm = Console(dep, hours=args.hours)
+        warm = Console(dep, window_s=args.window)
         warm_url, warm_server = serve(warm)
         get(warm_url)  # fills the warm console's cache, and the OS page cache
         runs: dict[str, list[float]] = {"cold": [], "chart floor": [], "warm": [], "status floor": []}
         for _ in range(args.repeat):
-            cold = Console(dep, hours=args.hours)
+            cold = Console(dep, window_s=args.window)
             url, server = serve(cold)
             runs["cold"].append(get(url))
             server.shutdown()  # type: ignore[attr-defined]
-            runs["chart floor"].append(chart_floor(db, args.hours))
+            runs["chart floor"].append(chart_floor(db, args.window))
             runs["warm"].append(get(warm_url))
             runs["status floor"].append(status_floor(db))
         warm_server.shutdown()  # type: ignore[attr-defined]

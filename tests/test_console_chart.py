@@ -25,8 +25,8 @@ def add(db: ConsumerDB, stamps: list[tuple[float, str]]) -> None:
                             " VALUES (?, 'f', ?, 'material.published', ?)", (key, result, now_iso(when)))
 
 
-def window(db: ConsumerDB, hours: float, now: float) -> chart.Minutes:
-    return chart.read_minutes(db, now_iso(now - hours * 3600)[:16])
+def window(db: ConsumerDB, window_s: float, now: float) -> chart.Minutes:
+    return chart.read_minutes(db, now_iso(now - window_s)[:16])
 
 
 # Each example opens a database of its own in the fixture's directory.
@@ -43,10 +43,10 @@ def test_the_cache_equals_a_fresh_read(open_db: OpenDB, before: list[tuple[float
     add(db, [(now - ago, result) for ago, result in before])
     newest = max((now - ago for ago, _ in before), default=0.0)
     cache = chart.MinuteCache()
-    assert window(db, 3, now) == cache.minutes(db, 3, now)
+    assert window(db, 3 * 3600, now) == cache.minutes(db, 3 * 3600, now)
     now += step
     add(db, [(max(now - ago, newest), result) for ago, result in later])  # written later: not older
-    assert window(db, 3, now) == cache.minutes(db, 3, now)
+    assert window(db, 3 * 3600, now) == cache.minutes(db, 3 * 3600, now)
 
 
 def test_the_chart_draws_one_bar_per_minute_with_a_tooltip(open_db: OpenDB) -> None:
@@ -54,6 +54,6 @@ def test_the_chart_draws_one_bar_per_minute_with_a_tooltip(open_db: OpenDB) -> N
     db = open_db("catalog")
     now = time.time()
     add(db, [(now - 30, "updated"), (now - 31, "stale"), (now - 3600, "updated")])
-    svg = chart.svg(chart.MinuteCache().minutes(db, 3, now), 3, now)
+    svg = chart.svg(chart.MinuteCache().minutes(db, 3 * 3600, now), 3 * 3600, now)
     assert svg.startswith("<svg") and svg.count("<rect") == 1 + 3
     assert "1 applied, 1 stale" in svg or "1 stale, 1 applied" in svg

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterator
+from pathlib import Path
 
 import click
 import pytest
@@ -17,7 +18,8 @@ from delivery_consumer.cli import main
 from delivery_consumer.durations import Duration
 
 #: Option names that say "this is a time": every such option must be a Duration.
-TIME_WORDS = re.compile(r"timeout|delay|idle|lease|wait|older|horizon|poll|retry-base|retry-cap|interval|age|ttl")
+TIME_WORDS = re.compile(r"timeout|delay|idle|lease|wait|older|horizon|poll|retry-base|retry-cap|interval|age|ttl"
+                        r"|window")
 
 
 @pytest.mark.parametrize(("text", "seconds"), [
@@ -83,7 +85,7 @@ def test_every_duration_option_uses_the_duration_type() -> None:
     names = {o for _, param in found for o in param.opts}
 
     assert {"--retry-delays", "--lease", "--older-than", "--exit-when-idle", "--retry-cap", "--horizon",
-            "--batch-wait", "--webhook-read-timeout", "--timeout"} <= names
+            "--batch-wait", "--webhook-read-timeout", "--timeout", "--window"} <= names
     assert [] == [(path, param.opts) for path, param in found if not isinstance(param.type, Duration)]
 
 
@@ -111,3 +113,18 @@ def test_a_zero_dispatch_duration_is_refused_naming_its_option(option: str) -> N
     result = cli(["dispatch", "--db", "unused.db", option, "0"])
     assert 2 == result.exit_code
     assert f"Invalid value for '{option}': 0 is out of range: more than 0s" in result.output
+
+
+def test_the_console_window_is_a_positive_duration_and_hours_an_alias(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """console --window refuses zero; the deprecated --hours still sets the window, saying so,
+    before the console looks for its deployment file."""
+    monkeypatch.chdir(tmp_path)
+    refused = cli(["console", "--window", "0"])
+    assert 2 == refused.exit_code
+    assert "Invalid value for '--window': 0 is out of range: more than 0s" in refused.output
+
+    alias = cli(["console", "--hours", "1.5"])
+    assert 2 == alias.exit_code
+    assert "--hours is deprecated: use --window 90m" in alias.output
+    assert "no deployment file" in alias.output

@@ -10,8 +10,13 @@ from types import FrameType
 
 import click
 
+from .. import durations
+from ..durations import Duration
 from ._common import Fatal, handle_errors
 from .system import checked_deployment
+
+#: The longest window of the outcomes chart (its bars are minutes).
+MAX_WINDOW_S = 48 * 3600
 
 
 def _loopback(host: str) -> bool:
@@ -25,19 +30,26 @@ def _loopback(host: str) -> bool:
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", default=8470, show_default=True, type=click.IntRange(0, 65535),
               help="Port to listen on (0: any free port, printed on stderr).")
-@click.option("--hours", default=3.0, show_default=True, type=click.FloatRange(0.1, 48),
-              help="Window of the outcomes chart.")
+@click.option("--window", "window_s", default="3h", show_default=True,
+              type=Duration(positive=True, maximum=MAX_WINDOW_S),
+              help="Window of the outcomes chart (e.g. 90m, 12h).")
+@click.option("--hours", type=click.FloatRange(0.1, MAX_WINDOW_S / 3600), hidden=True,
+              help="Deprecated: --window in hours.")
 @click.option("--allow-actions", is_flag=True,
               help="Allow requeue and purge of dead letters (POST with a confirmation step and a CSRF token).")
 @handle_errors
-def console(host: str, port: int, hours: float, allow_actions: bool) -> None:
+def console(host: str, port: int, window_s: float, hours: float | None, allow_actions: bool) -> None:
     """A local web page for the deployment: status, outcomes per minute, dead
     letters by code, trace search; read-only unless --allow-actions."""
     from ..console import Console, make_server
 
+    if hours is not None:
+        click.echo(f"delivery-consumer: warning: --hours is deprecated: use --window {durations.format(hours * 3600)}",
+                   err=True)
+        window_s = hours * 3600
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("pika").setLevel(logging.WARNING)  # a connection per dead queue read: no news
-    app = Console(checked_deployment(), allow_actions=allow_actions, hours=hours)
+    app = Console(checked_deployment(), allow_actions=allow_actions, window_s=window_s)
     try:
         server = make_server(app, host, port)
     except OSError as exc:

@@ -60,9 +60,10 @@ class MinuteCache:
         self._lock = threading.Lock()
         self._settled: dict[str, tuple[str, Minutes]] = {}  # path -> (settled up to, minutes)
 
-    def minutes(self, db: ConsumerDB, hours: float, now: float | None = None) -> Minutes:
+    def minutes(self, db: ConsumerDB, window_s: float, now: float | None = None) -> Minutes:
+        """The counts per minute of the last *window_s* seconds."""
         now = time.time() if now is None else now
-        start = now_iso(now - hours * 3600)[:16]
+        start = now_iso(now - window_s)[:16]
         settled_until = now_iso(now - SETTLE_S)[:16]
         key = str(db.path)
         with self._lock:
@@ -77,10 +78,11 @@ class MinuteCache:
         return {**kept, **read_minutes(db, upto)}
 
 
-def svg(minutes: Minutes, hours: float, now: float | None = None, *, width: int = 720, height: int = 140) -> str:
-    """Stacked bars, one per minute of the window, newest on the right."""
+def svg(minutes: Minutes, window_s: float, now: float | None = None, *, width: int = 720,
+        height: int = 140) -> str:
+    """Stacked bars, one per minute of the last *window_s* seconds, newest on the right."""
     now = time.time() if now is None else now
-    count = max(1, int(hours * 60))
+    count = max(1, int(window_s // 60))
     first = int(now // 60) - count + 1
     labels = [now_iso((first + i) * 60)[:16] for i in range(count)]
     peak = max((sum(minutes.get(m, Counter()).values()) for m in labels), default=0) or 1

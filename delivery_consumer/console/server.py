@@ -82,10 +82,10 @@ def _ago(age: float | None, at: str | None) -> str:
 class Console:
     """What the pages need: the deployment, the mode, the CSRF token, the minute cache."""
 
-    def __init__(self, dep: Deployment, *, allow_actions: bool = False, hours: float = 3.0) -> None:
+    def __init__(self, dep: Deployment, *, allow_actions: bool = False, window_s: float = 3 * 3600) -> None:
         self.dep = dep
         self.allow_actions = allow_actions
-        self.hours = hours
+        self.window_s = window_s
         self.token = secrets.token_urlsafe(32)
         self.minutes = chart.MinuteCache()
         self.address = ""
@@ -99,7 +99,7 @@ class Console:
             for _partition, path in entry.databases():
                 try:
                     with open_db(path, name, readonly=True) as db:
-                        self.minutes.minutes(db, self.hours)
+                        self.minutes.minutes(db, self.window_s)
                 except DeliveryError:
                     continue  # the page says what is wrong with it
 
@@ -160,7 +160,8 @@ class Console:
         return self.page("Status", "".join(parts))
 
     def _charts(self) -> str:
-        parts = [f"<section><h2>Outcomes per minute, last {self.hours:g} h</h2><p>{chart.legend()}</p>"]
+        window = durations.format(self.window_s)
+        parts = [f"<section><h2>Outcomes per minute, last {window}</h2><p>{chart.legend()}</p>"]
         now = time.time()
         for name, entry in self.dep.consumers.items():
             for partition, path in entry.databases():
@@ -170,13 +171,13 @@ class Console:
                     continue
                 try:
                     with open_db(path, name, readonly=True) as db:
-                        minutes = self.minutes.minutes(db, self.hours, now)
+                        minutes = self.minutes.minutes(db, self.window_s, now)
                 except DeliveryError as exc:
                     parts.append(f"<h3>{_e(label)}</h3><p class=bad>{_e(exc)}</p>")
                     continue
                 total = ", ".join(f"{n} {c}" for c, n in chart.totals(minutes).items()) or "nothing"
                 parts.append(f"<h3>{_e(label)} <small>({_e(total)})</small></h3>"
-                             + chart.svg(minutes, self.hours, now))
+                             + chart.svg(minutes, self.window_s, now))
         return "".join(parts) + "</section>"
 
     def _dead_letters(self, shown: dict[str, Any]) -> str:
