@@ -155,7 +155,7 @@ def dict_rows(cursor: sqlite3.Cursor) -> list[Row]:
     """All rows of *cursor* as dicts keyed by camelCase column names.
 
     For the store's bookkeeping tables (``rejected``, ``deliveries``), whose
-    columns grow with later issues: a new column shows up without a change here.
+    columns grow with later migrations: a new column shows up without a change here.
     """
     names = [camel(column[0]) for column in cursor.description]
     return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]

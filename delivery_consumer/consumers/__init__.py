@@ -65,8 +65,8 @@ def _load_plugins() -> None:
             importlib.import_module(module)
         except ImportError as exc:
             raise ConfigError(f"{PLUGINS_ENV}: cannot import {module!r}: {exc}") from None
-    # Imported here, not at the top: importlib.metadata costs ~20 ms of
-    # start-up, and the built-in consumers never need it (bench/bench_replay.py).
+    # Imported here, not at the top: importlib.metadata is slow to import, and
+    # the built-in consumers never need it (bench/bench_replay.py measures start-up).
     from importlib.metadata import entry_points
 
     for ep in entry_points(group=ENTRY_POINT_GROUP):
