@@ -1,94 +1,9 @@
-"""The dispatcher: moves the outbox's pending rows to RabbitMQ.
+"""The dispatcher: moves the outbox's pending rows to RabbitMQ, at least once.
 
-It publishes rows persistent and mandatory with ``message_id`` = eventId and
-pipelined publisher confirms, and sets ``published_at`` only for rows whose
-confirm arrived. A row is therefore published *at least* once; the
-consumer's inbox absorbs the duplicates (same eventId, same fingerprint).
-
-Rounds
-------
-A round claims a batch (``batch`` rows, at most 16 MiB of bodies), sends it
-through :class:`~delivery_consumer.amqp.publisher.StreamPublisher`, and -- once its
-confirms are all in -- marks it. Up to ``depth`` batches (2 by default) are in
-flight: the next one is claimed and sent behind the previous one on the same
-channel while that one waits for its confirms, so the broker never idles at
-a batch boundary (``bench/bench_dispatch.py``). Batches are collected and
-marked in the order they were sent.
-
-Lease (several dispatchers on one database)
--------------------------------------------
-A dispatcher *claims* rows in one ``BEGIN IMMEDIATE`` transaction by writing
-its owner id (``host:pid:random``) and ``lease_until = now + lease``; other
-dispatchers skip leased rows, so in normal operation no row is published by
-two dispatchers at once. The publisher's timeout is ``lease / (depth + 2)``
-(at most 30 s), so a live dispatcher connects and collects every batch in
-flight well before its leases end. Marking clears the lease.
-
-* A dispatcher that **dies** holding leases (at most ``depth`` batches)
-  leaves those rows leased. :meth:`Dispatcher.run` registers its host, pid,
-  process start time and a heartbeat (:mod:`.owners`), so another dispatcher
-  takes those leases back within about a second when the pid is gone (same
-  host) or within ``5 x heartbeat`` when the heartbeat stopped (any host);
-  an unregistered owner's rows wait until ``lease_until``. Rows the dead one
-  had already sent are published a second time: one duplicate each, which
-  the consumer's inbox absorbs. ``last_error`` says who held the lease and why
-  it was taken back.
-* A dispatcher **stalled** (SIGSTOP, a paused VM) can find another one
-  publishing the same rows: duplicates, never a loss. Its late marks cannot
-  undo the other's work: ``published_at`` is only ever set once
-  (``coalesce``), and a failure is recorded only while the marker still owns
-  the lease.
-
-Order per article
------------------
-Rows are claimed in creation order and sent in that order on one channel,
-so first publications reach the broker in creation order. Within one
-**ordering key** (the articleId) a row is never claimed while an earlier
-pending row of its key is leased (another dispatcher's, or this one's batch
-in flight) or waiting for its backoff, and a row being *retried* goes out
-alone for its key (later rows wait until it is confirmed or quarantined):
-while a row is in retry, nothing later of its article overtakes it. Rows
-already sent in the same batch as its first, failed, attempt are ahead of
-it (they were on the wire when it failed); ``outbox show`` names them.
-A **quarantined** row leaves the stream, and the later rows of its article
-go on: consumers order by ``revision`` (the catalog keeps the newest), so a
-row requeued later arrives as an older revision and changes nothing there.
-After a connection loss the unconfirmed rows go again, in order, possibly
-twice.
-
-Failures
---------
-* broker unreachable -> no row is claimed; the dispatcher waits
-  ``retry.reconnect_delay_s(failures)`` (exponential, jittered, capped) and
-  tries again: an outage is waited out, never spun on, and spends no row's
-  attempts toward quarantine;
-* unconfirmed (the connection died with the message in flight) ->
-  ``attempts + 1`` and ``last_error`` for it and every batch behind it, the
-  leases are released, and the dispatcher backs off as for an outage;
-* **permanent**, quarantined at once: returned unroutable (``312
-  NO_ROUTE``: no queue is bound for its routing key), unencodable (pika
-  cannot put it in a frame), or refused by the routing-key check at claim
-  (a row written by older code or by hand);
-* **transient**, the row's own: nacked (the queue refused it: full with
-  ``reject-publish``, an internal error) -> ``failures + 1`` and a growing
-  backoff (``retry_base_s * 2^(n-1)``, jittered, capped at
-  ``retry_cap_s``); at ``max_attempts`` failures the row is quarantined;
-* the database busy past its timeout -> backoff and retry; a batch sent but
-  not marked keeps its lease and goes again after it (duplicates, no loss);
-* fatal broker errors (credentials, vhost, permissions) -> the leases in
-  flight are released and :class:`~delivery_consumer.amqp.connection.BrokerFatal`
-  propagates.
-
-Crash points (:func:`delivery_consumer.faults.crashpoint`):
-``dispatch-before-publish`` (a batch leased, not sent), ``dispatch-after-confirm``
-(a batch's confirms all in, not marked; the batch behind it possibly sent)
-and ``dispatch-mid-batch`` (half of a batch marked inside the uncommitted mark
-transaction: the whole mark is lost, none of it half-applied). Whatever the
-moment of a SIGKILL, at most ``depth * batch`` rows are published twice.
-
-pika is never imported here: :mod:`delivery_consumer.amqp` is imported
-lazily by the dispatcher, so producers calling ``enqueue`` and the
-``outbox`` read commands do not load it.
+Each round claims a batch under a lease (``BEGIN IMMEDIATE``), publishes it
+persistent and mandatory (``message_id`` = eventId, pipelined confirms) and
+marks ``published_at`` only for confirmed rows; the inbox absorbs duplicates.
+Rounds, leases, order per article, failures and crash points: docs/outbox.md.
 """
 
 from __future__ import annotations
