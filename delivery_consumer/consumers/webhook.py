@@ -1,46 +1,10 @@
 """The webhook consumer: tell an HTTP endpoint about every material event, once.
 
-For every ``material.published`` and ``material.withdrawn`` it POSTs the JSON
-``{"articleId", "revision", "published", "title", "url"}`` to ``--webhook-url``
-with the header ``Idempotency-Key: <articleId>:<revision>:notify``. The call
-cannot join the store's transaction, so ``run`` applies this consumer with
-the fence protocol of :mod:`delivery_consumer.fence` (claim the key, call,
-store the provider's id with the receipt ``notified``); ``apply`` itself
-refuses to run inside a transaction.
-
-How an answer is taken (``classify``); *ambiguous* means that the call may
-have had its effect, which matters for an endpoint that is not idempotent
-(``--no-endpoint-idempotent``: such a call is never repeated, the event is
-dead-lettered ``outcome-unknown``):
-
-==========================================  ===================  =========  ==========
-answer                                      code                 ambiguous  stop batch
-==========================================  ===================  =========  ==========
-2xx                                         notified (done)      --         --
-429, 503 (``Retry-After`` honoured)         endpoint-throttled,  no         yes
-                                            endpoint-unavailable
-408, 425                                    endpoint-not-ready   no         no
-409 (the key is still being processed [1])  endpoint-busy        yes        no
-500, other 5xx; 502, 504                    endpoint-error       yes        502/504
-other 4xx, 3xx (redirects not followed)     endpoint-rejected    (a rejection, dead-lettered)
-refused, DNS, connect timeout               endpoint-unreachable no         yes
-read / write timeout                        endpoint-timeout     yes        yes
-connection cut, protocol error              endpoint-error       yes        yes
-==========================================  ===================  =========  ==========
-
-"Stop batch": the endpoint as a whole is failing, so the rest of the batch
-is not called this time (each goes to the retry tier with the same code)
-instead of every delivery waiting out its own timeout: no retry storm.
-
-[1] https://datatracker.ietf.org/doc/draft-ietf-httpapi-idempotency-key-header/
-(409 for a request with a key still in progress, 422 for a key reused with
-another payload -- the latter a 4xx, so ``endpoint-rejected``).
-
-Timeouts are explicit (httpx's default is 5 s for everything): the read
-timeout must be shorter than the first retry delay, so that a retry never
-starts while the call it repeats may still be running; by default it is
-80 % of that delay (at most 10 s). One ``httpx.Client`` per process keeps
-its connections alive between calls.
+It POSTs ``{"articleId", "revision", "published", "title", "url"}`` to
+``--webhook-url`` with ``Idempotency-Key: <articleId>:<revision>:notify``,
+through the fence protocol of :mod:`delivery_consumer.inbox.fence`. How each
+answer is classified, when a batch stops, and the timeouts: docs/fence.md,
+"The webhook consumer".
 """
 
 from __future__ import annotations
@@ -164,7 +128,7 @@ def provider_id(response: httpx.Response) -> str | None:
 
 
 def classify(response: httpx.Response, env: Envelope) -> CallResult:
-    """What an HTTP answer means for the fence (see the module docstring)."""
+    """What an HTTP answer means for the fence (the table in docs/fence.md, "The webhook consumer")."""
     status = response.status_code
     if 200 <= status < 300:
         return CallResult(provider_id=provider_id(response), status=status)
