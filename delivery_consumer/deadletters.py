@@ -1,43 +1,9 @@
 """The dead queue of a consumer: list it, requeue from it, purge from it.
 
-Dead letters wait in ``<prefix>.<consumer>.dead`` for a person. They come
-from two places:
-
-* ``run`` copies a message there itself with ``x-error-code``,
-  ``x-error-reason``, ``x-attempts``, ``x-failed-at``, ``x-consumer`` and
-  ``x-original-routing-key``, and records it in the consumer's ``rejected``
-  table (``dead_letter`` = the dead queue);
-* the broker dead-letters a message past the main queue's ``x-delivery-limit``
-  (the backstop): no headers of ours, an ``x-death`` entry with reason
-  ``delivery_limit``, and no row in ``rejected``.
-
-Every command reads the queue through :class:`~delivery_consumer.amqp.dead_queue.DeadQueue`:
-an exclusive consumer holds every message unacknowledged, and whatever is
-not acknowledged returns to its own place when the connection closes, also
-if the process is killed. Listing therefore never loses nor reorders a
-message.
-
-Requeue (``requeue``) of one message, in this order:
-
-1. the ``deliveries`` row of the message gets ``crashes = 0`` (a fresh
-   poison-message budget) -- harmless if nothing follows;
-2. a copy goes to the consumer's queue (default exchange, routing key = the
-   queue) without ``x-attempts`` / ``x-error-*`` (a fresh attempt count),
-   keeping ``x-original-routing-key`` and counting ``x-requeues``; the broker
-   confirms it;
-3. only then the dead message is acknowledged;
-4. its row in ``rejected`` gets ``resolved_at``.
-
-A kill between 2 and 3 leaves the message in both queues: a duplicate, which
-the inbox absorbs, and which the next requeue reports as already applied once
-the consumer has applied it. A kill between 3 and 4 leaves the rejection
-unresolved, which only makes ``inbox prune`` keep its receipt longer.
-
-A message whose eventId already has a receipt with the same fingerprint is
-*already applied*: it is not requeued (the inbox would only answer
-``duplicate``) and stays in the dead queue, reported, unless
-``drop_applied`` removes it. A receipt with another fingerprint is a
-*conflict* (the copy would be rejected ``event-id-reused`` again): it stays.
+Every command holds the queue through an exclusive
+:class:`~delivery_consumer.amqp.dead_queue.DeadQueue`, so nothing is lost or
+reordered. Where dead letters come from, and the order of a requeue's steps
+(what a kill at each one leaves): docs/amqp.md, "Dead letters".
 """
 
 from __future__ import annotations
@@ -355,7 +321,7 @@ def _delivery_key(msg: HeldMessage) -> str:
 
 
 def _reset_counts(db: ConsumerDB, items: Iterable[Item]) -> None:
-    """A fresh poison budget for messages about to be requeued (see the module docstring)."""
+    """A fresh poison budget for messages about to be requeued (step 1 of a requeue: docs/amqp.md)."""
     keys = [(_delivery_key(item.message),) for item in items]
     if not keys:
         return
@@ -435,7 +401,7 @@ def requeue(
 ) -> Report:
     """Requeue the selected dead letters of *snapshot* (held by *dq*) to the consumer's queue.
 
-    See the module docstring for the order of the steps and what a kill at
+    docs/amqp.md, "Dead letters", gives the order of the steps and what a kill at
     each one leaves behind. A copy that is not confirmed (returned, nacked)
     leaves its dead message in place, ``failed``; a lost connection raises
     BrokerUnavailable after the messages dealt with so far.

@@ -1,36 +1,8 @@
 """Names and arguments of the RabbitMQ objects of a consumer (no pika here).
 
-::
-
-    delivery.events (topic, durable) --<binding keys>--> delivery.<consumer>   (quorum)
-        delivery.<consumer>               x-delivery-limit, dead-letters to .dead
-        delivery.<consumer>.retry.<ms>ms  TTL tiers; expired messages go back to
-                                          delivery.<consumer> (at-least-once)
-        delivery.<consumer>.dead          (classic) where permanent failures wait for a person
-
-Retry tiers are named after their delay, so that changing ``--retry-delays``
-declares new queues instead of failing on the old ones' arguments; an old
-tier keeps draining into the main queue. The main queue and the retry tiers
-are quorum queues (replicated, fsynced before the publisher confirm, TTL
-dead-lettering that does not wait for the head of the queue) and every
-dead-lettering hop uses the at-least-once strategy (``overflow=reject-publish``),
-so a broker restart mid-hop cannot drop a message
-(https://www.rabbitmq.com/docs/quorum-queues).
-
-A *partitioned* consumer (partitions.py) has these queues once per
-partition, named ``delivery.<consumer>.p<k>[.dead|.retry.<ms>ms]``; its main
-queues are not bound to the exchange by key but by slot, through the
-consumer's headers exchange (see :class:`Route` and docs/partitions.md), and
-allow a single active consumer, so that a standby ``run`` waits on the queue.
-
-The dead queue is a durable *classic* queue, because ``dead list`` and
-``dead requeue`` read it by taking every message unacknowledged and giving
-back the ones they leave. A classic queue puts a returned message back in its
-original position and counts nothing; a quorum queue (checked on RabbitMQ
-3.10.8) puts a nacked message at the back when it has no delivery limit,
-behind dead letters that arrived meanwhile, and counts every return in
-``x-delivery-count``, which a delivery limit (RabbitMQ 4.0 sets 20 by default)
-turns into a drop after enough listings.
+The main queue and its retry tiers (named after their delay) are quorum
+queues dead-lettering at-least-once; the dead queue is classic. Why, and the
+names of a partitioned consumer's queues: docs/amqp.md, "Queues".
 """
 
 from __future__ import annotations
@@ -120,7 +92,7 @@ class Topology:
             **({"x-single-active-consumer": True} if self.partition is not None else {}),
             **self.extra_queue_args,
         }
-        dead: dict[str, Any] = {"x-queue-type": "classic"}  # see the module docstring
+        dead: dict[str, Any] = {"x-queue-type": "classic"}  # why classic: docs/amqp.md, "Queues"
         result: list[tuple[str, dict[str, Any]]] = [(self.dead_queue, dead), (self.queue, main)]
         if self.partition_count is not None:  # first: a wrong count fails before anything is declared
             result.insert(0, (self.count_marker, {"x-queue-type": "classic", "x-max-length": self.partition_count}))
