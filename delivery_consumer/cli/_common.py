@@ -239,6 +239,28 @@ def _check_owner(found: Deployment, consumer: str, db_path: Path) -> None:
         pass  # the command itself says what is wrong, naming the key
 
 
+def checked_deployment(*, owners: bool = True) -> Deployment:
+    """The deployment file, or exit 2 in one line; with *owners*, also when it gives a consumer
+    a database of another consumer or of a producer (a mistake in the file, not a state to report)."""
+    from ..config import foreign_databases
+
+    found = deployment()
+    if found is None:
+        raise Fatal("no deployment file: give --config PATH (or DELIVERY_CONFIG), or run where ./delivery.toml is")
+    foreign = foreign_databases(found) if owners else []
+    if foreign:
+        raise Fatal(foreign[0] + (f" (and {len(foreign) - 1} more: config check lists them)"
+                                  if len(foreign) > 1 else ""))
+    return found
+
+
+def setup_logging(level: str, fmt: str = "text", consumer: str | None = None) -> None:
+    """Logging for a long-running command (see :mod:`delivery_consumer.logs`)."""
+    from .. import logs
+
+    logs.setup(level, fmt, consumer)
+
+
 def emit_json(value: Any) -> None:
     """One JSON document (or line) on stdout."""
     sys.stdout.buffer.write(orjson.dumps(value) + b"\n")

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import click
 
-from ..errors import ConfigError
-from ..partition_store import partition_db, stored_identity
+from ..errors import ConfigError, DeliveryError
+from ..partition_store import partition_db, partitioned_paths, stored_identity
 from ..partitions import SLOT_COUNT, Identity, check_partition
-from ._common import F, Fatal
+from ._common import F, Fatal, deployment
 
 
 def partition_options(fn: F) -> F:
@@ -40,3 +40,34 @@ def partition_identity(consumer: str, partition: int | None, count: int | None, 
     except ConfigError as exc:
         raise Fatal(str(exc)) from None
     return Identity(partition, count)
+
+
+def one_partition_option(fn: F) -> F:
+    """``--partition K`` of a command that serves one partition's queues and database."""
+    return click.option("--partition", type=click.IntRange(0, SLOT_COUNT - 1), envvar="DELIVERY_PARTITION",
+                        help="Partition K of a partitioned consumer: its queues <prefix>.<consumer>.p<K>.* and "
+                             "its database state/<consumer>/p<K>/inbox.db.")(fn)
+
+
+def one_partition(consumer: str | None, db_path: Path | None, partition: int | None, what: str) -> Path | None:
+    """The database a one-partition command uses; a partitioned consumer
+    without --partition (or --db) is refused in one line."""
+    if partition is not None:
+        return partition_db(consumer or "", partition, db_path)
+    if consumer is None:
+        return db_path
+    found = deployment()
+    entry = found.consumer(consumer) if found is not None else None
+    if found is not None and entry is not None and entry.partitions is not None and db_path in (None, entry.db):
+        raise Fatal(f"{found.key(f'consumers.{consumer}')}: {consumer} is partitioned ({entry.partitions} "
+                    f"partitions): give --partition K to {what} (each partition has its own queues and database)")
+    if db_path is not None and not db_path.is_dir():
+        return db_path
+    try:  # the deployment file's directory, else --db's, else state/<consumer>/ of the working directory
+        paths = partitioned_paths(consumer, db_path if db_path is not None else entry.db if entry else None)
+    except DeliveryError as exc:
+        raise Fatal(str(exc)) from None
+    if paths is not None:
+        raise Fatal(f"{consumer} is partitioned here ({len(paths)} partitions): give --partition K to {what} "
+                    "(each partition has its own queues and database)")
+    return db_path

@@ -12,8 +12,7 @@ import click
 
 from .. import durations
 from ..durations import Duration
-from ._common import Fatal, handle_errors
-from .system import checked_deployment
+from ._common import Fatal, checked_deployment, handle_errors
 
 #: The longest window of the outcomes chart (its bars are minutes).
 MAX_WINDOW_S = 48 * 3600

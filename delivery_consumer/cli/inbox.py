@@ -1,15 +1,17 @@
-"""The commands that read a consumer's inbox database: ``inbox`` (its
-receipts), ``rejected`` and ad-hoc ``query``, and the helpers with which
-``views.py`` reads a consumer's own view (``<consumer> list|show``).
+"""The commands of a consumer's inbox database: ``inbox`` (its receipts,
+and ``inbox prune``), ``rejected`` and ad-hoc ``query``, and the helpers with
+which ``views.py`` reads a consumer's own view (``<consumer> list|show``).
 
-Each command opens the database read-only (``mode=ro``), calls one function
-of :mod:`delivery_consumer.queries`, closes the database and prints: aligned
-columns for a list, ``key: value`` for one record, or JSON with ``--json``
-(an array for a list, an object otherwise). A running consumer keeps
-committing meanwhile: nothing here takes a write lock or keeps a snapshot.
+Each read command opens the database read-only (``mode=ro``), calls one
+function of :mod:`delivery_consumer.queries`, closes the database and prints:
+aligned columns for a list, ``key: value`` for one record, or JSON with
+``--json`` (an array for a list, an object otherwise). A running consumer
+keeps committing meanwhile: nothing but ``inbox prune`` (small delete
+transactions, :mod:`delivery_consumer.retention`) takes a write lock.
 
 Exit codes: 0, 1 when the record asked for does not exist, 2 when the
-database cannot be used, the SQL is refused or it ran past --timeout.
+database cannot be used, the SQL is refused or it ran past --timeout, or a
+prune is refused.
 
 A partitioned consumer (``state/<consumer>/p<k>/inbox.db``): ``--partition K``
 reads one partition; without it, ``<consumer> list|show``, ``inbox list|show``,
@@ -36,8 +38,10 @@ from ..inbox import ConsumerDB, default_db_path
 from ..partition_store import partition_db, partitioned_paths
 from ..partitions import SLOT_COUNT
 from . import LazyGroup
+from ._broker import amqp_options, broker_call, topology_for
 from ._common import EXIT_REJECTED, F, Fatal, consumer_option, db_option, emit_json, handle_errors, json_option, open_db
 from ._output import echo_record, echo_table
+from ._partitions import one_partition, one_partition_option
 
 
 class Missing(Fatal):
@@ -176,7 +180,7 @@ INBOX_COMMANDS: dict[str, str] = {
     "list": "inbox:inbox_list",
     "show": "inbox:inbox_show",
     "stats": "inbox:inbox_stats",
-    "prune": "ops:inbox_prune",
+    "prune": "inbox:inbox_prune",
 }
 
 inbox = LazyGroup(
@@ -269,6 +273,113 @@ def inbox_stats(consumer: str | None, db_path: Path | None, as_json: bool) -> No
             ["rejection", "total", "unresolved"],
             [[c, n, stats["unresolvedByCode"][c]] for c, n in stats["rejectedByCode"].items()],
         )
+
+
+# -- inbox prune -----------------------------------------------------------------
+
+
+@click.command("prune")
+@consumer_option()
+@db_option
+@amqp_options
+@one_partition_option
+@click.option("--older-than", required=True, type=Duration(),
+              help="Prune what is older than this (90m, 12h, 30d, 2w); at least the horizon.")
+@click.option("--horizon", default="7d", show_default=True, type=Duration(),
+              envvar="DELIVERY_REDELIVERY_HORIZON", show_envvar=True,
+              help="Redelivery horizon: how late a copy of an event may still arrive.")
+@click.option("--batch", default=500, show_default=True, type=click.IntRange(1, 100_000),
+              help="Rows per delete transaction.")
+@click.option("--without-dead-queue", is_flag=True,
+              help="Prune even if the dead queue cannot be read (broker down): only unresolved rejections "
+                   "then protect receipts; broker-side delivery-limit dead letters have none.")
+@click.option("--dry-run", is_flag=True, help="Count what would go; delete nothing.")
+@json_option
+@handle_errors
+def inbox_prune(consumer: str | None, db_path: Path | None, amqp_url: str, exchange: str, queue_prefix: str,
+                partition: int | None, older_than: float, horizon: float, batch: int, without_dead_queue: bool,
+                dry_run: bool, as_json: bool) -> None:
+    """Delete old receipts, delivery records and resolved rejections, in small batches.
+
+    Never a receipt younger than the redelivery horizon (a shorter
+    --older-than is refused), nor one whose event is in the dead queue (read
+    from the broker; if it cannot be read the prune is refused unless
+    --without-dead-queue) or has an unresolved rejection. A running consumer
+    keeps committing meanwhile.
+    """
+    from .. import deadletters, retention
+    from ..amqp.connection import BrokerError
+
+    try:
+        retention.check_older_than(older_than, horizon)
+    except retention.PruneRefused as exc:
+        raise Fatal(f"refused: {exc}") from None
+    db_path = one_partition(consumer, db_path, partition, "prune it")
+    with ExitStack() as stack:
+        db = stack.enter_context(open_db(consumer, db_path))
+        if partition is None:  # a partition's database names its queues
+            partition = _stored_partition(db)
+        topology = topology_for(db.consumer, exchange, queue_prefix, partition=partition)
+        keep: set[str] | None = None
+        refresh: Any = lambda: ()  # noqa: E731
+        try:
+            dq, snapshot = stack.enter_context(deadletters.reading(amqp_url, topology))
+        except BrokerError as exc:
+            if not without_dead_queue:
+                raise Fatal(f"refused: cannot read the dead queue {topology.dead_queue}, so receipts of events "
+                            f"still in it could go and a requeue would apply them twice: {exc}. Try again, or "
+                            "add --without-dead-queue to rely on unresolved rejections only") from None
+            click.echo(f"delivery-consumer: warning: dead queue not read ({exc}); going on without it", err=True)
+        else:
+            keep = deadletters.event_ids(snapshot.letters)
+            reconciled = 0 if dry_run else deadletters.reconcile(db, snapshot)
+
+            def refresh() -> set[str]:  # dead letters that arrive while pruning
+                return deadletters.event_ids(deadletters.describe(0, msg) for msg in dq.poll())
+
+        try:
+            report = broker_call(retention.prune, db, older_than_s=older_than, horizon_s=horizon,
+                                  keep_event_ids=keep, refresh_keep=refresh,
+                                  dead_queue=topology.dead_queue if keep is not None else None,
+                                  batch=batch, dry_run=dry_run)
+        except retention.PruneRefused as exc:  # pragma: no cover - checked above
+            raise Fatal(f"refused: {exc}") from None
+        if keep is not None:
+            report.dead_letters = len(snapshot.letters)
+            if reconciled:
+                report.notes.append(f"{reconciled} rejections resolved first: their dead letters had already left "
+                                    f"{snapshot.queue}")
+    if as_json:
+        emit_json(report.to_json())
+        return
+    _echo_prune(report)
+
+
+def _stored_partition(db: Any) -> int | None:
+    from ..partitions import identity_from_meta
+
+    identity = identity_from_meta(db.meta())
+    return identity.partition if identity is not None else None
+
+
+def _echo_prune(report: Any) -> None:
+    from ..retention import format_duration
+
+    verb = "would delete" if report.dry_run else "deleted"
+    click.echo(f"{report.consumer} ({report.database}): older than {format_duration(report.older_than_s)} "
+               f"(before {report.cutoff}), redelivery horizon {format_duration(report.horizon_s)}")
+    if report.dead_queue is not None:
+        click.echo(f"dead queue {report.dead_queue}: {report.dead_letters} dead letters, their receipts kept")
+    echo_record([
+        ("receipts", f"{report.receipts} {verb}; kept: {report.kept_in_dead_queue} in the dead queue, "
+                     f"{report.kept_unresolved} with an unresolved rejection"),
+        ("deliveries", f"{report.deliveries} {verb}"),
+        ("rejections", f"{report.rejections} resolved ones {verb}"),
+    ])
+    for note in report.notes:
+        click.echo(f"note: {note}")
+    if not report.dry_run:
+        click.echo(f"{report.batches} transactions in {report.seconds:.3f}s", err=True)
 
 
 # -- rejected --------------------------------------------------------------------

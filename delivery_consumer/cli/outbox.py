@@ -31,10 +31,10 @@ from .. import producer as producer_lib
 from ..durations import Duration
 from ..errors import ConfigError
 from ..queries import NotFound
-from ._common import F, Fatal, emit_json, from_deployment, handle_errors, json_option
+from ._broker import amqp_options, topology_for
+from ._common import F, Fatal, emit_json, from_deployment, handle_errors, json_option, setup_logging
 from ._output import echo_record, echo_table
 from .inbox import Missing, limit_option
-from .rabbit import amqp_options, setup_logging, topology_for
 
 log = logging.getLogger("delivery_consumer.dispatch")
 

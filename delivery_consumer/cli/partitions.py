@@ -11,8 +11,8 @@ import click
 from ..errors import DeliveryError
 from ..partition_store import partitioned_paths, split_merge
 from ..partitions import SLOT_COUNT, partition_topologies, route, unrouted_name
+from ._broker import amqp_options, topology_for
 from ._common import EXIT_OK, EXIT_REJECTED, Fatal, consumer_option, handle_errors
-from .rabbit import amqp_options, topology_for
 
 
 @click.command()

@@ -1,7 +1,7 @@
-"""``run``, ``publish`` and ``topology declare``: the commands that need RabbitMQ.
+"""``run``: consume a consumer's queue -- apply, commit, then acknowledge.
 
-pika is imported inside the commands (through the library), never at the
-top of this module, so that ``--help`` stays fast.
+pika is imported inside the command (through the library), never at the top
+of this module, so that ``--help`` stays fast.
 """
 
 from __future__ import annotations
@@ -9,67 +9,25 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-import time
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import click
 
 from .. import consumers
-from .. import sources as sources_lib
 from ..durations import Duration
-from ..envelope import MAX_BODY_BYTES, parse
-from ..errors import ConfigError, Rejection
+from ..envelope import MAX_BODY_BYTES
 from ..partition_store import partition_db
-from ..partitions import SLOT_HEADER, check_count, explain, partition_topologies, route, slot_headers
-from ..topology import (
-    DEFAULT_DELIVERY_LIMIT,
-    DEFAULT_EXCHANGE,
-    DEFAULT_PREFIX,
-    DEFAULT_URL,
-    Topology,
-)
-from ._common import (
-    EXIT_OK,
-    EXIT_REJECTED,
-    Fatal,
-    consumer_option,
-    db_option,
-    deployment,
-    emit_json,
-    from_deployment,
-    handle_errors,
-)
+from ..partitions import explain
+from ..topology import DEFAULT_DELIVERY_LIMIT, Topology
+from ._broker import RETRY_DELAYS, amqp_options
+from ._common import F, Fatal, consumer_option, db_option, deployment, from_deployment, handle_errors, setup_logging
 from ._partitions import partition_identity, partition_options
-
-F = TypeVar("F", bound=Callable[..., Any])
-#: Delays of the retry tiers, in milliseconds: 1 ms .. 7 days each.
-RETRY_DELAYS = Duration(minimum=0.001, maximum=7 * 86400, many=True, milliseconds=True)
 
 #: run's exit status when the database stayed unusable past --store-outage-limit
 #: (sysexits' EX_TEMPFAIL): unlike 2, worth a restart by a supervisor.
 EXIT_TEMPFAIL = 75
-
-
-def amqp_options(fn: F) -> F:
-    """--amqp-url, --exchange and --queue-prefix, shared by every broker command."""
-    fn = click.option("--queue-prefix", default=DEFAULT_PREFIX, show_default=True, envvar="DELIVERY_QUEUE_PREFIX",
-                      callback=from_deployment("queue_prefix"),
-                      help="Queues are <prefix>.<consumer>[.dead|.retry.<delay>].")(fn)
-    fn = click.option("--exchange", default=DEFAULT_EXCHANGE, show_default=True, envvar="DELIVERY_EXCHANGE",
-                      callback=from_deployment("exchange"), help="Topic exchange the events are published to.")(fn)
-    fn = click.option("--amqp-url", default=DEFAULT_URL, envvar="DELIVERY_AMQP_URL", show_envvar=True,
-                      callback=from_deployment("amqp_url"),
-                      help="Broker URL (default: the deployment file's, else guest on 127.0.0.1:5672, vhost /).")(fn)
-    return fn
-
-
-def topology_for(consumer: str, exchange: str, prefix: str, **extra: Any) -> Topology:
-    spec = consumers.get(consumer)
-    return Topology(consumer=consumer, binding_keys=tuple(spec.binding_keys), exchange=exchange,
-                    prefix=prefix, **extra)
 
 
 def external_options(fn: F) -> F:
@@ -133,13 +91,6 @@ def _metrics_factory(consumer: str, port: int, host: str, queues: tuple[str, Top
         return metrics
 
     return make
-
-
-def setup_logging(level: str, fmt: str = "text", consumer: str | None = None) -> None:
-    """Logging for a long-running command (see :mod:`delivery_consumer.logs`)."""
-    from .. import logs
-
-    logs.setup(level, fmt, consumer)
 
 
 @click.command()
@@ -257,172 +208,4 @@ def _file_partition(consumer: str, db_path: Path | None, partition: int | None, 
     return entry.database(partition), partitions if partitions is not None else count, metrics_port
 
 
-@click.command()
-@amqp_options
-@click.option("--consumer", "-c", "declare_for", multiple=True,
-              help="Also declare this consumer's queues, so that messages wait for it (repeatable).")
-@click.option("--max-bytes", default=MAX_BODY_BYTES, show_default=True, type=click.IntRange(1))
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per event on stdout.")
-@click.option("--attempts", default=3, show_default=True, type=click.IntRange(1, 100),
-              help="Times an unconfirmed message is published again after a reconnect.")
-@click.argument("sources", nargs=-1, required=True)
-@handle_errors
-def publish(amqp_url: str, exchange: str, queue_prefix: str, declare_for: tuple[str, ...], max_bytes: int,
-            as_json: bool, attempts: int, sources: tuple[str, ...]) -> None:
-    """Validate envelopes from SOURCES and publish them to the exchange.
-
-    Persistent, mandatory, message_id = eventId, routing key = type, with
-    pipelined publisher confirms. Invalid envelopes are reported with their
-    rejection code and not sent. Exit 0 when every message was confirmed,
-    1 when any was invalid, unroutable, nacked or unconfirmed (named on
-    stderr), 2 for usage or broker errors.
-    """
-    from ..amqp.connection import BrokerError
-    from ..amqp.publisher import OutMessage, Publisher
-
-    try:
-        files = sources_lib.expand(sources)
-        topologies = [topology_for(c, exchange, queue_prefix) for c in declare_for]
-    except ConfigError as exc:
-        raise click.BadParameter(str(exc)) from None
-    counts: Counter[str] = Counter()
-    messages: list[OutMessage] = []
-    for item in sources_lib.read(files, limit=max_bytes):
-        try:
-            env = parse(item.body, max_bytes=max_bytes)
-        except Rejection as rej:
-            counts["invalid"] += 1
-            _report(as_json, {"eventId": rej.event_id, "rejected": rej.code, "reason": rej.reason,
-                              "source": item.location})
-            continue
-        messages.append(OutMessage(routing_key=env.type, body=item.body, exchange=exchange,
-                                   message_id=env.event_id, headers=slot_headers(env.article_id)))
-    try:
-        with Publisher(amqp_url, topologies=topologies, exchanges=[exchange],
-                       name="delivery-consumer publish") as publisher:
-            _connect(publisher, attempts)
-            todo = list(range(len(messages)))
-            final: dict[int, Any] = {}
-            for _ in range(attempts):
-                results = publisher.publish([messages[i] for i in todo])
-                retry = []
-                for i, result in zip(todo, results, strict=True):
-                    final[i] = result
-                    if result.status == "unconfirmed":
-                        retry.append(i)
-                todo = retry
-                if not todo:
-                    break
-    except BrokerError as exc:
-        raise Fatal(str(exc)) from None
-    for i, msg in enumerate(messages):
-        result = final[i]
-        counts[result.status] += 1
-        if as_json:
-            emit_json({"eventId": msg.message_id, "published": result.status, "routingKey": msg.routing_key,
-                       **({"reason": result.reason} if result.reason else {})})
-        elif not result.ok:
-            click.echo(f"{msg.message_id} {result.status}: {result.reason}", err=True)
-    summary = ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "nothing to publish"
-    click.echo(f"{len(messages)} published to {exchange}: {summary}", err=True)
-    sys.exit(EXIT_OK if counts["confirmed"] == sum(counts.values()) else EXIT_REJECTED)
-
-
-def _connect(publisher: Any, attempts: int) -> None:
-    """Connect, retrying an unreachable broker a few times with backoff; a
-    broker still down after that is an error (exit 2), not a hang."""
-    from ..amqp.connection import BrokerUnavailable
-    from ..retry import reconnect_delay_s
-
-    for attempt in range(1, attempts + 1):
-        try:
-            publisher.connect()
-            return
-        except BrokerUnavailable:
-            if attempt == attempts:
-                raise
-            time.sleep(reconnect_delay_s(attempt))
-
-
-def _report(as_json: bool, obj: dict[str, Any]) -> None:
-    if as_json:
-        emit_json(obj)
-    else:
-        click.echo(f"{obj['eventId'] or '-'} rejected {obj['rejected']}: {obj['reason']} ({obj['source']}), "
-                   "not sent", err=True)
-
-
-@click.group()
-def topology() -> None:
-    """Broker topology of the consumers."""
-
-
-@topology.command("declare")
-@click.option("--consumer", "-c", "names", multiple=True,
-              help="Consumer (repeatable; default: every consumer of the deployment file).")
-@amqp_options
-@click.option("--retry-delays", default="1s,10s,60s", show_default=True, type=RETRY_DELAYS)
-@click.option("--delivery-limit", default=DEFAULT_DELIVERY_LIMIT, show_default=True, type=click.IntRange(1))
-@click.option("--partitions", type=click.IntRange(1), envvar="DELIVERY_PARTITIONS",
-              help="Declare the consumer(s) as partitioned: queues <prefix>.<consumer>.p0 .. p<N-1>, each with a "
-                   "single active consumer, fed by slot (see docs/partitions.md). Default: the deployment file's "
-                   "partitions of each consumer.")
-@handle_errors
-def declare_cmd(names: tuple[str, ...], amqp_url: str, exchange: str, queue_prefix: str,
-                retry_delays: tuple[int, ...], delivery_limit: int, partitions: int | None) -> None:
-    """Declare the exchange and the consumers' queues (idempotent).
-
-    Without --consumer, every consumer the deployment file names, each with
-    its partition count (``partitions = N``); flags override the file.
-    """
-    from ..amqp.admin import declare
-    from ..amqp.connection import BrokerError
-
-    counts = _declared_counts(names, partitions)
-    bases = [topology_for(n, exchange, queue_prefix, retry_delays_ms=retry_delays,
-                       delivery_limit=delivery_limit) for n in counts]
-    topologies: list[Topology] = []
-    routes = []
-    for base in bases:
-        count = counts[base.consumer]
-        if count is None:
-            topologies.append(base)
-        else:
-            check_count(count)
-            topologies += partition_topologies(base, count)
-            routes.append(route(base, count))
-    try:
-        declare(amqp_url, topologies, routes=routes)
-    except BrokerError as exc:
-        raise Fatal(explain(str(exc), bases[0]) if len(bases) == 1 else str(exc)) from None
-    for base in bases:
-        count = counts[base.consumer]
-        if count is None:
-            queues = ", ".join(q for q, _ in base.queues())
-            click.echo(f"{base.consumer}: {exchange} -[{' '.join(base.binding_keys)}]-> {queues}")
-            continue
-        first, last = (partition_topologies(base, count)[k].queue for k in (0, -1))
-        click.echo(f"{base.consumer}: {exchange} -[{' '.join(base.binding_keys)}]-> {base.prefix}.{base.consumer}"
-                   f".slots -[{SLOT_HEADER} mod {count}]-> {first} .. {last} (each with .dead and .retry.*)")
-
-
-def _declared_counts(names: tuple[str, ...], partitions: int | None) -> dict[str, int | None]:
-    """Consumer -> partition count (None: unpartitioned) of what ``topology declare`` declares:
-    the consumers named, else the deployment file's; the count given, else the file's."""
-    from ..system import partition_count
-
-    found = deployment()
-    if not names:
-        if found is None or not found.consumers:
-            raise click.UsageError("give --consumer NAME (repeatable), or a deployment file that names consumers")
-        names = tuple(found.consumers)
-    out: dict[str, int | None] = {}
-    for name in dict.fromkeys(names):
-        consumers.get(name)  # an unknown consumer: one line, exit 2
-        entry = found.consumer(name) if found is not None else None
-        out[name] = partitions if partitions is not None else (
-            partition_count(entry) if entry is not None and (entry.partitions or entry.db.is_dir()) else None)
-    return out
-
-
-__all__ = ["publish", "run", "topology"]
+__all__ = ["run"]

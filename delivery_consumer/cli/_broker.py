@@ -1,0 +1,52 @@
+"""Options and helpers shared by the commands that talk to RabbitMQ.
+
+pika is imported inside the commands (through the library), never here, so
+that ``--help`` stays fast.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from .. import consumers
+from ..durations import Duration
+from ..topology import DEFAULT_EXCHANGE, DEFAULT_PREFIX, DEFAULT_URL, Topology
+from ._common import F, Fatal, from_deployment
+
+#: Delays of the retry tiers, in milliseconds: 1 ms .. 7 days each.
+RETRY_DELAYS = Duration(minimum=0.001, maximum=7 * 86400, many=True, milliseconds=True)
+
+
+def amqp_options(fn: F) -> F:
+    """--amqp-url, --exchange and --queue-prefix, shared by every broker command."""
+    fn = click.option("--queue-prefix", default=DEFAULT_PREFIX, show_default=True, envvar="DELIVERY_QUEUE_PREFIX",
+                      callback=from_deployment("queue_prefix"),
+                      help="Queues are <prefix>.<consumer>[.dead|.retry.<delay>].")(fn)
+    fn = click.option("--exchange", default=DEFAULT_EXCHANGE, show_default=True, envvar="DELIVERY_EXCHANGE",
+                      callback=from_deployment("exchange"), help="Topic exchange the events are published to.")(fn)
+    fn = click.option("--amqp-url", default=DEFAULT_URL, envvar="DELIVERY_AMQP_URL", show_envvar=True,
+                      callback=from_deployment("amqp_url"),
+                      help="Broker URL (default: the deployment file's, else guest on 127.0.0.1:5672, vhost /).")(fn)
+    return fn
+
+
+def topology_for(consumer: str, exchange: str, prefix: str, **extra: Any) -> Topology:
+    """The queues of *consumer* (a registered one: its binding keys) under *exchange* and *prefix*."""
+    spec = consumers.get(consumer)
+    return Topology(consumer=consumer, binding_keys=tuple(spec.binding_keys), exchange=exchange,
+                    prefix=prefix, **extra)
+
+
+def broker_call(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """*fn*(*args, **kwargs); a BrokerError leaves as one line, exit 2."""
+    from ..amqp.connection import BrokerError
+
+    try:
+        return fn(*args, **kwargs)
+    except BrokerError as exc:
+        raise Fatal(str(exc)) from None
+
+
+__all__ = ["RETRY_DELAYS", "amqp_options", "broker_call", "topology_for"]

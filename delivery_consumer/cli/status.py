@@ -1,0 +1,93 @@
+"""``status``: one screen for the deployment (:func:`delivery_consumer.system.status`).
+
+Exit codes: 0 healthy; 1 something needs a person; 2 for usage or a bad
+deployment file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any
+
+import click
+
+from .. import durations, system
+from ._common import EXIT_OK, EXIT_REJECTED, checked_deployment, emit_json, handle_errors
+from ._output import cell, echo_table
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON on stdout.")
+@click.option("--offline", is_flag=True, help="Do not ask the broker (queues and dead letters unknown).")
+@click.option("--outbox-max-age", type=durations.Duration(),
+              help="An unpublished outbox row older than this needs a person (default: the file's "
+                   "[status] outbox_max_age, else 5m).")
+@click.option("--backlog-max", type=click.IntRange(0),
+              help="Ready messages tolerated in a queue with no consumer connected (default: the file's "
+                   "[status] backlog_max, else 0).")
+@handle_errors
+def status(as_json: bool, offline: bool, outbox_max_age: float | None, backlog_max: int | None) -> None:
+    """One screen for the deployment: queues (per partition), dead letters,
+    receipts, outbox.
+
+    Exit 0 when healthy, 1 when something needs a person: a dead letter, a
+    message in a partitioned consumer's unrouted queue, an outbox row older
+    than --outbox-max-age, more than --backlog-max messages waiting with no
+    consumer connected, a database or broker that cannot be read.
+    """
+    dep = checked_deployment()
+    if outbox_max_age is not None:
+        dep = dataclasses.replace(dep, outbox_max_age_s=outbox_max_age)
+    if backlog_max is not None:
+        dep = dataclasses.replace(dep, backlog_max=backlog_max)
+    shown = system.status(dep, broker=not offline)
+    if as_json:
+        emit_json(shown)
+    else:
+        _echo_status(shown)
+    sys.exit(EXIT_OK if shown["healthy"] else EXIT_REJECTED)
+
+
+def _dead_text(dead: int | None, codes: dict[str, int] | None) -> str | None:
+    if dead is None:
+        return None
+    return f"{dead}" + (f" ({', '.join(f'{n} {c}' for c, n in codes.items())})" if codes else "")
+
+
+def _echo_status(shown: dict[str, Any]) -> None:
+    click.echo(f"deployment {shown['deployment']} at {shown['now']}")
+    rows = []
+    for item in shown["consumers"]:
+        for db in item["databases"]:
+            label = item["consumer"] + (f"/{db['partition']}" if db["partition"] else "")
+            rejections = db.get("unresolvedRejections")
+            unresolved = None if rejections is None else sum(rejections.values())
+            newest = durations.age(db.get("newestAgeSeconds")) + " ago" if db.get("newestReceivedAt") else None
+            rows.append([label, db["ready"], db["unacked"], db["consumersConnected"],
+                         _dead_text(db["deadLetters"], db["deadByCode"]), db.get("receiptsLastMinute"),
+                         db.get("receiptsLastHour"), newest, unresolved,
+                         system.notes(db)])
+        unrouted = item.get("unrouted")
+        if unrouted and unrouted["ready"]:
+            rows.append([f"{item['consumer']}/unrouted", unrouted["ready"], None, None, None, None, None, None, None,
+                         f"{unrouted['queue']}: reached no partition"])
+    if rows:
+        echo_table(["consumer", "ready", "unacked", "consumers", "dead letters", "last min", "last hour",
+                    "newest", "unresolved", "note"], rows)
+    prows = []
+    for item in shown["producers"]:
+        age = item.get("oldestUnpublishedAgeSeconds")
+        prows.append([item["producer"], item.get("unpublished"), durations.age(age) if age is not None else None,
+                      item.get("failed"), item.get("quarantined"), system.notes(item)])
+    if prows:
+        click.echo()
+        echo_table(["producer", "unpublished", "oldest", "with errors", "quarantined", "note"], prows)
+    click.echo()
+    if shown["healthy"]:
+        click.echo("healthy")
+    for problem in shown["problems"]:
+        click.echo(f"NEEDS A PERSON: {cell(problem)}")
+
+
+__all__ = ["status"]

@@ -1,0 +1,91 @@
+"""``topology declare``: the exchange and the consumers' queues (idempotent).
+
+pika is imported inside the command (through the library), never at the top
+of this module, so that ``--help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import click
+
+from .. import consumers
+from ..partitions import SLOT_HEADER, check_count, explain, partition_topologies, route
+from ..topology import DEFAULT_DELIVERY_LIMIT, Topology
+from ._broker import RETRY_DELAYS, amqp_options, topology_for
+from ._common import Fatal, deployment, handle_errors
+
+
+@click.group()
+def topology() -> None:
+    """Broker topology of the consumers."""
+
+
+@topology.command("declare")
+@click.option("--consumer", "-c", "names", multiple=True,
+              help="Consumer (repeatable; default: every consumer of the deployment file).")
+@amqp_options
+@click.option("--retry-delays", default="1s,10s,60s", show_default=True, type=RETRY_DELAYS)
+@click.option("--delivery-limit", default=DEFAULT_DELIVERY_LIMIT, show_default=True, type=click.IntRange(1))
+@click.option("--partitions", type=click.IntRange(1), envvar="DELIVERY_PARTITIONS",
+              help="Declare the consumer(s) as partitioned: queues <prefix>.<consumer>.p0 .. p<N-1>, each with a "
+                   "single active consumer, fed by slot (see docs/partitions.md). Default: the deployment file's "
+                   "partitions of each consumer.")
+@handle_errors
+def declare_cmd(names: tuple[str, ...], amqp_url: str, exchange: str, queue_prefix: str,
+                retry_delays: tuple[int, ...], delivery_limit: int, partitions: int | None) -> None:
+    """Declare the exchange and the consumers' queues (idempotent).
+
+    Without --consumer, every consumer the deployment file names, each with
+    its partition count (``partitions = N``); flags override the file.
+    """
+    from ..amqp.admin import declare
+    from ..amqp.connection import BrokerError
+
+    counts = _declared_counts(names, partitions)
+    bases = [topology_for(n, exchange, queue_prefix, retry_delays_ms=retry_delays,
+                       delivery_limit=delivery_limit) for n in counts]
+    topologies: list[Topology] = []
+    routes = []
+    for base in bases:
+        count = counts[base.consumer]
+        if count is None:
+            topologies.append(base)
+        else:
+            check_count(count)
+            topologies += partition_topologies(base, count)
+            routes.append(route(base, count))
+    try:
+        declare(amqp_url, topologies, routes=routes)
+    except BrokerError as exc:
+        raise Fatal(explain(str(exc), bases[0]) if len(bases) == 1 else str(exc)) from None
+    for base in bases:
+        count = counts[base.consumer]
+        if count is None:
+            queues = ", ".join(q for q, _ in base.queues())
+            click.echo(f"{base.consumer}: {exchange} -[{' '.join(base.binding_keys)}]-> {queues}")
+            continue
+        first, last = (partition_topologies(base, count)[k].queue for k in (0, -1))
+        click.echo(f"{base.consumer}: {exchange} -[{' '.join(base.binding_keys)}]-> {base.prefix}.{base.consumer}"
+                   f".slots -[{SLOT_HEADER} mod {count}]-> {first} .. {last} (each with .dead and .retry.*)")
+
+
+def _declared_counts(names: tuple[str, ...], partitions: int | None) -> dict[str, int | None]:
+    """Consumer -> partition count (None: unpartitioned) of what ``topology declare`` declares:
+    the consumers named, else the deployment file's; the count given, else the file's."""
+    from ..system import partition_count
+
+    found = deployment()
+    if not names:
+        if found is None or not found.consumers:
+            raise click.UsageError("give --consumer NAME (repeatable), or a deployment file that names consumers")
+        names = tuple(found.consumers)
+    out: dict[str, int | None] = {}
+    for name in dict.fromkeys(names):
+        consumers.get(name)  # an unknown consumer: one line, exit 2
+        entry = found.consumer(name) if found is not None else None
+        out[name] = partitions if partitions is not None else (
+            partition_count(entry) if entry is not None and (entry.partitions or entry.db.is_dir()) else None)
+    return out
+
+
+__all__ = ["topology"]
