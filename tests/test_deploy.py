@@ -141,6 +141,22 @@ def test_the_alert_rules_are_well_formed() -> None:
         assert 0 == done.returncode, done.stdout + done.stderr
 
 
+#: The one way a rule or a panel may read a commit time: the newest over every run of a
+#: (consumer, partition). A standby run (single active consumer) never commits and exports 0.
+NEWEST_COMMIT = re.compile(r"(\bmax by \(consumer, partition\) \()?delivery_last_commit_timestamp_seconds\b")
+
+
+def test_a_commit_time_is_the_newest_of_every_run_of_its_partition() -> None:
+    """Every rule and panel that reads the last-commit time takes its max by (consumer, partition):
+    the standby run of a partition, which exports 0, neither pages nor shows as the partition's."""
+    exprs = [rule["expr"] for rule in rules()] + dashboard_exprs()
+    reading = [expr for expr in exprs if NEWEST_COMMIT.search(expr)]
+    assert any("DeliveryNoCommit" == rule["alert"] and rule["expr"] in reading for rule in rules())
+    assert len(reading) >= 2  # the alert and the "Since last commit" panel
+    for expr in reading:
+        assert all(NEWEST_COMMIT.findall(expr)), expr
+
+
 def test_the_dashboard_is_grafana_json_with_templated_queries() -> None:
     """Valid JSON, unique panel ids, every query filtered by the consumer variable or job."""
     board = json.loads(DASHBOARD.read_text())
