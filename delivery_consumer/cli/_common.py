@@ -77,17 +77,25 @@ def consumer_option(required: bool = False, default: str | None = None) -> Calla
     )
 
 
-def db_option(fn: F, *, help: str = "Database file (default: state/<consumer>/inbox.db).") -> F:
+#: What ``--db`` of a consumer's database says of the deployment file.
+DB_FROM_FILE_HELP = " The deployment file's [consumers.<consumer>] db when not given."
+
+
+def db_option(fn: F, *, help: str = "Database file (default: state/<consumer>/inbox.db)." + DB_FROM_FILE_HELP,
+              envvar: str = "DELIVERY_DB", callback: Callable[[click.Context, click.Parameter, Any], Any] | None = None,
+              ) -> F:
+    """``--db PATH``: a consumer's database, the deployment file's when not given; another
+    database (the producer's) with its own *envvar* and *callback*."""
     # Any path, a directory included: ConsumerDB.open answers in one line, where
     # click's own checks would print a multi-line usage error.
     return click.option(
         "--db",
         "db_path",
-        envvar="DELIVERY_DB",
+        envvar=envvar,
         show_envvar=True,
         type=click.Path(path_type=Path),
-        callback=from_deployment("db"),
-        help=help + " The deployment file's [consumers.<consumer>] db when not given.",
+        callback=callback or from_deployment("db"),
+        help=help,
     )(fn)
 
 

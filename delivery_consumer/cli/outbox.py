@@ -32,7 +32,7 @@ from ..durations import Duration
 from ..errors import ConfigError
 from ..queries import NotFound
 from ._broker import amqp_options, topology_for
-from ._common import F, Fatal, emit_json, from_deployment, handle_errors, json_option, setup_logging
+from ._common import F, Fatal, db_option, emit_json, from_deployment, handle_errors, json_option, setup_logging
 from ._output import echo_record, echo_table
 from .inbox import Missing, limit_option
 
@@ -40,16 +40,9 @@ log = logging.getLogger("delivery_consumer.dispatch")
 
 
 def producer_db_option(fn: F) -> F:
-    return click.option(
-        "--db",
-        "db_path",
-        envvar="DELIVERY_PRODUCER_DB",
-        show_envvar=True,
-        type=click.Path(path_type=Path),
-        callback=_producer_db,
-        help="The producer's SQLite database (holds the outbox table); required unless the deployment file "
-             "names exactly one producer.",
-    )(fn)
+    return db_option(fn, envvar="DELIVERY_PRODUCER_DB", callback=_producer_db,
+                     help="The producer's SQLite database (holds the outbox table); required unless the deployment "
+                          "file names exactly one producer.")
 
 
 def _producer_db(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path:
