@@ -16,7 +16,6 @@ import contextlib
 import os
 import signal
 import socket
-import sqlite3
 import subprocess
 import sys
 import threading
@@ -321,20 +320,6 @@ def kill(proc: RunProcess, *, main_only: bool = False, within: float = 5.0) -> N
         proc.communicate()
         raise AssertionError(f"processes {left} of run {proc.pid} still alive {within}s after kill -9 of its main PID")
     proc.communicate()
-
-
-def receipts(db: Path) -> int:
-    """Receipts committed so far in *db* (0 while the database is still being created)."""
-    try:
-        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    except sqlite3.Error:
-        return 0
-    try:
-        return int(conn.execute("SELECT count(*) FROM inbox").fetchone()[0])
-    except sqlite3.Error:
-        return 0
-    finally:
-        conn.close()
 
 
 def wait_for_broker(url: str, timeout: float = 60.0) -> None:

@@ -13,7 +13,6 @@ import contextlib
 import os
 import random
 import signal
-import sqlite3
 import subprocess
 import sys
 import uuid
@@ -24,7 +23,7 @@ from typing import Any
 import orjson
 import pika
 from brokerkit import Namespace, RunProcess, wait_for_broker
-from support import wait_until
+from support import count_rows, read_rows, wait_until
 
 from delivery_consumer.partitions import SLOT_COUNT, partition_of
 
@@ -54,27 +53,6 @@ def model(events: list[dict[str, Any]]) -> dict[str, tuple[int, str, int]]:
     for e in events:
         out[e["articleId"]] = (e["revision"], e["data"]["title"], int(e["type"] == "material.published"))
     return out
-
-
-def count_rows(path: Path, sql: str = "SELECT count(*) FROM inbox") -> int:
-    if not path.exists():
-        return 0
-    try:
-        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
-        try:
-            return int(conn.execute(sql).fetchone()[0])
-        finally:
-            conn.close()
-    except sqlite3.OperationalError:  # not created yet
-        return 0
-
-
-def query(path: Path, sql: str) -> list[tuple[Any, ...]]:
-    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
-    try:
-        return conn.execute(sql).fetchall()
-    finally:
-        conn.close()
 
 
 @dataclass
@@ -117,7 +95,7 @@ class Cluster:
                                 env=self.ns.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def receipts(self) -> int:
-        return sum(count_rows(self.db(k)) for k in range(self.count))
+        return sum(count_rows(self.db(k), "inbox") for k in range(self.count))
 
     def stop(self) -> None:
         """SIGTERM every run still alive and reap them all. A run whose main
@@ -172,13 +150,13 @@ class Cluster:
         results: dict[str, int] = {}
         catalog: dict[str, tuple[int, str, int]] = {}
         for k in range(self.count):
-            for event_id, result, key in query(self.db(k), "SELECT event_id, result, partition_key FROM inbox"):
+            for event_id, result, key in read_rows(self.db(k), "inbox", "event_id, result, partition_key"):
                 assert event_id not in seen, f"{event_id} has receipts in p{seen[event_id]} and p{k}"
                 seen[event_id] = k
                 results[result] = results.get(result, 0) + 1
                 assert partition_of(key, self.count) == k, f"{key} receipt in p{k}"
-            for article, revision, title, published in query(
-                    self.db(k), "SELECT article_id, revision, title, published FROM catalog"):
+            for article, revision, title, published in read_rows(
+                    self.db(k), "catalog", "article_id, revision, title, published"):
                 assert article not in catalog, f"{article} lives in two partitions"
                 assert partition_of(article, self.count) == k
                 catalog[article] = (revision, title, published)

@@ -111,6 +111,17 @@ def read_rows(path: Path, table: str, columns: str = "*", where: str = "",
         conn.close()
 
 
+def count_rows(path: Path, table: str, where: str = "", params: Sequence[Any] = ()) -> int:
+    """How many rows of *table* match *where* (see :func:`read_rows`); 0 while the
+    database or the table does not exist yet (a process still creating it)."""
+    if not path.exists():
+        return 0
+    try:
+        return int(read_rows(path, table, "count(*)", where, params)[0][0])
+    except sqlite3.OperationalError:
+        return 0
+
+
 def cli(args: Sequence[str], *, input: bytes | str | None = None, env: dict[str, str] | None = None) -> Result:
     """Run ``delivery-consumer ARGS`` in-process and return click's Result.
     Only *env* sets ``DELIVERY_*`` variables: those of the test process are

@@ -15,7 +15,7 @@ from pathlib import Path
 import orjson
 import pytest
 from brokerkit import Namespace, RunProcess
-from support import new_event, read_rows
+from support import count_rows, new_event, read_rows
 from webhook_server import free_port
 
 pytestmark = pytest.mark.broker
@@ -41,10 +41,6 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-def count(db: Path, table: str, where: str = "", what: str = "count(*)") -> int:
-    return int(read_rows(db, table, what, where)[0][0])
-
-
 def start_on_full_disk(ns: Namespace, disk: Path, *args: str) -> tuple[RunProcess, Path]:
     events = [new_event(article_id=f"a-{i}") for i in range(EVENTS)]
     ns.publish([orjson.dumps(e) for e in events], declare=["audit"])
@@ -65,22 +61,22 @@ def test_a_full_disk_holds_the_backlog_and_every_event_applies_once_when_space_r
     after the filler is deleted every event is applied exactly once, by itself."""
     port = free_port()
     proc, db = start_on_full_disk(ns, small_disk, "--metrics-port", str(port), "--exit-when-idle", "3")
-    assert 0 <= count(db, "inbox") < EVENTS
+    assert 0 <= count_rows(db, "inbox") < EVENTS
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     assert re.search(r'delivery_store_healthy\{consumer="audit"\} 0\.0', metrics), metrics
     assert 0 == queues_besides_main(ns)
-    assert 0 == count(db, "rejected")
+    assert 0 == count_rows(db, "rejected")
 
     (small_disk / "filler").unlink()
     _, err = proc.communicate(timeout=120)
     assert 0 == proc.returncode, err
     assert 1 == err.count("database unusable"), err  # said once per change of state, not per try
     assert "database usable again" in err
-    assert EVENTS == count(db, "inbox", what="count(DISTINCT event_id)") == count(db, "inbox")
-    assert EVENTS == count(db, "audit")
+    assert EVENTS == len(read_rows(db, "inbox", "DISTINCT event_id")) == count_rows(db, "inbox")
+    assert EVENTS == count_rows(db, "audit")
     assert 0 == queues_besides_main(ns) + ns.count(ns.topology("audit").queue)
-    assert 0 == count(db, "rejected")
-    assert 0 == count(db, "deliveries", "attempts > 1 OR crashes > 0")
+    assert 0 == count_rows(db, "rejected")
+    assert 0 == count_rows(db, "deliveries", "attempts > 1 OR crashes > 0")
 
 
 def test_a_disk_that_stays_full_stops_run_after_the_outage_limit(ns: Namespace, small_disk: Path) -> None:
@@ -92,4 +88,4 @@ def test_a_disk_that_stays_full_stops_run_after_the_outage_limit(ns: Namespace, 
     assert 75 == proc.returncode, err
     assert "unusable for" in err.strip().splitlines()[-1] and "Traceback" not in err
     assert 0 == queues_besides_main(ns)
-    assert EVENTS - count(db, "inbox") == ns.count(ns.topology("audit").queue)
+    assert EVENTS - count_rows(db, "inbox") == ns.count(ns.topology("audit").queue)

@@ -12,8 +12,8 @@ from pathlib import Path
 import flaky_consumer  # noqa: F401  (registers the "flaky" consumer in this process too)
 import orjson
 import pytest
-from brokerkit import Namespace, kill, receipts, restart_broker
-from support import new_event, read_rows, wait_until
+from brokerkit import Namespace, kill, restart_broker
+from support import count_rows, new_event, read_rows, wait_until
 
 FAST_RETRY = ("--retry-delays", "100ms,200ms,300ms")
 
@@ -134,7 +134,7 @@ def test_sigterm_finishes_batch_and_exits_zero(ns: Namespace) -> None:
     ns.publish([orjson.dumps(new_event(article_id=f"a-{i}")) for i in range(2000)], declare=["audit"])
     proc = ns.start_run("audit", "--batch", "50", "--prefetch", "100")
     db = ns.db("audit")
-    wait_until("100 receipts", lambda: receipts(db) > 100, procs=[proc])
+    wait_until("100 receipts", lambda: count_rows(db, "inbox") > 100, procs=[proc])
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=30)
     assert 0 == proc.returncode, err
@@ -152,7 +152,7 @@ def test_broker_restart_mid_consumption(ns: Namespace) -> None:
     ns.publish([orjson.dumps(new_event(article_id=f"a-{i}")) for i in range(3000)], declare=["audit"])
     proc = ns.start_run("audit", "--batch", "20", "--prefetch", "40", "--exit-when-idle", "3")
     db = ns.db("audit")
-    wait_until("200 receipts", lambda: receipts(db) > 200, procs=[proc])
+    wait_until("200 receipts", lambda: count_rows(db, "inbox") > 200, procs=[proc])
     restart_broker(ns.url)
     try:
         _, err = proc.communicate(timeout=120)

@@ -13,8 +13,8 @@ from typing import Any
 
 import orjson
 import pytest
-from brokerkit import Namespace, RunProcess, kill, receipts, session_processes, wait_session_gone
-from support import new_event, read_rows, wait_until
+from brokerkit import Namespace, RunProcess, kill, session_processes, wait_session_gone
+from support import count_rows, new_event, read_rows, wait_until
 from webhook_server import WebhookServer
 
 pytestmark = pytest.mark.broker
@@ -54,7 +54,7 @@ def restart_applies_each_once(ns: Namespace, consumer: str, server: WebhookServe
     tiers = SLOW_TIERS if consumer == "webhook" else ()
     done = ns.run_until_idle(consumer, *tiers, env=env, idle=2)
     assert 0 == done.returncode, done.stderr
-    assert len(events) == receipts(ns.db(consumer))
+    assert len(events) == count_rows(ns.db(consumer), "inbox")
     if consumer == "webhook":
         assert {f"a-{i}:1:notify" for i in range(len(events))} == set(server.effects())
         assert 1 == max(server.effects().values())
@@ -68,7 +68,7 @@ def test_kill_9_of_the_main_pid_when_idle_leaves_no_process(ns: Namespace, serve
     """Idle (everything applied): kill -9 of the main PID alone; the worker is gone within 5 s."""
     proc, _, events = start(ns, consumer, server, 3)
     worker_of(proc)
-    wait_until("every receipt", lambda: receipts(ns.db(consumer)) == len(events), procs=[proc])
+    wait_until("every receipt", lambda: count_rows(ns.db(consumer), "inbox") == len(events), procs=[proc])
     kill(proc, main_only=True)
 
 
@@ -79,9 +79,9 @@ def test_kill_9_of_the_main_pid_mid_batch_leaves_no_process_and_loses_nothing(
     alive 5 s later, and a restart applies every event once (one effect per key)."""
     n = 60 if consumer == "webhook" else 3000
     proc, env, events = start(ns, consumer, server, n, "--batch", "20" if consumer == "webhook" else "100")
-    wait_until("the first receipts", lambda: receipts(ns.db(consumer)) > 0, procs=[proc])
+    wait_until("the first receipts", lambda: count_rows(ns.db(consumer), "inbox") > 0, procs=[proc])
     kill(proc, main_only=True)
-    assert receipts(ns.db(consumer)) < n
+    assert count_rows(ns.db(consumer), "inbox") < n
     restart_applies_each_once(ns, consumer, server, env, events)
 
 
@@ -115,7 +115,7 @@ def test_kill_9_of_the_main_pid_awaiting_a_confirm_leaves_no_process(ns: Namespa
     env.pop("DELIVERY_CRASH_AT")
     done = ns.run_until_idle(consumer, *tiers, env=env, idle=2)
     assert 0 == done.returncode, done.stderr
-    assert 3 == receipts(ns.db(consumer))
+    assert 3 == count_rows(ns.db(consumer), "inbox")
     dead = ns.drain(ns.topology(consumer).dead_queue)
     assert 1 <= len(dead) <= 2 and {b"{not json"} == {body for _, body in dead}
 
@@ -127,7 +127,7 @@ def test_kill_9_of_the_worker_stops_the_main_process(ns: Namespace, server: Webh
     n = 60 if consumer == "webhook" else 3000
     proc, env, events = start(ns, consumer, server, n, "--batch", "20" if consumer == "webhook" else "100")
     worker = worker_of(proc)
-    wait_until("the first receipts", lambda: receipts(ns.db(consumer)) > 0, procs=[proc])
+    wait_until("the first receipts", lambda: count_rows(ns.db(consumer), "inbox") > 0, procs=[proc])
     os.kill(worker, signal.SIGKILL)
     proc.communicate(timeout=10)
     assert -signal.SIGKILL == proc.returncode

@@ -13,8 +13,8 @@ import random
 
 import orjson
 import pytest
-from brokerkit import Namespace, RunProcess, kill, receipts
-from support import new_event, read_rows, wait_until
+from brokerkit import Namespace, RunProcess, kill
+from support import count_rows, new_event, read_rows, wait_until
 
 ARTICLES = 300
 REVISIONS = 10  # 3000 distinct events
@@ -54,7 +54,7 @@ def expected_catalog(events: list[dict[str, object]]) -> list[tuple[object, ...]
 
 def progressed(ns: Namespace, procs: dict[str, RunProcess], targets: dict[str, int]) -> bool:
     """Each run has committed its target number of receipts, or exited."""
-    return all(p.poll() is not None or receipts(ns.db(c)) >= targets[c] for c, p in procs.items())
+    return all(p.poll() is not None or count_rows(ns.db(c), "inbox") >= targets[c] for c, p in procs.items())
 
 
 @pytest.mark.slow
@@ -73,7 +73,8 @@ def test_ledger_balances_after_random_kills(ns: Namespace) -> None:
         # number of receipts more (or exited), wherever that finds it. A target is never
         # past the last distinct event: a run that has applied everything waits for more
         # deliveries and would never reach it.
-        targets = {c: min(len(events), receipts(ns.db(c)) + rng.randint(1, len(events) // KILLS)) for c in procs}
+        targets = {c: min(len(events), count_rows(ns.db(c), "inbox") + rng.randint(1, len(events) // KILLS))
+                   for c in procs}
         wait_until("each run's next receipts", functools.partial(progressed, ns, procs, targets), timeout=300)
         for consumer, proc in procs.items():
             if proc.poll() is None:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from brokerkit import Namespace, kill, restart_broker
-from support import read_rows, wait_until
+from support import count_rows, read_rows, wait_until
 
 from delivery_consumer import outbox, producer
 
@@ -47,8 +47,8 @@ def make_events(db: Path, count: int, *, articles: int = 40, seed: int = 1) -> l
     return ids
 
 
-def published(db: Path) -> int:
-    return int(read_rows(db, "outbox", "count(*)", where="published_at IS NOT NULL")[0][0])
+#: The outbox rows the dispatcher has published (``count_rows(db, "outbox", PUBLISHED)``).
+PUBLISHED = "published_at IS NOT NULL"
 
 
 def dispatch(ns: Namespace, db: Path, *args: str, crash_at: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -94,12 +94,12 @@ def test_crash_before_publishing_sends_nothing_and_loses_nothing(ns: Namespace) 
     ids = make_events(db, 300)
     crashed = dispatch(ns, db, "--batch", "100", "--lease", "1s", crash_at="dispatch-before-publish")
     assert CRASHED == crashed.returncode, crashed.stderr[-2000:]
-    assert 0 == published(db)
+    assert 0 == count_rows(db, "outbox", PUBLISHED)
     assert [(100,)] == read_rows(db, "outbox", "count(*)", where="lease_owner IS NOT NULL")
     assert 0 == ns.count(ns.topology("catalog").queue)
     done = dispatch(ns, db, "--batch", "100", "--lease", "1s", "--exit-when-idle", "1500ms", "--poll", "100ms")
     assert 0 == done.returncode, done.stderr[-2000:]
-    assert 300 == published(db)
+    assert 300 == count_rows(db, "outbox", PUBLISHED)
     assert Counter(dict.fromkeys(ids, 1)) == queued_ids(ns)
     assert [(1,)] == read_rows(db, "outbox", "DISTINCT attempts")
     # the dead dispatcher's leases were taken back at once (its pid is gone), not after the lease
@@ -112,12 +112,12 @@ def test_crash_after_confirm_before_marking_gives_one_duplicate_absorbed_by_the_
     ids = make_events(db, 300, articles=1000)
     crashed = dispatch(ns, db, "--batch", "100", "--lease", "1s", crash_at="dispatch-after-confirm")
     assert CRASHED == crashed.returncode, crashed.stderr[-2000:]
-    assert 0 == published(db)
+    assert 0 == count_rows(db, "outbox", PUBLISHED)
     at_crash = ns.count(ns.topology("catalog").queue)
     assert 100 <= at_crash <= 200  # the first batch, and whatever of the second (in flight) got there
     done = dispatch(ns, db, "--batch", "100", "--lease", "1s", "--exit-when-idle", "1500ms", "--poll", "100ms")
     assert 0 == done.returncode, done.stderr[-2000:]
-    assert 300 == published(db)
+    assert 300 == count_rows(db, "outbox", PUBLISHED)
     deliveries = consume(ns, db, ids)
     twice = {i for i, n in deliveries.items() if n == 2}
     assert {1, 2} >= set(deliveries.values())
@@ -146,7 +146,7 @@ def test_crash_in_the_middle_of_marking_a_batch_leaves_none_of_it_marked(ns: Nam
 
 def reached(db: Path, target: int, proc: subprocess.Popen[str]) -> bool:
     """*target* rows of *db* are published, or *proc* has exited."""
-    return proc.poll() is not None or published(db) >= target
+    return proc.poll() is not None or count_rows(db, "outbox", PUBLISHED) >= target
 
 
 def test_sigkill_at_random_moments_loses_nothing(ns: Namespace) -> None:
@@ -156,7 +156,7 @@ def test_sigkill_at_random_moments_loses_nothing(ns: Namespace) -> None:
     rng = random.Random(7)
     kills = 0
     for _ in range(3):
-        before = published(db)
+        before = count_rows(db, "outbox", PUBLISHED)
         proc = start_dispatch(ns, db, "--batch", "25", "--lease", "1s", "--poll", "100ms")
         # Killed at a random point of its progress: once it has published a random number of
         # rows more (or exited), wherever that finds it.
@@ -166,10 +166,10 @@ def test_sigkill_at_random_moments_loses_nothing(ns: Namespace) -> None:
             kills += 1
         kill(proc)
     assert kills >= 2, "the dispatcher finished before it could be killed"
-    assert published(db) < len(ids)
+    assert count_rows(db, "outbox", PUBLISHED) < len(ids)
     done = dispatch(ns, db, "--lease", "1s", "--exit-when-idle", "1500ms", "--poll", "100ms")
     assert 0 == done.returncode, done.stderr[-2000:]
-    assert len(ids) == published(db)
+    assert len(ids) == count_rows(db, "outbox", PUBLISHED)
     deliveries = consume(ns, db, ids)
     assert sum(deliveries.values()) - len(ids) <= 3 * 2 * 25  # at most the batches each killed one had in flight
 
@@ -244,7 +244,7 @@ def test_a_broker_restart_while_dispatching_is_waited_out(ns: Namespace) -> None
     writer = threading.Thread(target=produce_steadily)
     try:
         deadline = time.monotonic() + 30
-        while published(db) == 0 and time.monotonic() < deadline:
+        while count_rows(db, "outbox", PUBLISHED) == 0 and time.monotonic() < deadline:
             time.sleep(0.02)
         writer.start()
         time.sleep(0.3)
@@ -253,9 +253,9 @@ def test_a_broker_restart_while_dispatching_is_waited_out(ns: Namespace) -> None
         stop.set()
         writer.join()
         deadline = time.monotonic() + 60
-        while published(db) < len(ids) + 1 and time.monotonic() < deadline:
+        while count_rows(db, "outbox", PUBLISHED) < len(ids) + 1 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert len(ids) + 1 == published(db)
+        assert len(ids) + 1 == count_rows(db, "outbox", PUBLISHED)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
     finally:

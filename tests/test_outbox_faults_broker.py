@@ -19,8 +19,8 @@ import orjson
 import pytest
 from brokerkit import Namespace, kill
 from outboxkit import envelope
-from support import read_rows, wait_until
-from test_outbox_broker import make_events, published, queued_ids, start_dispatch
+from support import count_rows, read_rows, wait_until
+from test_outbox_broker import PUBLISHED, make_events, queued_ids, start_dispatch
 
 from delivery_consumer import outbox
 from delivery_consumer.sqlite import now_iso
@@ -154,11 +154,11 @@ def test_a_dispatcher_killed_mid_batch_has_its_leases_taken_back_at_once(ns: Nam
     ids = make_events(db, 3000, articles=1000, seed=5)
 
     def leased() -> int:
-        return int(read_rows(db, "outbox", "count(*)", where="status = 'pending' AND lease_owner IS NOT NULL")[0][0])
+        return count_rows(db, "outbox", "status = 'pending' AND lease_owner IS NOT NULL")
 
     first = start_dispatch(ns, db, "--batch", "100", "--lease", "10m", "--poll", "50ms")
     try:
-        wait_until("the first dispatcher publishing", lambda: (published(db) > 0 and leased() > 0)
+        wait_until("the first dispatcher publishing", lambda: (count_rows(db, "outbox", PUBLISHED) > 0 and leased() > 0)
                  or first.poll() is not None)
         os.kill(first.pid, signal.SIGKILL)  # the main PID alone, as an operator's kill -9
         first.wait(timeout=30)
@@ -167,13 +167,13 @@ def test_a_dispatcher_killed_mid_batch_has_its_leases_taken_back_at_once(ns: Nam
             kill(first)  # type: ignore[arg-type]
         first.communicate()
     held = leased()
-    assert held > 0 and published(db) < len(ids), "the kill did not land mid-batch"
+    assert held > 0 and count_rows(db, "outbox", PUBLISHED) < len(ids), "the kill did not land mid-batch"
     # Far within the lease: the command's own timeout (2 minutes) is a fifth of it. What says the
     # leases were taken back because the pid is gone, not because they expired, is each row's error.
     second = ns.cli("dispatch", "--db", str(db), "--consumer", "catalog", "--lease", "10m", "--exit-when-idle", "1s",
                     "--poll", "50ms", timeout=120)
     assert 0 == second.returncode, second.stderr[-2000:]
-    assert len(ids) == published(db)
+    assert len(ids) == count_rows(db, "outbox", PUBLISHED)
     taken = read_rows(db, "outbox", "count(*)", where="last_error LIKE 'lease of % taken back: its process %'")
     assert [(held,)] == taken
     copies = queued_ids(ns)
@@ -221,7 +221,8 @@ def test_two_dispatchers_one_killed_the_other_takes_its_leases_and_finishes(ns: 
                  lambda: bool(read_rows(db, "outbox_owners", "1", where="pid = ?", params=(victim.pid,))))
         def frozen_holding_rows() -> list[tuple[object, ...]]:
             """Freeze the victim (SIGSTOP); the rows it holds, or thaw it and try again."""
-            assert published(db) < len(ids), "everything was published before the victim held a row"
+            assert count_rows(db, "outbox", PUBLISHED) < len(ids), \
+                "everything was published before the victim held a row"
             os.kill(victim.pid, signal.SIGSTOP)
             held = held_by_victim()
             if not held:
@@ -237,7 +238,7 @@ def test_two_dispatchers_one_killed_the_other_takes_its_leases_and_finishes(ns: 
             if proc.poll() is None:
                 kill(proc)  # type: ignore[arg-type]
     assert 0 == survivor.returncode, err[-2000:]
-    assert len(ids) == published(db), "the survivor left rows behind"
+    assert len(ids) == count_rows(db, "outbox", PUBLISHED), "the survivor left rows behind"
     assert set(ids) == set(queued_ids(ns))
     taken = read_rows(db, "outbox", "seq", where="last_error LIKE 'lease of % taken back: its process %'")
     assert sorted(held) == sorted(taken)

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 import orjson
 import pytest
 from brokerkit import Namespace
-from partitionkit import Cluster, make_events, query, wait_until
-from support import json_lines
+from partitionkit import Cluster, make_events, wait_until
+from support import count_rows, json_lines, read_rows
 from test_broker_metrics import free_port, scrape
 
 from delivery_consumer.partitions import partition_of
@@ -97,7 +97,7 @@ def test_the_outbox_dispatcher_routes_to_partitions(cluster: Cluster) -> None:
     wait_until("every receipt", lambda: cluster.receipts() >= len(ids), 120, runs)
     cluster.stop()
     listed = orjson.loads(cluster.ns.cli("catalog", "list", "--consumer", "catalog", "--json").stdout)
-    material = {a: (rev, title) for a, rev, title in query(db, "SELECT article_id, revision, title FROM material")}
+    material = {a: (rev, title) for a, rev, title in read_rows(db, "material", "article_id, revision, title")}
     assert {r["articleId"]: (r["revision"], r["title"]) for r in listed} == material
     assert all(r["partition"] == partition_of(r["articleId"], COUNT) for r in listed)
 
@@ -120,10 +120,10 @@ def test_consumers_with_different_counts_share_the_exchange(cluster: Cluster) ->
                    120, runs)
         assert cluster.check_exactly_once(events) == {"updated": len(events)}
         for k in range(3):
-            keys = query(audit.db(k), "SELECT partition_key FROM inbox")
+            keys = read_rows(audit.db(k), "inbox", "partition_key")
             assert keys and all(partition_of(key, 3) == k for (key,) in keys)
         assert audit.receipts() == len(events)
-        assert query(ns.db("catalog"), "SELECT count(*) FROM inbox") == [(len(events),)]
+        assert count_rows(ns.db("catalog"), "inbox") == len(events)
     finally:
         audit.stop()
         audit.delete()

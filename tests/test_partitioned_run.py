@@ -14,7 +14,8 @@ from collections.abc import Iterator
 
 import pytest
 from brokerkit import Namespace
-from partitionkit import Cluster, count_rows, make_events, query, wait_until
+from partitionkit import Cluster, make_events, wait_until
+from support import count_rows
 
 pytestmark = pytest.mark.broker
 
@@ -43,7 +44,7 @@ def test_without_kills_every_result_is_updated(cluster: Cluster) -> None:
     cluster.stop()
     assert all(p.returncode == 0 for p in cluster.procs), [p.output()[1][-2000:] for p in cluster.procs]
     assert cluster.check_exactly_once(events) == {"updated": len(events)}
-    counts = [count_rows(cluster.db(k)) for k in range(PARTITIONS)]
+    counts = [count_rows(cluster.db(k), "inbox") for k in range(PARTITIONS)]
     assert min(counts) > 0, counts  # 256 slots spread articles over every partition
 
 
@@ -56,8 +57,8 @@ def test_standbys_take_over_when_two_active_runs_are_killed(cluster: Cluster) ->
     standby = [cluster.start(k) for k in range(PARTITIONS)]
     cluster.publish(events[: len(events) // 10])  # the stream is flowing before the kills...
     victims = (1, 3)
-    wait_until("partitions 1 and 3 to commit", lambda: all(count_rows(cluster.db(k)) > 0 for k in victims), 120,
-               cluster.procs)
+    wait_until("partitions 1 and 3 to commit", lambda: all(count_rows(cluster.db(k), "inbox") > 0 for k in victims),
+               120, cluster.procs)
     killed_at: dict[int, float] = {}
     for k in victims:
         os.kill(active[k].pid, signal.SIGKILL)  # the main PID alone, as an operator would
@@ -87,5 +88,5 @@ def test_standbys_take_over_when_two_active_runs_are_killed(cluster: Cluster) ->
     print(f"standby takeover (kill -> first batch acked by the standby): "
           f"{', '.join(f'p{k} {s:.2f}s' for k, s in sorted(took_over.items()))}")
     for k in victims:
-        stale = query(cluster.db(k), "SELECT count(*) FROM inbox WHERE result != 'updated'")[0][0]
+        stale = count_rows(cluster.db(k), "inbox", "result != 'updated'")
         assert stale == 0

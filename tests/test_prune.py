@@ -22,7 +22,7 @@ from brokerkit import Namespace, kill
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import env as envelope
-from support import new_event, wait_until
+from support import new_event, read_rows, wait_until
 
 from delivery_consumer import consumers, retention
 from delivery_consumer.amqp.admin import declare
@@ -39,36 +39,34 @@ def ago(days: float) -> str:
     return now_iso(time.time() - days * DAY)
 
 
-def sql(db: Path, statement: str, rows: list[tuple[Any, ...]] | None = None) -> list[tuple[Any, ...]]:
+def insert(db: Path, statement: str, rows: list[tuple[Any, ...]]) -> None:
+    """*statement* once per row of *rows*, in one transaction (what a consumer would have written)."""
     conn = sqlite3.connect(db, timeout=10, isolation_level=None)
     try:
-        if rows is not None:
-            conn.execute("BEGIN")
-            conn.executemany(statement, rows)
-            conn.execute("COMMIT")
-            return []
-        return conn.execute(statement).fetchall()
+        conn.execute("BEGIN")
+        conn.executemany(statement, rows)
+        conn.execute("COMMIT")
     finally:
         conn.close()
 
 
 def add_receipts(db: Path, event_ids: list[str], days_old: float) -> None:
-    sql(db, "INSERT INTO inbox (event_id, fingerprint, result, event_type, received_at) VALUES (?, ?, ?, ?, ?)",
-        [(e, "f" * 64, "updated", "material.published", ago(days_old)) for e in event_ids])
+    insert(db, "INSERT INTO inbox (event_id, fingerprint, result, event_type, received_at) VALUES (?, ?, ?, ?, ?)",
+           [(e, "f" * 64, "updated", "material.published", ago(days_old)) for e in event_ids])
 
 
 def add_deliveries(db: Path, event_ids: list[str], days_old: float) -> None:
-    sql(db, "INSERT INTO deliveries (key, event_id, deliveries, redeliveries, attempts, crashes, first_at, last_at,"
-            " last_outcome) VALUES (?, ?, 1, 0, 1, 0, ?, ?, 'updated')",
-        [(e, e, ago(days_old), ago(days_old)) for e in event_ids])
+    insert(db, "INSERT INTO deliveries (key, event_id, deliveries, redeliveries, attempts, crashes, first_at, last_at,"
+               " last_outcome) VALUES (?, ?, 1, 0, 1, 0, ?, ?, 'updated')",
+           [(e, e, ago(days_old), ago(days_old)) for e in event_ids])
 
 
 def add_rejection(db: Path, event_id: str, *, days_old: float, resolved_days_old: float | None = None,
                   dead_letter: str | None = None, body_sha256: str | None = None) -> None:
     resolved = ago(resolved_days_old) if resolved_days_old is not None else None
-    sql(db, "INSERT INTO rejected (code, reason, event_id, body_sha256, attempts, dead_letter, rejected_at,"
-            " resolved_at) VALUES ('event-id-reused', 'test', ?, ?, 1, ?, ?, ?)",
-        [(event_id, body_sha256, dead_letter, ago(days_old), resolved)])
+    insert(db, "INSERT INTO rejected (code, reason, event_id, body_sha256, attempts, dead_letter, rejected_at,"
+               " resolved_at) VALUES ('event-id-reused', 'test', ?, ?, 1, ?, ?, ?)",
+           [(event_id, body_sha256, dead_letter, ago(days_old), resolved)])
 
 
 def ids(n: int) -> list[str]:
@@ -86,7 +84,7 @@ def prune(ns: Namespace, *args: str, consumer: str = "catalog") -> subprocess.Co
 
 
 def remaining(db: Path, table: str, column: str = "event_id") -> set[Any]:
-    return {row[0] for row in sql(db, f"SELECT {column} FROM {table}")}
+    return {row[0] for row in read_rows(db, table, column)}
 
 
 def test_prune_refuses_an_age_below_the_horizon(ns: Namespace) -> None:
@@ -205,7 +203,7 @@ def test_prune_resolves_rejections_whose_dead_letter_is_gone(ns: Namespace) -> N
     assert 0 == done.returncode, done.stderr
     assert "1 rejections resolved first" in done.stdout
     assert {present} == remaining(db, "inbox")
-    assert [(gone,)] == sql(db, "SELECT event_id FROM rejected WHERE resolved_at IS NOT NULL")
+    assert [(gone,)] == read_rows(db, "rejected", "event_id", "resolved_at IS NOT NULL")
 
 
 def test_prune_while_run_commits(ns: Namespace) -> None:
@@ -257,9 +255,8 @@ def test_prune_while_run_commits(ns: Namespace) -> None:
     missing = set(published) - remaining(db, "inbox")
     assert not missing, f"{len(missing)} of {len(published)} not applied; queue {ns.count(topo.queue)}; {err[-2000:]}"
     started = finished - report["seconds"]
-    window = sorted(row[0] for row in sql(
-        db, f"SELECT DISTINCT received_at FROM inbox WHERE received_at BETWEEN '{now_iso(started)}' "
-            f"AND '{now_iso(finished)}'"))
+    window = [row[0] for row in read_rows(db, "inbox", "DISTINCT received_at", "received_at BETWEEN ? AND ?",
+                                          (now_iso(started), now_iso(finished)))]
     assert len(window) >= 5, f"run committed {len(window)} times during a {report['seconds']:.2f}s prune"
     stamps = [time.mktime(time.strptime(w[:19], "%Y-%m-%dT%H:%M:%S")) + float(w[19:-1]) for w in window]
     gaps = [b - a for a, b in zip([started - time.timezone, *stamps], [*stamps, finished - time.timezone],

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 from brokerkit import Namespace
-from partitionkit import Cluster, make_events, query, wait_until
+from partitionkit import Cluster, make_events, wait_until
+from support import count_rows, read_rows
 
 from delivery_consumer import consumers
 from delivery_consumer.partition_store import split_merge, stored_identity
@@ -23,10 +24,10 @@ def ledger(cluster: Cluster) -> tuple[dict[str, tuple[str, str]], dict[str, tupl
     receipts: dict[str, tuple[str, str]] = {}
     catalog: dict[str, tuple[int, str]] = {}
     for k in range(cluster.count):
-        for event_id, result, key in query(cluster.db(k), "SELECT event_id, result, partition_key FROM inbox"):
+        for event_id, result, key in read_rows(cluster.db(k), "inbox", "event_id, result, partition_key"):
             assert event_id not in receipts
             receipts[event_id] = (result, key)
-        for article, revision, title in query(cluster.db(k), "SELECT article_id, revision, title FROM catalog"):
+        for article, revision, title in read_rows(cluster.db(k), "catalog", "article_id, revision, title"):
             catalog[article] = (revision, title)
     return receipts, catalog
 
@@ -74,7 +75,7 @@ def test_repartition_4_8_2_keeps_the_ledger(cluster: Cluster) -> None:
         assert ledger(cluster) == before
         for k in range(count):
             assert stored_identity(cluster.db(k)) == Identity(k, count)
-            keys = query(cluster.db(k), "SELECT DISTINCT partition_key FROM inbox")
+            keys = read_rows(cluster.db(k), "inbox", "DISTINCT partition_key")
             assert all(partition_of(key, count) == k for (key,) in keys)
         again = cluster.ns.cli("repartition", "--consumer", "catalog", "--partitions", str(count))
         assert again.returncode == 0, again.stderr  # idempotent
@@ -97,10 +98,10 @@ def test_split_merge_moves_keyless_rows_and_refuses_nothing(tmp_path: Path) -> N
             db.conn.execute("INSERT INTO rejected (code, reason, rejected_at) VALUES ('malformed-json', 'x', 'now')")
     moved = split_merge("catalog", 4, root)
     assert moved.old_count == 2 and moved.backup is not None and moved.backup.is_dir()
-    receipts = {k: {r[0] for r in query(root / "catalog" / f"p{k}" / "inbox.db", "SELECT event_id FROM inbox")}
+    receipts = {k: {r[0] for r in read_rows(root / "catalog" / f"p{k}" / "inbox.db", "inbox", "event_id")}
                 for k in range(4)}
     assert receipts == {0: {"old-0"}, 1: {"old-1"}, 2: {"old-0"}, 3: {"old-1"}}
-    rejected = [query(root / "catalog" / f"p{k}" / "inbox.db", "SELECT count(*) FROM rejected")[0][0]
+    rejected = [count_rows(root / "catalog" / f"p{k}" / "inbox.db", "rejected")
                 for k in range(4)]
     assert rejected == [1, 1, 0, 0]
 
@@ -127,7 +128,7 @@ def test_an_unpartitioned_consumer_is_split(undeclared: Cluster) -> None:
     cluster.publish(first)
     done = ns.cli("run", "--consumer", "catalog", "--exit-when-idle", "1.5")
     assert done.returncode == 0, done.stderr
-    before = {r[0]: r[1] for r in query(plain_db, "SELECT event_id, result FROM inbox")}
+    before = {r[0]: r[1] for r in read_rows(plain_db, "inbox", "event_id, result")}
     assert len(before) == len(first)
 
     moved = ns.cli("repartition", "--consumer", "catalog", "--partitions", "4")
@@ -136,7 +137,7 @@ def test_an_unpartitioned_consumer_is_split(undeclared: Cluster) -> None:
     from delivery_consumer.amqp.admin import queue_counts
 
     assert queue_counts(ns.url, [f"{ns.prefix}.catalog"]) == {f"{ns.prefix}.catalog": None}
-    after = {r[0]: r[1] for k in range(4) for r in query(cluster.db(k), "SELECT event_id, result FROM inbox")}
+    after = {r[0]: r[1] for k in range(4) for r in read_rows(cluster.db(k), "inbox", "event_id, result")}
     assert after == before
     consume(cluster, first[:ARTICLES] + second, len(events))
     assert cluster.check_exactly_once(events) == {"updated": len(events)}
