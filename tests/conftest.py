@@ -12,8 +12,8 @@ from delivery_consumer import consumers
 from delivery_consumer.contract import ConsumerSpec
 from delivery_consumer.inbox import ConsumerDB
 
-# Broker fixtures (amqp_url, ns) for the tests that need RabbitMQ.
-pytest_plugins = ["brokerkit"]
+# Broker fixtures (amqp_url, ns) for the tests that need RabbitMQ; cluster for partitioned ones.
+pytest_plugins = ["brokerkit", "partitionkit"]
 
 #: Fixtures that reach RabbitMQ: a test using any of them (directly or through
 #: another fixture) needs the broker.

@@ -16,12 +16,14 @@ import signal
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import orjson
 import pika
+import pytest
 from brokerkit import Namespace, RunProcess, wait_for_broker
 from support import count_rows, read_rows, wait_until
 
@@ -165,4 +167,15 @@ class Cluster:
         return results
 
 
-__all__ = ["SLOT_COUNT", "Cluster", "make_events", "model", "wait_until"]
+@pytest.fixture
+def cluster(ns: Namespace, request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    """The catalog partitioned in the requesting test module's ``PARTITIONS`` partitions, its
+    topology declared; afterwards its runs are stopped and its broker objects deleted."""
+    c = Cluster(ns, "catalog", request.module.PARTITIONS)
+    c.declare()
+    yield c
+    c.stop()
+    c.delete()
+
+
+__all__ = ["SLOT_COUNT", "Cluster", "cluster", "make_events", "model", "wait_until"]

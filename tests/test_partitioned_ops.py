@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import orjson
 import pytest
-from brokerkit import Namespace
 from partitionkit import Cluster, make_events, wait_until
 from support import count_rows, json_lines, read_rows
 from test_broker_metrics import free_port, scrape
@@ -15,16 +12,7 @@ from delivery_consumer.partitions import partition_of
 
 pytestmark = pytest.mark.broker
 
-COUNT = 2
-
-
-@pytest.fixture
-def cluster(ns: Namespace) -> Iterator[Cluster]:
-    c = Cluster(ns, "catalog", COUNT)
-    c.declare()
-    yield c
-    c.stop()
-    c.delete()
+PARTITIONS = 2
 
 
 def test_inspect_trace_dead_prune_and_metrics_of_a_partitioned_consumer(cluster: Cluster) -> None:
@@ -34,9 +22,9 @@ def test_inspect_trace_dead_prune_and_metrics_of_a_partitioned_consumer(cluster:
     # the last revision of an article again, with another state: a conflict, dead-lettered
     conflict = {**events[-1], "eventId": "0b1e9c1e-4a53-4f0e-9d2a-6f1f3f7b2c11",
                 "data": {"title": "another title", "url": "https://example.org/x"}}
-    home = partition_of(conflict["articleId"], COUNT)
+    home = partition_of(conflict["articleId"], PARTITIONS)
     port = free_port()
-    runs = [cluster.start(k, *(["--metrics-port", str(port)] if k == home else [])) for k in range(COUNT)]
+    runs = [cluster.start(k, *(["--metrics-port", str(port)] if k == home else [])) for k in range(PARTITIONS)]
     cluster.publish([*events, conflict])
     wait_until("every receipt", lambda: cluster.receipts() >= len(events), 120, runs)
     wait_until("the conflict dead-lettered", lambda: cluster.ns.count(
@@ -54,16 +42,16 @@ def test_inspect_trace_dead_prune_and_metrics_of_a_partitioned_consumer(cluster:
     assert listed.returncode == 0, listed.stderr
     rows = orjson.loads(listed.stdout)
     assert sorted(r["articleId"] for r in rows) == sorted({e["articleId"] for e in events})
-    assert all(r["partition"] == partition_of(r["articleId"], COUNT) for r in rows)
+    assert all(r["partition"] == partition_of(r["articleId"], PARTITIONS) for r in rows)
 
     shown = ns.cli("catalog", "show", "--consumer", "catalog", "--json", events[1]["articleId"])
-    assert orjson.loads(shown.stdout)["partition"] == partition_of(events[1]["articleId"], COUNT)
+    assert orjson.loads(shown.stdout)["partition"] == partition_of(events[1]["articleId"], PARTITIONS)
 
     traced = ns.cli("trace", "--consumer", "catalog", conflict["eventId"])
     assert traced.returncode == 0, traced.stderr
     assert f"catalog, partition {home} (" in traced.stdout and "revision-conflict" in traced.stdout
     unknown = ns.cli("trace", "--consumer", "catalog", "00000000-0000-4000-8000-000000000000")
-    assert unknown.returncode == 1 and f"any of the {COUNT} partitions" in unknown.stderr
+    assert unknown.returncode == 1 and f"any of the {PARTITIONS} partitions" in unknown.stderr
 
     refused = ns.cli("dead", "list", "--consumer", "catalog")
     assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
@@ -91,7 +79,7 @@ def test_the_outbox_dispatcher_routes_to_partitions(cluster: Cluster) -> None:
 
     db = cluster.ns.workdir / "producer.db"
     ids = produce_events(db, 60, articles=12)
-    runs = [cluster.start(k) for k in range(COUNT)]
+    runs = [cluster.start(k) for k in range(PARTITIONS)]
     done = dispatch(cluster.ns, db, "--exit-when-idle", "1s")
     assert done.returncode == 0, done.stderr
     wait_until("every receipt", lambda: cluster.receipts() >= len(ids), 120, runs)
@@ -99,7 +87,7 @@ def test_the_outbox_dispatcher_routes_to_partitions(cluster: Cluster) -> None:
     listed = orjson.loads(cluster.ns.cli("catalog", "list", "--consumer", "catalog", "--json").stdout)
     material = {a: (rev, title) for a, rev, title in read_rows(db, "material", "article_id, revision, title")}
     assert {r["articleId"]: (r["revision"], r["title"]) for r in listed} == material
-    assert all(r["partition"] == partition_of(r["articleId"], COUNT) for r in listed)
+    assert all(r["partition"] == partition_of(r["articleId"], PARTITIONS) for r in listed)
 
 
 
@@ -112,7 +100,7 @@ def test_consumers_with_different_counts_share_the_exchange(cluster: Cluster) ->
     try:
         assert ns.cli("topology", "declare", "--consumer", "catalog").returncode == 0  # the existing one
         events = make_events(300, 30)
-        runs = [cluster.start(k) for k in range(COUNT)] + [audit.start(k) for k in range(3)]
+        runs = [cluster.start(k) for k in range(PARTITIONS)] + [audit.start(k) for k in range(3)]
         cluster.publish(events)
         plain = ns.run_until_idle("catalog", idle=2)
         assert plain.returncode == 0, plain.stderr
@@ -144,7 +132,7 @@ def test_an_event_without_a_slot_waits_in_unrouted_until_rerouted(cluster: Clust
     assert result.ok  # audit took it: the broker returns nothing
     unrouted = f"{ns.prefix}.catalog.unrouted"
     wait_until("the message in unrouted", lambda: ns.count(unrouted) == 1, 30)
-    for k in range(COUNT):
+    for k in range(PARTITIONS):
         cluster.start(k)
     cluster.stop()  # creates the partition databases
     refused = ns.cli("repartition", "--consumer", "catalog", "--partitions", "4")
@@ -153,7 +141,7 @@ def test_an_event_without_a_slot_waits_in_unrouted_until_rerouted(cluster: Clust
     moved = ns.cli("reroute", "--consumer", "catalog")  # back through the slot route, by its articleId
     assert moved.returncode == 0, moved.stderr
     assert moved.stdout.split() == ["rerouted", event["eventId"]]
-    home = f"{ns.prefix}.catalog.p{partition_of(event['articleId'], COUNT)}"
+    home = f"{ns.prefix}.catalog.p{partition_of(event['articleId'], PARTITIONS)}"
     wait_until("the message in its partition", lambda: ns.count(home) == 1, 30)
     assert ns.count(unrouted) == 0
 
@@ -170,7 +158,7 @@ def test_another_count_is_refused_by_the_broker(cluster: Cluster) -> None:
     from delivery_consumer.amqp.admin import queue_counts
 
     assert queue_counts(ns.url, [f"{ns.prefix}.catalog.p3"]) == {f"{ns.prefix}.catalog.p3": None}
-    assert ns.cli("topology", "declare", "--consumer", "catalog", "--partitions", str(COUNT)).returncode == 0
+    assert ns.cli("topology", "declare", "--consumer", "catalog", "--partitions", str(PARTITIONS)).returncode == 0
     ran = ns.cli("run", "--consumer", "catalog", "--partition", "0", "--partitions", "4", "--db",
                  str(ns.workdir / "other.db"))
     assert ran.returncode == 2 and "partitioned with another count" in ran.stderr, ran.stderr

@@ -10,10 +10,8 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
 
 import pytest
-from brokerkit import Namespace
 from partitionkit import Cluster, make_events, wait_until
 from support import count_rows
 
@@ -23,15 +21,6 @@ PARTITIONS = 4
 #: 20,000 events over 2,000 articles (about 20 s for both tests here).
 EVENTS = int(os.environ.get("DELIVERY_PARTITION_TEST_EVENTS", "20000"))
 ARTICLES = EVENTS // 10
-
-
-@pytest.fixture
-def cluster(ns: Namespace) -> Iterator[Cluster]:
-    c = Cluster(ns, "catalog", PARTITIONS)
-    c.declare()
-    yield c
-    c.stop()
-    c.delete()
 
 
 def test_without_kills_every_result_is_updated(cluster: Cluster) -> None:
