@@ -237,24 +237,22 @@ def test_a_broker_restart_while_dispatching_is_waited_out(ns: Namespace) -> None
             while not stop.is_set():
                 done = producer.produce(conn, f"article-{len(ids) % 30}", title=f"t{len(ids)}", url="u")
                 ids.append(done.envelope.event_id)
-                time.sleep(0.005)
+                time.sleep(0.005)  # a trickle the dispatcher keeps up with: rows are always in flight
         finally:
             conn.close()
 
     writer = threading.Thread(target=produce_steadily)
     try:
-        deadline = time.monotonic() + 30
-        while count_rows(db, "outbox", PUBLISHED) == 0 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until("the first row published", lambda: count_rows(db, "outbox", PUBLISHED), procs=[proc])
         writer.start()
-        time.sleep(0.3)
+        wait_until("rows of the writer published", lambda: count_rows(db, "outbox", PUBLISHED) > 1, procs=[proc])
         restart_broker(ns.url, down_for=1.0)
-        time.sleep(0.5)
+        written = len(ids)  # the broker answers again: what is written from now on is after the restart
+        wait_until("a row written after the restart published",
+                   lambda: count_rows(db, "outbox", PUBLISHED) > written + 1, procs=[proc])
         stop.set()
         writer.join()
-        deadline = time.monotonic() + 60
-        while count_rows(db, "outbox", PUBLISHED) < len(ids) + 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until("every row published", lambda: count_rows(db, "outbox", PUBLISHED) >= len(ids) + 1, procs=[proc])
         assert len(ids) + 1 == count_rows(db, "outbox", PUBLISHED)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
