@@ -410,13 +410,26 @@ def test_run_publishes_everything_in_batches_and_exits_when_idle(conn: sqlite3.C
     assert "25 published in 3 batches" in stats.line()
 
 
+class SpinGuard(FakePublisher):
+    """Its idle() returns at once, like a dead connection's; a dispatcher that called it in a
+    loop without sleeping would never move the test's clock: it fails instead of hanging."""
+
+    def idle(self, seconds: float) -> None:
+        super().idle(seconds)
+        assert len(self.idled) < 1000, "idle() called over and over with no sleep between: a spin"
+
+
 def test_a_connection_lost_while_idle_is_not_spun_on(conn: sqlite3.Connection) -> None:
-    """When idle() returns at once (connection gone), the dispatcher sleeps the poll out and reconnects."""
-    pub, clock = FakePublisher(), Clock()  # its idle() returns at once, like a dead connection's
+    """When idle() returns at once (connection gone), the dispatcher sleeps the rest of each poll
+    and reconnects before the next pass: one sleep and one reconnect per poll, never a spin."""
+    pub, clock = SpinGuard(), Clock()
     stats = dispatcher(conn, pub, clock, poll_s=0.5, exit_when_idle_s=5).run()
     assert 0 == stats.batches
-    assert 5.0 == pytest.approx(sum(clock.slept), abs=0.1)
-    assert pub.connects <= 12  # about one reconnect per poll, not a busy loop
+    polls = [s for s in clock.slept if s > 0.1]  # the last pause is what is left of the 5 s
+    assert 10 == len(polls)
+    assert all(s == pytest.approx(0.5, abs=0.01) for s in polls)
+    assert len(pub.idled) == len(clock.slept)  # each idle that returned at once: the rest slept
+    assert len(pub.idled) + 1 == pub.connects  # and a reconnect for each next pass
 
 
 def test_a_busy_database_is_waited_out(db_path: Path, conn: sqlite3.Connection) -> None:
