@@ -28,6 +28,9 @@ from ._common import (
 
 #: Show a progress bar on a terminal when the files hold more than this.
 PROGRESS_MIN_BYTES = 4 << 20
+#: Events parsed ahead of the database when reading files (not stdin, where
+#: events may trickle in and each is applied once its batch is complete).
+READ_AHEAD = 256
 #: Per-event lines written at a time when stdout is a file or a pipe.
 BLOCK_LINES = 512
 
@@ -124,7 +127,9 @@ def replay(consumer: str | None, db_path: Path | None, batch: int, max_bytes: in
             sources_lib.read(files, limit=max_bytes), sources_lib.total_size(files), stack
         )
         try:
-            for item, outcome in replay_lib.replay(db, items, batch=batch, max_bytes=max_bytes):
+            read_ahead = 0 if "-" in files else READ_AHEAD
+            for item, outcome in replay_lib.replay(db, items, batch=batch, max_bytes=max_bytes,
+                                                   read_ahead=read_ahead):
                 summary.add(outcome)
                 lines.add(item, outcome)
         except TransientError as exc:
