@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Final, NamedTuple
+from typing import Any, Final, NamedTuple, NoReturn
 
 import fastjsonschema
 import orjson
@@ -57,9 +57,8 @@ class Envelope(NamedTuple):
     """A validated event: its fields, its canonical bytes and its fingerprint.
 
     Immutable. A NamedTuple rather than a frozen dataclass: one is built per
-    event, and a frozen dataclass's ``__init__`` (one ``object.__setattr__``
-    per field) cost four times as much, a fifth of replay's own overhead
-    (bench/bench_replay.py).
+    event, and a frozen dataclass's ``__init__`` calls ``object.__setattr__``
+    once per field.
     """
 
     event_id: str
@@ -103,8 +102,8 @@ def fingerprint(obj: Any) -> str:
 def schema_dir() -> Path:
     """Where the JSON Schema files are: inside the installed package, or in
     the source checkout's top-level ``schemas/`` when running from a clone."""
-    # The package directory itself rather than importlib.resources (the same
-    # place for any install on a file system, and ~5 ms less start-up).
+    # The package directory itself rather than importlib.resources: the same
+    # place for any install on a file system, without importing that machinery.
     package = Path(__file__).resolve().parent
     shipped = package / "schemas"
     if (shipped / ENVELOPE_SCHEMA).is_file():
@@ -137,6 +136,9 @@ def is_rfc3339(value: Any) -> bool:
     text = value.upper()
     if len(text) < 20 or text[10] != "T":
         return False
+    # An offset's minutes are 00-59 (datetime would take +00:75 as 75 minutes).
+    if text[-6] in "+-" and text[-3] == ":" and text[-2:] > "59":
+        return False
     # datetime has no leap second; RFC 3339 allows :60, which is still an instant.
     if text[17:19] == "60":
         text = text[:17] + "59" + text[19:]
@@ -165,11 +167,11 @@ def validator() -> Callable[[Any], Any]:
 # -- the quick acceptance path ------------------------------------------------
 #
 # fastjsonschema is the validator: it decides every refusal and gives its
-# reason. Its generated code is generic, though, and validating was half of
-# replay's own cost per event (bench/RESULTS.md). So a check specialised to
-# this schema's shape first answers "certainly valid" for the usual envelope,
-# in about a third of the instructions; whatever it does not accept -- a violation,
-# or a value it is not sure of -- goes to fastjsonschema exactly as before.
+# reason. Its generated code is generic, though, and validation is most of
+# what parsing costs beyond JSON and the hash (docs/hot-path.md). So a check
+# specialised to this schema's shape first answers "certainly valid" for the
+# usual envelope; whatever it does not accept -- a violation, or a value it
+# is not sure of -- goes to fastjsonschema exactly as before.
 # It reads every limit (names, lengths, bounds, patterns, enum) from the
 # schema file, and exists only when the schema has precisely the structure it
 # mirrors (_QUICK_SKELETON): a new keyword or field turns it off, never wrong.
@@ -260,15 +262,28 @@ def quick_check_for(schema: Mapping[str, Any]) -> Callable[[Mapping[str, Any]], 
             type(event_id) is str and event_id_ok(event_id) is not None
             and type(kind) is str and kind in types
             and type(article) is str and article_min <= len(article) <= article_max
-            and article_ok(article) is not None
+            # printable text has no control character: the pattern's search only for the rest
+            and (article.isprintable() or article_ok(article) is not None)
             and type(revision) is int and revision_min <= revision <= revision_max
             and type(occurred) is str and len(occurred) <= occurred_max
-            and occurred_ok(occurred) is not None and is_rfc3339(occurred)
+            and occurred_ok(occurred) is not None and _instant(occurred)
             and type(title) is str and title_min <= len(title) <= title_max
             and type(url) is str and len(url) <= url_max
         )
 
     return certainly_valid
+
+
+def _instant(occurred: str) -> bool:
+    """:func:`is_rfc3339` for a string that matched the schema's occurredAt
+    pattern; the usual ``YYYY-MM-DDTHH:MM:SSZ`` goes straight to datetime."""
+    if len(occurred) == 20 and occurred[19] == "Z" and occurred[10] == "T" and occurred[17] != "6":
+        try:
+            datetime.fromisoformat(occurred)
+        except ValueError:
+            return False
+        return True
+    return is_rfc3339(occurred)
 
 
 @lru_cache(maxsize=1)
@@ -374,13 +389,8 @@ def _inflate(body: bytes, wbits: int, limit: int, coding: str) -> bytes:
             return b"".join(parts)
 
 
-def _decode(body: bytes) -> Any:
-    """JSON text -> Python value, with a rejection naming the exact problem."""
-    try:
-        return orjson.loads(body)
-    except orjson.JSONDecodeError:
-        pass
-    # Slow path, only for bodies orjson refused: tell the operator why.
+def _refuse(body: bytes) -> NoReturn:
+    """The rejection of a body orjson refused, naming the exact problem."""
     import json  # not at the top: start-up time counts (bench/bench_replay.py)
 
     try:
@@ -428,7 +438,10 @@ def parse(
         body = decode_body(body, content_encoding, compression=compression, max_bytes=max_bytes)
     elif len(body) > max_bytes:
         raise Rejection(INVALID_ENVELOPE, f"body is {len(body)} bytes, over the limit of {max_bytes}")
-    obj = _decode(body)
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        _refuse(body)
     if not isinstance(obj, dict):
         raise Rejection(MALFORMED_JSON, f"body is JSON but not an object ({type(obj).__name__})")
     return from_mapping(obj)
@@ -445,6 +458,28 @@ def from_mapping(obj: Mapping[str, Any]) -> Envelope:
             INVALID_ENVELOPE, f"envelope cannot be written as JSON: {exc}", event_id=_event_id_of(obj)
         ) from None
     digest = hashlib.sha256(canonical).hexdigest()
+    quick = quick_check()
+    if quick is None or not quick(obj):  # what the quick check accepts passes all of this
+        _check(obj, digest)
+    # Every field passed the schema (eventId matches _UUID, type is in the
+    # enum). Positional arguments: cheaper than keywords on this path.
+    return Envelope(
+        obj["eventId"],
+        obj["type"],
+        obj["articleId"],
+        obj["revision"],
+        obj["occurredAt"],
+        obj["data"],
+        obj,
+        canonical,
+        digest,
+    )
+
+
+def _check(obj: Mapping[str, Any], digest: str) -> None:
+    """Raise the rejection of an envelope the quick check did not accept, if
+    it is refused: an unknown type first, then the schema, then a revision
+    written as a float."""
     event_type = obj.get("type")
     if isinstance(event_type, str) and event_type not in known_types():
         raise Rejection(
@@ -453,35 +488,19 @@ def from_mapping(obj: Mapping[str, Any]) -> Envelope:
             event_id=_event_id_of(obj),
             fingerprint=digest,
         )
-    quick = quick_check()
-    if quick is None or not quick(obj):
-        try:
-            validator()(obj)
-        except fastjsonschema.JsonSchemaValueException as exc:
-            raise Rejection(
-                INVALID_ENVELOPE, _schema_reason(exc), event_id=_event_id_of(obj), fingerprint=digest
-            ) from None
-    revision = obj["revision"]
-    if type(revision) is not int:  # 1.0 passes JSON Schema's "integer"
+    try:
+        validator()(obj)
+    except fastjsonschema.JsonSchemaValueException as exc:
+        raise Rejection(
+            INVALID_ENVELOPE, _schema_reason(exc), event_id=_event_id_of(obj), fingerprint=digest
+        ) from None
+    if type(obj["revision"]) is not int:  # 1.0 passes JSON Schema's "integer"
         raise Rejection(
             INVALID_ENVELOPE,
             "revision must be written as a JSON integer",
             event_id=_event_id_of(obj),
             fingerprint=digest,
         )
-    # Every field passed the schema (eventId matches _UUID, type is in the
-    # enum). Positional arguments: cheaper than keywords on this path.
-    return Envelope(
-        obj["eventId"],
-        event_type,  # type: ignore[arg-type]
-        obj["articleId"],
-        revision,
-        obj["occurredAt"],
-        obj["data"],
-        obj,
-        canonical,
-        digest,
-    )
 
 
 def body_digest(body: bytes) -> str:
