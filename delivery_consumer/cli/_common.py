@@ -77,15 +77,11 @@ def consumer_option(required: bool = False, default: str | None = None) -> Calla
     )
 
 
-#: What ``--db`` of a consumer's database says of the deployment file.
-DB_FROM_FILE_HELP = " The deployment file's [consumers.<consumer>] db when not given."
-
-
-def db_option(fn: F, *, help: str = "Database file (default: state/<consumer>/inbox.db)." + DB_FROM_FILE_HELP,
+def db_option(fn: F, *, help: str = "Database file (default: state/<consumer>/inbox.db).",
               envvar: str = "DELIVERY_DB", callback: Callable[[click.Context, click.Parameter, Any], Any] | None = None,
               ) -> F:
-    """``--db PATH``: a consumer's database, the deployment file's when not given; another
-    database (the producer's) with its own *envvar* and *callback*."""
+    """``--db PATH``: a consumer's database, the deployment file's when not given (its help
+    says so); another database (the producer's) with its own *envvar* and *callback*."""
     # Any path, a directory included: ConsumerDB.open answers in one line, where
     # click's own checks would print a multi-line usage error.
     return click.option(
@@ -95,7 +91,7 @@ def db_option(fn: F, *, help: str = "Database file (default: state/<consumer>/in
         show_envvar=True,
         type=click.Path(path_type=Path),
         callback=callback or from_deployment("db"),
-        help=help,
+        help=help + (" The deployment file's [consumers.<consumer>] db when not given." if callback is None else ""),
     )(fn)
 
 

@@ -39,18 +39,7 @@ from ..partition_store import partition_db, partitioned_paths
 from ..partitions import SLOT_COUNT
 from . import LazyGroup
 from ._broker import amqp_options, broker_call, topology_for
-from ._common import (
-    DB_FROM_FILE_HELP,
-    EXIT_REJECTED,
-    F,
-    Fatal,
-    consumer_option,
-    db_option,
-    emit_json,
-    handle_errors,
-    json_option,
-    open_db,
-)
+from ._common import EXIT_REJECTED, F, Fatal, consumer_option, db_option, emit_json, handle_errors, json_option, open_db
 from ._output import echo_record, echo_table
 from ._partitions import one_partition, one_partition_option
 
@@ -62,8 +51,7 @@ class Missing(Fatal):
 
 
 def _db_option(fn: F) -> F:
-    return db_option(fn, help="Database file, opened read-only (default: state/<consumer>/inbox.db)."
-                     + DB_FROM_FILE_HELP)
+    return db_option(fn, help="Database file, opened read-only (default: state/<consumer>/inbox.db).")
 
 
 def _partition_option(fn: F) -> F:
