@@ -187,6 +187,9 @@ def test_accepted_edge_cases(changes: dict[str, Any]) -> None:
         {"occurredAt": "2026-11-29T10:00:00"},  # no offset
         {"occurredAt": "2026-11-29 10:00:00Z"},
         {"occurredAt": "2026-11-29T10:00:00+3:00"},
+        {"occurredAt": "2026-11-29T10:00:00+00:75"},  # an offset's minutes are 00-59
+        {"occurredAt": "2026-11-29T10:00:61Z"},
+        {"occurredAt": "2026-W48-1T10:00:00Z"},  # an ISO week date datetime would take
         {"occurredAt": "29.11.2026 10:00"},
         {"occurredAt": 1764410400},
         {"eventId": EVENT_ID.upper()},
