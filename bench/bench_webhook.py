@@ -41,7 +41,7 @@ from delivery_consumer.consumers import open_db
 from delivery_consumer.consumers.webhook import Notifier, WebhookConfig
 from delivery_consumer.contract import DeliveryMark, WorkHooks
 from delivery_consumer.envelope import Envelope, from_mapping
-from delivery_consumer.inbox import ConsumerDB, InFlight, fence, receipt_of, write_receipt
+from delivery_consumer.inbox import ConsumerDB, InFlight, Transaction, fence, receipt_of
 
 SERVER = Path(__file__).resolve().parent.parent / "tests" / "webhook_server.py"
 
@@ -74,6 +74,13 @@ def http_only(notifier: Notifier, events: list[Envelope], size: int, _db: Consum
             key = fence.fence_key(env.article_id, env.revision, notifier.name)
             result = notifier.call(fence.Call(key, notifier.payload(env), env))
             assert result.failure is None, result.failure
+
+
+def write_receipt(tx: Transaction, env: Envelope, result: str) -> None:
+    """The receipt of *env*, as a consumer without the fence writes it beside its call."""
+    tx.conn.execute(
+        "INSERT INTO inbox (event_id, fingerprint, result, event_type, received_at, partition_key)"
+        " VALUES (?, ?, ?, ?, ?, ?)", (env.event_id, env.fingerprint, result, env.type, tx.now, env.article_id))
 
 
 def no_fence(notifier: Notifier, events: list[Envelope], size: int, db: ConsumerDB) -> None:

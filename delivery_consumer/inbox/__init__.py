@@ -19,7 +19,6 @@ from .apply import (
     has_receipt,
     receipt_of,
     unsynced_transaction,
-    write_receipt,
 )
 from .database import CORE_MIGRATIONS, STORE_VERSION, ConsumerDB, default_db_path, inbox_rowid_before
 from .in_flight import CRASHED, INTERRUPTED, OPEN_OUTCOMES, InFlight, forget_in_flight, owner_alive, process_owner
@@ -44,5 +43,4 @@ __all__ = [
     "process_owner",
     "receipt_of",
     "unsynced_transaction",
-    "write_receipt",
 ]

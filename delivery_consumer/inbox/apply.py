@@ -75,15 +75,13 @@ def apply_batch(
 
 
 def apply_event(db: ConsumerDB, env: Envelope, *, source: str | None = None) -> str:
-    """Apply one envelope in its own transaction and return its result.
+    """Apply one envelope in its own transaction (:func:`apply_batch` of one)
+    and return its result.
 
     Raises :class:`Rejection` (already recorded in ``rejected`` and
     committed) or :class:`TransientError` (nothing committed).
     """
-    with db.transaction() as tx:
-        outcome = tx.apply(env)
-        if outcome.rejection is not None:
-            tx.record_rejection(outcome.rejection, source=source)
+    (outcome,) = apply_batch(db, [env], sources=[source])
     if outcome.rejection is not None:
         raise outcome.rejection
     if outcome.transient is not None:
@@ -429,24 +427,13 @@ def receipt_of(tx: Transaction, env: Envelope) -> str | None:
     Raises :class:`Rejection` ``event-id-reused`` when the receipt is of
     another body (the same check as :meth:`Transaction.apply`).
     """
-    row = tx.conn.execute("SELECT fingerprint, result FROM inbox WHERE event_id = ?", (env.event_id,)).fetchone()
+    row = tx.conn.execute(_RECEIPT_SELECT, (env.event_id,)).fetchone()
     return None if row is None else duplicate(row, env)
 
 
 def has_receipt(db: ConsumerDB, event_id: str) -> bool:
     """Whether *event_id* has a receipt (read outside any transaction)."""
-    return db.conn.execute("SELECT 1 FROM inbox WHERE event_id = ?", (event_id,)).fetchone() is not None
-
-
-def write_receipt(tx: Transaction, env: Envelope, result: str) -> bool:
-    """Write the receipt of *env*; False when it already had one (written by
-    another process since :func:`receipt_of` looked), which is kept."""
-    cur = tx.conn.execute(
-        "INSERT INTO inbox (event_id, fingerprint, result, event_type, received_at, partition_key)"
-        " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (event_id) DO NOTHING",
-        (env.event_id, env.fingerprint, result, env.type, tx.now, env.article_id),
-    )
-    return cur.rowcount == 1
+    return db.conn.execute(_RECEIPT_SELECT, (event_id,)).fetchone() is not None
 
 
 class UnsyncedTransaction(Transaction):
@@ -506,8 +493,6 @@ __all__ = [
     "apply_event",
     "duplicate",
     "has_receipt",
-    "now_iso",
     "receipt_of",
     "unsynced_transaction",
-    "write_receipt",
 ]
