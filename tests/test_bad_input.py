@@ -310,3 +310,27 @@ def test_the_body_limit_is_exact_on_ndjson_lines(tmp_path: Path) -> None:
     assert ["updated", "invalid-envelope", "updated"] == [
         line.get("result", line.get("rejected")) for line in json_lines(result.stdout)
     ]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["run", "--consumer", "catalog", "--exit-when-idle", "5x"], "'5x' is not a duration"),
+        (["console", "--window", "0"], "0 is out of range"),
+        (["query", "--timeout", "soon", "SELECT 1"], "'soon' is not a duration"),
+        (["replay", "--consumer", "catalog", "--batch", "0", "x.ndjson"], "--batch"),
+        (["no-such-command"], "No such command 'no-such-command'"),
+        (["inbox", "list", "--no-such-option"], "No such option '--no-such-option'"),
+    ],
+    ids=["duration", "window-0", "timeout", "batch-0", "command", "option"],
+)
+def test_a_usage_error_is_one_line(args: list[str], message: str) -> None:
+    """A bad option value, command or option: exit 2 and one line on stderr naming the command, what is wrong
+    and where the help is -- not click's four-line usage block."""
+    result = cli(args)
+
+    assert 2 == result.exit_code
+    lines = result.stderr.strip().splitlines()
+    assert 1 == len(lines), result.stderr
+    assert message in lines[0] and "--help" in lines[0]
+    assert "" == result.stdout

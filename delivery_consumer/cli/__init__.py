@@ -8,7 +8,8 @@ consumer's name is a command too: ``<consumer> list|show`` of its view.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+import sys
+from typing import Any, NoReturn
 
 import click
 
@@ -84,6 +85,28 @@ class RootGroup(LazyGroup):
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         return super().parse_args(ctx, hoist_config(args))
+
+    def main(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """click's main, except that a usage error is one line naming the
+        command, what is wrong and where the help is (click prints the usage
+        block, a hint and the error on four)."""
+        kwargs["standalone_mode"] = False
+        try:
+            code = super().main(*args, **kwargs)
+        except click.exceptions.NoArgsIsHelpError as exc:  # a group without its command: its help
+            exc.show()
+            sys.exit(exc.exit_code)
+        except click.UsageError as exc:
+            where = exc.ctx.command_path if exc.ctx is not None else "delivery-consumer"
+            click.echo(f"Error: {where}: {exc.format_message()} (see '{where} --help')", err=True)
+            sys.exit(exc.exit_code)
+        except click.ClickException as exc:
+            exc.show()
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         from .. import consumers
