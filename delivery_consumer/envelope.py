@@ -292,6 +292,11 @@ def quick_check() -> Callable[[Mapping[str, Any]], bool] | None:
     return quick_check_for(load_schema())
 
 
+def is_event_id(value: object) -> bool:
+    """Whether *value* is an eventId as the contract spells it (a lowercase 8-4-4-4-12 UUID)."""
+    return isinstance(value, str) and _UUID.fullmatch(value) is not None
+
+
 def _event_id_of(obj: Mapping[str, Any]) -> str | None:
     value = obj.get("eventId")
     if isinstance(value, str) and _UUID.fullmatch(value):
@@ -518,6 +523,7 @@ __all__ = [
     "decode_body",
     "fingerprint",
     "from_mapping",
+    "is_event_id",
     "is_rfc3339",
     "known_types",
     "load_schema",

@@ -464,6 +464,12 @@ def status(dep: Deployment, *, now: float | None = None, broker: bool = True) ->
                 except DeliveryError as exc:
                     db_item["error"] = str(exc)
                     problems.append(f"{label}: {db_item['error']}")
+                unresolved = db_item.get("unresolvedRejections") or {}
+                if unresolved and not asked:
+                    # The dead queue was not read: the database's unresolved rejections are what is known.
+                    codes = ", ".join(f"{n} {code}" for code, n in unresolved.items())
+                    problems.append(f"{label}: {_count(sum(unresolved.values()), 'unresolved rejection')} ({codes}); "
+                                    "the broker was not asked for its dead letters")
             item["databases"].append(db_item)
         rows = item["databases"]
         # the consumer as a whole: its own queues, or the sums over its partitions

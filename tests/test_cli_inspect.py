@@ -212,7 +212,10 @@ def test_inbox_show_of_a_rejected_only_event(catalog_db: Path) -> None:
 
 def test_inbox_show_of_an_unknown_event_exits_1(catalog_db: Path) -> None:
     """inbox show of an unknown eventId: exit 1 with one 'not found' line."""
-    line = one_line_error(invoke("inbox", "show", "no-such-event", "--db", catalog_db), 1, "not found")
+    unknown = "00000000-0000-4000-8000-000000000000"
+    line = one_line_error(invoke("inbox", "show", unknown, "--db", catalog_db), 1, "not found")
+    assert unknown in line
+    line = one_line_error(invoke("inbox", "show", "no-such-event", "--db", catalog_db), 2, "not a UUID")
     assert "no-such-event" in line
 
 

@@ -221,7 +221,8 @@ def test_config_check_s_run_line_names_the_file_s_queues_and_survives_the_shell(
 
 def test_trace_and_status_offline_across_producer_and_consumer(tmp_path: Path) -> None:
     """produce (its --db from the file), replay into catalog: trace shows the outbox row
-    unpublished and the receipt; an unknown id exits 1; status --offline is healthy."""
+    unpublished and the receipt; an unknown id exits 1, one that is not a UUID 2; status
+    --offline names the unresolved rejections (it cannot see the dead queues) and exits 1."""
     config = write_deployment(tmp_path, consumers=("catalog", "audit"))
     code, out, _err = with_config(config, "produce", "--article", "a-1", "--title", "T", "--url", "https://x/1",
                                   "--json")
@@ -236,12 +237,20 @@ def test_trace_and_status_offline_across_producer_and_consumer(tmp_path: Path) -
         c["consumer"]: c["verdict"] for c in shown["consumers"]}
     code, out, _err = with_config(config, "trace", EVENT_ID, "--offline")
     assert 0 == code and re.search(r"catalog\s+applied updated", out), out
-    code, _out, err = with_config(config, "trace", "no-such-id", "--offline")
+    code, _out, err = with_config(config, "trace", "00000000-0000-4000-8000-000000000000", "--offline")
     assert 1 == code and "known to no producer and no consumer" in one_line(err)
+    code, _out, err = with_config(config, "trace", "no-such-id", "--offline")
+    assert 2 == code and "not a UUID" in one_line(err)
     code, out, _err = with_config(config, "trace", "--article", "a-1", "--json")
     assert 0 == code and [produced] == [e["eventId"] for e in orjson.loads(out)["events"]]
+    # The samples' two refused events: offline, the database's unresolved rejections are what is known.
     code, out, _err = with_config(config, "status", "--offline", "--json")
-    assert 0 == code and orjson.loads(out)["healthy"]
+    shown = orjson.loads(out)
+    assert 1 == code and not shown["healthy"] and shown["broker"] is None
+    assert ["catalog: 2 unresolved rejections (1 event-id-reused, 1 revision-conflict); the broker was not asked "
+            "for its dead letters"] == shown["problems"]
+    code, out, _err = with_config(config, "status", "--offline")
+    assert 1 == code and "broker not asked (--offline)" in out, out
 
 
 def test_status_thresholds_come_from_the_file_and_flags_override_them(tmp_path: Path) -> None:
@@ -378,7 +387,7 @@ def test_a_page_asked_for_under_another_host_name_is_refused(tmp_path: Path) -> 
 
 def test_trace_without_a_deployment_file_or_consumer_says_what_to_give(tmp_path: Path) -> None:
     """No file, no --consumer: exit 2 with one line; with --consumer the per-consumer trace runs."""
-    result = cli(["trace", "some-id"])
+    result = cli(["trace", "00000000-0000-4000-8000-000000000000"])
     assert 2 == result.exit_code and "no deployment file" in one_line(result.stderr)
 
 
@@ -413,7 +422,7 @@ def test_a_partition_directory_is_read_database_by_database(tmp_path: Path) -> N
     with_config(config, "replay", "--consumer", "catalog", "--db", str(tmp_path / "state/catalog/p2/inbox.db"),
                 str(SAMPLES))
     code, out, _err = with_config(config, "status", "--offline", "--json")
-    assert 0 == code
+    assert 1 == code  # the samples' two refused events are unresolved, and offline that is what is known
     dbs = orjson.loads(out)["consumers"][0]["databases"]
     assert ["p0", "p2", "p10"] == [db["partition"] for db in dbs]
     assert [0, 9, 0] == [db["receiptsLastHour"] for db in dbs]

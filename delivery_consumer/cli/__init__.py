@@ -98,7 +98,7 @@ class RootGroup(LazyGroup):
             sys.exit(exc.exit_code)
         except click.UsageError as exc:
             where = exc.ctx.command_path if exc.ctx is not None else "delivery-consumer"
-            click.echo(f"Error: {where}: {exc.format_message()} (see '{where} --help')", err=True)
+            click.echo(f"delivery-consumer: {exc.format_message()} (see '{where} --help')", err=True)
             sys.exit(exc.exit_code)
         except click.ClickException as exc:
             exc.show()

@@ -95,6 +95,24 @@ def db_option(fn: F, *, help: str = "Database file (default: state/<consumer>/in
     )(fn)
 
 
+class EventId(click.ParamType[str]):
+    """An eventId on the command line: a UUID, any case, given in the contract's lowercase spelling."""
+
+    name = "EVENT_ID"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        from ..envelope import is_event_id
+
+        text = str(value).strip().lower()
+        if not is_event_id(text):
+            self.fail(f"{str(value)[:80]!r} is not a UUID: an eventId is written 8-4-4-4-12 in hex, "
+                      "e.g. 0b1e9c1e-4a53-4f0e-9d2a-6f1f3f7b2c11", param, ctx)
+        return text
+
+
+EVENT_ID = EventId()
+
+
 def json_option(fn: F) -> F:
     return click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON on stdout.")(fn)
 

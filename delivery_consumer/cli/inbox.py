@@ -39,7 +39,18 @@ from ..partition_store import partition_db, partitioned_paths
 from ..partitions import SLOT_COUNT
 from . import LazyGroup
 from ._broker import amqp_options, broker_call, topology_for
-from ._common import EXIT_REJECTED, F, Fatal, consumer_option, db_option, emit_json, handle_errors, json_option, open_db
+from ._common import (
+    EVENT_ID,
+    EXIT_REJECTED,
+    F,
+    Fatal,
+    consumer_option,
+    db_option,
+    emit_json,
+    handle_errors,
+    json_option,
+    open_db,
+)
 from ._output import echo_record, echo_table
 from ._partitions import one_partition, one_partition_option
 
@@ -211,7 +222,7 @@ def inbox_list(consumer: str | None, db_path: Path | None, as_json: bool, result
 
 @click.command("show")
 @read_options()
-@click.argument("event_id")
+@click.argument("event_id", type=EVENT_ID)
 @handle_errors
 def inbox_show(consumer: str | None, db_path: Path | None, as_json: bool, event_id: str) -> None:
     """The receipt of EVENT_ID, with its rejections and recorded deliveries."""

@@ -34,7 +34,8 @@ def status(as_json: bool, offline: bool, outbox_max_age: float | None, backlog_m
     Exit 0 when healthy, 1 when something needs a person: a dead letter, a
     message in a partitioned consumer's unrouted queue, an outbox row older
     than --outbox-max-age, more than --backlog-max messages waiting with no
-    consumer connected, a database or broker that cannot be read.
+    consumer connected, a database or broker that cannot be read; with
+    --offline (or the broker unreachable), a rejection not yet resolved.
     """
     dep = checked_deployment()
     if outbox_max_age is not None:
@@ -84,6 +85,8 @@ def _echo_status(shown: dict[str, Any]) -> None:
         click.echo()
         echo_table(["producer", "unpublished", "oldest", "with errors", "quarantined", "note"], prows)
     click.echo()
+    if shown["broker"] is None:
+        click.echo("broker not asked (--offline): queue depths, consumers and dead letters unknown")
     if shown["healthy"]:
         click.echo("healthy")
     for problem in shown["problems"]:

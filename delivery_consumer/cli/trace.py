@@ -17,7 +17,7 @@ import click
 
 from .. import consumers, system
 from ..queries import NotFound
-from ._common import checked_deployment, emit_json, handle_errors
+from ._common import EVENT_ID, checked_deployment, emit_json, handle_errors
 from ._output import cell, echo_record, echo_table
 from .inbox import Missing, find_first, read_options, reading_all
 
@@ -30,7 +30,7 @@ from .inbox import Missing, find_first, read_options, reading_all
               help="Without EVENT_ID: every event of this article across the deployment, by revision. "
                    "With --consumer catalog: show this article beside the event.")
 @click.option("--offline", is_flag=True, help="Do not read the dead queues from the broker.")
-@click.argument("event_id", required=False)
+@click.argument("event_id", required=False, type=EVENT_ID)
 @click.pass_context
 @handle_errors
 def trace(ctx: click.Context, consumer: str | None, db_path: Path | None, as_json: bool, article_id: str | None,
@@ -158,7 +158,7 @@ def _echo_article(shown: dict[str, Any]) -> None:
 @read_options()
 @click.option("--article", "article_id",
               help="A consumer whose view is keyed by article (catalog): show this article's row.")
-@click.argument("event_id")
+@click.argument("event_id", type=EVENT_ID)
 @handle_errors
 def consumer_trace(consumer: str | None, db_path: Path | None, as_json: bool, article_id: str | None,
                    event_id: str) -> None:
