@@ -32,3 +32,15 @@ def test_samples_through_broker_match_replay(ns: Namespace) -> None:
     dead = ns.drain(ns.topology("catalog").dead_queue)
     codes = sorted(props.headers["x-error-code"] for props, _ in dead)
     assert ["event-id-reused", "revision-conflict"] == codes
+
+
+def test_a_new_database_is_announced_once(ns: Namespace) -> None:
+    """run on a --db that does not exist creates it and says so in one warning naming the path (a first
+    start, or a typo in --db); the next start on the same database says nothing of the kind."""
+    first = ns.run_until_idle("catalog", idle=0.5)
+    assert first.returncode == 0, first.stderr
+    announced = [line for line in first.stderr.splitlines() if "no database was there" in line]
+    assert 1 == len(announced) and str(ns.db("catalog").resolve()) in announced[0], first.stderr
+    again = ns.run_until_idle("catalog", idle=0.5)
+    assert again.returncode == 0, again.stderr
+    assert "no database was there" not in again.stderr

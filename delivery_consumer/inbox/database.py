@@ -155,6 +155,8 @@ class ConsumerDB:
         self.readonly = readonly
         #: The partition this database serves (None: an unpartitioned consumer).
         self.partition: Identity | None = None
+        #: Whether :meth:`open` created the file (it did not exist).
+        self.created = False
 
     # -- opening ---------------------------------------------------------------
 
@@ -226,6 +228,7 @@ class ConsumerDB:
                 cls._check_consumer_version(conn, path, spec)
             db = cls(conn, path, spec, readonly)
             db.partition = identity_from_meta(db.meta())
+            db.created = not exists
         return db
 
     @staticmethod

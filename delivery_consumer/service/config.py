@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,5 +63,9 @@ class RunConfig:
         path = self.db_path
         if path is None and self.partition is not None:
             path = partition_db_path(self.consumer, self.partition.partition)
-        return consumers.open_db(path, self.consumer, create=True, partition=self.partition,
+        db = consumers.open_db(path, self.consumer, create=True, partition=self.partition,
                                unpartitioned=self.partition is None)
+        if db.created:  # a first start, or a --db with a typo: the operator sees where state now lives
+            logging.getLogger("delivery_consumer.run").warning(
+                "%s: no database was there; created a new, empty one for %s", db.path.resolve(), self.consumer)
+        return db
