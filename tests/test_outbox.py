@@ -482,7 +482,8 @@ def test_a_stop_interrupts_a_long_backoff(conn: sqlite3.Connection, monkeypatch:
 
 
 def test_list_stats_show_and_prune(conn: sqlite3.Connection) -> None:
-    """The read queries classify rows by state; prune deletes only old published rows."""
+    """The read queries classify rows by state (list --state due lists what stats counts as due); prune
+    deletes only old published rows."""
     ids = add(conn, *(envelope(f"a{i}") for i in range(4)))
     pub, clock = FakePublisher(), Clock()
     pub.verdicts[ids[2]] = "returned"
@@ -494,11 +495,13 @@ def test_list_stats_show_and_prune(conn: sqlite3.Connection) -> None:
     assert [ids[2]] == [r["eventId"] for r in outbox.list_rows(conn, state="failed")]
     assert [ids[2]] == [r["eventId"] for r in outbox.list_rows(conn, state="quarantined")]
     assert [ids[1], ids[0]] == [r["eventId"] for r in outbox.list_rows(conn, state="published")]
+    assert [ids[3]] == [r["eventId"] for r in outbox.list_rows(conn, state="due", now=clock.now)]  # as stats counts
     assert 1 == len(outbox.list_rows(conn, limit=1))
     stats = outbox.stats(conn, now=clock.now)
     assert (4, 2, 2, 0, 1, 0) == (stats["rows"], stats["published"], stats["unpublished"], stats["failed"],
                                   stats["quarantined"], stats["leased"])
     assert {"returned: unroutable: 312 NO_ROUTE": 1} == stats["quarantineReasons"]
+    assert 1 == stats["due"]
     shown = outbox.show(conn, ids[0])
     assert ids[0] == shown["body"]["eventId"]
     with pytest.raises(NotFound):

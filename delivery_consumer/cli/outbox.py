@@ -177,8 +177,9 @@ def _cells(rows: list[dict[str, Any]], keys: list[str]) -> list[list[Any]]:
 @producer_db_option
 @json_option
 @click.option("--state", "-s", default="all", show_default=True, type=click.Choice(outbox_lib.STATES),
-              help="unpublished (pending or quarantined), pending (leased, retrying, held or due), leased, retrying,"
-                   " held, failed (tried, not published), quarantined, dropped, published, or all.")
+              help="unpublished (pending or quarantined), pending (leased, retrying, held or due), due (what the"
+                   " next claim may take), leased, retrying, held, failed (tried, not published), quarantined,"
+                   " dropped, published, or all.")
 @limit_option
 @handle_errors
 def outbox_list(db_path: Path, as_json: bool, state: str, limit: int) -> None:
@@ -253,17 +254,17 @@ def outbox_show(db_path: Path, as_json: bool, event_id: str) -> None:
 @producer_db_option
 @json_option
 @click.option("--older-than", "older_than_s", required=True, type=Duration(),
-              help="Delete rows published longer ago than this (e.g. 7d, 12h); unpublished rows stay.")
+              help="Delete rows published (or dropped) longer ago than this (e.g. 7d, 12h); unpublished rows stay.")
 @handle_errors
 def outbox_prune(db_path: Path, as_json: bool, older_than_s: float) -> None:
-    """Delete published rows older than --older-than."""
+    """Delete published and dropped rows older than --older-than."""
     with closing(outbox_lib.connect(db_path)) as conn:
         deleted = outbox_lib.prune(conn, older_than_s=older_than_s)
         left = outbox_lib.unpublished(conn)
     if as_json:
         emit_json({"deleted": deleted, "unpublished": left})
     else:
-        click.echo(f"{deleted} published rows deleted; {left} unpublished rows kept")
+        click.echo(f"{deleted} published or dropped rows deleted; {left} unpublished rows kept")
 
 
 def _who() -> str:

@@ -30,8 +30,8 @@ from ..sqlite import now_iso, path_of, rollback
 from .table import transaction
 
 Row = dict[str, Any]
-STATES: Final = ("all", "unpublished", "pending", "leased", "retrying", "held", "failed", "quarantined", "dropped",
-                 "published")
+STATES: Final = ("all", "unpublished", "pending", "due", "leased", "retrying", "held", "failed", "quarantined",
+                 "dropped", "published")
 
 _FIELDS: Final = (
     ("seq", "seq"), ("eventId", "event_id"), ("status", "status"), ("routingKey", "routing_key"),
@@ -113,7 +113,8 @@ def list_rows(
     }.get(state, ("status = 'pending'", "seq"))
     with _snapshot(conn):  # the states and the rows from one snapshot
         states = pending_states(conn, now_s) if state not in ("quarantined", "dropped", "published") else {}
-        wanted = None if state not in ("leased", "retrying", "held") else state
+        # The pending rows of one kind ("due": what the next claim may take, shown as pending).
+        wanted = {"due": "pending", "leased": "leased", "retrying": "retrying", "held": "held"}.get(state)
         sql_limit = limit if limit and wanted is None else -1
         rows = conn.execute(f"SELECT {_COLUMNS} FROM outbox WHERE {where} ORDER BY {order} LIMIT ?",
                             (sql_limit,)).fetchall()
