@@ -102,7 +102,7 @@ def test_one_id_tells_the_whole_story_and_status_follows_the_dead_letter(ns: Nam
         assert {"catalog": "updated", "audit": "recorded", "webhook": "notified"} == {
             label: receipt["result"] for label, receipt in article["events"][0]["consumers"].items()}
 
-        unknown = dc(config, "trace", "0000-nobody")
+        unknown = dc(config, "trace", "00000000-0000-4000-8000-000000000000")
         assert 1 == unknown.returncode and "known to no producer" in unknown.stderr
 
 
