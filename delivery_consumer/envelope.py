@@ -299,9 +299,7 @@ def is_event_id(value: object) -> bool:
 
 def _event_id_of(obj: Mapping[str, Any]) -> str | None:
     value = obj.get("eventId")
-    if isinstance(value, str) and _UUID.fullmatch(value):
-        return value
-    return None
+    return value if is_event_id(value) else None
 
 
 def _schema_reason(exc: fastjsonschema.JsonSchemaValueException) -> str:

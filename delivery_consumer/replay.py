@@ -114,8 +114,9 @@ def replay(
     :data:`READ_AHEAD_BYTES` beyond one batch) before applying the first.
     Parsing does not depend on the database, so outcomes and commits are the
     same; parsing a run of bodies together, away from the commits, keeps
-    that code and its data in the CPU caches. Leave it 0 when items trickle in (standard input): an event is
-    then applied as soon as its batch is complete.
+    that code and its data in the CPU caches. Leave it 0 when items trickle
+    in (standard input): an event is then applied as soon as its batch is
+    complete.
 
     Raises :class:`TransientError` when the database stays unusable (busy
     past every retry, disk full); what was yielded before is committed.
