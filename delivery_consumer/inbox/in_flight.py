@@ -30,7 +30,6 @@ from .database import ConsumerDB
 #: The last outcome of a delivery whose process died while handling it, as
 #: older versions wrote it (now: CRASHED or INTERRUPTED).
 IN_FLIGHT = "in-flight"
-# process whose channel dropped) is never taken for a crash.
 
 #: A key that was handled alone when its process died (``crashes`` + 1).
 CRASHED = "crashed"
@@ -172,8 +171,6 @@ def forget_in_flight(path: Path, owner: str) -> None:
             conn.execute("DELETE FROM in_flight WHERE owner = ?", (owner,))
         finally:
             conn.close()
-
-
 
 
 __all__ = [
