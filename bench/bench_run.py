@@ -59,6 +59,63 @@ BARE = textwrap.dedent(
     """
 )
 
+#: The least work the whole job needs: the bare consumer above, plus the raw
+#: SQL loop's apply (bench/raw_limit.py: same tables, same durability) of each
+#: batch in one transaction, committed before its ``multiple`` ack. No
+#: validation, no rejections, no poison notes, no pipe. With ``threaded`` the
+#: batches are applied by a second thread (sqlite3 lets go of the GIL while
+#: SQLite works and syncs), so pika keeps reading meanwhile; else the I/O loop
+#: applies them itself.
+BARE_SQL = textwrap.dedent(
+    """
+    import queue, sys, threading, time, pika
+    sys.path.insert(0, sys.argv[7])
+    import raw_limit
+    url, queue_name, n, prefetch, every = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+    threaded = sys.argv[8] == "threaded"
+    state = {"n": 0, "t0": 0.0, "lines": []}
+    batches = queue.Queue()
+
+    def apply_then_ack(db, ch, lines, tag, last):
+        raw_limit.apply_lines(db, lines)
+        def ack():
+            ch.basic_ack(tag, multiple=True)
+            if last:
+                print(f"RATE {n / (time.perf_counter() - state['t0']):.1f}")
+                ch.connection.close()
+        return ack
+
+    def worker(ch):
+        db = raw_limit.connect(sys.argv[6])
+        while (item := batches.get()) is not None:
+            ch.connection.ioloop.add_callback_threadsafe(apply_then_ack(db, ch, *item))
+        db.close()
+
+    inline_db = None if threaded else raw_limit.connect(sys.argv[6])
+    def on_message(ch, method, props, body):
+        state["n"] += 1
+        if state["n"] == 1:
+            state["t0"] = time.perf_counter()
+        state["lines"].append(body)
+        if state["n"] % every == 0 or state["n"] == n:
+            item = (state["lines"], method.delivery_tag, state["n"] == n)
+            state["lines"] = []
+            if threaded:
+                batches.put(item)
+            else:
+                apply_then_ack(inline_db, ch, *item)()
+    def on_channel(ch):
+        if threaded:
+            threading.Thread(target=worker, args=(ch,), daemon=True).start()
+        ch.basic_qos(prefetch_count=prefetch, callback=lambda _f: ch.basic_consume(queue_name, on_message))
+    conn = pika.SelectConnection(pika.URLParameters(url),
+                                 on_open_callback=lambda c: c.channel(on_open_callback=on_channel),
+                                 on_close_callback=lambda c, r: c.ioloop.stop())
+    conn.ioloop.start()
+    batches.put(None)
+    """
+)
+
 RUN_RATE = re.compile(r"first delivery to last ack [0-9.]+s \(([0-9]+)/s\)")
 
 
@@ -103,6 +160,16 @@ def delete_queues(url: str, topo: Topology) -> None:
 
 def bare(url: str, topo: Topology, n: int, prefetch: int, every: int) -> float:
     out = subprocess.run([sys.executable, "-c", BARE, url, topo.queue, str(n), str(prefetch), str(every)],
+                         capture_output=True, text=True, timeout=600, check=True).stdout
+    return float(out.split("RATE ")[1])
+
+
+def bare_sql(url: str, topo: Topology, n: int, prefetch: int, every: int, workdir: Path, *,
+             threaded: bool) -> float:
+    """The bare consumer that also applies each batch with raw SQL before acking it."""
+    db = workdir / f"bare-{uuid.uuid4().hex[:8]}.db"
+    out = subprocess.run([sys.executable, "-c", BARE_SQL, url, topo.queue, str(n), str(prefetch), str(every),
+                          str(db), str(Path(__file__).resolve().parent), "threaded" if threaded else "inline"],
                          capture_output=True, text=True, timeout=600, check=True).stdout
     return float(out.split("RATE ")[1])
 

@@ -62,45 +62,46 @@ def stamp() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(when)) + f".{int(when % 1 * 1000):03d}Z"
 
 
-def replay(conn: sqlite3.Connection, source: str, batch: int) -> None:
+def apply_lines(conn: sqlite3.Connection, lines: list[bytes]) -> None:
+    """Apply *lines* (one event each) in one ``BEGIN IMMEDIATE … COMMIT``."""
     execute = conn.execute
+    execute("BEGIN IMMEDIATE")
+    now = stamp()
+    for line in lines:
+        obj = orjson.loads(line)
+        fp = hashlib.sha256(orjson.dumps(obj, option=SORT)).hexdigest()
+        event_id = obj["eventId"]
+        stored = execute(RECEIPT, (event_id,)).fetchone()
+        if stored is not None:
+            if stored[0] != fp:
+                raise SystemExit("event-id-reused: the benchmark stream has none")
+            continue
+        data, revision, article = obj["data"], obj["revision"], obj["articleId"]
+        published = int(obj["type"] == "material.published")
+        row = execute(ARTICLE, (article,)).fetchone()
+        if row is None or revision > row[0]:
+            execute(UPSERT, (article, revision, data["title"], data["url"], published))
+            result = "updated"
+        elif revision < row[0]:
+            result = "stale"
+        elif (row[1], row[2], row[3]) == (data["title"], data["url"], published):
+            result = "same-state"
+        else:
+            raise SystemExit("revision-conflict: the benchmark stream has none")
+        execute(INSERT, (event_id, fp, result, now))
+    execute("COMMIT")
 
-    def flush(lines: list[bytes]) -> None:
-        execute("BEGIN IMMEDIATE")
-        now = stamp()
-        for line in lines:
-            obj = orjson.loads(line)
-            fp = hashlib.sha256(orjson.dumps(obj, option=SORT)).hexdigest()
-            event_id = obj["eventId"]
-            stored = execute(RECEIPT, (event_id,)).fetchone()
-            if stored is not None:
-                if stored[0] != fp:
-                    raise SystemExit("event-id-reused: the benchmark stream has none")
-                continue
-            data, revision, article = obj["data"], obj["revision"], obj["articleId"]
-            published = int(obj["type"] == "material.published")
-            row = execute(ARTICLE, (article,)).fetchone()
-            if row is None or revision > row[0]:
-                execute(UPSERT, (article, revision, data["title"], data["url"], published))
-                result = "updated"
-            elif revision < row[0]:
-                result = "stale"
-            elif (row[1], row[2], row[3]) == (data["title"], data["url"], published):
-                result = "same-state"
-            else:
-                raise SystemExit("revision-conflict: the benchmark stream has none")
-            execute(INSERT, (event_id, fp, result, now))
-        execute("COMMIT")
 
+def replay(conn: sqlite3.Connection, source: str, batch: int) -> None:
     pending: list[bytes] = []
     with open(source, "rb") as lines:
         for line in lines:
             pending.append(line)
             if len(pending) == batch:
-                flush(pending)
+                apply_lines(conn, pending)
                 pending = []
     if pending:
-        flush(pending)
+        apply_lines(conn, pending)
 
 
 def prefill(conn: sqlite3.Connection, count: int, chunk: int = 100_000) -> None:
