@@ -30,6 +30,7 @@ import datetime
 import os
 import platform
 import re
+import resource
 import shutil
 import sqlite3
 import statistics
@@ -115,8 +116,8 @@ def _copy_at_rest(template: Path | None, db: Path) -> None:
 
     A database in service is at rest on disk. A copy made just before the
     run is not: its pages are dirty in the kernel's cache, and the run's
-    first fsync of the file would write them all back (about a gigabyte at
-    5M receipts) inside the timed run. Both sides of a pair wait the same way.
+    first fsync of the file would write them all back inside the timed run.
+    Both sides of a pair wait the same way.
     """
     if template is not None:
         shutil.copyfile(template, db)
@@ -234,6 +235,16 @@ def _tree_hwm(pid: int, peaks: dict[int, int]) -> None:
             pass
 
 
+def _broker_cpu() -> float:
+    """CPU seconds used so far by the local RabbitMQ (beam.smp), 0 if not found."""
+    found = subprocess.run(["pgrep", "-f", "beam.smp"], capture_output=True, text=True, check=False).stdout.split()
+    try:
+        fields = Path(f"/proc/{found[0]}/stat").read_text().rpartition(")")[2].split()
+    except (IndexError, OSError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run_ours(url: str, topo: object, workdir: Path, rss: list[float]) -> float:
     db = workdir / f"bench-{uuid.uuid4().hex[:8]}.db"
     argv = [str(Path(bench_replay._command())), "run", "--consumer", "catalog", "--db", str(db),
@@ -268,26 +279,36 @@ def bench_run_ratio(repeat: int, url: str, rows: list[str]) -> None:
     try:
         with tempfile.TemporaryDirectory() as tmp:
 
-            def seeded(fn: Callable[[], float]) -> Callable[[], float]:
+            cpu: dict[str, list[tuple[float, float]]] = {}
+
+            def seeded(fn: Callable[[], float], name: str = "") -> Callable[[], float]:
                 def go() -> float:
                     bench_run.delete_queues(url, topo)
                     bench_run.seed(url, topo, bodies)
-                    return fn()
+                    before, broker = resource.getrusage(resource.RUSAGE_CHILDREN), _broker_cpu()
+                    rate = fn()
+                    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+                    used = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+                    cpu.setdefault(name, []).append((used, _broker_cpu() - broker))
+                    return rate
                 return go
 
             def least(threaded: bool) -> Callable[[], float]:
                 return seeded(lambda: bench_run.bare_sql(url, topo, messages, prefetch, batch, Path(tmp),
-                                                         threaded=threaded))
+                                                         threaded=threaded), f"bare+sql{' thread' if threaded else ''}")
 
             ours, bare, inline, threaded = _medians(
                 f"run (prefetch {prefetch}, batch {batch}), bare pika, bare pika + raw SQL (inline, in a thread),"
                 f" {messages:,} msgs, msg/s", repeat,
-                {"run": seeded(lambda: run_ours(url, topo, Path(tmp), rss)),
-                 "bare": seeded(lambda: bench_run.bare(url, topo, messages, prefetch, batch)),
+                {"run": seeded(lambda: run_ours(url, topo, Path(tmp), rss), "run"),
+                 "bare": seeded(lambda: bench_run.bare(url, topo, messages, prefetch, batch), "bare"),
                  "bare+sql": least(False), "bare+sql thread": least(True)})
     finally:
         bench_run.delete_queues(url, topo)
     print(f"  run peak RSS (both processes), MiB: {' '.join(f'{x:.0f}' for x in rss)}")
+    print("  CPU per round, s, consumer (its start-up included) / broker: " + " | ".join(
+        f"{name} " + " ".join(f"{used:.2f}/{broker:.2f}" for used, broker in rounds)
+        for name, rounds in cpu.items()), flush=True)
     rows.append(f"| `run` (prefetch {prefetch}, batch {batch}), quorum queue, {messages // 1000}k messages | "
                 f"{ours:,.0f}/s | bare pika acking `multiple` every {batch}: {bare:,.0f}/s | **{ours / bare:.2f}** | "
                 f"≥ {GOALS['run']} |")

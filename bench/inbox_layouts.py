@@ -2,26 +2,13 @@
 
     python bench/inbox_layouts.py [--receipts 5000000] [--generation 50000] [--open-fill 0.5] [--repeat 3]
 
-Each layout replays the same 50k events at 100 per commit (``orjson.loads``,
-the SHA-256 of the canonical bytes, the receipt lookup, the catalog upsert, the
-receipt insert; WAL, ``synchronous=FULL``, the store's page cache and
-checkpoint interval) into an empty database and into one already holding
-``--receipts`` receipts, and prints full ÷ empty:
-
-* ``eventId key``: ``inbox(event_id PRIMARY KEY, ...)``, the store's layout
-  today. Random eventIds put every new receipt on its own leaf of one big
-  index, so a commit's pages, and the checkpoint's, grow with the inbox.
-* ``generations``: ``inbox(gen, event_id, ...)`` with an index on
-  ``(gen, event_id)``. New receipts go to the open generation, whose index
-  range is small (``--generation`` receipts at most), so the pages a commit
-  touches do not depend on the inbox's size. A generation is sealed when full
-  and never written again; an in-memory Bloom filter over the sealed ones
-  (persisted as one blob) tells a fresh eventId that it need not probe them.
-  ``generations, no filter check`` skips that check (an upper bound: it
-  would miss a duplicate of a sealed event).
-
-Databases are prefilled once, copied before each run and synced, so the
-timed run starts with the file at rest as in service.
+Replays the same 50k events at 100 per commit, with the store's pragmas, into
+an empty database and into one already holding ``--receipts`` receipts, and
+prints full ÷ empty for each layout: ``inbox(event_id PRIMARY KEY, …)`` as
+the store has it, and generations (an index on ``(gen, event_id)``, full
+generations sealed during the run behind a Bloom filter). docs/hot-path.md
+explains both. Databases are prefilled once, copied and synced before each
+run, so each run starts with its file at rest.
 """
 
 from __future__ import annotations
@@ -44,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _stream
 
 SORT = orjson.OPT_SORT_KEYS
-FILTER_BITS = 1 << 27  # 16 MiB: about 27 bits per receipt at 5M
+FILTER_BITS = 1 << 27  # 16 MiB
 HASHES = 7
 UPSERT = (
     "INSERT INTO catalog VALUES (?, ?, ?, ?, ?) ON CONFLICT (article_id) DO UPDATE SET revision = excluded.revision,"
@@ -76,8 +63,7 @@ def _positions(event_id: str) -> list[int]:
 
 
 def _may_hold(bits: bytearray, event_id: str) -> bool:
-    """Whether the filter may hold *event_id*; stops at the first clear bit
-    (a fresh eventId usually needs one or two of the seven)."""
+    """Whether the filter may hold *event_id*; stops at the first clear bit."""
     h = int.from_bytes(hashlib.blake2b(event_id.encode(), digest_size=24).digest(), "little")
     for _ in range(HASHES):
         p = h & (FILTER_BITS - 1)
@@ -85,6 +71,23 @@ def _may_hold(bits: bytearray, event_id: str) -> bool:
             return False
         h >>= 27
     return True
+
+
+def _add(bits: bytearray, event_id: str) -> None:
+    for p in _positions(event_id):
+        bits[p >> 3] |= 1 << (p & 7)
+
+
+def _seal(conn: Connection, bits: bytearray, gen: int) -> None:
+    """Seal generation *gen*: its eventIds into the filter, the filter
+    persisted, the next generation opened; one transaction."""
+    conn.execute("BEGIN IMMEDIATE")
+    for (event_id,) in conn.execute("SELECT event_id FROM inbox WHERE gen = ?", (gen,)):
+        _add(bits, event_id)
+    conn.execute("INSERT OR REPLACE INTO generations VALUES (?, 1)", (gen,))
+    conn.execute("INSERT INTO generations VALUES (?, 0)", (gen + 1,))
+    conn.execute("INSERT OR REPLACE INTO sealed_filter VALUES (1, ?)", (bytes(bits),))
+    conn.execute("COMMIT")
 
 
 def prefill(path: Path, layout: str, count: int, generation: int, open_fill: float) -> None:
@@ -103,8 +106,7 @@ def prefill(path: Path, layout: str, count: int, generation: int, open_fill: flo
         gen = min(i // generation, sealed)
         conn.execute("INSERT INTO inbox VALUES (?, ?, ?, 'updated', '2026')", (gen, event_id, "0" * 64))
         if gen < sealed:
-            for p in _positions(event_id):
-                bits[p >> 3] |= 1 << (p & 7)
+            _add(bits, event_id)
     if layout == "gen":
         conn.executemany("INSERT INTO generations VALUES (?, ?)", [(g, int(g < sealed)) for g in range(sealed + 1)])
         conn.execute("INSERT INTO sealed_filter VALUES (1, ?)", (bytes(bits),))
@@ -114,17 +116,19 @@ def prefill(path: Path, layout: str, count: int, generation: int, open_fill: flo
     os.sync()
 
 
-def replay(path: Path, layout: str, lines: list[bytes], check_filter: bool) -> float:
-    """Events per second, the filter's load and the close's checkpoint included."""
+def replay(path: Path, layout: str, lines: list[bytes], check_filter: bool, generation: int) -> float:
+    """Events per second: the filter's load, the seals and the close's checkpoint included."""
     started = time.perf_counter()
     conn = _open(path, layout)
     ex = conn.execute
     bits = bytearray()
-    open_gen, any_sealed = 0, False
+    open_gen = open_count = 0
+    any_sealed = False
     if layout == "gen":
         row = ex("SELECT bits FROM sealed_filter").fetchone()
-        bits = bytearray(row[0]) if row else bytearray()
+        bits = bytearray(row[0]) if row else bytearray(FILTER_BITS // 8)
         open_gen = ex("SELECT coalesce(max(gen), 0) FROM generations").fetchone()[0]
+        open_count = ex("SELECT count(*) FROM inbox WHERE gen = ?", (open_gen,)).fetchone()[0]
         any_sealed = check_filter and row is not None
     now = "2026-12-01T00:00:00.000Z"
     for start in range(0, len(lines), 100):
@@ -151,7 +155,11 @@ def replay(path: Path, layout: str, lines: list[bytes], check_filter: bool) -> f
                 ex("INSERT INTO inbox VALUES (?, ?, 'updated', ?)", (event_id, fp, now))
             else:
                 ex("INSERT INTO inbox VALUES (?, ?, ?, 'updated', ?)", (open_gen, event_id, fp, now))
+                open_count += 1
         ex("COMMIT")
+        if layout == "gen" and open_count >= generation:
+            _seal(conn, bits, open_gen)
+            open_gen, open_count, any_sealed = open_gen + 1, 0, check_filter
     conn.close()
     return len(lines) / (time.perf_counter() - started)
 
@@ -174,7 +182,9 @@ def main() -> None:
             started = time.perf_counter()
             prefill(tmp / f"full-{layout}.db", layout, args.receipts, args.generation, args.open_fill)
             took = time.perf_counter() - started
-            print(f"prefilled {layout}: {args.receipts:,} receipts in {took:.0f} s", flush=True)
+            extra = int(args.generation * args.open_fill) if layout == "gen" else 0
+            shown = f" ({args.receipts % args.generation + extra:,} in the open generation)" if layout == "gen" else ""
+            print(f"prefilled {layout}: {args.receipts + extra:,} receipts{shown} in {took:.0f} s", flush=True)
         for name, layout, check in variants:
             runs: dict[str, list[float]] = {"empty": [], "full": []}
             for i in range(args.repeat):
@@ -184,7 +194,7 @@ def main() -> None:
                     if side == "full":
                         shutil.copyfile(tmp / f"full-{layout}.db", work)
                     os.sync()
-                    runs[side].append(replay(work, layout, lines, check))
+                    runs[side].append(replay(work, layout, lines, check, args.generation))
             empty, full = statistics.median(runs["empty"]), statistics.median(runs["full"])
             print(f"{name:30} empty {' '.join(f'{x:,.0f}' for x in runs['empty'])} | {args.receipts / 1e6:g}M "
                   f"{' '.join(f'{x:,.0f}' for x in runs['full'])} ev/s  ->  {full / empty:.2f} of empty", flush=True)
