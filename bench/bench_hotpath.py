@@ -235,12 +235,17 @@ def _tree_hwm(pid: int, peaks: dict[int, int]) -> None:
             pass
 
 
-def _broker_cpu() -> float:
-    """CPU seconds used so far by the local RabbitMQ (beam.smp), 0 if not found."""
+def _broker_pid() -> str | None:
+    """The pid of the local RabbitMQ (beam.smp), if any."""
     found = subprocess.run(["pgrep", "-f", "beam.smp"], capture_output=True, text=True, check=False).stdout.split()
+    return found[0] if found else None
+
+
+def _cpu_of(pid: str | None) -> float:
+    """CPU seconds used so far by process *pid*, 0 if unknown."""
     try:
-        fields = Path(f"/proc/{found[0]}/stat").read_text().rpartition(")")[2].split()
-    except (IndexError, OSError):
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
@@ -280,16 +285,17 @@ def bench_run_ratio(repeat: int, url: str, rows: list[str]) -> None:
         with tempfile.TemporaryDirectory() as tmp:
 
             cpu: dict[str, list[tuple[float, float]]] = {}
+            broker_pid = _broker_pid()
 
-            def seeded(fn: Callable[[], float], name: str = "") -> Callable[[], float]:
+            def seeded(fn: Callable[[], float], name: str) -> Callable[[], float]:
                 def go() -> float:
                     bench_run.delete_queues(url, topo)
                     bench_run.seed(url, topo, bodies)
-                    before, broker = resource.getrusage(resource.RUSAGE_CHILDREN), _broker_cpu()
+                    before, broker = resource.getrusage(resource.RUSAGE_CHILDREN), _cpu_of(broker_pid)
                     rate = fn()
                     after = resource.getrusage(resource.RUSAGE_CHILDREN)
                     used = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
-                    cpu.setdefault(name, []).append((used, _broker_cpu() - broker))
+                    cpu.setdefault(name, []).append((used, _cpu_of(broker_pid) - broker))
                     return rate
                 return go
 

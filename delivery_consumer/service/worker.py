@@ -7,7 +7,6 @@ It runs in the worker process and talks to the connection only through
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 from collections import Counter, deque
@@ -20,7 +19,7 @@ from ..amqp.consumer import Delivery
 from ..amqp.publisher import OutMessage
 from ..contract import DeliveryMark, Outcome, WorkHooks
 from ..deliveries import Observer, delivery_key
-from ..envelope import KOMBU_COMPRESSION_HEADER, Envelope, body_digest, parse
+from ..envelope import KOMBU_COMPRESSION_HEADER, Envelope, body_digest, is_event_id, parse
 from ..errors import DELIVERY_LIMIT, DeliveryError, Rejection, StoreOutage, StoreUnavailable
 from ..faults import crashpoint
 from ..inbox import ConsumerDB, InFlight, Transaction, apply_batch, has_receipt
@@ -74,13 +73,6 @@ class Stats:
         return (f"{self.acked} deliveries acked in {self.batches} batches: {done}; {self.retried} retried, "
                 f"{sum(self.dead_lettered.values())} dead-lettered; first delivery to last ack {span:.3f}s{rate}")
 
-
-
-_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
-
-
-def _looks_like_event_id(value: str | None) -> bool:
-    return value is not None and _UUID.fullmatch(value) is not None
 
 
 def _int_header(headers: dict[str, Any], name: str) -> int:
@@ -499,7 +491,7 @@ class Worker(threading.Thread):
         with self.db.transaction() as tx:
             for c in dead:
                 assert c.rejection is not None
-                if c.rejection.event_id is None and _looks_like_event_id(c.delivery.message_id):
+                if c.rejection.event_id is None and is_event_id(c.delivery.message_id):
                     # A body refused before its eventId could be read: our
                     # publishers set message_id = eventId, so trace can find it.
                     c.rejection.event_id = c.delivery.message_id
