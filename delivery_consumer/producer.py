@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import sqlite3
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import outbox, sqlite
 from .envelope import Envelope, from_mapping
 from .errors import ConfigError, DatabaseError
+from .event_ids import new_event_id
 from .sqlite import now_iso
 
 PUBLISHED = "material.published"
@@ -98,7 +98,7 @@ def produce(
             raise ConfigError(f"article {article_id!r} is new: give its title and url")
         revision = 1 if row is None else int(row[0]) + 1
         env = from_mapping({
-            "eventId": event_id or str(uuid.uuid4()),
+            "eventId": event_id or new_event_id(),
             "type": WITHDRAWN if withdraw else PUBLISHED,
             "articleId": article_id,
             "revision": revision,
