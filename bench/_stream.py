@@ -10,17 +10,24 @@ work, and an invalid event would make the baseline (which does not validate)
 write something ours refuses.
 
 Deterministic for a given (count, seed), so that every measurement and every
-database comparison is about the same bytes.
+database comparison is about the same bytes. ``ids="v7"`` names the events as
+the toolkit's producers do (time-ordered UUIDs made at each event's
+``occurredAt``) instead of with random version 4 UUIDs; the rest of the
+stream is the same.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import orjson
+
+from delivery_consumer.event_ids import EventIds
 
 PUBLISHED = "material.published"
 WITHDRAWN = "material.withdrawn"
@@ -49,24 +56,47 @@ def _timestamp(base: datetime, seconds: float, rng: random.Random) -> str:
     return (when + timedelta(hours=3)).strftime("%Y-%m-%dT%H:%M:%S") + "+03:00"
 
 
-def envelopes(count: int, *, seed: int = 42) -> list[dict[str, Any]]:
+class _Ids:
+    """Event ids drawn from *rng*: random (``v4``) or time-ordered (``v7``) at the stream's clock."""
+
+    def __init__(self, rng: random.Random, kind: str) -> None:
+        if kind not in ("v4", "v7"):
+            raise ValueError(f"ids: v4 or v7, not {kind!r}")
+        self.rng, self.kind, self.now_ns = rng, kind, 0
+        self._bits = 0
+        self._v7 = EventIds(clock=lambda: self.now_ns, entropy=lambda n: self._bits.to_bytes(16, "big")[:n])
+
+    def __call__(self) -> str:
+        self._bits = self.rng.getrandbits(128)
+        if self.kind == "v4":
+            return str(uuid.UUID(int=self._bits, version=4))
+        return self._v7()
+
+
+#: When the stream's first event occurs.
+BASE = datetime(2026, 11, 29, 10, 0, 0, tzinfo=UTC)
+
+
+def envelopes(count: int, *, seed: int = 42, ids: str = "v4") -> list[dict[str, Any]]:
     """*count* envelopes in delivery order (dicts, keys in producer order)."""
     rng = random.Random(seed)
+    new_id = _Ids(rng, ids)
     articles = max(1, count // 4)
     hot = max(1, articles // 50)
-    base = datetime(2026, 11, 29, 10, 0, 0, tzinfo=UTC)
+    base = BASE
     revision = [0] * articles
     state: dict[int, dict[str, Any]] = {}
     fresh: list[dict[str, Any]] = []
     clock = 0.0
     while len(fresh) < count:
         clock += rng.expovariate(20.0)
+        new_id.now_ns = int((base.timestamp() + clock) * 1e9)
         # A fifth of the traffic goes to the hot 2 % of articles.
         a = rng.randrange(hot) if rng.random() < 0.2 else rng.randrange(articles)
         current = state.get(a)
         if current is not None and rng.random() < 0.01:
             # The producer re-announces the current revision with a new id.
-            again = dict(current, eventId=str(uuid.UUID(int=rng.getrandbits(128), version=4)))
+            again = dict(current, eventId=new_id())
             fresh.append(again)
             continue
         revision[a] += 1
@@ -78,7 +108,7 @@ def envelopes(count: int, *, seed: int = 42) -> list[dict[str, Any]]:
             if rng.random() < 0.1:
                 data["lang"] = "ru"
         env = {
-            "eventId": str(uuid.UUID(int=rng.getrandbits(128), version=4)),
+            "eventId": new_id(),
             "type": kind,
             "articleId": f"article-{a}",
             "revision": revision[a],
@@ -106,6 +136,21 @@ def envelopes(count: int, *, seed: int = 42) -> list[dict[str, Any]]:
         if rng.random() < 0.03:
             stream.append(stream[max(0, len(stream) - 1 - rng.randint(0, 300))])
     return stream[:count]
+
+
+def past_ids(kind: str, start: float, step: float) -> Callable[[int], str]:
+    """Receipt *i*'s eventId: random (``v4``), or time-ordered (``v7``) made at
+    its time, ``start + i * step`` (seconds), before any event of the stream."""
+    if kind == "v4":
+        return lambda i: str(uuid.UUID(bytes=os.urandom(16), version=4))
+    clock = [0]
+    made = EventIds(clock=lambda: clock[0])
+
+    def v7(i: int) -> str:
+        clock[0] = int((start + i * step) * 1e9)
+        return made()
+
+    return v7
 
 
 def ndjson(events: list[dict[str, Any]]) -> bytes:

@@ -8,9 +8,14 @@
   limit alternating (goal >= 0.9);
 * growth: ``replay --batch 100`` of 50k events into a database already
   holding ``--receipts`` receipts against the same into an empty one
-  (goal >= 0.9). The full database is made once with raw SQL (random
-  eventIds, received in the past) and copied before each run;
-  ``--curve 0,1000000,...`` prints the whole curve, ours and the raw loop;
+  (goal >= 0.9). The full database is made once with raw SQL (receipts
+  received in the past) and copied before each run;
+  ``--curve 0,1000000,...`` prints the whole curve, ours and the raw loop.
+  ``--ids v4,v7`` runs it for each kind of eventId, in the receipts already
+  there and in the events replayed: random (``v4``, what any producer may
+  send) and time-ordered (``v7``, what the toolkit's producers send);
+  ``v4:v7`` means random receipts already there and time-ordered events
+  replayed (a deployment whose producers switched);
 * ``run`` (default options: prefetch 500, batch 250) against a bare pika
   consumer acking ``multiple`` every batch at the same prefetch, 20k
   messages on a quorum queue (goal >= 0.7), with the peak RSS of ``run``
@@ -124,13 +129,13 @@ def _copy_at_rest(template: Path | None, db: Path) -> None:
     os.sync()
 
 
-def _stream_file(tmp: Path, name: str, count: int, seed: int) -> Path:
+def _stream_file(tmp: Path, name: str, count: int, seed: int, ids: str = "v4") -> Path:
     path = tmp / name
-    path.write_bytes(_stream.ndjson(_stream.envelopes(count, seed=seed)))
+    path.write_bytes(_stream.ndjson(_stream.envelopes(count, seed=seed, ids=ids)))
     return path
 
 
-def prefill_store(command: str, path: Path, count: int) -> None:
+def prefill_store(command: str, path: Path, count: int, ids: str = "v4") -> None:
     """A catalog database holding *count* receipts, made with raw SQL."""
     bench_replay._fresh(path)
     subprocess.run([command, "init", "--consumer", "catalog", "--db", str(path)], check=True,
@@ -138,16 +143,17 @@ def prefill_store(command: str, path: Path, count: int) -> None:
     conn = sqlite3.connect(path, isolation_level=None)
     conn.execute("PRAGMA synchronous = OFF")
     conn.execute("PRAGMA cache_size = -1000000")
-    start = time.time() - 90 * 86400  # received over the last 90 days, in rowid order
+    start = _stream.BASE.timestamp() - 90 * 86400  # received over 80 days before the stream, in rowid order
     step = 80 * 86400 / max(1, count)
+    event_id = _stream.past_ids(ids, start, step)
     done = 0
     while done < count:
         n = min(200_000, count - done)
         conn.execute("BEGIN IMMEDIATE")
         conn.executemany(
             "INSERT INTO inbox (event_id, fingerprint, result, event_type, received_at) VALUES (?, ?, ?, ?, ?)",
-            ((str(uuid.UUID(bytes=os.urandom(16), version=4)), "0" * 64, "updated", "material.published",
-              _iso(start + (done + i) * step)) for i in range(n)))
+            ((event_id(done + i), "0" * 64, "updated", "material.published", _iso(start + (done + i) * step))
+             for i in range(n)))
         conn.execute("COMMIT")
         done += n
     conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
@@ -159,9 +165,9 @@ def _iso(when: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(when)) + f".{int(when % 1 * 1000):03d}Z"
 
 
-def prefill_raw(path: Path, count: int) -> None:
+def prefill_raw(path: Path, count: int, ids: str = "v4") -> None:
     bench_replay._fresh(path)
-    subprocess.run([sys.executable, str(RAW), "--db", str(path), "--prefill", str(count)], check=True)
+    subprocess.run([sys.executable, str(RAW), "--db", str(path), "--prefill", str(count), "--ids", ids], check=True)
     conn = sqlite3.connect(path)
     conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     conn.close()
@@ -181,27 +187,29 @@ def bench_replay_ratios(tmp: Path, repeat: int, rows: list[str]) -> None:
                     f"{limit:,.0f}/s | **{ours / limit:.2f}** | ≥ {goal} |")
 
 
-def bench_growth(tmp: Path, repeat: int, receipts: int, curve: list[int], rows: list[str]) -> None:
+def bench_growth(tmp: Path, repeat: int, receipts: int, curve: list[int], rows: list[str], ids: str) -> None:
     r = Replay(tmp)
-    source = _stream_file(tmp, "chunk.ndjson", 50_000, 43)
+    past, _, new = ids.partition(":")
+    new = new or past
+    source = _stream_file(tmp, f"chunk-{new}.ndjson", 50_000, 43, new)
     counts = sorted(set(curve) | {receipts})
     empty_ours = empty_raw = 0.0
     for n in counts:
         if n == 0:
             continue
-        print(f"  prefilling {n:,} receipts ...", flush=True)
+        print(f"  prefilling {n:,} receipts, {ids} eventIds ...", flush=True)
         template = tmp / f"full-{n}.db"
         started = time.perf_counter()
-        prefill_store(r.command, template, n)
+        prefill_store(r.command, template, n, past)
         print(f"  made in {time.perf_counter() - started:.0f} s, {template.stat().st_size / 1e6:,.0f} MB", flush=True)
-        empty, full = _median_pair(f"replay --batch 100 of 50k: empty vs {n:,} receipts, ev/s", repeat,
+        empty, full = _median_pair(f"replay --batch 100 of 50k, {ids} ids: empty vs {n:,} receipts, ev/s", repeat,
                                    r.ours(source, 100), r.ours(source, 100, template), ("empty", "full"))
         empty_ours = empty_ours or empty
-        line = f"  curve {n:>10,}: ours {full:,.0f}/s ({full / empty:.2f} of empty)"
+        line = f"  curve {ids} {n:>10,}: ours {full:,.0f}/s ({full / empty:.2f} of empty)"
         if n in curve:
             raw_template = tmp / f"raw-full-{n}.db"
-            prefill_raw(raw_template, n)
-            raw_empty, raw_full = _median_pair(f"raw loop: empty vs {n:,} receipts, ev/s", repeat,
+            prefill_raw(raw_template, n, past)
+            raw_empty, raw_full = _median_pair(f"raw loop, {ids} ids: empty vs {n:,} receipts, ev/s", repeat,
                                                r.raw(source, 100), r.raw(source, 100, raw_template),
                                                ("empty", "full"))
             empty_raw = empty_raw or raw_empty
@@ -209,7 +217,11 @@ def bench_growth(tmp: Path, repeat: int, receipts: int, curve: list[int], rows: 
             raw_template.unlink()
         print(line, flush=True)
         if n == receipts:
-            rows.append(f"| `replay --batch 100`, 50k events into {n / 1e6:g}M receipts | {full:,.0f}/s | "
+            kind = {"v4": "random", "v7": "time-ordered"}
+            named = f"{kind[past]} ({past}) eventIds" if past == new else \
+                f"{kind[past]} ({past}) eventIds there, {kind[new]} ({new}) replayed"
+            rows.append(f"| `replay --batch 100`, 50k events into {n / 1e6:g}M receipts, {named} | "
+                        f"{full:,.0f}/s | "
                         f"the same into an empty database: {empty:,.0f}/s | **{full / empty:.2f}** | "
                         f"≥ {GOALS['growth']} |")
         template.unlink()
@@ -332,6 +344,7 @@ def main() -> None:
     parser.add_argument("--only", default="replay,growth,run")
     parser.add_argument("--receipts", type=int, default=5_000_000)
     parser.add_argument("--curve", default="", help="comma-separated receipt counts (ours and the raw loop)")
+    parser.add_argument("--ids", default="v4,v7", help="the growth pair's eventIds: v4 (random), v7 (time-ordered)")
     parser.add_argument("--amqp-url", default=os.environ.get("DELIVERY_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F"))
     args = parser.parse_args()
     only = set(args.only.split(","))
@@ -347,7 +360,8 @@ def main() -> None:
             bench_replay_ratios(tmp, args.repeat, rows)
         if "growth" in only:
             curve = [int(float(x)) for x in args.curve.split(",") if x]
-            bench_growth(tmp, args.repeat, args.receipts, curve, rows)
+            for ids in args.ids.split(","):
+                bench_growth(tmp, args.repeat, args.receipts, curve, rows, ids)
         if "run" in only:
             bench_run_ratio(args.repeat, args.amqp_url, rows)
     finally:

@@ -14,8 +14,8 @@ applies these events exactly once must do, and nothing more.
   ``SELECT`` the article's revision, upsert, ``INSERT`` the receipt.
 
 No validation, no rejection bookkeeping, no output. It expects valid events
-(the benchmark's stream is). ``--prefill N`` instead writes N receipts with
-random eventIds into the database and exits (for the growth curve).
+(the benchmark's stream is). ``--prefill N [--ids v4|v7]`` instead writes N
+receipts into the database and exits (for the growth curve).
 
     python bench/raw_limit.py --batch 100 --db X.db FILE.ndjson
 """
@@ -104,18 +104,20 @@ def replay(conn: sqlite3.Connection, source: str, batch: int) -> None:
         apply_lines(conn, pending)
 
 
-def prefill(conn: sqlite3.Connection, count: int, chunk: int = 100_000) -> None:
-    """*count* receipts with random (uuid4-shaped) eventIds, in random order."""
-    import os
-    import uuid
+def prefill(conn: sqlite3.Connection, count: int, ids: str, chunk: int = 100_000) -> None:
+    """*count* receipts made before the benchmark's stream: random (``v4``)
+    or time-ordered (``v7``) eventIds, in the order they were received."""
+    import _stream
 
+    start = _stream.BASE.timestamp() - 90 * 86400
+    event_id = _stream.past_ids(ids, start, 80 * 86400 / max(1, count))
     fp = "0" * 64
     done = 0
     while done < count:
         n = min(chunk, count - done)
         conn.execute("BEGIN IMMEDIATE")
-        conn.executemany(INSERT, ((str(uuid.UUID(bytes=os.urandom(16), version=4)), fp, "updated",
-                                   "2026-01-01T00:00:00.000Z") for _ in range(n)))
+        conn.executemany(INSERT, ((event_id(done + i), fp, "updated", "2026-01-01T00:00:00.000Z")
+                                  for i in range(n)))
         conn.execute("COMMIT")
         done += n
 
@@ -124,12 +126,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--db", required=True)
-    parser.add_argument("--prefill", type=int, default=0, help="write N random receipts and exit")
+    parser.add_argument("--prefill", type=int, default=0, help="write N receipts and exit")
+    parser.add_argument("--ids", default="v4", choices=("v4", "v7"), help="the prefilled receipts' eventIds")
     parser.add_argument("source", nargs="?")
     args = parser.parse_args()
     conn = connect(args.db)
     if args.prefill:
-        prefill(conn, args.prefill)
+        prefill(conn, args.prefill, args.ids)
     elif args.source:
         replay(conn, args.source, args.batch)
     conn.close()
