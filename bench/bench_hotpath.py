@@ -289,7 +289,7 @@ def bench_run_ratio(repeat: int, url: str, rows: list[str]) -> None:
     from delivery_consumer.topology import Topology
 
     prefetch, batch, messages = RunConfig.prefetch, RunConfig.batch, 20_000
-    bodies = bench_run.make_events(messages)
+    bodies = {ids: bench_run.make_events(messages, ids) for ids in ("v4", "v7")}
     prefix = f"bench{uuid.uuid4().hex[:6]}"
     topo = Topology(consumer="catalog", binding_keys=("material.*",), exchange=f"{prefix}.events", prefix=prefix)
     rss: list[float] = []
@@ -299,10 +299,10 @@ def bench_run_ratio(repeat: int, url: str, rows: list[str]) -> None:
             cpu: dict[str, list[tuple[float, float]]] = {}
             broker_pid = _broker_pid()
 
-            def seeded(fn: Callable[[], float], name: str) -> Callable[[], float]:
+            def seeded(fn: Callable[[], float], name: str, ids: str = "v4") -> Callable[[], float]:
                 def go() -> float:
                     bench_run.delete_queues(url, topo)
-                    bench_run.seed(url, topo, bodies)
+                    bench_run.seed(url, topo, bodies[ids])
                     before, broker = resource.getrusage(resource.RUSAGE_CHILDREN), _cpu_of(broker_pid)
                     rate = fn()
                     after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -311,16 +311,19 @@ def bench_run_ratio(repeat: int, url: str, rows: list[str]) -> None:
                     return rate
                 return go
 
-            def least(threaded: bool) -> Callable[[], float]:
+            def least(threaded: bool, ids: str = "v4") -> Callable[[], float]:
                 return seeded(lambda: bench_run.bare_sql(url, topo, messages, prefetch, batch, Path(tmp),
-                                                         threaded=threaded), f"bare+sql{' thread' if threaded else ''}")
+                                                         threaded=threaded),
+                              f"bare+sql{' thread' if threaded else ''}{' v7' if ids == 'v7' else ''}", ids)
 
-            ours, bare, inline, threaded = _medians(
-                f"run (prefetch {prefetch}, batch {batch}), bare pika, bare pika + raw SQL (inline, in a thread),"
-                f" {messages:,} msgs, msg/s", repeat,
+            ours, ours7, bare, inline, threaded, inline7 = _medians(
+                f"run (prefetch {prefetch}, batch {batch}) with random and time-ordered eventIds, bare pika,"
+                f" bare pika + raw SQL (inline, in a thread; inline with time-ordered ids), {messages:,} msgs, msg/s",
+                repeat,
                 {"run": seeded(lambda: run_ours(url, topo, Path(tmp), rss), "run"),
+                 "run v7": seeded(lambda: run_ours(url, topo, Path(tmp), rss), "run v7", "v7"),
                  "bare": seeded(lambda: bench_run.bare(url, topo, messages, prefetch, batch), "bare"),
-                 "bare+sql": least(False), "bare+sql thread": least(True)})
+                 "bare+sql": least(False), "bare+sql thread": least(True), "bare+sql v7": least(False, "v7")})
     finally:
         bench_run.delete_queues(url, topo)
     print(f"  run peak RSS (both processes), MiB: {' '.join(f'{x:.0f}' for x in rss)}")
@@ -335,6 +338,10 @@ def bench_run_ratio(repeat: int, url: str, rows: list[str]) -> None:
                 f"{inline:,.0f} / {threaded:,.0f}/s | bare pika: {bare:,.0f}/s | {least_rate / bare:.2f} | |")
     rows.append(f"| `run` against the better of those (the least work the job needs) | {ours:,.0f}/s | "
                 f"{least_rate:,.0f}/s | **{ours / least_rate:.2f}** | |")
+    rows.append(f"| `run`, time-ordered (v7) eventIds, against bare pika | {ours7:,.0f}/s | bare pika: {bare:,.0f}/s | "
+                f"**{ours7 / bare:.2f}** | ≥ {GOALS['run']} |")
+    rows.append(f"| `run`, v7 eventIds, against bare pika + raw SQL with v7 eventIds (inline) | {ours7:,.0f}/s | "
+                f"{inline7:,.0f}/s | {ours7 / inline7:.2f} | |")
     rows.append(f"| peak RSS of `run` (both processes), prefetch {prefetch} | {statistics.median(rss):.0f} MiB | | | |")
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 import orjson
 
 from delivery_consumer.amqp.publisher import OutMessage, Publisher
+from delivery_consumer.event_ids import new_event_id
 from delivery_consumer.topology import DEFAULT_URL, Topology
 
 BARE = textwrap.dedent(
@@ -119,14 +120,16 @@ BARE_SQL = textwrap.dedent(
 RUN_RATE = re.compile(r"first delivery to last ack [0-9.]+s \(([0-9]+)/s\)")
 
 
-def make_events(n: int) -> list[bytes]:
-    """Realistic bodies: several thousand articles, growing revisions."""
+def make_events(n: int, ids: str = "v4") -> list[bytes]:
+    """Realistic bodies: several thousand articles, growing revisions; random
+    (``v4``) or time-ordered (``v7``, as the toolkit's producers make) eventIds."""
+    new_id = {"v4": lambda: str(uuid.uuid4()), "v7": new_event_id}[ids]
     bodies = []
     articles = max(1, n // 4)
     for i in range(n):
         article = i % articles
         bodies.append(orjson.dumps({
-            "eventId": str(uuid.uuid4()),
+            "eventId": new_id(),
             "type": "material.published" if i % 7 else "material.withdrawn",
             "articleId": f"article-{article}",
             "revision": i // articles + 1,
