@@ -13,7 +13,9 @@ CPython 3.14's ``uuid.uuid7`` does): 48 bits of Unix time in milliseconds, the
 version, a 42-bit counter seeded at random in each new millisecond, the
 variant, 32 random bits. Within one generator ids strictly increase: in the
 same millisecond, or when the clock goes back, the counter is advanced
-instead of the time.
+instead of the time. A forked child starts its own sequence: it would
+otherwise count on from its parent's last id, and the two would differ in
+the 32 random bits alone.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 _COUNTER_MAX = (1 << 42) - 1
@@ -40,6 +43,12 @@ class EventIds:
                  entropy: Callable[[int], bytes] = os.urandom) -> None:
         self._clock = clock
         self._entropy = entropy
+        self._forget()
+        _LIVE.add(self)
+
+    def _forget(self) -> None:
+        """Start a new sequence (and a new lock: one held by another thread
+        at a fork stays held in the child)."""
         self._lock = threading.Lock()
         self._last_ms = -1
         self._counter = 0
@@ -68,6 +77,16 @@ class EventIds:
         rand = int.from_bytes(self._entropy(10), "big")
         return (rand >> 32) & (_COUNTER_MAX >> 1), rand & 0xFFFF_FFFF
 
+
+_LIVE: weakref.WeakSet[EventIds] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for ids in list(_LIVE):
+        ids._forget()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 #: The process's generator: ``new_event_id()`` returns the next eventId.
 new_event_id = EventIds()

@@ -8,11 +8,13 @@ any random bytes:
 * ids strictly increase, as text (the order of the consumer's index) and as
   integers; so one generator never repeats an id;
 * an id carries the clock's millisecond, or a later one when the clock went
-  back or one millisecond's counter ran out, never an earlier one.
+  back or one millisecond's counter ran out, never an earlier one;
+* a forked child does not count on from its parent's sequence.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import uuid
@@ -96,6 +98,29 @@ def test_threads_sharing_a_generator_never_get_the_same_id() -> None:
     everything = [i for out in per_thread for i in out]
     assert len(set(everything)) == len(everything) == 20000
     assert all(out == sorted(out) for out in per_thread)
+
+
+def test_a_forked_child_starts_its_own_sequence() -> None:
+    """After a fork, the child's next id is not the parent's next one (which counting on would give)."""
+    def entropy(n: int) -> bytes:
+        return os.urandom(n) if n == 10 else bytes(n)  # fresh counters random, tails all zero
+
+    ids = EventIds(clock=lambda: 1_750_000_000_000 * MS, entropy=entropy)
+    ids()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its id to the parent, then out at once
+        try:
+            os.write(write, ids().encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    child = os.read(read, 64).decode()
+    os.close(read)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert is_event_id(child)
+    assert child != ids()
 
 
 def test_the_producer_names_its_events_with_time_ordered_ids(tmp_path: Path) -> None:
