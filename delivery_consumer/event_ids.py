@@ -8,12 +8,12 @@ cache. A version 7 id begins with its creation time in milliseconds, so a
 producer's ids sort in the order they were made and a consumer's index
 grows at its right edge, as the inbox table does (docs/hot-path.md).
 
-Layout (RFC 9562 section 5.7, with the counter of section 6.2, method 1, as
-CPython 3.14's ``uuid.uuid7`` does): 48 bits of Unix time in milliseconds, the
-version, a 42-bit counter seeded at random in each new millisecond, the
-variant, 32 random bits. Within one generator ids strictly increase: in the
-same millisecond, or when the clock goes back, the counter is advanced
-instead of the time. A forked child starts its own sequence: it would
+Layout (RFC 9562 section 5.7, with the counter of section 6.2, method 1, the
+layout of CPython 3.14's ``uuid.uuid7``): 48 bits of Unix time in
+milliseconds, the version, a 42-bit counter seeded at random in each new
+millisecond, the variant, 32 random bits. Within one generator ids strictly
+increase: in the same millisecond, or when the clock goes back, the last
+millisecond is kept and the counter advanced. A forked child starts its own sequence: it would
 otherwise count on from its parent's last id, and the two would differ in
 the 32 random bits alone.
 """
@@ -86,7 +86,8 @@ def _after_fork_in_child() -> None:
         ids._forget()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 #: The process's generator: ``new_event_id()`` returns the next eventId.
 new_event_id = EventIds()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import threading
 import uuid
 from collections.abc import Iterator
@@ -71,24 +72,37 @@ def test_a_frozen_clock_still_gives_increasing_ids(count: int) -> None:
 
 
 def test_the_counter_overflowing_moves_to_the_next_millisecond() -> None:
-    """When a millisecond's counter is exhausted the id moves to the next millisecond, still increasing."""
+    """A millisecond's last counter value is still used; past it the id moves to the next millisecond."""
     now = 1_750_000_000_000
     ids = EventIds(clock=lambda: now * MS)
     before = ids()
-    ids._counter = (1 << 42) - 1  # as if this millisecond had used every counter value
+    ids._counter = (1 << 42) - 2  # as if this millisecond had used all but one counter value
+    last = ids()
     after = ids()
-    assert uuid.UUID(before).int >> 80 == now
+    assert uuid.UUID(before).int >> 80 == uuid.UUID(last).int >> 80 == now
     assert uuid.UUID(after).int >> 80 == now + 1
-    assert after > before and ids() > after
+    assert before < last < after < ids()
 
 
-def test_threads_sharing_a_generator_never_get_the_same_id() -> None:
-    """Ids taken by several threads at once are all distinct, and each thread's are increasing."""
-    ids = EventIds()
+def test_a_fresh_counter_leaves_room_to_count() -> None:
+    """A new millisecond's counter starts with its top bit clear, however the random bytes fall."""
+    ids = EventIds(clock=lambda: 1_750_000_000_000 * MS, entropy=lambda n: b"\xff" * n)
+    first = uuid.UUID(ids()).int
+    assert (first >> 64) & 0xFFF == 0x7FF  # the counter's top 12 bits, the highest clear
+    assert uuid.UUID(ids()).int >> 80 == first >> 80  # the next one fits in the same millisecond
+
+
+def test_threads_sharing_a_generator_never_get_the_same_counter() -> None:
+    """Threads taking ids at once from one generator, in one frozen millisecond with no random tail,
+    still get distinct ids (only the counter tells them apart), each thread's increasing."""
+    ids = EventIds(clock=lambda: 1_750_000_000_000 * MS,
+                   entropy=lambda n: os.urandom(n) if n == 10 else bytes(n))
     per_thread: list[list[str]] = [[] for _ in range(4)]
+    start = threading.Barrier(len(per_thread))
 
     def take(out: list[str]) -> None:
-        out.extend(ids() for _ in range(5000))
+        start.wait()
+        out.extend(ids() for _ in range(20000))
 
     threads = [threading.Thread(target=take, args=(out,)) for out in per_thread]
     for t in threads:
@@ -96,7 +110,7 @@ def test_threads_sharing_a_generator_never_get_the_same_id() -> None:
     for t in threads:
         t.join()
     everything = [i for out in per_thread for i in out]
-    assert len(set(everything)) == len(everything) == 20000
+    assert len(set(everything)) == len(everything) == 80000
     assert all(out == sorted(out) for out in per_thread)
 
 
@@ -110,10 +124,13 @@ def test_a_forked_child_starts_its_own_sequence() -> None:
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: its id to the parent, then out at once
+        code = 1
         try:
+            signal.alarm(10)  # never left behind, whatever happens
             os.write(write, ids().encode())
+            code = 0
         finally:
-            os._exit(0)
+            os._exit(code)
     os.close(write)
     _, status = os.waitpid(pid, 0)
     child = os.read(read, 64).decode()
