@@ -138,6 +138,12 @@ def envelopes(count: int, *, seed: int = 42, ids: str = "v4") -> list[dict[str, 
     return stream[:count]
 
 
+def past_span(count: int) -> tuple[float, float]:
+    """When the first of *count* prefilled receipts was received, and the
+    seconds between two: over 80 days, ending ten days before the stream."""
+    return BASE.timestamp() - 90 * 86400, 80 * 86400 / max(1, count)
+
+
 def past_ids(kind: str, start: float, step: float) -> Callable[[int], str]:
     """Receipt *i*'s eventId: random (``v4``), or time-ordered (``v7``) made at
     its time, ``start + i * step`` (seconds), before any event of the stream."""

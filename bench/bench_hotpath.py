@@ -53,6 +53,7 @@ import bench_replay
 HERE = Path(__file__).resolve().parent
 RAW = HERE / "raw_limit.py"
 GOALS = {"replay1": 0.9, "replay100": 0.9, "growth": 0.9, "run": 0.7}
+_KIND = {"v4": "random", "v7": "time-ordered"}
 
 
 def _medians(label: str, repeat: int, timed: dict[str, Callable[[], float]]) -> list[float]:
@@ -143,8 +144,7 @@ def prefill_store(command: str, path: Path, count: int, ids: str = "v4") -> None
     conn = sqlite3.connect(path, isolation_level=None)
     conn.execute("PRAGMA synchronous = OFF")
     conn.execute("PRAGMA cache_size = -1000000")
-    start = _stream.BASE.timestamp() - 90 * 86400  # received over 80 days before the stream, in rowid order
-    step = 80 * 86400 / max(1, count)
+    start, step = _stream.past_span(count)  # received before the stream, in rowid order
     event_id = _stream.past_ids(ids, start, step)
     done = 0
     while done < count:
@@ -217,9 +217,8 @@ def bench_growth(tmp: Path, repeat: int, receipts: int, curve: list[int], rows: 
             raw_template.unlink()
         print(line, flush=True)
         if n == receipts:
-            kind = {"v4": "random", "v7": "time-ordered"}
-            named = f"{kind[past]} ({past}) eventIds" if past == new else \
-                f"{kind[past]} ({past}) eventIds there, {kind[new]} ({new}) replayed"
+            named = f"{_KIND[past]} ({past}) eventIds" if past == new else \
+                f"{_KIND[past]} ({past}) eventIds there, {_KIND[new]} ({new}) replayed"
             rows.append(f"| `replay --batch 100`, 50k events into {n / 1e6:g}M receipts, {named} | "
                         f"{full:,.0f}/s | "
                         f"the same into an empty database: {empty:,.0f}/s | **{full / empty:.2f}** | "

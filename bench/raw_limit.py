@@ -109,8 +109,7 @@ def prefill(conn: sqlite3.Connection, count: int, ids: str, chunk: int = 100_000
     or time-ordered (``v7``) eventIds, in the order they were received."""
     import _stream
 
-    start = _stream.BASE.timestamp() - 90 * 86400
-    event_id = _stream.past_ids(ids, start, 80 * 86400 / max(1, count))
+    event_id = _stream.past_ids(ids, *_stream.past_span(count))
     fp = "0" * 64
     done = 0
     while done < count:

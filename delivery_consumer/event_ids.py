@@ -13,9 +13,9 @@ layout of CPython 3.14's ``uuid.uuid7``): 48 bits of Unix time in
 milliseconds, the version, a 42-bit counter seeded at random in each new
 millisecond, the variant, 32 random bits. Within one generator ids strictly
 increase: in the same millisecond, or when the clock goes back, the last
-millisecond is kept and the counter advanced. A forked child starts its own sequence: it would
-otherwise count on from its parent's last id, and the two would differ in
-the 32 random bits alone.
+millisecond is kept and the counter advanced. A forked child starts its own
+sequence: it would otherwise count on from its parent's last id, and the two
+would differ in the 32 random bits alone.
 """
 
 from __future__ import annotations
@@ -91,4 +91,3 @@ if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
 
 #: The process's generator: ``new_event_id()`` returns the next eventId.
 new_event_id = EventIds()
-
