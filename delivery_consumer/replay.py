@@ -2,20 +2,25 @@
 
 The same path as a broker delivery: bytes -> :func:`envelope.parse` ->
 :func:`inbox.apply_batch`, ``batch`` events per transaction; results do not
-depend on the batch size.
+depend on the batch size. Large batches are parsed one ahead, in a thread,
+while the one before commits (docs/hot-path.md).
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from itertools import islice
 
 from .contract import Outcome
 from .envelope import MAX_BODY_BYTES, Envelope, body_digest, parse
 from .errors import Rejection, TransientError
-from .inbox import ConsumerDB, apply_batch
+from .inbox import ConsumerDB, Transaction, apply_batch
+from .inbox.apply import BatchHook
 from .sources import Item
 from .sqlite import DATABASE_BUSY
 
@@ -26,6 +31,11 @@ READ_AHEAD_BYTES = 4 << 20
 #: A whole batch that meets a busy database past its busy_timeout is tried
 #: again this many times (with jittered backoff) before replay gives up.
 BUSY_RETRIES = 5
+
+#: From this batch size on, the next batch is parsed in a thread while the
+#: current one commits (:class:`_ParsedAhead`). Below it, handing a batch
+#: over costs about what parsing it does.
+PARSE_AHEAD_MIN_BATCH = 16
 
 
 @dataclass
@@ -80,10 +90,10 @@ def _parse_all(items: list[Item], max_bytes: int) -> tuple[list[Envelope | Rejec
 
 
 def _apply_parsed(db: ConsumerDB, parsed: list[Envelope | Rejection], sources: list[str | None],
-                  digests: list[str | None] | None) -> list[Outcome]:
+                  digests: list[str | None] | None, before_commit: BatchHook | None = None) -> list[Outcome]:
     for attempt in range(BUSY_RETRIES + 1):
         try:
-            return apply_batch(db, parsed, sources=sources, body_digests=digests)
+            return apply_batch(db, parsed, sources=sources, body_digests=digests, before_commit=before_commit)
         except TransientError as exc:
             if exc.code != DATABASE_BUSY or attempt == BUSY_RETRIES:
                 raise
@@ -104,6 +114,89 @@ def _apply_chunk(db: ConsumerDB, items: list[Item], batch: int, max_bytes: int) 
         yield from zip(items[start:end], outcomes, strict=True)
 
 
+class _ParsedAhead:
+    """Reads and parses the next batch in a thread while the current one commits.
+
+    The thread runs only when asked, and it is asked right before a COMMIT:
+    the commit releases the GIL while SQLite writes and syncs, so parsing
+    goes on beside it instead of after it. The thread stays idle while the
+    transaction runs its statements, each of which also releases the GIL:
+    a busy parser would take it at every statement and make the writer wait.
+    """
+
+    def __init__(self, items: Iterable[Item], batch: int, max_bytes: int):
+        self._items = iter(items)
+        self._batch = batch
+        self._max_bytes = max_bytes
+        # A lock held until asked: cheaper than a Semaphore, all in C.
+        self._asked = threading.Lock()
+        self._asked.acquire()
+        self._done: queue.SimpleQueue[_Parsed | BaseException] = queue.SimpleQueue()
+        self._closed = False
+        # A daemon: it may be blocked reading a source when replay stops.
+        self._thread = threading.Thread(target=self._work, name="replay-parse", daemon=True)
+        self._thread.start()
+
+    def ask(self) -> None:
+        """Start on the next batch."""
+        self._asked.release()
+
+    def take(self) -> _Parsed:
+        """The batch asked for (no items at the end); what reading it raised, raised here."""
+        done = self._done.get()
+        if isinstance(done, BaseException):
+            raise done
+        return done
+
+    def close(self) -> None:
+        self._closed = True
+        if self._asked.locked():
+            self._asked.release()
+
+    def _work(self) -> None:
+        while True:
+            self._asked.acquire()
+            if self._closed:
+                return
+            try:
+                items = list(islice(self._items, self._batch))
+                parsed, digests = _parse_all(items, self._max_bytes)
+            except BaseException as exc:  # handed to the replaying thread, which raises it
+                self._done.put(exc)
+                return
+            self._done.put((items, parsed, digests))
+            if not items:
+                return
+
+
+_Parsed = tuple[list[Item], list[Envelope | Rejection], list[str | None] | None]
+
+
+def _replay_parsing_ahead(db: ConsumerDB, items: Iterable[Item], batch: int,
+                          max_bytes: int) -> Iterator[tuple[Item, Outcome]]:
+    ahead = _ParsedAhead(items, batch, max_bytes)
+    try:
+        ahead.ask()
+        while True:
+            chunk, parsed, digests = ahead.take()
+            if not chunk:
+                return
+            asked = False
+
+            def ask_next(tx: Transaction, outcomes: list[Outcome]) -> None:
+                nonlocal asked
+                if not asked:  # once, though a busy database makes the batch run again
+                    asked = True
+                    ahead.ask()
+
+            outcomes = _apply_parsed(db, parsed, [item.location for item in chunk], digests, ask_next)
+            if not asked:  # apply_batch always calls the hook; without this take() would never return
+                ahead.ask()
+            yield from zip(chunk, outcomes, strict=True)
+    finally:
+        ahead.close()
+
+
 def replay(
     db: ConsumerDB, items: Iterable[Item], *, batch: int = 1, max_bytes: int = MAX_BODY_BYTES,
     read_ahead: int = 0,
@@ -116,13 +209,19 @@ def replay(
     same; parsing a run of bodies together, away from the commits, keeps
     that code and its data in the CPU caches. Leave it 0 when items trickle
     in (standard input): an event is then applied as soon as its batch is
-    complete.
+    complete. From :data:`PARSE_AHEAD_MIN_BATCH` events a batch on,
+    *read_ahead* is not used: the next batch is read and parsed in a thread
+    while the current one commits (:class:`_ParsedAhead`), which is the same
+    promise, a batch applied as soon as it is complete, kept by other means.
 
     Raises :class:`TransientError` when the database stays unusable (busy
     past every retry, disk full); what was yielded before is committed.
     """
     if batch < 1:
         raise ValueError("batch must be >= 1")
+    if batch >= PARSE_AHEAD_MIN_BATCH:
+        yield from _replay_parsing_ahead(db, items, batch, max_bytes)
+        return
     chunk = max(batch, read_ahead)
     # Lean on purpose: at --batch 1 this runs once per event (bench/bench_replay.py).
     pending: list[Item] = []
