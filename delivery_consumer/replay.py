@@ -12,9 +12,8 @@ import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass, field
-from itertools import islice
 
 from .contract import Outcome
 from .envelope import MAX_BODY_BYTES, Envelope, body_digest, parse
@@ -32,9 +31,10 @@ READ_AHEAD_BYTES = 4 << 20
 #: again this many times (with jittered backoff) before replay gives up.
 BUSY_RETRIES = 5
 
-#: From this batch size on, the next batch is parsed in a thread while the
-#: current one commits (:class:`_ParsedAhead`). Below it, handing a batch
-#: over costs about what parsing it does.
+#: From this batch size on, when reading ahead is allowed (files, not
+#: standard input), the next batch is parsed in a thread while the current
+#: one commits (:class:`_ParsedAhead`). Below it, handing a batch over costs
+#: about what parsing it does.
 PARSE_AHEAD_MIN_BATCH = 16
 
 
@@ -122,6 +122,8 @@ class _ParsedAhead:
     goes on beside it instead of after it. The thread stays idle while the
     transaction runs its statements, each of which also releases the GIL:
     a busy parser would take it at every statement and make the writer wait.
+    Only for sources that never block for long (files): :meth:`close` waits
+    for the thread, which stops at the next item.
     """
 
     def __init__(self, items: Iterable[Item], batch: int, max_bytes: int):
@@ -133,7 +135,7 @@ class _ParsedAhead:
         self._asked.acquire()
         self._done: queue.SimpleQueue[_Parsed | BaseException] = queue.SimpleQueue()
         self._closed = False
-        # A daemon: it may be blocked reading a source when replay stops.
+        # A daemon only as a last resort: close() joins it.
         self._thread = threading.Thread(target=self._work, name="replay-parse", daemon=True)
         self._thread.start()
 
@@ -149,9 +151,12 @@ class _ParsedAhead:
         return done
 
     def close(self) -> None:
+        """Stop the thread and wait for it: after this, nothing reads *items*."""
         self._closed = True
-        if self._asked.locked():
+        if self._asked.locked():  # only this side releases: no race with the thread
             self._asked.release()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
 
     def _work(self) -> None:
         while True:
@@ -159,7 +164,14 @@ class _ParsedAhead:
             if self._closed:
                 return
             try:
-                items = list(islice(self._items, self._batch))
+                items: list[Item] = []
+                while len(items) < self._batch and not self._closed:  # closed: take no more
+                    item = next(self._items, None)
+                    if item is None:
+                        break
+                    items.append(item)
+                if self._closed:
+                    return
                 parsed, digests = _parse_all(items, self._max_bytes)
             except BaseException as exc:  # handed to the replaying thread, which raises it
                 self._done.put(exc)
@@ -200,7 +212,7 @@ def _replay_parsing_ahead(db: ConsumerDB, items: Iterable[Item], batch: int,
 def replay(
     db: ConsumerDB, items: Iterable[Item], *, batch: int = 1, max_bytes: int = MAX_BODY_BYTES,
     read_ahead: int = 0,
-) -> Iterator[tuple[Item, Outcome]]:
+) -> Generator[tuple[Item, Outcome], None, None]:
     """Apply *items* in order, *batch* per transaction; yield each outcome.
 
     *read_ahead*: parse up to that many items (whole batches, at most
@@ -209,17 +221,18 @@ def replay(
     same; parsing a run of bodies together, away from the commits, keeps
     that code and its data in the CPU caches. Leave it 0 when items trickle
     in (standard input): an event is then applied as soon as its batch is
-    complete. From :data:`PARSE_AHEAD_MIN_BATCH` events a batch on,
-    *read_ahead* is not used: the next batch is read and parsed in a thread
-    while the current one commits (:class:`_ParsedAhead`), which is the same
-    promise, a batch applied as soon as it is complete, kept by other means.
+    complete. With *read_ahead* and at least :data:`PARSE_AHEAD_MIN_BATCH`
+    events a batch, the next batch is read and parsed in a thread while the
+    current one commits instead (:class:`_ParsedAhead`). Either way, a
+    caller that stops early may find up to *read_ahead* items (or one batch)
+    taken from *items* beyond the last outcome yielded.
 
     Raises :class:`TransientError` when the database stays unusable (busy
     past every retry, disk full); what was yielded before is committed.
     """
     if batch < 1:
         raise ValueError("batch must be >= 1")
-    if batch >= PARSE_AHEAD_MIN_BATCH:
+    if read_ahead and batch >= PARSE_AHEAD_MIN_BATCH:
         yield from _replay_parsing_ahead(db, items, batch, max_bytes)
         return
     chunk = max(batch, read_ahead)

@@ -187,3 +187,32 @@ def test_progress_bar_only_on_a_terminal_and_for_large_input(tmp_path: Path) -> 
     assert "replaying" in large
     assert "replaying" not in small
     assert "3 events: 1 stale, 2 updated" in small
+
+
+def test_replay_of_stdin_stops_cleanly_on_ctrl_c_while_input_still_arrives(tmp_path: Path) -> None:
+    """replay - at a large batch: SIGINT while waiting for the rest of a batch, the producer still
+    connected, ends the process with an ordinary exit code and no fatal error (nothing reads stdin
+    in a thread that outlives the command)."""
+    import signal
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", "from delivery_consumer.cli import main; main(prog_name='delivery-consumer')",
+         "replay", "--consumer", "catalog", "--db", str(tmp_path / "stdin.db"), "--batch", "100", "-"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=subprocess_env(),
+    )
+    assert child.stdin is not None and child.stdout is not None and child.stderr is not None
+    try:
+        child.stdin.write(ndjson([new_event(article_id=f"a-{i}") for i in range(103)]))
+        child.stdin.flush()
+        for _ in range(100):  # the first batch applied; the next one is waiting for input
+            assert child.stdout.readline().endswith(b"\n"), "replay stopped early"
+        child.send_signal(signal.SIGINT)  # stdin stays open: the producer has more to say
+        stderr = child.stderr.read().decode(errors="replace")
+        code = child.wait(timeout=60)
+    finally:
+        child.stdin.close()
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert code >= 0, f"killed by signal {-code}: {stderr[-500:]}"
+    assert "Fatal Python error" not in stderr

@@ -143,28 +143,24 @@ def test_parsing_in_a_thread_gives_the_same_outcomes_commits_and_tables(stream: 
     """Outcomes, their order, the transactions and the tables are those of replay parsing in turn."""
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        threaded = _run(workdir, "thread", stream, batch, 0, thread_from=1)
+        threaded = _run(workdir, "thread", stream, batch, 1, thread_from=1)
         assert threaded == _run(workdir, "plain", stream, batch, 0)
     _no_parse_thread_left()
 
 
-def test_parsing_in_a_thread_applies_a_batch_before_the_next_one_arrives(tmp_path: Path) -> None:
-    """With the thread, each complete batch is applied while the stream is still open."""
-    applied = threading.Semaphore(0)
-    outcomes: list[str] = []
+def test_standard_input_is_never_read_in_a_thread(tmp_path: Path) -> None:
+    """read_ahead=0 (stdin, which may block): no parsing thread, at a batch size that would use one."""
+    threads: list[bool] = []
 
-    def trickle() -> Iterator[Item]:
+    def watched() -> Iterator[Item]:
         for i, event_id in enumerate(EVENT_IDS[:6]):
-            if i and i % 2 == 0:  # a new batch "arrives" only once both outcomes of the last were yielded
-                assert applied.acquire(timeout=10) and applied.acquire(timeout=10), "batch not applied"
+            threads.append(threading.current_thread() is threading.main_thread())
             yield Item(f"stdin:{i + 1}", _catalog_body(event_id, f"a-{i}"))
 
     with _parse_in_thread(2), ConsumerDB.open(tmp_path / "t.db", spec=get("catalog"), create=True) as db:
-        for _, outcome in replay_lib.replay(db, trickle(), batch=2):
-            outcomes.append(outcome.status)
-            applied.release()
+        outcomes = [outcome.status for _, outcome in replay_lib.replay(db, watched(), batch=2, read_ahead=0)]
     assert outcomes == ["updated"] * 6
-    _no_parse_thread_left()
+    assert threads == [True] * 6
 
 
 def test_an_error_reading_the_source_comes_after_the_batches_before_it(tmp_path: Path) -> None:
@@ -178,7 +174,7 @@ def test_an_error_reading_the_source_comes_after_the_batches_before_it(tmp_path:
     yielded: list[str] = []
     with _parse_in_thread(2), ConsumerDB.open(tmp_path / "t.db", spec=get("catalog"), create=True) as db:
         with pytest.raises(OSError, match="the disk went away"):
-            for _, outcome in replay_lib.replay(db, failing(), batch=2):
+            for _, outcome in replay_lib.replay(db, failing(), batch=2, read_ahead=1):
                 yielded.append(outcome.status)
         receipts = db.conn.execute("SELECT count(*) FROM inbox").fetchone()[0]
     assert yielded == ["updated"] * 4  # the fifth event's batch never completed
@@ -186,16 +182,28 @@ def test_an_error_reading_the_source_comes_after_the_batches_before_it(tmp_path:
     _no_parse_thread_left()
 
 
-def test_stopping_early_leaves_no_parsing_thread(tmp_path: Path) -> None:
-    """A caller that stops after the first outcome: the thread ends, the rest is never applied."""
-    items = [Item(f"f:{i + 1}", _catalog_body(event_id, f"a-{i}")) for i, event_id in enumerate(EVENT_IDS)]
+def test_stopping_early_ends_the_thread_and_leaves_the_rest_of_the_source(tmp_path: Path) -> None:
+    """A caller that stops after the first outcome: the thread has ended when close() returns, at most
+    one batch was taken beyond the outcomes yielded, and the source can be read on."""
+    parsed_in: list[str] = []
+
+    def source() -> Iterator[Item]:
+        for i, event_id in enumerate(EVENT_IDS):
+            parsed_in.append(threading.current_thread().name)
+            yield Item(f"f:{i + 1}", _catalog_body(event_id, f"a-{i}"))
+
+    shared = source()
     with _parse_in_thread(2), ConsumerDB.open(tmp_path / "t.db", spec=get("catalog"), create=True) as db:
-        outcomes = replay_lib.replay(db, items, batch=2)
+        outcomes = replay_lib.replay(db, shared, batch=2, read_ahead=1)
         assert next(outcomes)[1].status == "updated"
-        outcomes.close()
+        outcomes.close()  # type: ignore[attr-defined]
+        assert not [t for t in threading.enumerate() if t.name == "replay-parse"]
         receipts = db.conn.execute("SELECT count(*) FROM inbox").fetchone()[0]
     assert receipts == 2
-    _no_parse_thread_left()
+    taken = len(parsed_in)
+    assert set(parsed_in) == {"replay-parse"} and taken <= 4
+    rest = [item.location for item in shared]  # no "generator already executing"
+    assert rest == [f"f:{i + 1}" for i in range(taken, len(EVENT_IDS))]
 
 
 def test_a_batch_run_again_after_a_busy_commit_asks_for_one_batch_ahead(tmp_path: Path,
@@ -222,7 +230,8 @@ def test_a_batch_run_again_after_a_busy_commit_asks_for_one_batch_ahead(tmp_path
     monkeypatch.setattr(replay_lib, "apply_batch", busy_at_first_commit)
     monkeypatch.setattr("time.sleep", lambda _seconds: None)  # the backoff
     with _parse_in_thread(2), ConsumerDB.open(tmp_path / "t.db", spec=get("catalog"), create=True) as db:
-        located = [(item.location, outcome.status) for item, outcome in replay_lib.replay(db, source(), batch=2)]
+        located = [(item.location, outcome.status) for item, outcome in replay_lib.replay(db, source(), batch=2,
+                                                                                       read_ahead=1)]
     assert located == [(f"f:{i + 1}", "updated") for i in range(len(EVENT_IDS))]
     # Batch k begins with batches 0..k read and no more: the next one is
     # asked for at its commit, once, also when batch 0 ran twice.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, closing
 from pathlib import Path
 from typing import Any
 
@@ -128,8 +128,11 @@ def replay(consumer: str | None, db_path: Path | None, batch: int, max_bytes: in
         )
         try:
             read_ahead = 0 if "-" in files else READ_AHEAD
-            for item, outcome in replay_lib.replay(db, items, batch=batch, max_bytes=max_bytes,
-                                                   read_ahead=read_ahead):
+            # Closed before the progress bar (the stack unwinds in reverse): the
+            # thread that reads ahead has stopped before the bar is finished.
+            outcomes = stack.enter_context(closing(replay_lib.replay(
+                db, items, batch=batch, max_bytes=max_bytes, read_ahead=read_ahead)))
+            for item, outcome in outcomes:
                 summary.add(outcome)
                 lines.add(item, outcome)
         except TransientError as exc:
