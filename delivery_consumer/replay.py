@@ -161,8 +161,6 @@ class _ParsedAhead:
     def _work(self) -> None:
         while True:
             self._asked.acquire()
-            if self._closed:
-                return
             try:
                 items: list[Item] = []
                 while len(items) < self._batch and not self._closed:  # closed: take no more
@@ -201,9 +199,8 @@ def _replay_parsing_ahead(db: ConsumerDB, items: Iterable[Item], batch: int,
                     asked = True
                     ahead.ask()
 
+            # apply_batch calls the hook whenever it returns: the next batch is asked for.
             outcomes = _apply_parsed(db, parsed, [item.location for item in chunk], digests, ask_next)
-            if not asked:  # apply_batch always calls the hook; without this take() would never return
-                ahead.ask()
             yield from zip(chunk, outcomes, strict=True)
     finally:
         ahead.close()
