@@ -30,6 +30,16 @@ def stored_identity(path: Path) -> Identity | None:
         return identity_from_meta(dict(rows.fetchall()))
 
 
+def repartitioned_from(path: Path) -> str | None:
+    """The count the partition database *path* was repartitioned from (``"unpartitioned"``
+    from a plain consumer); None when it never was, or does not exist."""
+    if not path.is_file():
+        return None
+    with sqlite.reading(path, what="read its former partition count") as conn:
+        row = conn.execute("SELECT value FROM meta WHERE key = 'repartitioned_from'").fetchone()
+    return str(row[0]) if row else None
+
+
 def _directory_paths(directory: Path) -> list[Path]:
     """The ``p<k>/inbox.db`` files in *directory*, by partition."""
     if not directory.is_dir():

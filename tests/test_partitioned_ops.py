@@ -136,7 +136,7 @@ def test_an_event_without_a_slot_waits_in_unrouted_until_rerouted(cluster: Clust
         cluster.start(k)
     cluster.stop()  # creates the partition databases
     refused = ns.cli("repartition", "--consumer", "catalog", "--partitions", "4")
-    assert refused.returncode == 2 and f"{unrouted} (1 messages, 0 consumers)" in refused.stderr
+    assert refused.returncode == 2 and f"{unrouted} (1 message, 0 consumers)" in refused.stderr
 
     moved = ns.cli("reroute", "--consumer", "catalog")  # back through the slot route, by its articleId
     assert moved.returncode == 0, moved.stderr

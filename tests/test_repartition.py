@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from brokerkit import Namespace
+from brokerkit import Namespace, RunProcess
 from partitionkit import Cluster, make_events, wait_until
 from support import count_rows, read_rows
 
@@ -141,3 +142,53 @@ def test_an_unpartitioned_consumer_is_split(undeclared: Cluster) -> None:
     assert after == before
     consume(cluster, first[:ARTICLES] + second, len(events))
     assert cluster.check_exactly_once(events) == {"updated": len(events)}
+
+
+def _repartition_paused(ns: Namespace, count: int) -> RunProcess:
+    """``repartition`` started and stopped at its pause point: databases moved, the broker not yet switched."""
+    proc = RunProcess([sys.executable, "-m", "delivery_consumer", "repartition", "--consumer", "catalog",
+                       "--partitions", str(count)], cwd=ns.workdir,
+                      env=ns.env(DELIVERY_PAUSE_AT="repartition-before-switch"))
+    ns.started.append(proc)
+    proc.wait_for_log("pause point repartition-before-switch reached", timeout=120)
+    return proc
+
+
+def _apply_everything(cluster: Cluster, events: list[dict[str, object]]) -> None:
+    """Run every partition until each event has a receipt or a rejection somewhere, then stop."""
+    for k in range(cluster.count):
+        cluster.start(k)
+    settled = lambda: sum(count_rows(cluster.db(k), t) for k in range(cluster.count)  # noqa: E731
+                          for t in ("inbox", "rejected")) >= len(events)
+    wait_until("every event settled", settled, 300, cluster.procs)
+    cluster.stop()
+    cluster.procs.clear()
+
+
+@pytest.mark.broker
+@pytest.mark.parametrize("count", [8, 2])
+def test_events_published_in_repartitions_window_are_moved_not_stranded(cluster: Cluster, count: int) -> None:
+    """Events published after repartition's emptiness check and before its switch are moved to their new
+    partitions: it exits 0, no queue of the old count is left, and every event is applied exactly once."""
+    ns = cluster.ns
+    events = make_events(4 * ARTICLES, ARTICLES, seed=11)
+    before, window = events[: 2 * ARTICLES], events[2 * ARTICLES:]
+    consume(cluster, before, len(before))
+
+    paused = _repartition_paused(ns, count)
+    cluster.publish(window)  # confirmed: every one is in a queue of the old count now
+    os.kill(paused.pid, signal.SIGCONT)
+    _out, err = paused.communicate(timeout=300)
+    assert paused.returncode == 0, err
+    elsewhere = sum(partition_of(str(e["articleId"]), count) != partition_of(str(e["articleId"]), 4) for e in window)
+    assert 0 < elsewhere and f"{elsewhere} messages that reached the old queues meanwhile moved" in err, err
+
+    from delivery_consumer.amqp.admin import queue_counts
+
+    gone = [q for k in range(count, 4) for q, _ in ns.topology("catalog", partition=k).queues()]
+    assert set(queue_counts(ns.url, gone).values()) <= {None}
+    cluster.count = count
+    _apply_everything(cluster, events)
+    assert cluster.check_exactly_once(events) == {"updated": len(events)}
+    dead = [ns.topology("catalog", partition=k).dead_queue for k in range(count)]
+    assert {q: s.ready for q, s in queue_counts(ns.url, dead).items() if s is not None} == dict.fromkeys(dead, 0)
