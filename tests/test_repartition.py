@@ -8,6 +8,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import orjson
 import pytest
 from brokerkit import Namespace, RunProcess
 from partitionkit import Cluster, make_events, wait_until
@@ -192,3 +193,45 @@ def test_events_published_in_repartitions_window_are_moved_not_stranded(cluster:
     assert cluster.check_exactly_once(events) == {"updated": len(events)}
     dead = [ns.topology("catalog", partition=k).dead_queue for k in range(count)]
     assert {q: s.ready for q, s in queue_counts(ns.url, dead).items() if s is not None} == dict.fromkeys(dead, 0)
+
+
+@pytest.mark.broker
+def test_status_reports_a_message_in_a_queue_of_the_former_count_and_repartition_moves_it(
+        cluster: Cluster, tmp_path: Path) -> None:
+    """After 4 -> 2, a message in a queue of the former 4 partitions makes status red with the fix
+    (repartition again), and running it again moves the message to its article's partition."""
+    from deploykit import dc, write_deployment
+
+    from delivery_consumer.amqp.admin import declare
+    from delivery_consumer.amqp.publisher import OutMessage, Publisher
+
+    ns = cluster.ns
+    assert ns.workdir == tmp_path
+    config = write_deployment(tmp_path, ns=ns, consumers=("catalog",), partitions={"catalog": 2})
+    events = make_events(40, 20, seed=5)
+    consume(cluster, events[:20], 20)
+    moved = dc(config, "repartition", "--consumer", "catalog", "--partitions", "2")
+    assert moved.returncode == 0, moved.stderr
+    cluster.count = 2
+    healthy = dc(config, "status", "--json")
+    assert healthy.returncode == 0, healthy.stdout
+
+    stray = events[20]
+    old_p3 = ns.topology("catalog", partition=3)
+    declare(ns.url, [old_p3])  # what an old run of p3, say, re-creates
+    with Publisher(ns.url) as pub:
+        assert all(r.ok for r in pub.publish([OutMessage(old_p3.queue, orjson.dumps(stray), "", stray["eventId"])]))
+    shown = dc(config, "status", "--json")
+    assert shown.returncode == 1
+    problems = orjson.loads(shown.stdout)["problems"]
+    assert problems == [f"catalog: 1 message in {old_p3.queue}, a queue of its former 4 partitions, not of its 2 "
+                        "partitions: nothing consumes it; delivery-consumer repartition --consumer catalog "
+                        "--partitions 2 moves them to their partitions"], problems
+
+    again = dc(config, "repartition", "--consumer", "catalog", "--partitions", "2")
+    assert again.returncode == 0, again.stderr
+    assert "1 message that reached the old queues meanwhile moved" in again.stderr, again.stderr
+    home = ns.topology("catalog", partition=partition_of(str(stray["articleId"]), 2)).queue
+    assert ns.count(home) == 1
+    after = orjson.loads(dc(config, "status", "--json").stdout)["problems"]
+    assert after == [f"catalog/p{home[-1]}: 1 message waits in {home} and no consumer is connected"], after
