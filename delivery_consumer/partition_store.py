@@ -49,6 +49,12 @@ def _directory_paths(directory: Path) -> list[Path]:
     return [path for _k, path in found]
 
 
+def partitions_beside(path: Path) -> list[Path]:
+    """The partition databases (``p<k>/inbox.db``) in the directory of the unpartitioned database *path*:
+    a consumer partitioned beside its old database, read by mistake through the old one."""
+    return _directory_paths(path.parent) if path.name == "inbox.db" else []
+
+
 def partition_db(consumer: str, partition: int, db_path: Path | None) -> Path:
     """The database of *partition*: ``--db`` as given when it is a file,
     ``p<k>/inbox.db`` inside it when it is a directory (a deployment file's

@@ -124,6 +124,49 @@ def explain(error: str, base: Topology) -> str:
     return error
 
 
+def recorded_count(url: str, base: Topology) -> int | None:
+    """The partition count the broker records for the consumer of *base*, or None when its marker
+    queue does not exist (nothing declared it partitioned yet).
+
+    The marker's ``x-max-length`` cannot be read back over AMQP, so the count is the number of
+    partition queues ``.p0``, ``.p1``, ... that exist in a row; the run that uses it declares
+    the marker with that count, which the broker refuses (406) if the marker says otherwise.
+    """
+    from .amqp.admin import queue_counts
+
+    name = "delivery-consumer run"
+    if queue_counts(url, [base.count_marker], name=name).get(base.count_marker) is None:
+        return None
+    count, step = 0, 8
+    while count < SLOT_COUNT:
+        names = [partition_topology(base, k).queue for k in range(count, min(count + step, SLOT_COUNT))]
+        found = queue_counts(url, names, name=name)
+        present = next((i for i, q in enumerate(names) if found.get(q) is None), len(names))
+        count += present
+        if present < len(names):
+            break
+        step *= 2
+    return count or None
+
+
+def layout_conflict(url: str, base: Topology, count: int | None) -> str | None:
+    """Why declaring *base* with *count* partitions (None: unpartitioned) would apply its events twice:
+    the broker already holds the other layout of the consumer (its unpartitioned queue, or the marker
+    queue of its partitions). None when it does not."""
+    from .amqp.admin import queue_counts
+
+    other = base.queue if count is not None else base.count_marker
+    if queue_counts(url, [other], name="delivery-consumer topology").get(other) is None:
+        return None
+    if count is not None:
+        return (f"{base.consumer} has an unpartitioned queue {other}: its partitions beside it would apply every "
+                f"event twice; split it with delivery-consumer repartition --consumer {base.consumer} "
+                f"--partitions {count}")
+    return (f"{base.consumer} is partitioned on this broker ({other} records the count): its unpartitioned queue "
+            "beside the partitions would apply every event twice; give --partitions N, or change the count "
+            "with repartition")
+
+
 def _partition_binding(base: Topology, partition: int, count: int) -> Binding:
     """Partition *partition*'s binding: any header of its slots."""
     args: dict[str, Any] = {"x-match": "any"}
@@ -295,12 +338,14 @@ __all__ = [
     "db_path",
     "explain",
     "identity_from_meta",
+    "layout_conflict",
     "misplaced",
     "move_stranded",
     "partition_of",
     "partition_of_slot",
     "partition_topologies",
     "partition_topology",
+    "recorded_count",
     "reroute",
     "route",
     "slot_headers",
