@@ -235,3 +235,30 @@ def test_status_reports_a_message_in_a_queue_of_the_former_count_and_repartition
     assert ns.count(home) == 1
     after = orjson.loads(dc(config, "status", "--json").stdout)["problems"]
     assert after == [f"catalog/p{home[-1]}: 1 message waits in {home} and no consumer is connected"], after
+
+
+@pytest.mark.broker
+def test_an_unpartitioned_consumers_window_is_moved_and_its_queue_unbound(undeclared: Cluster) -> None:
+    """Splitting an unpartitioned consumer: events published in the window are moved from its old queue to the
+    partitions, the old queue is deleted, and events published after the switch reach the partitions only."""
+    cluster = undeclared
+    ns = cluster.ns
+    events = make_events(6 * 50, 50, seed=13)
+    before, window, after = events[:100], events[100:200], events[200:]
+    assert ns.cli("topology", "declare", "--consumer", "catalog").returncode == 0
+    cluster.publish(before)
+    done = ns.cli("run", "--consumer", "catalog", "--exit-when-idle", "1.5")
+    assert done.returncode == 0, done.stderr
+
+    paused = _repartition_paused(ns, 4)
+    cluster.publish(window)
+    os.kill(paused.pid, signal.SIGCONT)
+    _out, err = paused.communicate(timeout=300)
+    assert paused.returncode == 0, err
+    assert f"{len(window)} messages that reached the old queues meanwhile moved" in err, err
+    from delivery_consumer.amqp.admin import queue_counts
+
+    assert queue_counts(ns.url, [f"{ns.prefix}.catalog"]) == {f"{ns.prefix}.catalog": None}
+    cluster.publish(after)
+    _apply_everything(cluster, events)
+    assert cluster.check_exactly_once(events) == {"updated": len(events)}
