@@ -109,3 +109,14 @@ def test_the_readmes_partition_block_works_as_written(ns: Namespace) -> None:
     finally:
         cluster.stop()
         cluster.delete()
+
+
+def test_a_first_partition_run_without_a_broker_to_ask_is_a_temporary_failure(tmp_path: Path) -> None:
+    """`run --partition K` with no database and no broker answering cannot know the count: one line, exit 75
+    (a supervisor starts it again; not the configuration error that keeps a unit down)."""
+    done = subprocess.run([sys.executable, "-m", "delivery_consumer", "run", "--consumer", "catalog",
+                           "--partition", "1", "--amqp-url", "amqp://guest:guest@127.0.0.1:1/%2F"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 75, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "the broker cannot tell the count" in done.stderr
+    assert not (tmp_path / "state").exists()

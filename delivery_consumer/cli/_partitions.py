@@ -47,9 +47,15 @@ def partition_identity(consumer: str, partition: int | None, count: int | None, 
     return Identity(partition, count)
 
 
+class _Unavailable(Fatal):
+    """The broker did not answer: not a configuration error, a supervisor may start the run again."""
+
+    exit_code = 75  # EX_TEMPFAIL, as run's own for a store outage
+
+
 def _broker_count(path: Path, broker: tuple[str, Topology] | None) -> int:
     """The count the broker records, for a partition that has no database yet."""
-    from ..amqp.connection import BrokerError
+    from ..amqp.connection import BrokerError, BrokerUnavailable
     from ..partitions import recorded_count
 
     if broker is None:
@@ -58,8 +64,9 @@ def _broker_count(path: Path, broker: tuple[str, Topology] | None) -> int:
     try:
         count = recorded_count(url, base)
     except BrokerError as exc:
-        raise Fatal(f"{path}: no partition database yet, and the broker cannot tell the count ({exc}); "
-                    "give --partitions N") from None
+        error = _Unavailable if isinstance(exc, BrokerUnavailable) else Fatal
+        raise error(f"{path}: no partition database yet, and the broker cannot tell the count ({exc}); "
+                    "give --partitions N, or start again when the broker answers") from None
     if count is None:
         raise Fatal(f"{path}: no partition database yet, and the broker records no partition count for "
                     f"{base.consumer} ({base.count_marker} does not exist): run topology declare --consumer "
