@@ -262,3 +262,29 @@ def test_an_unpartitioned_consumers_window_is_moved_and_its_queue_unbound(undecl
     cluster.publish(after)
     _apply_everything(cluster, events)
     assert cluster.check_exactly_once(events) == {"updated": len(events)}
+
+
+@pytest.mark.broker
+def test_a_publisher_that_goes_on_across_repartitions_switch_loses_and_doubles_nothing(cluster: Cluster) -> None:
+    """A publisher started inside repartition's window and still publishing across the switch (4 -> 8): every
+    event ends with exactly one receipt in its new partition and the catalog holds each article's last
+    revision (an event moved behind a newer one of its article is answered stale, never applied)."""
+    ns = cluster.ns
+    events = make_events(6 * ARTICLES, ARTICLES, seed=17)
+    before, stream = events[: ARTICLES], events[ARTICLES:]
+    consume(cluster, before, len(before))
+
+    paused = _repartition_paused(ns, 8)
+    publisher = cluster.publish_async(stream)
+    old_queues = [ns.topology("catalog", partition=k).queue for k in range(4)]
+    wait_until("the stream reaching the old queues", lambda: sum(ns.count(q) for q in old_queues) > 0, 120)
+    os.kill(paused.pid, signal.SIGCONT)
+    _out, err = paused.communicate(timeout=300)
+    assert paused.returncode == 0, err
+    _pout, perr = publisher.communicate(timeout=300)
+    assert publisher.returncode == 0, perr
+
+    cluster.count = 8
+    _apply_everything(cluster, events)
+    results = cluster.check_exactly_once(events)
+    assert set(results) <= {"updated", "stale"} and sum(results.values()) == len(events), results
