@@ -288,3 +288,28 @@ def test_a_publisher_that_goes_on_across_repartitions_switch_loses_and_doubles_n
     _apply_everything(cluster, events)
     results = cluster.check_exactly_once(events)
     assert set(results) <= {"updated", "stale"} and sum(results.values()) == len(events), results
+
+
+@pytest.mark.broker
+def test_an_old_queue_it_cannot_delete_is_named_and_a_second_run_finishes(cluster: Cluster) -> None:
+    """4 -> 2 while something consumes an old partition's dead queue: repartition does not report success, it
+    names the queue and what to do (exit 2, one line); run again once that consumer is gone, it finishes."""
+    ns = cluster.ns
+    consume(cluster, make_events(40, 20, seed=19), 40)
+    paused = _repartition_paused(ns, 2)
+    holder, channel = ns.channel()
+    old_dead = ns.topology("catalog", partition=3).dead_queue
+    try:
+        channel.basic_consume(old_dead, lambda *_: None)
+        os.kill(paused.pid, signal.SIGCONT)
+        _out, err = paused.communicate(timeout=300)
+    finally:
+        holder.close()
+    assert paused.returncode == 2, err
+    line = err.strip().splitlines()[-1]
+    assert f"{old_dead} (0 messages, 1 consumer)" in line and "--partitions 2 again" in line, err
+    again = ns.cli("repartition", "--consumer", "catalog", "--partitions", "2")
+    assert again.returncode == 0, again.stderr
+    from delivery_consumer.amqp.admin import queue_counts
+
+    assert queue_counts(ns.url, [old_dead]) == {old_dead: None}
