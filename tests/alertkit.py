@@ -108,8 +108,8 @@ class PrivateBroker:
             with urllib.request.urlopen(self.metrics_url, timeout=5):
                 return True
 
-        wait_until(f"the private RabbitMQ node {self.node}", answers, timeout=180, procs=[self.proc] if self.proc else [],
-                   ignoring=(pika.exceptions.AMQPError, OSError), interval=0.25)
+        wait_until(f"the private RabbitMQ node {self.node}", answers, timeout=180,
+                   procs=[self.proc] if self.proc else [], ignoring=(pika.exceptions.AMQPError, OSError), interval=0.25)
 
     def ctl(self, *args: str) -> None:
         done = subprocess.run([str(RABBITMQ_BIN / "rabbitmqctl"), "-n", self.node, *args], env=self.env(),

@@ -23,8 +23,8 @@ from typing import Any
 import orjson
 import pytest
 import yaml
-from alertkit import DETAILED, PrivateBroker, Scrape, Target, Timeline, prometheus_plugin_missing, promtool_test, \
-    scrape, target
+from alertkit import DETAILED, PrivateBroker, Scrape, Target, Timeline, promtool_test, scrape, target
+from alertkit import prometheus_plugin_missing as plugin_missing
 from brokerkit import Namespace, RunProcess, kill, session_processes
 from partitionkit import Cluster
 from support import REPO, new_event, wait_until
@@ -140,7 +140,7 @@ class System:
 @pytest.fixture
 def system(tmp_path: Path) -> Iterator[System]:
     """A private RabbitMQ node and the processes of a test; everything stopped afterwards."""
-    needed(prometheus_plugin_missing())
+    needed(plugin_missing())
     broker = PrivateBroker(tmp_path / "rabbitmq")
     sys_ = System(tmp_path / "work", broker)
     sys_.workdir.mkdir()
