@@ -81,6 +81,7 @@ class PrivateBroker:
             "RABBITMQ_LOG_BASE": str(d / "log"),
             "RABBITMQ_PID_FILE": str(d / "pid"),
             "ERL_EPMD_ADDRESS": "127.0.0.1",
+            "HOME": str(d),  # its own Erlang cookie, shared by the node and rabbitmqctl only
         })
         return environ
 
