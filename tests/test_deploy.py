@@ -136,7 +136,8 @@ def test_the_alert_rules_are_well_formed() -> None:
     promtool agrees when it is installed."""
     found = rules()
     assert {"DeliveryDeadLetters", "DeliveryBacklogWithoutConsumer", "DeliveryNoCommit",
-            "DeliveryStoreUnhealthy"} <= {rule["alert"] for rule in found}
+            "DeliveryStoreUnhealthy", "DeliveryConsumerDown", "OutboxQuarantined", "OutboxPendingTooOld",
+            "OutboxDispatcherDown"} <= {rule["alert"] for rule in found}
     for rule in found:
         assert rule["expr"] and rule["for"] and rule["labels"]["severity"] and rule["annotations"]["summary"], rule
         # A join of two series pairs one partition's with the same partition's (a queue is one partition's).
