@@ -22,6 +22,7 @@ import orjson
 import pytest
 import yaml
 from brokerkit import Namespace, RunProcess
+from deploykit import deploy_env, write_deployment
 from partitionkit import Cluster
 from support import REPO, count_rows, new_event, wait_until
 from webhook_server import free_port
@@ -320,9 +321,9 @@ os.execv(sys.argv[1], sys.argv[1:])
 
 
 @pytest.mark.broker
-def test_dispatch_and_run_work_with_memory_deny_write_execute(ns: Namespace) -> None:
-    """Under PR_SET_MDWE (MemoryDenyWriteExecute=yes in the units), dispatch publishes the outbox
-    and run applies it: nothing in them needs writable executable memory."""
+def test_dispatch_run_and_console_work_with_memory_deny_write_execute(ns: Namespace) -> None:
+    """Under PR_SET_MDWE (MemoryDenyWriteExecute=yes in the units), dispatch publishes the outbox,
+    run applies it and the console shows it: nothing in them needs writable executable memory."""
     probe = subprocess.run([sys.executable, "-c", MDWE, "/bin/true"], capture_output=True, text=True, timeout=60)
     if probe.returncode != 0:
         pytest.skip(f"this kernel cannot enforce it: {probe.stderr.strip()}")
@@ -342,3 +343,16 @@ def test_dispatch_and_run_work_with_memory_deny_write_execute(ns: Namespace) -> 
     result = proc.until_idle(120)
     assert 0 == result.returncode, result.stderr
     assert 2 == count_rows(ns.db("catalog"), "inbox"), result.stderr
+    config = write_deployment(ns.workdir, ns=ns, consumers=("catalog",))
+    config.write_text(config.read_text().replace('"state/catalog/inbox.db"', f'"{ns.db("catalog")}"')
+                      .replace('"producer.db"', f'"{producer}"'))
+    console = RunProcess([sys.executable, "-c", MDWE, script, "console", "--port", "0"], cwd=ns.workdir,
+                         env=deploy_env(config))
+    ns.started.append(console)
+    found = wait_until("the console's URL", lambda: re.search(r"console on (http://\S+/)", console.output()[1]),
+                       procs=[console])
+    with urllib.request.urlopen(found.group(1), timeout=30) as page:
+        assert 200 == page.status and "catalog" in page.read().decode()
+    os.kill(console.pid, signal.SIGTERM)
+    console.communicate(timeout=30)
+    assert 0 == console.returncode, console.output()[1]
