@@ -173,7 +173,8 @@ PING = EventType("device.ping", key="deviceId", revision=False, data={
     "required": ["sku"], "properties": {"sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]+$"}},
 })
 DECLARED = EventTypes([ORDER, PING])
-VALUES = ["basic", "VIP", "ok", "", "x" * 21, 0, -1, 10**9, 10**9 + 1, True, False, 1.0, None, [], {}, "ABC-12", "abc-1", "ABC-1\n"]
+VALUES = ["basic", "VIP", "ok", "", "x" * 21,
+          0, -1, 10**9, 10**9 + 1, True, False, 1.0, None, [], {}, "ABC-12", "abc-1", "ABC-1\n"]
 
 
 @st.composite
