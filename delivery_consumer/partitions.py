@@ -175,8 +175,11 @@ def reroute(url: str, base: Topology, *, dry_run: bool = False) -> list[Rerouted
     """
     from .amqp.dead_queue import DeadQueue  # (amqp imports pika)
     from .amqp.publisher import OutMessage
+    from .consumers import find
     from .envelope import KOMBU_COMPRESSION_HEADER, MAX_BODY_BYTES, parse
     from .errors import Rejection
+
+    spec = find(base.consumer)  # its event types: the key of each body
 
     done: list[Rerouted] = []
     with DeadQueue(url, unrouted_name(base), name=f"delivery-consumer reroute {base.consumer}") as queue:
@@ -185,7 +188,8 @@ def reroute(url: str, base: Topology, *, dry_run: bool = False) -> list[Rerouted
             try:
                 env = parse(msg.body, max_bytes=max(len(msg.body) + 1, MAX_BODY_BYTES),
                             content_encoding=msg.content_encoding,
-                            compression=msg.headers.get(KOMBU_COMPRESSION_HEADER))
+                            compression=msg.headers.get(KOMBU_COMPRESSION_HEADER),
+                            types=spec.event_types if spec is not None else None)
             except Rejection as rej:
                 done.append(Rerouted(rej.event_id or msg.message_id, f"left: {rej.code}"))
                 continue
