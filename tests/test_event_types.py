@@ -194,3 +194,24 @@ def test_any_order_and_batching_of_consistent_events_converges(events: list[dict
     got = conn.execute("SELECT order_id, revision, status FROM orders ORDER BY order_id").fetchall()
 
     assert got == want
+
+
+def test_the_outbox_takes_a_declared_type_and_orders_it_by_its_key(tmp_path: Path) -> None:
+    """enqueue validates against the producer's types: the row's ordering key is the orderId; an undeclared
+    type is refused unknown-type; the same event with another meta is a no-op."""
+    from delivery_consumer import outbox
+
+    conn = outbox.connect(tmp_path / "producer.db")
+    try:
+        obj = order(meta={"correlationId": "a"})
+        with outbox.transaction(conn):
+            assert outbox.enqueue(conn, obj, types=ORDERS)
+            assert not outbox.enqueue(conn, orjson.dumps({**obj, "meta": {"correlationId": "b"}}), types=ORDERS)
+            with pytest.raises(Rejection) as info:
+                outbox.enqueue(conn, {**order(), "type": "shipment.sent"}, types=ORDERS)
+        rows = conn.execute("SELECT event_id, routing_key, ordering_key FROM outbox").fetchall()
+    finally:
+        conn.close()
+
+    assert info.value.code == "unknown-type"
+    assert rows == [(obj["eventId"], "order.placed", "order-7")]
