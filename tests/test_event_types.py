@@ -215,3 +215,23 @@ def test_the_outbox_takes_a_declared_type_and_orders_it_by_its_key(tmp_path: Pat
 
     assert info.value.code == "unknown-type"
     assert rows == [(obj["eventId"], "order.placed", "order-7")]
+
+
+def test_a_data_schema_that_is_not_json_schema_is_refused_when_declared() -> None:
+    """A broken data schema is a ConfigError when the types are compiled, not at the first event."""
+    with pytest.raises(ConfigError, match="order.odd: its schema is not valid JSON Schema"):
+        EventTypes([EventType("order.odd", key="orderId", data={"properties": {"x": {"type": "strin"}}})])
+
+
+def test_a_data_schema_with_definitions_validates_through_them() -> None:
+    """"#/definitions/..." in a data schema refers to its own definitions, in the quick path and in refusals."""
+    money = EventTypes([EventType("payment.made", key="paymentId", data={
+        "definitions": {"cents": {"type": "integer", "minimum": 1}},
+        "required": ["amount"], "properties": {"amount": {"$ref": "#/definitions/cents"}},
+    })])
+    obj = {"eventId": str(uuid.uuid4()), "type": "payment.made", "paymentId": "p-1", "revision": 1,
+           "occurredAt": "2026-11-29T10:00:00Z", "data": {"amount": 5}}
+
+    assert money.from_mapping(obj).key == "p-1"
+    with pytest.raises(Rejection, match="data.amount must be >= 1"):
+        money.from_mapping({**obj, "data": {"amount": 0}})
