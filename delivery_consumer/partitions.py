@@ -207,17 +207,26 @@ class Rerouted:
     outcome: str  # "rerouted" | "moved to <queue>" | "stays" | "left: <why>"
 
 
-def _key_of(msg: Any) -> tuple[str | None, str | None, str | None]:
+def _types_of(base: Topology) -> Any:
+    """The event types of *base*'s consumer (None: the default ones), to find each body's key."""
+    from .consumers import find
+
+    spec = find(base.consumer)
+    return spec.event_types if spec is not None else None
+
+
+def _key_of(msg: Any, types: Any) -> tuple[str | None, str | None, str | None]:
     """``(eventId, partition key, why there is none)`` of a held message, from its body."""
     from .envelope import KOMBU_COMPRESSION_HEADER, MAX_BODY_BYTES, parse
     from .errors import Rejection
 
     try:
         env = parse(msg.body, max_bytes=max(len(msg.body) + 1, MAX_BODY_BYTES),
-                    content_encoding=msg.content_encoding, compression=msg.headers.get(KOMBU_COMPRESSION_HEADER))
+                    content_encoding=msg.content_encoding, compression=msg.headers.get(KOMBU_COMPRESSION_HEADER),
+                    types=types)
     except Rejection as rej:
         return rej.event_id or msg.message_id, None, rej.code
-    return env.event_id, env.article_id, None
+    return env.event_id, env.key, None
 
 
 def _copy(msg: Any, exchange: str, routing_key: str, headers: Mapping[str, Any]) -> Any:
@@ -238,12 +247,13 @@ def reroute(url: str, base: Topology, *, dry_run: bool = False) -> list[Rerouted
     exclusive reader meanwhile (see amqp.dead_queue.DeadQueue).
     """
     from .amqp.dead_queue import DeadQueue  # (amqp imports pika)
+    types = _types_of(base)
 
     done: list[Rerouted] = []
     with DeadQueue(url, unrouted_name(base), name=f"delivery-consumer reroute {base.consumer}") as queue:
         queue.open()
         for msg in queue.read():
-            event_id, key, why = _key_of(msg)
+            event_id, key, why = _key_of(msg, types)
             if key is None:
                 done.append(Rerouted(event_id, f"left: {why}"))
                 continue
@@ -277,13 +287,14 @@ def move_stranded(url: str, base: Topology, queue_name: str, count: int, *, old:
     from .amqp.dead_queue import DeadQueue
 
     check_count(count)
+    types = _types_of(base)
     keyless = min(partition_of_slot(s, count) for s in range(SLOT_COUNT)
                   if old is None or partition_of_slot(s, old_count) == old)
     done: list[Rerouted] = []
     with DeadQueue(url, queue_name, name=f"delivery-consumer repartition {base.consumer}") as queue:
         queue.open()
         for msg in queue.read():
-            event_id, key, _why = _key_of(msg)
+            event_id, key, _why = _key_of(msg, types)
             home = partition_topology(base, partition_of(key, count) if key is not None else keyless)
             target = home.dead_queue if dead else home.queue
             if target == queue_name:
