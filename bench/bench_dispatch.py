@@ -231,7 +231,7 @@ class InstantPublisher:
     def collect(self, ticket: int) -> list[PublishResult]:
         return [PublishResult("confirmed")] * ticket
 
-    def idle(self, seconds: float) -> None:
+    def idle(self, seconds: float, wake: int | None = None) -> None:
         pass
 
 

@@ -76,7 +76,7 @@ class FakePublisher:
         self.log.append(("collect", [event_id for event_id, _ in ticket]))
         return [result for _, result in ticket]
 
-    def idle(self, seconds: float) -> None:
+    def idle(self, seconds: float, wake: int | None = None) -> None:
         self.idled.append(seconds)
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import pika
 import pika.exceptions as pex
 from pika import spec
-from pika.adapters.select_connection import IOLoop
+from pika.adapters.select_connection import IOLoop, PollEvents
 
 from ..errors import safe_reason
 from ..topology import DEFAULT_URL, Route, Topology
@@ -264,18 +264,26 @@ class Publisher:
         self._batch, self._results = (), []
         return results
 
-    def idle(self, seconds: float) -> None:
-        """Let the connection service heartbeats for *seconds*."""
+    def idle(self, seconds: float, wake: int | None = None) -> None:
+        """Let the connection service heartbeats for *seconds*, or until the
+        file descriptor *wake* is readable (the caller reads it)."""
         if self._conn is None:
             return
         deadline = [False]
 
-        def wake() -> None:
+        def done(*_args: object) -> None:
             deadline[0] = True
             self._check()
 
-        self._ioloop.call_later(seconds, wake)
-        self._run_until(lambda: deadline[0], "idle")
+        handle = self._ioloop.call_later(seconds, done)
+        if wake is not None:
+            self._ioloop.add_handler(wake, done, PollEvents.READ)
+        try:
+            self._run_until(lambda: deadline[0], "idle")
+        finally:
+            self._ioloop.remove_timeout(handle)
+            if wake is not None:
+                self._ioloop.remove_handler(wake)
         self._error = None
 
     def close(self) -> None:

@@ -33,6 +33,7 @@ from .. import sqlite
 from ..envelope import Envelope, from_mapping, parse
 from ..errors import EVENT_ID_REUSED, DatabaseError, DeliveryError, Rejection
 from ..sqlite import DEFAULT_BUSY_TIMEOUT_MS, now_iso
+from . import wake
 
 #: Forward-only migrations of the outbox tables; ``outbox_meta.version`` is
 #: the number applied. Never edit an entry: append one.
@@ -192,8 +193,38 @@ def transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
     if conn.in_transaction:
         raise OutboxError("outbox.transaction cannot be nested: this connection already has an open transaction"
                           " (call outbox.enqueue inside it instead)")
-    with sqlite.transaction(conn):
-        yield conn
+    key = id(conn)
+    _owed.discard(key)
+    try:
+        with sqlite.transaction(conn):
+            yield conn
+    except BaseException:
+        _owed.discard(key)
+        raise
+    if key in _owed:  # committed with rows in it: wake the dispatchers now, not at their next poll
+        notify(conn)
+
+
+#: id() of the connections whose open transaction enqueued a row (sqlite3
+#: connections take no attributes and no weak references); a stale entry
+#: costs at most one needless wake-up.
+_owed: set[int] = set()
+
+
+def notify(conn: sqlite3.Connection) -> int:
+    """Tell the dispatchers on this host that *conn*'s database has rows
+    waiting; returns how many were told.
+
+    :func:`transaction` calls it after a COMMIT that enqueued rows. A
+    producer that enqueues inside its own transaction and commits it itself
+    calls it after that COMMIT; without it the rows wait for the
+    dispatcher's next poll (``dispatch --poll``). Best-effort: never blocks,
+    never raises, and a call before the COMMIT wakes a dispatcher too early
+    to see the rows.
+    """
+    _owed.discard(id(conn))
+    path = wake.database_file(conn)
+    return 0 if path is None else wake.notify_path(path)
 
 
 def installed_version(conn: sqlite3.Connection) -> int:
@@ -274,6 +305,9 @@ def enqueue(
                               " (open it with outbox.connect, or call outbox.install first)") from None
         raise sqlite.translate(exc, sqlite.path_of(conn)) from None
     if cur.rowcount == 1:
+        if len(_owed) > 10_000:
+            _owed.clear()
+        _owed.add(id(conn))
         return True
     row = conn.execute("SELECT fingerprint FROM outbox WHERE event_id = ?", (env.event_id,)).fetchone()
     if row is not None and row[0] == env.fingerprint:
@@ -297,6 +331,7 @@ __all__ = [
     "enqueue",
     "install",
     "installed_version",
+    "notify",
     "routing_key_problem",
     "transaction",
 ]
