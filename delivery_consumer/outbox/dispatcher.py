@@ -8,6 +8,7 @@ Rounds, leases, order per article, failures and crash points: docs/outbox.md.
 
 from __future__ import annotations
 
+import calendar
 import logging
 import os
 import secrets
@@ -25,7 +26,8 @@ from ..faults import crashpoint
 from ..partitions import slot_headers
 from ..retry import reconnect_delay_s
 from ..sqlite import now_iso, path_of
-from . import owners
+from ..topology import H_PRODUCED_MS
+from . import owners, wake
 from .table import MAX_ERROR_CHARS, routing_key_problem, transaction
 
 if TYPE_CHECKING:
@@ -49,7 +51,9 @@ class PublisherLike(Protocol):
 
     def collect(self, ticket: Any) -> list[PublishResult]: ...
 
-    def idle(self, seconds: float) -> None: ...
+    def idle(self, seconds: float, wake: int | None = None) -> None:
+        """Service the connection for *seconds*, or until the file
+        descriptor *wake* is readable."""
 
 
 class Claimed(NamedTuple):
@@ -62,6 +66,9 @@ class Claimed(NamedTuple):
     attempts: int
     #: The articleId: the message carries its slot (partitions.py).
     ordering_key: str = ""
+    #: When the producer wrote the row (``now_iso``): the message carries it
+    #: in milliseconds (``x-produced-ms``), for the consumers' age at commit.
+    created_at: str = ""
 
 
 @dataclass
@@ -80,7 +87,11 @@ class DispatchConfig:
     #: boundary. A crash duplicates at most depth * batch rows.
     depth: int = 2
     lease_s: float = 60.0
+    #: The timed poll: the fallback for commits that wake no dispatcher
+    #: (another host, a producer committing on its own, a lost wake-up).
     poll_s: float = 0.5
+    #: Listen for wake-ups from producers' commits on this host (.wake).
+    wake: bool = True
     #: Exit after this long without progress (a row published or quarantined).
     exit_when_idle_s: float | None = None
     #: Backoff of a row's transient failures: base * 2^(n-1), jittered, capped.
@@ -153,6 +164,24 @@ class DispatchStats:
 _SEQS: Final = "(SELECT value FROM json_each(?))"
 
 
+def _epoch_ms(stamp: str, seconds: dict[str, int]) -> int | None:
+    """A ``now_iso`` stamp (``YYYY-MM-DDTHH:MM:SS.mmmZ``) in milliseconds since
+    the epoch; None for anything else. *seconds* caches the whole seconds
+    (rows of one batch share a few)."""
+    second = stamp[:19]
+    base = seconds.get(second)
+    if base is None:
+        try:
+            base = calendar.timegm(time.strptime(second, "%Y-%m-%dT%H:%M:%S")) * 1000
+        except ValueError:
+            return None
+        if len(seconds) > 64:
+            seconds.clear()
+        seconds[second] = base
+    millis = stamp[20:23]
+    return base + int(millis) if stamp[19:20] == "." and millis.isdigit() else base
+
+
 def _seqs(seqs: Iterable[int]) -> str:
     return "[" + ",".join(map(str, seqs)) + "]"
 
@@ -191,6 +220,8 @@ class Dispatcher:
         self._reaped_at = float("-inf")
         self._good_keys: set[str] = set()  # routing keys already checked and found good
         self._idle_deadline: float | None = None  # when run() gives up for want of progress
+        self._listener: wake.Listener | None = None  # producers' commits wake run() (see run)
+        self._seconds: dict[str, int] = {}  # created_at's second -> its epoch ms (_epoch_ms)
 
     def stop(self) -> None:
         """Claim no more; :meth:`run` settles the batches in flight and returns (signal-safe)."""
@@ -238,10 +269,10 @@ class Dispatcher:
             size = 0
             cur = conn.execute(
                 "SELECT seq, event_id, routing_key, ordering_key, body, attempts, next_attempt_at,"
-                " lease_owner, lease_until FROM outbox WHERE status = 'pending' ORDER BY seq"
+                " lease_owner, lease_until, created_at FROM outbox WHERE status = 'pending' ORDER BY seq"
             )
             try:
-                for seq, event_id, routing_key, key, body, attempts, next_at, owner, lease_until in cur:
+                for seq, event_id, routing_key, key, body, attempts, next_at, owner, lease_until, created in cur:
                     if key in blocked:
                         continue
                     if (next_at is not None and next_at > now_s) or (lease_until is not None and lease_until > now_s):
@@ -254,7 +285,7 @@ class Dispatcher:
                     if taken and size + len(body) > self.config.batch_bytes:
                         break
                     size += len(body)
-                    taken.append(Claimed(seq, event_id, routing_key, body, attempts, key))
+                    taken.append(Claimed(seq, event_id, routing_key, body, attempts, key, created))
                     if next_at is not None:  # a retry goes out alone for its article
                         blocked.add(key)
                     if owner is not None:
@@ -392,7 +423,7 @@ class Dispatcher:
             exchange = self.config.exchange
             try:
                 ticket = self.publisher.send([OutMessage(routing_key=r.routing_key, body=r.body, exchange=exchange,
-                                                         message_id=r.event_id, headers=slot_headers(r.ordering_key))
+                                                         message_id=r.event_id, headers=self._headers(r))
                                               for r in rows])
             except BaseException:
                 self._abandon(rows)
@@ -422,6 +453,13 @@ class Dispatcher:
             self._settle(later, self.publisher.collect(ticket))
         self._outage(lost)
         return len(rows)
+
+    def _headers(self, row: Claimed) -> dict[str, Any]:
+        headers = slot_headers(row.ordering_key)
+        produced = _epoch_ms(row.created_at, self._seconds)
+        if produced is not None:
+            headers[H_PRODUCED_MS] = produced
+        return headers
 
     def _abandon(self, rows: list[Claimed]) -> None:
         """The publisher failed for good (BrokerFatal, an interrupt): give up
@@ -457,9 +495,15 @@ class Dispatcher:
         ``Publisher.idle`` returns at once when the connection is gone: then
         the rest is slept, and the next pass reconnects (never a spin).
         """
+        listener = self._listener
         if self._connected:
             started = time.monotonic()
-            self.publisher.idle(seconds)
+            if listener is None:
+                self.publisher.idle(seconds)
+            else:
+                self.publisher.idle(seconds, listener.fileno())
+                if listener.drain():  # a producer committed: claim now (drained before that claim's read)
+                    return
             left = seconds - (time.monotonic() - started)
             if left <= seconds / 10:
                 return
@@ -500,9 +544,18 @@ class Dispatcher:
         dispatcher gives back any lease it still holds and unregisters.
         """
         beat = self._register()
+        path = path_of(self.conn)
+        if self.config.wake and os.path.isfile(path):
+            self._listener = wake.Listener.bind(path)
+            if self._listener is None:
+                log.info("no wake-up slot free for this outbox (%d dispatchers listen already); polling every %gs",
+                         wake.SLOTS, self.config.poll_s)
         try:
             self._loop()
         finally:
+            if self._listener is not None:
+                self._listener.close()
+                self._listener = None
             if beat is not None:
                 beat.stop()
                 with suppress(DeliveryError, sqlite3.Error):
