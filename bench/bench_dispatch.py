@@ -228,6 +228,9 @@ class InstantPublisher:
     def send(self, messages: list[OutMessage]) -> int:
         return len(messages)
 
+    def wait(self, ticket: int, wake: int) -> bool:
+        return True
+
     def collect(self, ticket: int) -> list[PublishResult]:
         return [PublishResult("confirmed")] * ticket
 

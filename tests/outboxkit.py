@@ -70,6 +70,9 @@ class FakePublisher:
             ticket.append((msg.message_id or "", PublishResult(status, reason)))
         return ticket
 
+    def wait(self, ticket: list[tuple[str, PublishResult]], wake: int) -> bool:
+        return True
+
     def collect(self, ticket: list[tuple[str, PublishResult]]) -> list[PublishResult]:
         if self.raise_on_collect is not None:
             raise self.raise_on_collect

@@ -369,7 +369,8 @@ class StreamPublisher(Publisher):
         if self._broken is None and not self._ready:
             self._broken = "not connected"
         if self._broken is None:
-            self._run_until(settled, "confirm messages")
+            if self._error is None:  # (wait() may have met the error already)
+                self._run_until(settled, "confirm messages")
             if self._error is not None:
                 error, self._error = self._error, None
                 self._broken = str(error)
@@ -383,6 +384,30 @@ class StreamPublisher(Publisher):
         self._pending = {tag: index - end for tag, index in self._pending.items()}
         self._offset = ticket.end
         return results
+
+    def wait(self, ticket: Ticket, wake: int) -> bool:
+        """Run the loop until *ticket* is settled (True; also when the
+        connection failed: :meth:`collect` says how) or the file descriptor
+        *wake* is readable first (False; the caller reads it), so that the
+        caller can send more behind it."""
+        end = ticket.end - self._offset
+        if self._broken is not None or not self._ready or self._error is not None:
+            return True
+        woken = [False]
+
+        def settled() -> bool:
+            return self._next >= end and (not self._pending or next(iter(self._pending.values())) >= end)
+
+        def on_wake(*_args: object) -> None:
+            woken[0] = True
+            self._check()
+
+        self._ioloop.add_handler(wake, on_wake, PollEvents.READ)
+        try:
+            self._run_until(lambda: woken[0] or settled(), "confirm messages")
+        finally:
+            self._ioloop.remove_handler(wake)
+        return self._error is not None or settled() or not woken[0]
 
     def _pump(self) -> None:
         channel = self._channel

@@ -51,6 +51,10 @@ class PublisherLike(Protocol):
 
     def collect(self, ticket: Any) -> list[PublishResult]: ...
 
+    def wait(self, ticket: Any, wake: int) -> bool:
+        """Service the connection until *ticket* is settled (True) or the
+        file descriptor *wake* is readable (False)."""
+
     def idle(self, seconds: float, wake: int | None = None) -> None:
         """Service the connection for *seconds*, or until the file
         descriptor *wake* is readable."""
@@ -417,21 +421,20 @@ class Dispatcher:
             rows = self.claim()  # a busy database raises here; what is in flight stays in flight
             if not rows:
                 break
-            if not self.stats.batches and not self._inflight:
-                self.stats.first_claim = time.perf_counter()
-            crashpoint("dispatch-before-publish")
-            exchange = self.config.exchange
-            try:
-                ticket = self.publisher.send([OutMessage(routing_key=r.routing_key, body=r.body, exchange=exchange,
-                                                         message_id=r.event_id, headers=self._headers(r))
-                                              for r in rows])
-            except BaseException:
-                self._abandon(rows)
-                raise
-            self._inflight.append((rows, ticket))
+            self._send(rows, OutMessage)
         if not self._inflight:
             return 0
         rows, ticket = self._inflight[0]
+        listener = self._listener
+        # Rows committed while the oldest batch waits for its confirms go out
+        # behind it at once, not after it is marked.
+        while listener is not None and len(self._inflight) < self.config.depth and not self.stopping:
+            if self.publisher.wait(ticket, listener.fileno()):
+                break
+            listener.drain()
+            more = self.claim()
+            if more:
+                self._send(more, OutMessage)
         try:
             results = self.publisher.collect(ticket)
         except BaseException:
@@ -453,6 +456,21 @@ class Dispatcher:
             self._settle(later, self.publisher.collect(ticket))
         self._outage(lost)
         return len(rows)
+
+    def _send(self, rows: list[Claimed], message: type[OutMessage]) -> None:
+        """Send *rows* behind the batches in flight (*message*: OutMessage, imported lazily)."""
+        if not self.stats.batches and not self._inflight:
+            self.stats.first_claim = time.perf_counter()
+        crashpoint("dispatch-before-publish")
+        exchange = self.config.exchange
+        try:
+            ticket = self.publisher.send([message(routing_key=r.routing_key, body=r.body, exchange=exchange,
+                                                  message_id=r.event_id, headers=self._headers(r))
+                                          for r in rows])
+        except BaseException:
+            self._abandon(rows)
+            raise
+        self._inflight.append((rows, ticket))
 
     def _headers(self, row: Claimed) -> dict[str, Any]:
         headers = slot_headers(row.ordering_key)
