@@ -8,7 +8,6 @@ Rounds, leases, order per article, failures and crash points: docs/outbox.md.
 
 from __future__ import annotations
 
-import calendar
 import logging
 import os
 import secrets
@@ -70,9 +69,10 @@ class Claimed(NamedTuple):
     attempts: int
     #: The articleId: the message carries its slot (partitions.py).
     ordering_key: str = ""
-    #: When the producer wrote the row (``now_iso``): the message carries it
-    #: in milliseconds (``x-produced-ms``), for the consumers' age at commit.
-    created_at: str = ""
+    #: When the producer wrote the row, in milliseconds since the epoch (None:
+    #: ``created_at`` is not a time): the message carries it (``x-produced-ms``),
+    #: for the consumers' age at commit.
+    produced_ms: int | None = None
 
 
 @dataclass
@@ -168,22 +168,10 @@ class DispatchStats:
 _SEQS: Final = "(SELECT value FROM json_each(?))"
 
 
-def _epoch_ms(stamp: str, seconds: dict[str, int]) -> int | None:
-    """A ``now_iso`` stamp (``YYYY-MM-DDTHH:MM:SS.mmmZ``) in milliseconds since
-    the epoch; None for anything else. *seconds* caches the whole seconds
-    (rows of one batch share a few)."""
-    second = stamp[:19]
-    base = seconds.get(second)
-    if base is None:
-        try:
-            base = calendar.timegm(time.strptime(second, "%Y-%m-%dT%H:%M:%S")) * 1000
-        except ValueError:
-            return None
-        if len(seconds) > 64:
-            seconds.clear()
-        seconds[second] = base
-    millis = stamp[20:23]
-    return base + int(millis) if stamp[19:20] == "." and millis.isdigit() else base
+#: ``created_at`` in milliseconds since the epoch, computed by the claim's
+#: SELECT (SQLite keeps a julian day as integer milliseconds, so this is
+#: exact); NULL when it is not a time.
+CREATED_MS: Final = "CAST(round((julianday(created_at) - 2440587.5) * 86400000.0) AS INTEGER)"
 
 
 def _seqs(seqs: Iterable[int]) -> str:
@@ -225,7 +213,6 @@ class Dispatcher:
         self._good_keys: set[str] = set()  # routing keys already checked and found good
         self._idle_deadline: float | None = None  # when run() gives up for want of progress
         self._listener: wake.Listener | None = None  # producers' commits wake run() (see run)
-        self._seconds: dict[str, int] = {}  # created_at's second -> its epoch ms (_epoch_ms)
 
     def stop(self) -> None:
         """Claim no more; :meth:`run` settles the batches in flight and returns (signal-safe)."""
@@ -273,7 +260,7 @@ class Dispatcher:
             size = 0
             cur = conn.execute(
                 "SELECT seq, event_id, routing_key, ordering_key, body, attempts, next_attempt_at,"
-                " lease_owner, lease_until, created_at FROM outbox WHERE status = 'pending' ORDER BY seq"
+                f" lease_owner, lease_until, {CREATED_MS} FROM outbox WHERE status = 'pending' ORDER BY seq"
             )
             try:
                 for seq, event_id, routing_key, key, body, attempts, next_at, owner, lease_until, created in cur:
@@ -474,9 +461,8 @@ class Dispatcher:
 
     def _headers(self, row: Claimed) -> dict[str, Any]:
         headers = slot_headers(row.ordering_key)
-        produced = _epoch_ms(row.created_at, self._seconds)
-        if produced is not None:
-            headers[H_PRODUCED_MS] = produced
+        if row.produced_ms is not None:
+            headers[H_PRODUCED_MS] = row.produced_ms
         return headers
 
     def _abandon(self, rows: list[Claimed]) -> None:
