@@ -5,15 +5,18 @@ run exports each event's age since the producer stamped it."""
 from __future__ import annotations
 
 import signal
+import socket
 from collections.abc import Callable
 from pathlib import Path
 
+import orjson
 from brokerkit import Namespace
-from support import count_rows, wait_until
+from support import count_rows, new_event, wait_until
 from test_broker_metrics import free_port, scrape
 from test_outbox_broker import start_dispatch
 
 from delivery_consumer import producer
+from delivery_consumer.amqp.publisher import OutMessage, StreamPublisher
 
 
 def arrived(inbox: Path, n: int) -> Callable[[], bool]:
@@ -56,3 +59,25 @@ def test_lone_events_arrive_without_waiting_for_a_poll_or_a_batch(ns: Namespace,
         run.terminate()
         run.communicate(timeout=60)
     assert 0 == run.returncode
+
+
+def test_the_publisher_returns_from_a_wait_when_woken(ns: Namespace) -> None:
+    """idle(1 hour, fd) returns once fd is readable, with the connection still usable; wait(ticket, fd)
+    returns when woken or settled, and collect then gives every confirm (nothing is lost by waking)."""
+    topo = ns.topology("catalog")
+    reader, writer = socket.socketpair()
+    with StreamPublisher(ns.url, topologies=[topo]) as pub:
+        pub.connect()
+        writer.send(b"!")
+        pub.idle(3600, reader.fileno())  # returns at once: the fd is readable
+        ticket = pub.send([OutMessage(routing_key="material.published", body=orjson.dumps(new_event()),
+                                      exchange=topo.exchange, message_id=f"m{i}") for i in range(50)])
+        pub.wait(ticket, reader.fileno())  # woken (or settled first)
+        assert ["confirmed"] * 50 == [r.status for r in pub.collect(ticket)]
+        reader.recv(8)
+        later = pub.send([OutMessage(routing_key="material.published", body=orjson.dumps(new_event()),
+                                     exchange=topo.exchange, message_id="last")])
+        assert pub.wait(later, reader.fileno()), "nothing woke it: it returns when the batch is settled"
+        assert ["confirmed"] == [r.status for r in pub.collect(later)]
+    reader.close()
+    writer.close()
