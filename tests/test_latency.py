@@ -260,7 +260,8 @@ def test_deliveries_waiting_together_still_make_one_batch(tmp_path: Path) -> Non
 
 
 def test_ages_at_commit_come_from_the_producers_stamp_else_occurred_at(tmp_path: Path) -> None:
-    """Each committed event's age is measured from x-produced-ms when present, else from occurredAt."""
+    """Each applied event's age is measured from x-produced-ms when present, else from occurredAt; a rejected
+    delivery has no age (it never takes effect)."""
     ages = Ages()
     worker, io = started_worker(tmp_path, ages)
     try:
@@ -268,12 +269,13 @@ def test_ages_at_commit_come_from_the_producers_stamp_else_occurred_at(tmp_path:
         stamped = delivery(1, headers={H_PRODUCED_MS: produced_ms})
         old = new_event(article_id="old", occurred_at="2026-01-01T00:00:00Z")
         unstamped = delivery(2, orjson.dumps(old), message_id=old["eventId"])
-        worker.deliver_all([stamped, unstamped])
-        io.wait_for(lambda: bool(io.acks()) and io.acks()[-1].tag == 2, timeout=50)
+        rejected = delivery(3, b"{not json", headers={H_PRODUCED_MS: produced_ms})
+        worker.deliver_all([stamped, unstamped, rejected])
+        io.wait_for(lambda: bool(io.acks()) and io.acks()[-1].tag == 3, timeout=50)
     finally:
         stop(worker)
     by_stamp = dict(ages.ages)
-    assert {"produced", "occurred"} == set(by_stamp)
+    assert 2 == len(ages.ages) and {"produced", "occurred"} == set(by_stamp)
     assert 1.5 <= by_stamp["produced"] < 60
     assert by_stamp["occurred"] > 24 * 3600
 

@@ -82,12 +82,15 @@ def _int_header(headers: dict[str, Any], name: str) -> int:
 
 
 def _observe_ages(observer: Observer, items: Sequence[Delivery], parsed: Sequence[Envelope | Rejection],
-                  committed_at: float) -> None:
-    """Each event's age at *committed_at*: from the producer's stamp
-    (``x-produced-ms``), else from its occurredAt (clock skew clamped at 0)."""
+                  outcomes: Sequence[Outcome], committed_at: float) -> None:
+    """The age at *committed_at* of each event with a result (applied, or a
+    duplicate): from the producer's stamp (``x-produced-ms``), else from its
+    occurredAt (clock skew clamped at 0)."""
     produced: list[float] = []
     occurred: list[float] = []
-    for d, p in zip(items, parsed, strict=True):
+    for d, p, o in zip(items, parsed, outcomes, strict=True):
+        if o.result is None:  # rejected, or failed transiently: not in effect yet
+            continue
         ms = d.headers.get(H_PRODUCED_MS)
         if isinstance(ms, int) and not isinstance(ms, bool):
             produced.append(max(0.0, committed_at - ms / 1000))
@@ -323,7 +326,7 @@ class Worker(threading.Thread):
         crashpoint("after-commit")
         self.observer.batch_committed(outcomes, time.perf_counter() - started, self.stats.last_commit)
         if self.observer.wants_ages:
-            _observe_ages(self.observer, items, parsed, self.stats.last_commit)
+            _observe_ages(self.observer, items, parsed, outcomes, self.stats.last_commit)
         copies = [c for c in (self.copies.for_outcome(d, o) for d, o in zip(items, outcomes, strict=True)) if c]
         if copies and not self._publish_copies(gen, copies):
             return False
