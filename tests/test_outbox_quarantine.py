@@ -519,7 +519,7 @@ def test_run_registers_with_a_heartbeat_and_leaves_cleanly(conn: sqlite3.Connect
     seen: list[tuple[Any, ...]] = []
 
     class Watching(FakePublisher):
-        def idle(self, seconds: float) -> None:
+        def idle(self, seconds: float, wake: int | None = None) -> None:
             seen.extend(conn.execute("SELECT owner, pid, host FROM outbox_owners").fetchall())
             super().idle(seconds)
 

@@ -80,7 +80,9 @@ def reading(db_path: Path) -> Iterator[sqlite3.Connection]:
               help="How long a claim is held. A dead dispatcher's claims are taken back sooner: at once on this"
                    " host, after 10s without heartbeat elsewhere.")
 @click.option("--poll", "poll_s", default="500ms", show_default=True, type=Duration(positive=True),
-              help="Pause between looks at the outbox when there is nothing to publish.")
+              help="Pause between looks at the outbox when there is nothing to publish. A commit through"
+                   " outbox.transaction on this host wakes the dispatcher at once; the poll is the fallback"
+                   " (another host, a producer committing by itself).")
 @click.option("--retry-base", "retry_base_s", default="1s", show_default=True, type=Duration(positive=True),
               help="First backoff of a nacked row (doubles per failure, jittered).")
 @click.option("--retry-cap", "retry_cap_s", default="5m", show_default=True, type=Duration(positive=True),

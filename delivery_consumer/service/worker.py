@@ -13,6 +13,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, Protocol, TypeVar
 
 from ..amqp.consumer import Delivery
@@ -24,7 +25,7 @@ from ..errors import DELIVERY_LIMIT, DeliveryError, Rejection, StoreOutage, Stor
 from ..faults import crashpoint
 from ..inbox import ConsumerDB, InFlight, Transaction, apply_batch, has_receipt
 from ..retry import RetryPolicy, attempts_done, reconnect_delay_s
-from ..topology import H_ATTEMPTS, H_DELIVERY_COUNT
+from ..topology import H_ATTEMPTS, H_DELIVERY_COUNT, H_PRODUCED_MS
 from .config import RunConfig
 from .copies import Copy, CopyMaker
 
@@ -78,6 +79,30 @@ class Stats:
 def _int_header(headers: dict[str, Any], name: str) -> int:
     value = headers.get(name)
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _observe_ages(observer: Observer, items: Sequence[Delivery], parsed: Sequence[Envelope | Rejection],
+                  outcomes: Sequence[Outcome], committed_at: float) -> None:
+    """The age at *committed_at* of each event with a result (applied, or a
+    duplicate): from the producer's stamp (``x-produced-ms``), else from its
+    occurredAt (clock skew clamped at 0)."""
+    produced: list[float] = []
+    occurred: list[float] = []
+    for d, p, o in zip(items, parsed, outcomes, strict=True):
+        if o.result is None:  # rejected, or failed transiently: not in effect yet
+            continue
+        ms = d.headers.get(H_PRODUCED_MS)
+        if isinstance(ms, int) and not isinstance(ms, bool):
+            produced.append(max(0.0, committed_at - ms / 1000))
+        elif isinstance(p, Envelope):
+            try:
+                occurred.append(max(0.0, committed_at - datetime.fromisoformat(p.occurred_at).timestamp()))
+            except (ValueError, OverflowError, OSError):
+                continue
+    if produced:
+        observer.event_ages("produced", produced)
+    if occurred:
+        observer.event_ages("occurred", occurred)
 
 
 class Worker(threading.Thread):
@@ -204,7 +229,10 @@ class Worker(threading.Thread):
 
     def _collect(self) -> list[Delivery]:
         """The next batch: deliveries of one live channel, up to ``batch`` of
-        them, waiting at most ``batch_wait_ms`` for more once it has begun."""
+        them, of those already received. It never waits for more: a lone
+        delivery goes at once, and what arrives during a commit makes the
+        next batch. ``batch_wait_ms`` bounds how long it keeps taking
+        deliveries that are still coming in."""
         assert self.io is not None
         first = self._next_live()
         if first is None:
@@ -226,7 +254,9 @@ class Worker(threading.Thread):
             deadline = deadline or now + self.config.batch_wait_ms / 1000
             if now >= deadline or self.stop_requested.is_set():
                 return batch
-            self.io.pump(deadline - now)
+            self.io.pump(0)
+            if not waiting:  # nothing more has arrived: go with what there is
+                return batch
 
     def _pause(self, seconds: float) -> bool:
         """Wait *seconds* while listening to the connection; True when stopping."""
@@ -296,6 +326,8 @@ class Worker(threading.Thread):
         self.stats.last_commit = time.time()
         crashpoint("after-commit")
         self.observer.batch_committed(outcomes, time.perf_counter() - started, self.stats.last_commit)
+        if self.observer.wants_ages:
+            _observe_ages(self.observer, items, parsed, outcomes, self.stats.last_commit)
         copies = [c for c in (self.copies.for_outcome(d, o) for d, o in zip(items, outcomes, strict=True)) if c]
         if copies and not self._publish_copies(gen, copies):
             return False
