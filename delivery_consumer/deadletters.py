@@ -2,13 +2,18 @@
 
 Every command holds the queue through an exclusive
 :class:`~delivery_consumer.amqp.dead_queue.DeadQueue`, so nothing is lost or
-reordered. Where dead letters come from, and the order of a requeue's steps
-(what a kill at each one leaves): docs/amqp.md, "Dead letters".
+reordered. A reader that finds the queue held by another waits for it a
+little (:data:`BUSY_WAIT_S`); readers of the same process share one read
+through :class:`SharedReads`. Where dead letters come from, and the order of
+a requeue's steps (what a kill at each one leaves): docs/amqp.md, "Dead
+letters"; the console's reads: docs/console.md.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -16,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .amqp.consumer import Delivery
-from .amqp.dead_queue import DeadQueue, HeldMessage
+from .amqp.dead_queue import DeadQueue, HeldMessage, QueueBusy
 from .amqp.publisher import OutMessage, PublishResult
 from .deliveries import delivery_key
 from .envelope import KOMBU_COMPRESSION_HEADER, MAX_BODY_BYTES, body_digest, parse
@@ -213,20 +218,106 @@ class Snapshot:
         return sorted(selection.event_ids - present)
 
 
+#: How long a reader waits for the dead queue while another holds it (a
+#: console's read, another dead command) before it gives up, in seconds.
+BUSY_WAIT_S = 15.0
+
+
+def _open(dq: DeadQueue, prefetch: int, wait_s: float) -> None:
+    """Open *dq*, trying again while another reader holds the queue, up to *wait_s* seconds."""
+    deadline = time.monotonic() + wait_s
+    pause = 0.05
+    while True:
+        try:
+            dq.open(prefetch=prefetch)
+            return
+        except QueueBusy:
+            if time.monotonic() + pause > deadline:
+                raise
+        time.sleep(pause)
+        pause = min(pause * 2, 0.5)
+
+
 @contextmanager
-def reading(url: str, topology: Topology, *, max_messages: int | None = None) -> Iterator[tuple[DeadQueue, Snapshot]]:
-    """Hold the dead queue of *topology* for the block; everything not acked returns at the end."""
+def reading(url: str, topology: Topology, *, max_messages: int | None = None,
+            wait_s: float = BUSY_WAIT_S) -> Iterator[tuple[DeadQueue, Snapshot]]:
+    """Hold the dead queue of *topology* for the block; everything not acked returns at the end.
+
+    While another reader holds the queue, waits up to *wait_s* seconds for it
+    (then :class:`QueueBusy`)."""
     with DeadQueue(url, topology.dead_queue, name=f"delivery-consumer dead {topology.consumer}") as dq:
-        dq.open(prefetch=max_messages if max_messages is not None and max_messages <= 65535 else 0)
+        _open(dq, max_messages if max_messages is not None and max_messages <= 65535 else 0, wait_s)
         held = dq.read(max_messages)
         letters = [describe(i, msg) for i, msg in enumerate(held, 1)]
         yield dq, Snapshot(topology.dead_queue, letters, held, dq.count_at_open, dq.opened_at, dq.complete)
 
 
-def list_dead(url: str, topology: Topology, *, max_messages: int | None = None) -> Snapshot:
+def list_dead(url: str, topology: Topology, *, max_messages: int | None = None,
+              wait_s: float = BUSY_WAIT_S) -> Snapshot:
     """Read the dead queue and give every message back, in place."""
-    with reading(url, topology, max_messages=max_messages) as (_dq, snapshot):
+    with reading(url, topology, max_messages=max_messages, wait_s=wait_s) as (_dq, snapshot):
         return snapshot
+
+
+class SharedReads:
+    """Dead-queue reads shared by the threads of one process, each kept *ttl_s* seconds.
+
+    One thread at a time reads a given queue; the others that ask meanwhile
+    wait for that read and get the same snapshot, and so do those that ask
+    within *ttl_s* after it (a failure too: one line, kept as long). The
+    queue is held only while one read runs, and a reader never waits for
+    another process's (a dead command's) hold: it reports the queue busy.
+    """
+
+    def __init__(self, ttl_s: float = 5.0, *, wait_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self.wait_s = wait_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._entries: dict[tuple[str, str, int | None], _Shared] = {}
+        #: Reads of the broker done (for tests and benchmarks).
+        self.reads = 0
+
+    def list(self, url: str, topology: Topology, *, max_messages: int | None = None) -> Snapshot:
+        """The snapshot of the dead queue of *topology*, at most ``ttl_s`` old; a BrokerError as read."""
+        key = (url, topology.dead_queue, max_messages)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or (entry.done.is_set() and self._clock() - entry.at > self.ttl_s):
+                entry = self._entries[key] = _Shared()
+                mine = True
+            else:
+                mine = False
+        if mine:
+            try:
+                self.reads += 1
+                entry.snapshot = list_dead(url, topology, max_messages=max_messages, wait_s=self.wait_s)
+            except Exception as exc:  # every waiter gets it, as the reader did
+                entry.error = exc
+            finally:
+                entry.at = self._clock()
+                entry.done.set()
+        entry.done.wait()
+        if entry.error is not None:
+            raise entry.error
+        assert entry.snapshot is not None
+        return entry.snapshot
+
+    def forget(self) -> None:
+        """Drop every kept snapshot (after an action changed a queue)."""
+        with self._lock:
+            self._entries = {key: entry for key, entry in self._entries.items() if not entry.done.is_set()}
+
+
+class _Shared:
+    """One read of a dead queue, awaited by every thread that asked for it."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.at = 0.0
+        self.snapshot: Snapshot | None = None
+        self.error: BaseException | None = None
 
 
 def event_ids(letters: Iterable[DeadLetter]) -> set[str]:
@@ -488,6 +579,7 @@ def purge(
 
 __all__ = [
     "APPLIED",
+    "BUSY_WAIT_S",
     "CONFLICT",
     "DROPPED_HEADERS",
     "H_REQUEUED_AT",
@@ -497,6 +589,7 @@ __all__ = [
     "Item",
     "Report",
     "Selection",
+    "SharedReads",
     "Snapshot",
     "describe",
     "event_ids",
