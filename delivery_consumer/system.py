@@ -510,9 +510,9 @@ def status(dep: Deployment, *, now: float | None = None, broker: bool = True, sh
             out_producers.append(p_item)
             continue
         p_item.update({k: v for k, v in stats.items() if k != "database"})
-        age = stats.get("oldestUnpublishedAgeSeconds")
+        age = stats.get("oldestPendingAgeSeconds")
         if age is not None and age > dep.outbox_max_age_s:
-            problems.append(f"producer {name}: {_count(stats['unpublished'], 'unpublished row')}, the oldest "
+            problems.append(f"producer {name}: {_count(stats['pending'], 'pending row')}, the oldest "
                             f"{age_text(age)} old (more than {format_duration(dep.outbox_max_age_s)}): "
                             "is dispatch running?")
         quarantined = stats.get("quarantined")

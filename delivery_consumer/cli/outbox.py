@@ -200,13 +200,13 @@ def outbox_list(db_path: Path, as_json: bool, state: str, limit: int) -> None:
 @json_option
 @handle_errors
 def outbox_stats(db_path: Path, as_json: bool) -> None:
-    """Counts by state, the oldest unpublished row, the commonest errors."""
+    """Counts by state, the oldest pending row, the commonest errors."""
     with reading(db_path) as conn:
         stats = outbox_lib.stats(conn)
     if as_json:
         emit_json(stats)
         return
-    age = stats["oldestUnpublishedAgeSeconds"]
+    age = stats["oldestPendingAgeSeconds"]
     echo_record([
         ("database", stats["database"]),
         ("rows", stats["rows"]),
@@ -219,7 +219,8 @@ def outbox_stats(db_path: Path, as_json: bool) -> None:
         ("  quarantined", stats["quarantined"]),
         ("failed (pending)", stats["failed"]),
         ("dropped", stats["dropped"]),
-        ("oldest unpublished", f"{stats['oldestUnpublishedAt']} ({age:.0f}s ago)" if age is not None else None),
+        ("oldest pending", f"{stats['oldestPendingAt']} ({age:.0f}s ago)" if age is not None else None),
+        ("oldest quarantined", stats["oldestQuarantinedAt"]),
         ("max attempts", stats["maxAttemptsUnpublished"]),
         ("last published", stats["lastPublishedAt"]),
     ])

@@ -215,11 +215,11 @@ class Console:
             ["consumer", "ready", "unacked", "consumers", "dead letters", "last minute", "last hour", "newest receipt",
              "unresolved", "note"], rows, numeric={1, 2, 3, 4, 5, 6, 8}, raw={7, 9}) + "</section>")
         prows = [[p["producer"], p.get("unpublished"),
-                  _ago(p.get("oldestUnpublishedAgeSeconds"), p.get("oldestUnpublishedAt")), p.get("failed"),
+                  _ago(p.get("oldestPendingAgeSeconds"), p.get("oldestPendingAt")), p.get("failed"),
                   p.get("quarantined"), p.get("lastPublishedAt"), system.notes(p)] for p in shown["producers"]]
         if prows:
             parts.append("<section><h2>Producers</h2>" + _table(
-                ["producer", "unpublished", "oldest unpublished", "with errors", "quarantined", "last published",
+                ["producer", "unpublished", "oldest pending", "with errors", "quarantined", "last published",
                  "note"], prows, numeric={1, 3, 4}, raw={2}) + "</section>")
         parts.append(self._charts())
         parts.append(self._dead_letters(shown))

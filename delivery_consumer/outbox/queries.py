@@ -173,15 +173,17 @@ def describe_waiting(counts: Counter[str]) -> str:
 
 
 def stats(conn: sqlite3.Connection, *, now: float | None = None) -> Row:
-    """Counts by status and state, the oldest waiting row, the commonest
-    errors of pending rows and reasons of quarantined ones."""
+    """Counts by status and state, the oldest pending row (a quarantined row
+    waits for a person, not for dispatch: it has its own count and oldest),
+    the commonest errors of pending rows and reasons of quarantined ones."""
     now = time.time() if now is None else now
     now_s = now_iso(now)
     with _snapshot(conn):  # one snapshot for every read
-        total, published, quarantined, dropped, oldest, max_attempts, last_published = conn.execute(
+        total, published, quarantined, dropped, oldest, oldest_quarantined, max_attempts, last_published = conn.execute(
             "SELECT count(*), coalesce(sum(status = 'published'), 0), coalesce(sum(status = 'quarantined'), 0),"
             " coalesce(sum(status = 'dropped'), 0),"
-            " min(CASE WHEN status IN ('pending', 'quarantined') THEN created_at END),"
+            " min(CASE WHEN status = 'pending' THEN created_at END),"
+            " min(CASE WHEN status = 'quarantined' THEN quarantined_at END),"
             " coalesce(max(CASE WHEN status IN ('pending', 'quarantined') THEN attempts END), 0),"
             " max(published_at) FROM outbox",
         ).fetchone()
@@ -208,8 +210,9 @@ def stats(conn: sqlite3.Connection, *, now: float | None = None) -> Row:
         "failed": failed,
         "quarantined": quarantined,
         "dropped": dropped,
-        "oldestUnpublishedAt": oldest,
-        "oldestUnpublishedAgeSeconds": _age_s(oldest, now),
+        "oldestPendingAt": oldest,
+        "oldestPendingAgeSeconds": _age_s(oldest, now),
+        "oldestQuarantinedAt": oldest_quarantined,
         "maxAttemptsUnpublished": max_attempts,
         "lastPublishedAt": last_published,
         "errors": {error: n for error, n in errors},
