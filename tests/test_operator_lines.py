@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import orjson
 from deploykit import write_deployment
@@ -49,3 +50,55 @@ def test_a_quarantined_row_is_not_the_oldest_pending_one(tmp_path: Path) -> None
     age = re.search(r"^outbox_oldest_pending_age_seconds (\S+)$", page, re.M)
     assert age is not None and float(age.group(1)) < 3600, page
     assert "outbox_oldest_unpublished_age_seconds" not in page
+
+
+def test_a_dispatcher_waiting_for_confirms_says_so_once_and_says_when_they_came(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    """Confirms that do not come (a blackholed broker): one warning once the bound has passed, none
+    repeated while it lasts, and one line when the answer comes."""
+    import logging
+    import threading
+    from contextlib import closing
+
+    from outboxkit import Clock, FakePublisher, add, dispatcher, envelope
+
+    from delivery_consumer import outbox
+    from delivery_consumer.outbox import dispatcher as dispatch_module
+
+    monkeypatch.setattr(dispatch_module, "STALL_LOG_S", 0.05)
+    lines: list[str] = []
+    warned, release = threading.Event(), threading.Event()
+    marked: list[int] = []
+
+    class Lines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+            if "no answer from the broker" in record.getMessage():
+                warned.set()
+
+    class Stalled(FakePublisher):
+        def collect(self, ticket: Any) -> Any:
+            assert release.wait(60), "the test never released the confirms"
+            return super().collect(ticket)
+
+    handler = Lines()
+    logger = logging.getLogger("delivery_consumer.dispatch")
+    logger.addHandler(handler)
+    try:
+        def dispatch_one() -> None:  # its own thread: the test watches the log meanwhile
+            with closing(outbox.connect(tmp_path / "producer.db")) as conn:
+                add(conn, envelope("a-1"))
+                marked.append(dispatcher(conn, Stalled(), Clock()).step())
+
+        stepping = threading.Thread(target=dispatch_one)
+        stepping.start()
+        assert warned.wait(60), lines
+        release.set()
+        stepping.join()
+    finally:
+        logger.removeHandler(handler)
+    assert [1] == marked
+    stalls = [line for line in lines if "broker" in line]
+    assert 2 == len(stalls), lines
+    assert "the confirms of a batch of 1: no answer from the broker" in stalls[0]
+    assert "the confirms of a batch of 1: the broker's answer came after" in stalls[1]

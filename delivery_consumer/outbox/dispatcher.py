@@ -13,10 +13,11 @@ import os
 import secrets
 import socket
 import sqlite3
+import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Sequence
-from contextlib import suppress
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, Protocol
 
@@ -37,6 +38,34 @@ log = logging.getLogger("delivery_consumer.dispatch")
 PERMANENT: Final = frozenset({"returned", "unencodable"})
 #: How often (seconds of the dispatcher's clock) registered owners are checked for death.
 REAP_EVERY_S: Final = 1.0
+#: A connect or a batch's confirms waiting this long (seconds) is logged, once, and so is its end.
+STALL_LOG_S = 5.0
+
+
+@contextmanager
+def _logged_if_slow(what: str) -> Iterator[None]:
+    """Log once when the block has waited STALL_LOG_S for the broker, and again when it ends
+    (a blackholed or half-open broker is otherwise silent until the publisher's timeout)."""
+    started, lock, state = time.monotonic(), threading.Lock(), {"done": False, "warned": False}
+
+    def warn() -> None:
+        with lock:
+            if not state["done"]:
+                state["warned"] = True
+                log.warning("%s: no answer from the broker for %.0fs (stalled, or a half-open connection?)",
+                            what, time.monotonic() - started)
+
+    timer = threading.Timer(STALL_LOG_S, warn)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        with lock:
+            state["done"] = True
+        if state["warned"]:
+            log.warning("%s: the broker's answer came after %.1fs", what, time.monotonic() - started)
 
 
 class PublisherLike(Protocol):
@@ -377,7 +406,8 @@ class Dispatcher:
                 later, ticket = self._inflight.popleft()
                 self._settle(later, self.publisher.collect(ticket))
             try:
-                self.publisher.connect()
+                with _logged_if_slow("connecting"):
+                    self.publisher.connect()
             except BrokerUnavailable as exc:
                 self._outage(str(exc))
                 return 0
@@ -402,7 +432,8 @@ class Dispatcher:
             return 0
         rows, ticket = self._inflight[0]
         try:
-            results = self.publisher.collect(ticket)
+            with _logged_if_slow(f"the confirms of a batch of {len(rows)}"):
+                results = self.publisher.collect(ticket)
         except BaseException:
             self._abandon([])
             raise
