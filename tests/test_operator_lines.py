@@ -102,3 +102,20 @@ def test_a_dispatcher_waiting_for_confirms_says_so_once_and_says_when_they_came(
     assert 2 == len(stalls), lines
     assert "the confirms of a batch of 1: no answer from the broker" in stalls[0]
     assert "the confirms of a batch of 1: the broker's answer came after" in stalls[1]
+
+
+def test_run_against_a_refused_port_prints_the_error_alone(tmp_path: Path) -> None:
+    """``run --exit-when-idle`` that never reached the broker: exit 2 with the broker's error, and no
+    "exiting: 0 deliveries acked" line before it."""
+    import subprocess
+    import sys
+
+    from support import subprocess_env
+
+    done = subprocess.run([sys.executable, "-m", "delivery_consumer", "run", "--consumer", "catalog", "--db",
+                           str(tmp_path / "inbox.db"), "--amqp-url", "amqp://guest:guest@127.0.0.1:9/%2F",
+                           "--exit-when-idle", "1s"], env=subprocess_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert 2 == done.returncode, done.stderr
+    assert "exiting:" not in done.stderr and "deliveries acked" not in done.stderr, done.stderr
+    assert done.stderr.splitlines()[-1].startswith("delivery-consumer: broker unreachable"), done.stderr
