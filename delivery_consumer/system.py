@@ -27,6 +27,7 @@ from .durations import format as format_duration
 from .errors import DeliveryError
 from .inbox import ConsumerDB, inbox_rowid_before
 from .partitions import partition_of, partition_topology, unrouted_name
+from .plural import count as _count
 from .queries import NotFound, dict_rows, read_snapshot
 from .sqlite import now_iso
 from .topology import Topology
@@ -417,10 +418,6 @@ def notes(row: Row) -> str | None:
         return str(row["error"])
     found = [row[key] for key in ("note", "queueNote", "deadNote") if row.get(key)]
     return "; ".join(found) or None
-
-
-def _count(n: int, what: str) -> str:
-    return f"{n} {what}" + ("" if n == 1 else "s")
 
 
 def _total(values: list[Any]) -> int | None:

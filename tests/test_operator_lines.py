@@ -119,3 +119,35 @@ def test_run_against_a_refused_port_prints_the_error_alone(tmp_path: Path) -> No
     assert 2 == done.returncode, done.stderr
     assert "exiting:" not in done.stderr and "deliveries acked" not in done.stderr, done.stderr
     assert done.stderr.splitlines()[-1].startswith("delivery-consumer: broker unreachable"), done.stderr
+
+
+def test_counts_are_singular_for_one_and_plural_otherwise() -> None:
+    """plural.count, the CLI's one helper: "1 dead letter", "2 dead letters", "0 batches", "1 batch"."""
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    from delivery_consumer.plural import count
+
+    @given(st.integers(min_value=0, max_value=10**9), st.sampled_from(["dead letter", "row", "rejection"]))
+    def law(n: int, noun: str) -> None:
+        assert count(n, noun) == f"{n} {noun}" + ("" if n == 1 else "s")
+
+    law()
+    assert ("1 batch", "3 batches", "1 delivery", "0 deliveries") == (
+        count(1, "batch", "batches"), count(3, "batch", "batches"), count(1, "delivery", "deliveries"),
+        count(0, "delivery", "deliveries"))
+
+
+def test_a_dispatch_of_one_row_says_one_batch(tmp_path: Path) -> None:
+    """The dispatcher's exit line after one batch and no outage: "1 published in 1 batch", "0 broker outages"."""
+    from contextlib import closing
+
+    from outboxkit import Clock, FakePublisher, add, dispatcher, envelope
+
+    from delivery_consumer import outbox
+
+    with closing(outbox.connect(tmp_path / "producer.db")) as conn:
+        add(conn, envelope("a-1"))
+        d = dispatcher(conn, FakePublisher(), Clock())
+        assert 1 == d.step()
+    assert "1 published in 1 batch, 0 failed, 0 quarantined; 0 broker outages;" in d.stats.line()

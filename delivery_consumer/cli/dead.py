@@ -30,7 +30,7 @@ from ._common import (
     json_option,
     open_db,
 )
-from ._output import echo_table
+from ._output import count, echo_table
 from ._partitions import one_partition, one_partition_option
 
 
@@ -100,7 +100,7 @@ def dead_list(consumer: str, amqp_url: str, exchange: str, queue_prefix: str, pa
         echo_table(["code", "count"], list(snapshot.by_code().items()))
     shown = f", {len(letters)} shown" if code is not None else ""
     partial = "" if snapshot.complete else f"; incomplete: {snapshot.count_at_open} were there when reading began"
-    click.echo(f"{len(snapshot.letters)} dead letters in {snapshot.queue}{shown} "
+    click.echo(f"{count(len(snapshot.letters), 'dead letter')} in {snapshot.queue}{shown} "
                f"(read and given back in place{partial})", err=True)
 
 
@@ -202,7 +202,7 @@ def dead_purge(consumer: str, db_path: Path | None, amqp_url: str, exchange: str
             for letter, _msg in chosen:
                 by_code[letter.code] = by_code.get(letter.code, 0) + 1
             codes = ", ".join(f"{n} {c}" for c, n in sorted(by_code.items()))
-            click.echo(f"{len(chosen)} dead letters selected in {snapshot.queue}: {codes}", err=True)
+            click.echo(f"{count(len(chosen), 'dead letter')} selected in {snapshot.queue}: {codes}", err=True)
             if not click.confirm("Remove them for good?", default=False, err=True):
                 click.echo("nothing removed", err=True)
                 sys.exit(EXIT_REJECTED)

@@ -51,7 +51,7 @@ from ._common import (
     json_option,
     open_db,
 )
-from ._output import echo_record, echo_table
+from ._output import count, echo_record, echo_table
 from ._partitions import one_partition, one_partition_option
 
 
@@ -358,8 +358,8 @@ def inbox_prune(consumer: str | None, db_path: Path | None, amqp_url: str, excha
         if keep is not None:
             report.dead_letters = len(snapshot.letters)
             if reconciled:
-                report.notes.append(f"{reconciled} rejections resolved first: their dead letters had already left "
-                                    f"{snapshot.queue}")
+                report.notes.append(f"{count(reconciled, 'rejection')} resolved first: their dead letters had "
+                                    f"already left {snapshot.queue}")
     if as_json:
         emit_json(report.to_json())
         return
@@ -380,7 +380,7 @@ def _echo_prune(report: Any) -> None:
     click.echo(f"{report.consumer} ({report.database}): older than {format_duration(report.older_than_s)} "
                f"(before {report.cutoff}), redelivery horizon {format_duration(report.horizon_s)}")
     if report.dead_queue is not None:
-        click.echo(f"dead queue {report.dead_queue}: {report.dead_letters} dead letters, their receipts kept")
+        click.echo(f"dead queue {report.dead_queue}: {count(report.dead_letters, 'dead letter')}, their receipts kept")
     echo_record([
         ("receipts", f"{report.receipts} {verb}; kept: {report.kept_in_dead_queue} in the dead queue, "
                      f"{report.kept_unresolved} with an unresolved rejection"),
@@ -390,7 +390,7 @@ def _echo_prune(report: Any) -> None:
     for note in report.notes:
         click.echo(f"note: {note}")
     if not report.dry_run:
-        click.echo(f"{report.batches} transactions in {report.seconds:.3f}s", err=True)
+        click.echo(f"{count(report.batches, 'transaction')} in {report.seconds:.3f}s", err=True)
 
 
 # -- rejected --------------------------------------------------------------------

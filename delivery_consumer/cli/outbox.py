@@ -33,7 +33,7 @@ from ..errors import ConfigError
 from ..queries import NotFound
 from ._broker import amqp_options, topology_for
 from ._common import F, Fatal, db_option, emit_json, from_deployment, handle_errors, json_option, setup_logging
-from ._output import echo_record, echo_table
+from ._output import count, echo_record, echo_table
 from .inbox import Missing, limit_option
 
 log = logging.getLogger("delivery_consumer.dispatch")
@@ -286,7 +286,7 @@ def _acted(results: list[dict[str, Any]], as_json: bool) -> None:
     if missed:
         named = ", ".join(f"{r['eventId']}: {r['outcome']}" for r in missed[:3])
         more = f", and {len(missed) - 3} more" if len(missed) > 3 else ""
-        raise Missing(f"{len(missed)} of {len(results)} rows not acted on ({named}{more})")
+        raise Missing(f"{len(missed)} of {count(len(results), 'row')} not acted on ({named}{more})")
 
 
 @outbox.command("requeue")

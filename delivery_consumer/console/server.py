@@ -38,6 +38,7 @@ from ..consumers import open_db
 from ..deadletters import SharedReads
 from ..envelope import is_event_id
 from ..errors import DeliveryError
+from ..plural import count
 from ..queries import NotFound
 from ..topology import Topology
 from . import chart
@@ -404,11 +405,12 @@ class Console:
                          if k in ("consumer", "partition", "code", "event"))
         verb = "Requeue" if action == "requeue" else "Purge for good"
         where = consumer + (f"/{form['partition']}" if form.get("partition") else "")
-        body = (f"<p>{len(chosen)} dead letters of <b>{_e(where)}</b> selected ({_e(selection.describe())}) in "
+        letters = count(len(chosen), "dead letter")
+        body = (f"<p>{letters} of <b>{_e(where)}</b> selected ({_e(selection.describe())}) in "
                 f"{_e(snapshot.queue)}:</p>" + _table(["#", "code", "eventId", "reason"], rows, numeric={0})
                 + f'<form method="post" action="/dead/{action}">{hidden}'
                 f'<input type="hidden" name="csrf" value="{escape(self.token)}">'
-                f'<button id="confirm" {"disabled" if not chosen else ""}>{verb} {len(chosen)} dead letters</button>'
+                f'<button id="confirm" {"disabled" if not chosen else ""}>{verb} {letters}</button>'
                 ' <a href="/">cancel</a></form>')
         return HTTPStatus.OK, self.page(f"Confirm: {action}", body)
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple, Protocol
 from ..errors import DeliveryError, TransientError, safe_reason
 from ..faults import crashpoint
 from ..partitions import slot_headers
+from ..plural import count
 from ..retry import reconnect_delay_s
 from ..sqlite import now_iso, path_of
 from . import owners
@@ -173,8 +174,9 @@ class DispatchStats:
         span = self.last_mark - self.first_claim if self.batches else 0.0
         rate = f" ({self.published / span:.0f}/s)" if span > 0 and self.published else ""
         failed = ", ".join(f"{n} {k}" for k, n in sorted(self.results.items()) if k != "confirmed") or "0 failed"
-        return (f"{self.published} published in {self.batches} batches, {failed}, {self.quarantined} quarantined; "
-                f"{self.outages} broker outages; first claim to last mark {span:.3f}s{rate}")
+        return (f"{self.published} published in {count(self.batches, 'batch', 'batches')}, {failed}, "
+                f"{self.quarantined} quarantined; {count(self.outages, 'broker outage')}; first claim to last mark "
+                f"{span:.3f}s{rate}")
 
 
 #: One UPDATE for a whole batch: the seqs travel as one JSON array, which

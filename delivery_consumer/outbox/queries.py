@@ -25,6 +25,7 @@ from typing import Any, Final
 import orjson
 
 from ..errors import safe_reason
+from ..plural import count
 from ..queries import NotFound
 from ..sqlite import now_iso, path_of, rollback
 from .table import transaction
@@ -165,11 +166,11 @@ def waiting(conn: sqlite3.Connection, *, now: float | None = None) -> Counter[st
 
 
 def describe_waiting(counts: Counter[str]) -> str:
-    """``3 rows left: 1 quarantined, 2 retrying`` (for exit messages)."""
+    """``3 rows left: 1 quarantined, 2 retrying`` (for exit messages; ``1 row left: ...``)."""
     words = {"pending": "due now", "leased": "leased by another dispatcher", "retrying": "waiting for their backoff",
              "held": "held behind an earlier row of their article", "quarantined": "quarantined"}
     parts = ", ".join(f"{counts[k]} {words[k]}" for k in words if counts.get(k))
-    return f"{sum(counts.values())} rows left: {parts}"
+    return f"{count(sum(counts.values()), 'row')} left: {parts}"
 
 
 def stats(conn: sqlite3.Connection, *, now: float | None = None) -> Row:
