@@ -151,3 +151,14 @@ def test_a_dispatch_of_one_row_says_one_batch(tmp_path: Path) -> None:
         d = dispatcher(conn, FakePublisher(), Clock())
         assert 1 == d.step()
     assert "1 published in 1 batch, 0 failed, 0 quarantined; 0 broker outages;" in d.stats.line()
+
+
+def test_query_of_a_gigabyte_blob_ends_at_once_with_one_line(tmp_path: Path) -> None:
+    """``query --timeout 5s "SELECT randomblob(1000000000)"``: exit 2 with one line naming the size limit."""
+    from delivery_consumer import consumers
+
+    consumers.open_db(tmp_path / "inbox.db", "catalog", create=True).close()
+    result = cli(["query", "--db", str(tmp_path / "inbox.db"), "--timeout", "5s", "SELECT randomblob(1000000000)"])
+    assert 2 == result.exit_code
+    assert ["delivery-consumer: query stopped: it makes a value over 32 MB (the most a query may show)"] == \
+        result.stderr.splitlines()

@@ -426,15 +426,17 @@ def rejected_list(consumer: str | None, db_path: Path | None, as_json: bool, cod
 @click.command()
 @read_options()
 @click.option("--timeout", "timeout_s", default="10s", show_default=True, type=Duration(positive=True),
-              help="Stop the statement if it still runs after this long (exit 2).")
+              help="Stop the statement if it still runs, or its result is still being fetched, after this long "
+                   "(exit 2).")
 @click.argument("sql")
 @handle_errors
 def query(consumer: str | None, db_path: Path | None, as_json: bool, timeout_s: float, sql: str) -> None:
     """Run one read-only SQL statement (SELECT, WITH, EXPLAIN, reading PRAGMAs).
 
     The database is opened read-only with query_only set; writes, ATTACH,
-    transactions and several statements are refused, and a statement still
-    running after --timeout is stopped (exit 2). --json gives
+    transactions, several statements and functions such as fts3_tokenizer()
+    and load_extension() are refused; a statement still running after
+    --timeout, or whose result passes 32 MB, is stopped (exit 2). --json gives
     {"columns": [...], "rows": [[...], ...]}; BLOBs appear as X'..' literals.
     """
     with reading(consumer, db_path) as db:
