@@ -162,3 +162,26 @@ def test_query_of_a_gigabyte_blob_ends_at_once_with_one_line(tmp_path: Path) -> 
     assert 2 == result.exit_code
     assert ["delivery-consumer: query stopped: it makes a value over 32 MB (the most a query may show)"] == \
         result.stderr.splitlines()
+
+
+def test_outbox_list_orders_rows_as_its_help_says(tmp_path: Path) -> None:
+    """Waiting rows oldest first (the order they go out); dropped, published and all newest first --
+    and the help says exactly that."""
+    config = write_deployment(tmp_path, consumers=("catalog",))
+    ids = [_produce(config, f"a-{i}") for i in range(4)]
+    with sqlite3.connect(tmp_path / "producer.db") as conn:  # only a quarantined row may be dropped
+        conn.execute("UPDATE outbox SET status = 'quarantined', quarantined_at = created_at,"
+                     " quarantine_reason = 'test' WHERE event_id IN (?, ?)", (ids[0], ids[1]))
+    code, _out, err = with_config(config, "outbox", "drop", ids[0], ids[1], "--reason", "test")
+    assert 0 == code, err
+
+    def listed(state: str) -> list[str]:
+        code, out, err = with_config(config, "outbox", "list", "--state", state, "--json")
+        assert 0 == code, err
+        return [row["eventId"] for row in orjson.loads(out)]
+
+    assert [ids[2], ids[3]] == listed("pending") == listed("due")
+    assert [ids[1], ids[0]] == listed("dropped")
+    assert [ids[3], ids[2], ids[1], ids[0]] == listed("all")
+    code, out, _err = with_config(config, "outbox", "list", "--help")
+    assert "oldest first, the order they go out; published, dropped and all newest first" in " ".join(out.split())

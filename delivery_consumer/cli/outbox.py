@@ -183,7 +183,8 @@ def _cells(rows: list[dict[str, Any]], keys: list[str]) -> list[list[Any]]:
 @limit_option
 @handle_errors
 def outbox_list(db_path: Path, as_json: bool, state: str, limit: int) -> None:
-    """Rows; waiting states in the order they go out, others newest first.
+    """Rows: those that wait (every state but published, dropped and all)
+    oldest first, the order they go out; published, dropped and all newest first.
     DETAIL says why a row waits: leased by <owner> until <time>, held behind
     <eventId>, next attempt at <time>, or its quarantine reason."""
     with reading(db_path) as conn:

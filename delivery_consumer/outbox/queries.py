@@ -98,9 +98,10 @@ def _row(values: Sequence[Any], states: dict[int, tuple[str, str | None]]) -> Ro
 def list_rows(
     conn: sqlite3.Connection, *, state: str = "all", limit: int | None = 50, now: float | None = None
 ) -> list[Row]:
-    """Rows of the outbox. States that wait (everything but ``all`` and
-    ``published``) in creation order (the order they go out), ``published``
-    and ``all`` newest first."""
+    """Rows of the outbox. Rows that wait (``unpublished``, ``pending``,
+    ``due``, ``leased``, ``retrying``, ``held``, ``failed``, ``quarantined``)
+    oldest first, the order they go out; ``published``, ``dropped`` and
+    ``all`` newest first."""
     if state not in STATES:
         raise ValueError(f"unknown state {state!r}: one of {', '.join(STATES)}")
     now_s = now_iso(now)
@@ -109,7 +110,7 @@ def list_rows(
         "unpublished": ("status IN ('pending', 'quarantined')", "seq"),
         "failed": ("status IN ('pending', 'quarantined') AND attempts > 0", "seq"),
         "quarantined": ("status = 'quarantined'", "seq"),
-        "dropped": ("status = 'dropped'", "seq"),
+        "dropped": ("status = 'dropped'", "seq DESC"),
         "published": ("status = 'published'", "seq DESC"),
     }.get(state, ("status = 'pending'", "seq"))
     with _snapshot(conn):  # the states and the rows from one snapshot
