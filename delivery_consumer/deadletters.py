@@ -446,6 +446,63 @@ def resolve(db: ConsumerDB, queue: str, letters: Sequence[DeadLetter]) -> int:
     return done
 
 
+@dataclass
+class Resolved:
+    """What :func:`resolve_by_hand` did: rows resolved, rows left (with why), ids not found."""
+
+    resolved: list[int] = field(default_factory=list)
+    left: list[tuple[int, str]] = field(default_factory=list)
+    missing: list[int] = field(default_factory=list)
+    dry_run: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"resolved": self.resolved, "left": [{"id": i, "why": why} for i, why in self.left],
+                "missing": self.missing, "dryRun": self.dry_run}
+
+
+def resolve_by_hand(db: ConsumerDB, *, ids: Sequence[int] = (), before: str | None = None, code: str | None = None,
+                    dry_run: bool = False) -> Resolved:
+    """Mark unresolved rejections resolved: those of *ids*, or those rejected before *before* (ISO
+    time; with *code*, only that code). A person looked at them: ``status`` stops counting them and
+    ``inbox prune`` may remove them in due time.
+
+    A rejection whose copy went to a dead queue is left: its dead letter may still be requeued, and
+    ``dead requeue`` or ``dead purge`` resolves it (a copy already gone is reconciled by them).
+    Rejections recorded without a copy -- ``replay``'s, or a consumer's with dead-lettering off --
+    have nothing else that could resolve them.
+    """
+    if bool(ids) == (before is not None):
+        raise ValueError("choose the rejections by id, or by time (before)")
+    where, params = (("id IN (SELECT value FROM json_each(?))", [_json_ids(ids)]) if ids
+                     else ("rejected_at < ?", [before]))
+    if code is not None:
+        where, params = f"{where} AND code = ?", [*params, code]
+    rows = db.conn.execute(f"SELECT id, dead_letter, resolved_at FROM rejected WHERE {where} ORDER BY id",
+                           params).fetchall()
+    out = Resolved(dry_run=dry_run)
+    out.missing = sorted(set(ids) - {row[0] for row in rows})
+    chosen = []
+    for row_id, dead_letter, resolved_at in rows:
+        if resolved_at is not None:
+            if ids:
+                out.left.append((row_id, f"already resolved at {resolved_at}"))
+        elif dead_letter is not None:
+            out.left.append((row_id, f"its copy went to {dead_letter}: dead requeue or dead purge resolves it"))
+        else:
+            chosen.append(row_id)
+    if not dry_run:
+        for start in range(0, len(chosen), RESOLVE_BATCH):
+            with db.transaction() as tx:
+                tx.conn.executemany("UPDATE rejected SET resolved_at = ? WHERE id = ? AND resolved_at IS NULL",
+                                    [(tx.now, row_id) for row_id in chosen[start:start + RESOLVE_BATCH]])
+    out.resolved = chosen
+    return out
+
+
+def _json_ids(ids: Sequence[int]) -> str:
+    return "[" + ",".join(str(int(i)) for i in ids) + "]"
+
+
 #: A rejection must be this much older than the dead-queue read for
 #: :func:`reconcile` to consider it. ``run`` stamps the row after the copy's
 #: confirm, on the same host (the database is local), so any margin above the
@@ -588,6 +645,7 @@ __all__ = [
     "DeadLetter",
     "Item",
     "Report",
+    "Resolved",
     "Selection",
     "SharedReads",
     "Snapshot",
@@ -601,4 +659,5 @@ __all__ = [
     "requeue",
     "requeue_copy",
     "resolve",
+    "resolve_by_hand",
 ]

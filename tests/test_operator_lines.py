@@ -185,3 +185,36 @@ def test_outbox_list_orders_rows_as_its_help_says(tmp_path: Path) -> None:
     assert [ids[3], ids[2], ids[1], ids[0]] == listed("all")
     code, out, _err = with_config(config, "outbox", "list", "--help")
     assert "oldest first, the order they go out; published, dropped and all newest first" in " ".join(out.split())
+
+
+def test_a_replayed_rejection_can_be_resolved_and_status_turns_green(tmp_path: Path) -> None:
+    """replay records a rejection with no dead-letter copy: status --offline stays red until
+    ``rejected resolve ID``; a rejection whose copy went to a dead queue is left (exit 1, naming
+    dead requeue/purge), and --older-than 0s resolves the rest."""
+    config = write_deployment(tmp_path, consumers=("catalog",))
+    source = tmp_path / "events.ndjson"
+    source.write_text("{not json\n[]\n", encoding="utf-8")
+    code, out, err = with_config(config, "replay", "--consumer", "catalog", str(source))
+    assert 1 == code and "2 events: 2 rejected" in out, (out, err)
+    code, out, _err = with_config(config, "status", "--offline", "--json")
+    assert 1 == code and "2 unresolved rejections" in orjson.loads(out)["problems"][0]
+    code, out, _err = with_config(config, "rejected", "list", "--consumer", "catalog", "--json")
+    first, second = sorted(row["id"] for row in orjson.loads(out))
+    db = tmp_path / "state" / "catalog" / "inbox.db"
+    with sqlite3.connect(db) as conn:  # as run records one whose copy was dead-lettered
+        conn.execute("INSERT INTO rejected (code, reason, rejected_at, dead_letter) VALUES"
+                     " ('malformed-json', 'x', '2026-01-01T00:00:00.000Z', 'q.catalog.dead')")
+        (dead,) = conn.execute("SELECT max(id) FROM rejected").fetchone()
+
+    code, out, err = with_config(config, "rejected", "resolve", "--consumer", "catalog", str(first), str(dead))
+    assert 1 == code and f"left {dead}: its copy went to q.catalog.dead: dead requeue or dead purge" in out, out
+    assert out.startswith("resolved 1 rejection in ") and "1 rejection not resolved" in err, (out, err)
+    code, out, _err = with_config(config, "status", "--offline", "--json")
+    assert 1 == code and "2 unresolved rejections" in orjson.loads(out)["problems"][0]  # second, and dead
+
+    code, out, _err = with_config(config, "rejected", "resolve", "--consumer", "catalog", "--older-than", "0s")
+    assert 0 == code and out.startswith(f"resolved 1 rejection in {db}: {second}"), out
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE rejected SET resolved_at = rejected_at WHERE id = ?", (dead,))  # as dead purge would
+    code, out, _err = with_config(config, "status", "--offline")
+    assert 0 == code and out.rstrip().endswith("healthy"), out

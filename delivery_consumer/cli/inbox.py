@@ -420,6 +420,55 @@ def rejected_list(consumer: str | None, db_path: Path | None, as_json: bool, cod
     echo_table(keys, _columns(rows, keys), empty="no rejections")
 
 
+@rejected.command("resolve")
+@consumer_option()
+@db_option
+@one_partition_option
+@click.argument("ids", nargs=-1, type=click.IntRange(1))
+@click.option("--older-than", type=Duration(),
+              help="Instead of IDS: every unresolved rejection older than this (0s: all of them).")
+@click.option("--code", help="With --older-than: only this rejection code.")
+@click.option("--dry-run", is_flag=True, help="Say what would be resolved; change nothing.")
+@json_option
+@handle_errors
+def rejected_resolve(consumer: str | None, db_path: Path | None, partition: int | None, ids: tuple[int, ...],
+                     older_than: float | None, code: str | None, dry_run: bool, as_json: bool) -> None:
+    """Mark rejections resolved after looking at them (IDS from rejected list).
+
+    status counts unresolved rejections: one recorded without a dead-letter
+    copy (replay's, for one) has nothing else that could resolve it. One
+    whose copy went to a dead queue is left: dead requeue or dead purge
+    resolves it. Exit 1 when an id asked for is not found or is left.
+    """
+    import time
+
+    from .. import deadletters
+    from ..sqlite import now_iso
+
+    if bool(ids) == (older_than is not None):
+        raise click.UsageError("give the rejection IDS, or --older-than DURATION")
+    if code is not None and older_than is None:
+        raise click.UsageError("--code goes with --older-than")
+    db_path = one_partition(consumer, db_path, partition, "resolve its rejections")
+    with open_db(consumer, db_path) as db:
+        before = None if older_than is None else now_iso(time.time() - older_than)
+        done = deadletters.resolve_by_hand(db, ids=ids, before=before, code=code, dry_run=dry_run)
+        where = str(db.path)
+    if as_json:
+        emit_json(done.to_json())
+    else:
+        verb = "would resolve" if dry_run else "resolved"
+        click.echo(f"{verb} {count(len(done.resolved), 'rejection')} in {where}"
+                   + (f": {', '.join(map(str, done.resolved[:20]))}" + (" ..." if len(done.resolved) > 20 else "")
+                      if done.resolved else ""))
+        for row_id, why in done.left:
+            click.echo(f"left {row_id}: {why}")
+    if ids and (done.missing or done.left):
+        named = ", ".join(map(str, done.missing))
+        raise Missing(f"{count(len(done.missing) + len(done.left), 'rejection')} not resolved"
+                      + (f" (not found: {named})" if done.missing else ""))
+
+
 # -- query -----------------------------------------------------------------------
 
 
