@@ -39,8 +39,9 @@ def dead() -> None:
     """The consumer's dead-letter queue (<prefix>.<consumer>.dead).
 
     Every dead command holds the queue with an exclusive consumer while it
-    works, so a second one (or inbox prune) is refused until it ends; what
-    it does not remove returns to its place, also if it is killed.
+    works; a second one (or inbox prune, or a console's read) waits for it up
+    to 15 s, then is refused. What it does not remove returns to its place,
+    also if it is killed.
     """
 
 
