@@ -223,39 +223,44 @@ class Snapshot:
 BUSY_WAIT_S = 15.0
 
 
-def _open(dq: DeadQueue, prefetch: int, wait_s: float) -> None:
-    """Open *dq*, trying again while another reader holds the queue, up to *wait_s* seconds."""
+def _open(dq: DeadQueue, prefetch: int, wait_s: float, on_busy: Callable[[str], None] | None) -> None:
+    """Open *dq*, trying again while another reader holds the queue, up to *wait_s* seconds
+    (*on_busy* is told once, with the broker's refusal)."""
     deadline = time.monotonic() + wait_s
     pause = 0.05
+    told = False
     while True:
         try:
             dq.open(prefetch=prefetch)
             return
-        except QueueBusy:
+        except QueueBusy as exc:
             if time.monotonic() + pause > deadline:
                 raise
+            if on_busy is not None and not told:
+                told = True
+                on_busy(str(exc))
         time.sleep(pause)
         pause = min(pause * 2, 0.5)
 
 
 @contextmanager
-def reading(url: str, topology: Topology, *, max_messages: int | None = None,
-            wait_s: float = BUSY_WAIT_S) -> Iterator[tuple[DeadQueue, Snapshot]]:
+def reading(url: str, topology: Topology, *, max_messages: int | None = None, wait_s: float = BUSY_WAIT_S,
+            on_busy: Callable[[str], None] | None = None) -> Iterator[tuple[DeadQueue, Snapshot]]:
     """Hold the dead queue of *topology* for the block; everything not acked returns at the end.
 
     While another reader holds the queue, waits up to *wait_s* seconds for it
-    (then :class:`QueueBusy`)."""
+    (then :class:`QueueBusy`), telling *on_busy* once that it waits."""
     with DeadQueue(url, topology.dead_queue, name=f"delivery-consumer dead {topology.consumer}") as dq:
-        _open(dq, max_messages if max_messages is not None and max_messages <= 65535 else 0, wait_s)
+        _open(dq, max_messages if max_messages is not None and max_messages <= 65535 else 0, wait_s, on_busy)
         held = dq.read(max_messages)
         letters = [describe(i, msg) for i, msg in enumerate(held, 1)]
         yield dq, Snapshot(topology.dead_queue, letters, held, dq.count_at_open, dq.opened_at, dq.complete)
 
 
-def list_dead(url: str, topology: Topology, *, max_messages: int | None = None,
-              wait_s: float = BUSY_WAIT_S) -> Snapshot:
+def list_dead(url: str, topology: Topology, *, max_messages: int | None = None, wait_s: float = BUSY_WAIT_S,
+              on_busy: Callable[[str], None] | None = None) -> Snapshot:
     """Read the dead queue and give every message back, in place."""
-    with reading(url, topology, max_messages=max_messages, wait_s=wait_s) as (_dq, snapshot):
+    with reading(url, topology, max_messages=max_messages, wait_s=wait_s, on_busy=on_busy) as (_dq, snapshot):
         return snapshot
 
 

@@ -45,6 +45,13 @@ def dead() -> None:
     """
 
 
+def _waiting(refusal: str) -> None:
+    """Say once that the queue is held by another reader and the command waits for it."""
+    from ..deadletters import BUSY_WAIT_S
+
+    click.echo(f"delivery-consumer: {refusal.split(';')[0]}; waiting up to {BUSY_WAIT_S:g}s for it", err=True)
+
+
 def _selectors(fn: F) -> F:
     fn = click.option("--all", "select_all", is_flag=True, help="Every dead letter.")(fn)
     fn = click.option("--code", help="Dead letters with this code (see dead list).")(fn)
@@ -87,7 +94,7 @@ def dead_list(consumer: str, amqp_url: str, exchange: str, queue_prefix: str, pa
 
     one_partition(consumer, None, partition, "read its dead queue")
     topology = topology_for(consumer, exchange, queue_prefix, partition=partition)
-    snapshot = broker_call(list_dead, amqp_url, topology)
+    snapshot = broker_call(list_dead, amqp_url, topology, on_busy=_waiting)
     letters = [letter for letter in snapshot.letters if code is None or letter.code == code]
     if as_json:
         emit_json({"queue": snapshot.queue, "count": len(snapshot.letters), "complete": snapshot.complete,
@@ -158,7 +165,7 @@ def dead_requeue(consumer: str, db_path: Path | None, amqp_url: str, exchange: s
     topology = topology_for(consumer, exchange, queue_prefix, partition=partition)
     with ExitStack() as stack:
         db = stack.enter_context(open_db(consumer, db_path))
-        dq, snapshot = broker_call(stack.enter_context, deadletters.reading(amqp_url, topology))
+        dq, snapshot = broker_call(stack.enter_context, deadletters.reading(amqp_url, topology, on_busy=_waiting))
         report = broker_call(deadletters.requeue, db, dq, snapshot, topology, selection,
                               drop_applied=drop_applied, dry_run=dry_run)
     verb = "would requeue" if dry_run else "requeued"
@@ -196,7 +203,7 @@ def dead_purge(consumer: str, db_path: Path | None, amqp_url: str, exchange: str
             if db_path is not None or "no such database" not in exc.message:
                 raise
             click.echo(f"delivery-consumer: {exc.message}; the rejections will not be marked resolved", err=True)
-        dq, snapshot = broker_call(stack.enter_context, deadletters.reading(amqp_url, topology))
+        dq, snapshot = broker_call(stack.enter_context, deadletters.reading(amqp_url, topology, on_busy=_waiting))
         chosen = snapshot.select(selection)
         if chosen and not dry_run and not yes:
             by_code: dict[str, int] = {}
