@@ -99,6 +99,11 @@ CORE_MIGRATIONS: tuple[str, ...] = (
     """
     DROP INDEX inbox_received_at;
     """,
+    # The envelope's meta (correlationId, causationId, traceparent) as JSON,
+    # recorded with the receipt for trace. NULL when the event had none.
+    """
+    ALTER TABLE inbox ADD COLUMN meta TEXT;
+    """,
 )
 STORE_VERSION = len(CORE_MIGRATIONS)
 _CONSUMER_VERSION_KEY = "consumer_schema_version"
