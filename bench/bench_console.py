@@ -277,6 +277,7 @@ def main() -> None:
             runs["cold"].append(get(url))
             server.shutdown()  # type: ignore[attr-defined]
             runs["chart floor"].append(chart_floor(db, args.window))
+            warm.status.forget()  # a page built now, not the one shared for a few seconds
             runs["warm"].append(get(warm_url))
             runs["status floor"].append(status_floor(db))
         warm_server.shutdown()  # type: ignore[attr-defined]
