@@ -13,16 +13,18 @@ import os
 import secrets
 import socket
 import sqlite3
+import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Sequence
-from contextlib import suppress
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, Protocol
 
 from ..errors import DeliveryError, TransientError, safe_reason
 from ..faults import crashpoint
 from ..partitions import slot_headers
+from ..plural import count
 from ..retry import reconnect_delay_s
 from ..sqlite import now_iso, path_of
 from ..topology import H_PRODUCED_MS
@@ -38,6 +40,34 @@ log = logging.getLogger("delivery_consumer.dispatch")
 PERMANENT: Final = frozenset({"returned", "unencodable"})
 #: How often (seconds of the dispatcher's clock) registered owners are checked for death.
 REAP_EVERY_S: Final = 1.0
+#: A connect or a batch's confirms waiting this long (seconds) is logged, once, and so is its end.
+STALL_LOG_S = 5.0
+
+
+@contextmanager
+def _logged_if_slow(what: str) -> Iterator[None]:
+    """Log once when the block has waited STALL_LOG_S for the broker, and again when it ends
+    (a blackholed or half-open broker is otherwise silent until the publisher's timeout)."""
+    started, lock, state = time.monotonic(), threading.Lock(), {"done": False, "warned": False}
+
+    def warn() -> None:
+        with lock:
+            if not state["done"]:
+                state["warned"] = True
+                log.warning("%s: no answer from the broker for %.0fs (stalled, or a half-open connection?)",
+                            what, time.monotonic() - started)
+
+    timer = threading.Timer(STALL_LOG_S, warn)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        with lock:
+            state["done"] = True
+        if state["warned"]:
+            log.warning("%s: the broker's answer came after %.1fs", what, time.monotonic() - started)
 
 
 class PublisherLike(Protocol):
@@ -159,8 +189,9 @@ class DispatchStats:
         span = self.last_mark - self.first_claim if self.batches else 0.0
         rate = f" ({self.published / span:.0f}/s)" if span > 0 and self.published else ""
         failed = ", ".join(f"{n} {k}" for k, n in sorted(self.results.items()) if k != "confirmed") or "0 failed"
-        return (f"{self.published} published in {self.batches} batches, {failed}, {self.quarantined} quarantined; "
-                f"{self.outages} broker outages; first claim to last mark {span:.3f}s{rate}")
+        return (f"{self.published} published in {count(self.batches, 'batch', 'batches')}, {failed}, "
+                f"{self.quarantined} quarantined; {count(self.outages, 'broker outage')}; first claim to last mark "
+                f"{span:.3f}s{rate}")
 
 
 #: One UPDATE for a whole batch: the seqs travel as one JSON array, which
@@ -399,7 +430,8 @@ class Dispatcher:
                 later, ticket = self._inflight.popleft()
                 self._settle(later, self.publisher.collect(ticket))
             try:
-                self.publisher.connect()
+                with _logged_if_slow("connecting"):
+                    self.publisher.connect()
             except BrokerUnavailable as exc:
                 self._outage(str(exc))
                 return 0
@@ -423,7 +455,8 @@ class Dispatcher:
             if more:
                 self._send(more, OutMessage)
         try:
-            results = self.publisher.collect(ticket)
+            with _logged_if_slow(f"the confirms of a batch of {len(rows)}"):
+                results = self.publisher.collect(ticket)
         except BaseException:
             self._abandon([])
             raise

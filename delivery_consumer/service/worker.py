@@ -24,6 +24,7 @@ from ..envelope import KOMBU_COMPRESSION_HEADER, Envelope, body_digest, is_event
 from ..errors import DELIVERY_LIMIT, DeliveryError, Rejection, StoreOutage, StoreUnavailable
 from ..faults import crashpoint
 from ..inbox import ConsumerDB, InFlight, Transaction, apply_batch, has_receipt
+from ..plural import count
 from ..retry import RetryPolicy, attempts_done, reconnect_delay_s
 from ..topology import H_ATTEMPTS, H_DELIVERY_COUNT, H_PRODUCED_MS
 from .config import RunConfig
@@ -66,13 +67,17 @@ class Stats:
     #: perf_counter() of the first delivery handed over and of the last ack posted.
     first_delivery: float = 0.0
     last_ack: float = 0.0
+    #: Seconds with deliveries in hand (waiting or being applied), and since when now (None: idle).
+    busy_s: float = 0.0
+    busy_since: float | None = None
 
     def line(self) -> str:
         done = ", ".join(f"{n} {k}" for k, n in self.results.most_common()) or "nothing applied"
         span = self.last_ack - self.first_delivery if self.acked else 0.0
-        rate = f" ({self.acked / span:.0f}/s)" if span > 0 else ""
-        return (f"{self.acked} deliveries acked in {self.batches} batches: {done}; {self.retried} retried, "
-                f"{sum(self.dead_lettered.values())} dead-lettered; first delivery to last ack {span:.3f}s{rate}")
+        rate = f" ({self.acked / self.busy_s:.0f}/s)" if self.busy_s > 0 else ""  # idle time aside
+        return (f"{count(self.acked, 'delivery', 'deliveries')} acked in {count(self.batches, 'batch', 'batches')}: "
+                f"{done}; {self.retried} retried, {sum(self.dead_lettered.values())} dead-lettered; first delivery "
+                f"to last ack {span:.3f}s, {self.busy_s:.3f}s busy{rate}")
 
 
 
@@ -138,6 +143,8 @@ class Worker(threading.Thread):
     def deliver_all(self, deliveries: Sequence[Delivery]) -> None:
         if not self.stats.first_delivery:
             self.stats.first_delivery = time.perf_counter()
+        if self.stats.busy_since is None:
+            self.stats.busy_since = time.perf_counter()
         self.waiting.extend(deliveries)
 
     def deliver(self, delivery: Delivery) -> None:
@@ -437,7 +444,10 @@ class Worker(threading.Thread):
     def _settle(self, gen: int, items: list[Delivery], outcomes: list[Outcome]) -> None:
         assert self.io is not None
         self.io.ack(gen, items[-1].tag, multiple=True)
-        self.stats.last_ack = time.perf_counter()
+        self.stats.last_ack = now = time.perf_counter()
+        if self.stats.busy_since is not None:
+            self.stats.busy_s += now - self.stats.busy_since
+            self.stats.busy_since = now if self.waiting else None
         self.stats.acked += len(items)
         self.stats.batches += 1
         for outcome in outcomes:
