@@ -20,6 +20,7 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, Protocol
 
+from .. import tracing
 from ..errors import DeliveryError, TransientError, safe_reason
 from ..faults import crashpoint
 from ..partitions import slot_headers
@@ -392,7 +393,9 @@ class Dispatcher:
             exchange = self.config.exchange
             try:
                 ticket = self.publisher.send([OutMessage(routing_key=r.routing_key, body=r.body, exchange=exchange,
-                                                         message_id=r.event_id, headers=slot_headers(r.ordering_key))
+                                                         message_id=r.event_id,
+                                                         headers=tracing.message_headers(
+                                                             slot_headers(r.ordering_key), r.body))
                                               for r in rows])
             except BaseException:
                 self._abandon(rows)

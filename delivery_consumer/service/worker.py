@@ -15,6 +15,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from .. import tracing
 from ..amqp.consumer import Delivery
 from ..amqp.publisher import OutMessage
 from ..contract import DeliveryMark, Outcome, WorkHooks
@@ -281,9 +282,11 @@ class Worker(threading.Thread):
         given). False when the rest of the batch must not go on (its channel
         was given up, the process is stopping)."""
         started = time.perf_counter()
+        trace = tracing.batch(self.config.consumer, self.config.partition)
         gen = items[0].generation
         isolated = crashes is not None
         parsed = [self._parse(d) for d in items]
+        trace.parsed(items, parsed)
         if crashes is not None and crashes >= self.config.max_crashes:
             answered = self._until_stored(gen, lambda: self._answered(parsed[0]), wrote=False)
             if answered is None:
@@ -294,12 +297,14 @@ class Worker(threading.Thread):
         if outcomes is None:
             return False
         self.stats.last_commit = time.time()
+        trace.committed(outcomes)
         crashpoint("after-commit")
         self.observer.batch_committed(outcomes, time.perf_counter() - started, self.stats.last_commit)
         copies = [c for c in (self.copies.for_outcome(d, o) for d, o in zip(items, outcomes, strict=True)) if c]
         if copies and not self._publish_copies(gen, copies):
             return False
         self._settle(gen, items, outcomes)
+        trace.end()
         return True
 
     def _answered(self, parsed: Envelope | Rejection) -> bool:
@@ -383,6 +388,7 @@ class Worker(threading.Thread):
                                        2 if outcome.status.startswith("duplicate:") else 1),
                 )
             in_flight.clear(tx)
+            tracing.mark_commit()
             crashpoint("before-commit")
 
         # Rejections are recorded once their dead-letter copy is confirmed (_publish_copies).
