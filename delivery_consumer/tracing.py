@@ -51,6 +51,8 @@ log = logging.getLogger("delivery_consumer.tracing")
 #: the file named by :data:`FILE_ENV` (one span a line; any process may append).
 JSONL_EXPORTER: Final = "jsonl"
 FILE_ENV: Final = "DELIVERY_TRACES_FILE"
+#: ``spans`` (default): one span per event; ``links``: each event a link of its batch's span.
+EVENTS_ENV: Final = "DELIVERY_TRACE_EVENTS"
 #: The W3C header names (AMQP headers and HTTP headers alike).
 TRACEPARENT: Final = "traceparent"
 TRACESTATE: Final = "tracestate"
@@ -59,6 +61,8 @@ _API: Final = "opentelemetry.trace"
 _SCOPE: Final = "delivery_consumer"
 
 _installed: bool | None = None
+#: Events as links of the batch span rather than spans (:func:`events_as_links`).
+_links_only = False
 #: A provider given with :func:`set_provider` (else the global one).
 _provider: Any = None
 _local = threading.local()
@@ -121,15 +125,19 @@ def configure() -> bool:
     try:
         from opentelemetry import trace
         from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace import SpanLimits, TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
     except ImportError:
         log.warning("OTEL_TRACES_EXPORTER is set but opentelemetry-sdk is not installed: tracing is off")
         return False
     if not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
         return True  # the host process set its own
+    links = os.environ.get(EVENTS_ENV, "spans").strip().lower() == "links"
+    events_as_links(links)
+    # a batch span links each of its events (run's --batch is at most 10k); an explicit limit wins
+    limits = SpanLimits(max_links=None if "OTEL_SPAN_LINK_COUNT_LIMIT" in os.environ or not links else 10_000)
     provider = TracerProvider(resource=Resource.create({"service.name": os.environ.get(
-        "OTEL_SERVICE_NAME", "delivery-consumer")}))
+        "OTEL_SERVICE_NAME", "delivery-consumer")}), span_limits=limits)
     for name in names:
         if name == JSONL_EXPORTER:
             path = os.environ.get(FILE_ENV)
@@ -321,9 +329,21 @@ class Batch(NoBatch):
         base: dict[str, Any] = {"delivery_consumer.consumer": self._consumer}
         if self._partition is not None:
             base["delivery_consumer.partition"] = self._partition
+        remote: dict[str, Any] = {}  # a producer's request often enqueues several events
         for d, p in zip(items, parsed, strict=True):
             traceparent = parent_traceparent(d.headers, p)
-            context = None if traceparent is None else _remote(api, traceparent, _header(d.headers, TRACESTATE))
+            if traceparent is None:
+                context = None
+            elif traceparent.endswith(("0", "2", "4", "6", "8", "a", "c", "e")):
+                self._events.append(None)  # the producer's trace is not sampled: no span to record
+                continue
+            else:
+                context = remote.get(traceparent)
+                if context is None:
+                    context = remote[traceparent] = _remote(api, traceparent, _header(d.headers, TRACESTATE))
+            if _links_only:
+                self._events.append((traceparent, attempts_done(d.headers) + 1, p.event_id))
+                continue
             attributes = dict(base)
             attributes["delivery_consumer.attempt"] = attempts_done(d.headers) + 1
             if d.redelivered:
@@ -352,12 +372,17 @@ class Batch(NoBatch):
         if abandoned:
             span.set_attribute("delivery_consumer.batch.abandoned", True)
             span.set_status(api.Status(api.StatusCode.ERROR, "abandoned before its ack"))
+        if _links_only:
+            self._link_events(span, api)
         for span_of_event, outcome in zip(self._events, self._outcomes, strict=False):
+            if span_of_event is None or isinstance(span_of_event, tuple):
+                continue
             span_of_event.set_attribute("delivery_consumer.result", outcome.status)
             if outcome.rejection is not None:
                 span_of_event.set_status(api.Status(api.StatusCode.ERROR, outcome.rejection.code))
         for span_of_event in self._events:
-            span_of_event.end(now)
+            if span_of_event is not None and not isinstance(span_of_event, tuple):
+                span_of_event.end(now)
         parent = api.set_span_in_context(span)
         parsed = self._parsed or now
         committed = self._committed or now
@@ -377,6 +402,32 @@ class Batch(NoBatch):
             for status, n in counts.items():
                 span.set_attribute(f"delivery_consumer.results.{status}", n)
         span.end(now)
+
+
+    def _link_events(self, span: Any, api: Any) -> None:
+        """Links mode: each event a link of the batch span to its producer's context."""
+        for noted, outcome in zip(self._events, self._outcomes, strict=False):
+            if noted is None:
+                continue
+            traceparent, attempt, event_id = noted
+            attributes: dict[str, Any] = {"delivery_consumer.attempt": attempt,
+                                          "delivery_consumer.result": outcome.status}
+            if event_id is not None:
+                attributes["messaging.message.id"] = event_id
+            if traceparent is None:
+                span.add_link(api.INVALID_SPAN_CONTEXT, attributes)  # kept: it has attributes
+            else:
+                span.add_link(api.SpanContext(int(traceparent[3:35], 16), int(traceparent[36:52], 16), True,
+                                              api.TraceFlags(int(traceparent[53:55], 16))), attributes)
+
+
+def events_as_links(enabled: bool) -> None:
+    """Record each event of a batch as a link of the batch span (to its
+    producer's context, with the result and attempt) instead of a span of
+    its own: a fraction of the cost, but the events' work is then not in the
+    producers' traces. ``DELIVERY_TRACE_EVENTS=links`` for :func:`configure`."""
+    global _links_only
+    _links_only = enabled
 
 
 def batch(consumer: str, partition: Identity | None = None) -> NoBatch:
@@ -463,6 +514,7 @@ def external_call(step: str, key: str, env: Envelope) -> _NoCall | _Call:
 
 
 __all__ = [
+    "EVENTS_ENV",
     "FILE_ENV",
     "JSONL_EXPORTER",
     "NO_BATCH",
@@ -472,6 +524,7 @@ __all__ = [
     "NoBatch",
     "batch",
     "configure",
+    "events_as_links",
     "external_call",
     "flush",
     "http_headers",

@@ -261,3 +261,37 @@ print("ok")
                           env={"PATH": "/usr/bin:/bin", "OTEL_TRACES_EXPORTER": "console"})
     assert "ok" == done.stdout.strip(), done.stderr
     assert "opentelemetry-sdk is not installed" in done.stderr
+
+
+def test_events_as_links_put_each_event_on_the_batch_span(tmp_path: Path, spans: InMemorySpanExporter) -> None:
+    """In links mode an event is no span: the batch span links to its producer's
+    context with the event's id, attempt and result."""
+    worker, _io = make_worker(tmp_path)
+    with producer_tracer().start_as_current_span("request") as request:
+        traced = new_event(article_id="a-1", meta={"traceparent": traceparent(request)})
+    plain = new_event(article_id="a-2")
+    tracing.events_as_links(True)
+    try:
+        worker.process([delivery(1, body(traced)), delivery(2, body(plain))])
+    finally:
+        tracing.events_as_links(False)
+    named = by_name(spans)
+    assert not [name for name in named if " apply" in name]
+    (batch,) = named["catalog batch"]
+    links = {link.attributes["messaging.message.id"]: link for link in batch.links}
+    assert {traced["eventId"], plain["eventId"]} == set(links)
+    first = links[traced["eventId"]]
+    assert request.get_span_context().span_id == first.context.span_id
+    assert ("updated", 1) == (first.attributes["delivery_consumer.result"],
+                              first.attributes["delivery_consumer.attempt"])
+    assert not links[plain["eventId"]].context.is_valid
+
+
+def test_an_event_of_an_unsampled_producer_trace_gets_no_span(tmp_path: Path, spans: InMemorySpanExporter) -> None:
+    """A producer context whose sampled flag is off gives no event span; the batch span is still there."""
+    worker, _io = make_worker(tmp_path)
+    unsampled = "00-" + "c" * 32 + "-" + "d" * 16 + "-00"
+    worker.process([delivery(1, body(new_event(meta={"traceparent": unsampled})))])
+    named = by_name(spans)
+    assert "catalog batch" in named
+    assert not [name for name in named if " apply" in name]
