@@ -145,14 +145,20 @@ def configure() -> bool:
                 log.warning("OTEL_TRACES_EXPORTER=jsonl needs %s (the file to append spans to)", FILE_ENV)
                 continue
             out = open(path, "a", encoding="utf-8")  # noqa: SIM115 -- open for the process's life
-            exporter = ConsoleSpanExporter(out=out, formatter=lambda span: span.to_json(indent=None) + "\n")
-            provider.add_span_processor(SimpleSpanProcessor(exporter))  # written at once: survives a kill -9
+            lines = ConsoleSpanExporter(out=out, formatter=lambda span: span.to_json(indent=None) + "\n")
+            provider.add_span_processor(SimpleSpanProcessor(lines))  # written at once: survives a kill -9
             continue
-        factory = _exporter_factory(name)
-        if factory is None:
+        try:
+            factory = _exporter_factory(name)
+            exporter = None if factory is None else factory()
+        except Exception as exc:  # an exporter's own configuration error: one line, no traceback
+            log.warning("OTEL_TRACES_EXPORTER: exporter %r cannot start (%s: %s); skipped", name,
+                        type(exc).__name__, exc)
+            continue
+        if exporter is None:
             log.warning("OTEL_TRACES_EXPORTER: no exporter named %r is installed; skipped", name)
             continue
-        provider.add_span_processor(BatchSpanProcessor(factory()))
+        provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
     atexit.register(provider.shutdown)
     return True

@@ -295,3 +295,20 @@ def test_an_event_of_an_unsampled_producer_trace_gets_no_span(tmp_path: Path, sp
     named = by_name(spans)
     assert "catalog batch" in named
     assert not [name for name in named if " apply" in name]
+
+
+def test_a_partitioned_runs_spans_name_the_partition(spans: InMemorySpanExporter) -> None:
+    """The batch span and each event span carry the partition of the run."""
+    from delivery_consumer.contract import Outcome
+    from delivery_consumer.partitions import Identity
+
+    event = new_event(article_id="a-1")
+    trace_of_batch = tracing.batch("catalog", Identity(3, 8))
+    trace_of_batch.parsed([delivery(1, body(event))], [from_mapping(event)])
+    trace_of_batch.committed([Outcome(event["eventId"], result="updated")])
+    trace_of_batch.end()
+    named = by_name(spans)
+    (batch,) = named["catalog batch"]
+    (applied,) = named["catalog apply material.published"]
+    assert 3 == batch.attributes["delivery_consumer.partition"] == applied.attributes["delivery_consumer.partition"]
+    assert 1 == batch.attributes["delivery_consumer.results.updated"]
