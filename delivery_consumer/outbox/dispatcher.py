@@ -21,6 +21,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, Protocol
 
+from .. import tracing
 from ..errors import DeliveryError, TransientError, safe_reason
 from ..faults import crashpoint
 from ..partitions import slot_headers
@@ -496,7 +497,7 @@ class Dispatcher:
         headers = slot_headers(row.ordering_key)
         if row.produced_ms is not None:
             headers[H_PRODUCED_MS] = row.produced_ms
-        return headers
+        return tracing.message_headers(headers, row.body) or headers
 
     def _abandon(self, rows: list[Claimed]) -> None:
         """The publisher failed for good (BrokerFatal, an interrupt): give up

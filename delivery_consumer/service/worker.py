@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol, TypeVar
 
+from .. import tracing
 from ..amqp.consumer import Delivery
 from ..amqp.publisher import OutMessage
 from ..contract import DeliveryMark, Outcome, WorkHooks
@@ -318,9 +319,11 @@ class Worker(threading.Thread):
         given). False when the rest of the batch must not go on (its channel
         was given up, the process is stopping)."""
         started = time.perf_counter()
+        trace = tracing.batch(self.config.consumer, self.config.partition)
         gen = items[0].generation
         isolated = crashes is not None
         parsed = [self._parse(d) for d in items]
+        trace.parsed(items, parsed)
         if crashes is not None and crashes >= self.config.max_crashes:
             answered = self._until_stored(gen, lambda: self._answered(parsed[0]), wrote=False)
             if answered is None:
@@ -331,6 +334,7 @@ class Worker(threading.Thread):
         if outcomes is None:
             return False
         self.stats.last_commit = time.time()
+        trace.committed(outcomes)
         crashpoint("after-commit")
         self.observer.batch_committed(outcomes, time.perf_counter() - started, self.stats.last_commit)
         if self.observer.wants_ages:
@@ -339,6 +343,7 @@ class Worker(threading.Thread):
         if copies and not self._publish_copies(gen, copies):
             return False
         self._settle(gen, items, outcomes)
+        trace.end()
         return True
 
     def _answered(self, parsed: Envelope | Rejection) -> bool:
@@ -422,6 +427,7 @@ class Worker(threading.Thread):
                                        2 if outcome.status.startswith("duplicate:") else 1),
                 )
             in_flight.clear(tx)
+            tracing.mark_commit()
             crashpoint("before-commit")
 
         # Rejections are recorded once their dead-letter copy is confirmed (_publish_copies).
