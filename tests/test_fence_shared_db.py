@@ -13,6 +13,7 @@ import sys
 import uuid
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import orjson
 from support import read_rows, subprocess_env
@@ -43,7 +44,7 @@ notifier.close()
 """
 
 
-def _events() -> list[dict[str, object]]:
+def _events() -> list[dict[str, Any]]:
     out = []
     for r in range(1, REVISIONS + 1):
         for a in range(ARTICLES):
@@ -81,7 +82,7 @@ def test_two_processes_on_one_webhook_database_call_each_key_once(tmp_path: Path
         assert revisions[-1] == REVISIONS, (article, revisions)
     fences = {row[0]: row for row in read_rows(db, "fence", "event_id, state, provider_id, article_id, revision")}
     done = {(row[3], row[4]) for row in fences.values() if row[1] == "done"}
-    revision_of = {str(e["eventId"]): (str(e["articleId"]), int(e["revision"])) for e in events}  # type: ignore[call-overload]
+    revision_of = {str(e["eventId"]): (str(e["articleId"]), int(e["revision"])) for e in events}
     receipts = dict(read_rows(db, "inbox", "event_id, result"))
     assert len(receipts) == len(events)
     for event_id, result in receipts.items():

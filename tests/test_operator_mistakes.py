@@ -64,7 +64,8 @@ def _stopped_with_one_line(proc: RunProcess, words: str) -> str:
         raise AssertionError(f"run did not stop after the mistake:\n{proc.output()[1][-3000:]}") from None
     err = proc.output()[1]
     assert proc.returncode == 2, err[-3000:]
-    assert len([line for line in err.splitlines() if words in line and "delivery-consumer:" in line]) == 1, err[-3000:]
+    said = [line for line in err.splitlines() if words in line]
+    assert len(said) == 1 and said[0].startswith("delivery-consumer: "), err[-3000:]
     return err
 
 
