@@ -21,6 +21,7 @@ import fcntl
 import os
 import time
 from collections.abc import Callable
+from contextlib import suppress
 from pathlib import Path
 
 from .errors import DatabaseError, DatabaseInUse, DatabaseLost, StoreUnavailable
@@ -73,7 +74,10 @@ class _FileLock:
             try:
                 self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             except OSError as exc:
-                raise DatabaseError(f"{self.path}: cannot open the lock file: {exc.strerror}") from None
+                try:  # a read-only file or disk: an flock needs no write access
+                    self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+                except OSError:
+                    raise DatabaseError(f"{self.path}: cannot open the lock file: {exc.strerror}") from None
         return self._fd
 
     def _locked(self, blocking: bool, shared: bool = False) -> bool:
@@ -122,8 +126,9 @@ class WriterLock(_FileLock):
         if not self._locked(blocking=False, shared=shared):
             return False
         fd = self._open()
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{pid} {what}\n".encode(), 0)
+        with suppress(OSError):  # who holds it is for messages only (a full or read-only disk)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{pid} {what}\n".encode(), 0)
         return True
 
     def holder(self) -> str:

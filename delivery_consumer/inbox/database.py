@@ -17,7 +17,7 @@ from pathlib import Path
 from .. import __version__, sqlite
 from ..contract import ConsumerSpec
 from ..dbfile import FileGuard, SerialLock
-from ..errors import DatabaseError, WrongDatabase, safe_reason
+from ..errors import DatabaseError, StoreUnavailable, WrongDatabase, safe_reason
 from ..partitions import Identity, identity_from_meta
 from ..sqlite import DEFAULT_BUSY_TIMEOUT_MS, now_iso
 from .apply import Transaction
@@ -412,11 +412,12 @@ class ConsumerDB:
         self.conn.set_progress_handler(over_time, 10_000)
         try:
             rows = self.conn.execute("PRAGMA quick_check(3)").fetchall()
-        except sqlite3.OperationalError as exc:
+        except sqlite3.Error as exc:
             if over_time():
                 return False
-            problems = [str(exc)]
-        except sqlite3.DatabaseError as exc:
+            error = sqlite.translate(exc, self.path)
+            if isinstance(error, StoreUnavailable):  # the disk's fault (I/O, busy): not a damaged file
+                raise error from None
             problems = [str(exc)]
         else:
             problems = [line for row in rows for line in str(row[0]).splitlines()
