@@ -53,7 +53,7 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from brokerkit import Namespace, RunProcess, session_processes, wait_session_gone
-from support import read_rows
+from support import count_rows, read_rows
 from webhook_server import WebhookServer
 
 from delivery_consumer.topology import DEFAULT_URL
@@ -66,11 +66,15 @@ def _db_files(db: Path) -> list[Path]:
     return [db, Path(f"{db}-wal"), Path(f"{db}-shm")]
 
 
-def delete_the_database(proc: RunProcess, db: Path, backup: Path) -> bool:
+def delete_the_database(proc: RunProcess, db: Path, backup: Path) -> bool | None:
     """Freeze the run, back its database up as it is, delete it, let the run go on:
     True when it stopped by itself with one line (or, idle with nothing to commit,
-    was still running and is stopped by SIGTERM); the backup is then put back."""
+    was still running and is stopped by SIGTERM); the backup is then put back.
+    None when there was no database yet (the run still running)."""
     os.killpg(proc.pid, signal.SIGSTOP)
+    if not db.exists():  # not created yet: nothing to delete; the run is stopped as usual
+        os.killpg(proc.pid, signal.SIGCONT)
+        return None
     shutil.rmtree(backup, ignore_errors=True)
     backup.mkdir()
     for f in _db_files(db)[:2]:
@@ -87,6 +91,9 @@ def delete_the_database(proc: RunProcess, db: Path, backup: Path) -> bool:
     err = proc.communicate()[1]
     lines = [line for line in err.splitlines() if "was deleted while in use" in line]
     good = (proc.returncode == 2 and len(lines) == 1) or proc.returncode == 0
+    how = {2: "stopped by itself, exit 2", 0: "idle (nothing committed since), stopped by SIGTERM"}
+    print(f"  database deleted under run: {how.get(proc.returncode, f'exit {proc.returncode}')}; backup restored "
+          f"({count_rows(backup / db.name, 'inbox')} receipts)")
     if not good:
         print(f"  delete the database: exit {proc.returncode}, {len(lines)} lines saying so:\n{err[-1500:]}")
     for f in _db_files(db):
@@ -150,10 +157,13 @@ def chaos(ns: Namespace, consumer: str, n: int, rounds: int, rng: random.Random)
             action = rng.choice(ACTIONS + MISTAKES)
             actions[action] += 1
             if action == "delete the database":
-                mistakes_wrong += not delete_the_database(proc, ns.db(consumer), ns.workdir / "backup")
-                continue
-            if action == "start a second run":
-                mistakes_wrong += not start_a_second_run(ns, consumer, env, proc)
+                handled = delete_the_database(proc, ns.db(consumer), ns.workdir / "backup")
+                if handled is not None:
+                    mistakes_wrong += not handled
+                    continue
+            if action in MISTAKES:  # then the run is stopped as usual
+                if action == "start a second run":
+                    mistakes_wrong += not start_a_second_run(ns, consumer, env, proc)
                 action = rng.choice(ACTIONS)
                 actions[action] += 1
             if action == "kill -9 main PID":
