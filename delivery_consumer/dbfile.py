@@ -47,13 +47,15 @@ class FileGuard:
             st = os.stat(self.path)
         except OSError as exc:
             if exc.errno in (errno.ENOENT, errno.ENOTDIR):
-                raise DatabaseLost(f"{self.path}: the database file was deleted while in use; stopped, "
-                                   f"nothing acknowledged since (restore it from a backup; docs/failures.md)") from None
+                raise DatabaseLost(f"{self.path}: the database file was deleted while in use; stopped: nothing "
+                                   f"written since is acknowledged or published (restore a backup; see "
+                                   f"docs/failures.md)") from None
             raise StoreUnavailable(f"{self.path}: cannot look at the database file: {exc.strerror}",
                                    code="io-error") from None
         if (st.st_dev, st.st_ino) != self.identity:
-            raise DatabaseLost(f"{self.path}: the database file was replaced while in use; stopped, nothing "
-                               f"acknowledged since (start again on the new file if it is meant; docs/failures.md)")
+            raise DatabaseLost(f"{self.path}: the database file was replaced while in use; stopped: nothing "
+                               f"written since is acknowledged or published (start again if the new file is meant; "
+                               f"see docs/failures.md)")
 
 
 def lock_path(db_path: Path | str) -> Path:
