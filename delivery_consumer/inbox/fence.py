@@ -171,8 +171,19 @@ def apply_fenced(
     completing transaction clears the note. Raises StoreUnavailable when the
     database as a whole failed before any call (the caller retries the
     batch); once calls were made, their answers are kept and the completion
-    waits for the database (``hooks.wait_for_store``).
+    waits for the database (``hooks.wait_for_store``). One process at a time
+    runs the three steps on a database (:meth:`ConsumerDB.serial`): two
+    processes that reach one database never call one key twice, nor an older
+    revision after a newer one.
     """
+    with db.serial():
+        return _apply_fenced(db, parsed, marks, step, hooks)
+
+
+def _apply_fenced(
+    db: ConsumerDB, parsed: Sequence[Envelope | Rejection], marks: Sequence[DeliveryMark], step: ExternalStep,
+    hooks: WorkHooks,
+) -> list[Outcome]:
     answers = _claim_all(db, parsed, step)
     plans = [answer for answer in answers.values() if isinstance(answer, _Plan)]
     plans.sort(key=lambda plan: plan.index)

@@ -22,7 +22,7 @@ from ..amqp.publisher import OutMessage
 from ..contract import DeliveryMark, Outcome, WorkHooks
 from ..deliveries import Observer, delivery_key
 from ..envelope import KOMBU_COMPRESSION_HEADER, Envelope, body_digest, is_event_id, parse
-from ..errors import DELIVERY_LIMIT, DeliveryError, Rejection, StoreOutage, StoreUnavailable
+from ..errors import DELIVERY_LIMIT, DatabaseLost, DeliveryError, Rejection, StoreOutage, StoreUnavailable
 from ..faults import crashpoint
 from ..inbox import ConsumerDB, InFlight, Transaction, apply_batch, has_receipt
 from ..plural import count
@@ -176,7 +176,8 @@ class Worker(threading.Thread):
             self._loop()
         except BaseException as exc:  # a fatal database error or a bug: stop the service
             self.error = exc
-            log.error("worker stopped: %s: %s", type(exc).__name__, exc)
+            if not isinstance(exc, DatabaseLost):  # its one line is run's last (the CLI's)
+                log.error("worker stopped: %s: %s", type(exc).__name__, exc)
         finally:
             self.close()
 
