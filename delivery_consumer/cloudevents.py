@@ -19,20 +19,25 @@ The mapping (the contract; docs/cloudevents.md): ``type`` -> ``type``,
 event is then validated and fingerprinted as the envelope it maps to.
 
 Pure functions: no broker, no SDK; the type's shape comes from a lookup.
+:func:`parse_message` is the one parse path of a message (``run``, dead
+letters, ``reroute``, ``replay``): a CloudEvent is mapped, anything else is
+an envelope; both end in the declared types' ``from_mapping``.
 """
 
 from __future__ import annotations
 
 import re
-import uuid
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
-from typing import Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import orjson
 
-from .envelope import is_event_id
+from .envelope import MAX_BODY_BYTES, Envelope, decode_body, is_event_id, parse
 from .errors import INVALID_ENVELOPE, MALFORMED_JSON, UNKNOWN_TYPE, Rejection, safe_reason
+
+if TYPE_CHECKING:
+    from .event_types import EventTypes
 
 #: ``content-type`` of an event in structured mode (JSON event format).
 STRUCTURED_CONTENT_TYPE: Final = "application/cloudevents+json"
@@ -47,14 +52,15 @@ _SPECVERSION: Final = "1.0"
 
 
 class TypeShape(Protocol):
-    """What the mapping needs to know of a declared event type."""
+    """What the mapping needs to know of a declared event type (an
+    :class:`~delivery_consumer.event_types.EventType` is one)."""
 
     @property
     def key(self) -> str:
         """The envelope field that names the entity (``orderId``)."""
 
     @property
-    def revisioned(self) -> bool:
+    def revision(self) -> bool:
         """Whether the type's envelopes carry a ``revision``."""
 
 
@@ -66,6 +72,8 @@ def event_id_for(source: str, event_id: str) -> str:
     """The eventId a CloudEvent's ``id`` maps to (stable, and distinct across sources)."""
     if is_event_id(event_id):
         return event_id
+    import uuid  # not at the top: start-up time counts (bench/bench_replay.py), and most ids are UUIDs
+
     return str(uuid.uuid5(uuid.NAMESPACE_URL, f"{source}\n{event_id}"))
 
 
@@ -161,12 +169,55 @@ def _map(attributes: Mapping[str, Any], types: TypeLookup) -> dict[str, Any]:
         "occurredAt": _occurred_at(attributes.get("time"), event_id),
         "data": attributes.get("data"),
     }
-    if shape.revisioned:
+    if shape.revision:
         envelope["revision"] = _revision(attributes.get("revision"), type_name, event_id)
     meta = {field: attributes[name] for name, field in META_EXTENSIONS.items() if attributes.get(name) is not None}
     if meta:
         envelope["meta"] = meta
     return envelope
+
+
+_SPECVERSION_NAME: Final = b'"specversion"'
+
+
+def parse_message(
+    body: bytes,
+    *,
+    content_type: str | None = None,
+    headers: Mapping[str, Any] | None = None,
+    content_encoding: str | None = None,
+    compression: object = None,
+    max_bytes: int = MAX_BODY_BYTES,
+    types: EventTypes | None = None,
+) -> Envelope:
+    """A message's :class:`~delivery_consumer.envelope.Envelope`, or raise Rejection.
+
+    A CloudEvent (by its properties: :func:`is_cloudevent`; or, for a body
+    read without properties, a JSON object with ``specversion``) is mapped
+    with the declared *types* and validated and fingerprinted as the
+    envelope it maps to; any other body goes to
+    :func:`delivery_consumer.envelope.parse`. *content_encoding*,
+    *compression* and *max_bytes* apply to the body as there.
+    """
+    if types is None:
+        from .event_types import default_types  # event_types imports envelope, which this module imports
+
+        types = default_types()
+    if is_cloudevent(content_type, headers):
+        if content_encoding is not None or compression is not None:
+            body = decode_body(body, content_encoding, compression=compression, max_bytes=max_bytes)
+        elif len(body) > max_bytes:
+            raise Rejection(INVALID_ENVELOPE, f"body is {len(body)} bytes, over the limit of {max_bytes}")
+        return types.from_mapping(from_message(body, content_type, headers, types.get))
+    if content_encoding is None and compression is None and _SPECVERSION_NAME in body and len(body) <= max_bytes:
+        # No envelope has this field: a structured CloudEvent read without its properties (a file).
+        try:
+            obj = _load(body, "the body")
+        except Rejection:
+            obj = None  # envelope.parse names what is wrong with it
+        if isinstance(obj, dict) and looks_structured(obj):
+            return types.from_mapping(from_structured(obj, types.get))
+    return parse(body, max_bytes=max_bytes, content_encoding=content_encoding, compression=compression, types=types)
 
 
 def _event_id_or_none(attributes: Mapping[str, Any]) -> str | None:
@@ -209,6 +260,7 @@ def _revision(value: object, type_name: str, event_id: str) -> int:
 
 
 def _load(body: bytes, what: str) -> Any:
+    """The one place the mapping decodes JSON (a stricter decoder goes here)."""
     try:
         return orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -232,4 +284,5 @@ __all__ = [
     "is_cloudevent",
     "looks_structured",
     "media_type",
+    "parse_message",
 ]

@@ -175,8 +175,9 @@ def reroute(url: str, base: Topology, *, dry_run: bool = False) -> list[Rerouted
     """
     from .amqp.dead_queue import DeadQueue  # (amqp imports pika)
     from .amqp.publisher import OutMessage
+    from .cloudevents import parse_message
     from .consumers import find
-    from .envelope import KOMBU_COMPRESSION_HEADER, MAX_BODY_BYTES, parse
+    from .envelope import KOMBU_COMPRESSION_HEADER, MAX_BODY_BYTES
     from .errors import Rejection
 
     spec = find(base.consumer)  # its event types: the key of each body
@@ -186,10 +187,11 @@ def reroute(url: str, base: Topology, *, dry_run: bool = False) -> list[Rerouted
         queue.open()
         for msg in queue.read():
             try:
-                env = parse(msg.body, max_bytes=max(len(msg.body) + 1, MAX_BODY_BYTES),
-                            content_encoding=msg.content_encoding,
-                            compression=msg.headers.get(KOMBU_COMPRESSION_HEADER),
-                            types=spec.event_types if spec is not None else None)
+                env = parse_message(msg.body, max_bytes=max(len(msg.body) + 1, MAX_BODY_BYTES),
+                                    content_type=msg.content_type, headers=msg.headers,
+                                    content_encoding=msg.content_encoding,
+                                    compression=msg.headers.get(KOMBU_COMPRESSION_HEADER),
+                                    types=spec.event_types if spec is not None else None)
             except Rejection as rej:
                 done.append(Rerouted(rej.event_id or msg.message_id, f"left: {rej.code}"))
                 continue

@@ -24,7 +24,7 @@ from delivery_consumer.errors import INVALID_ENVELOPE, MALFORMED_JSON, UNKNOWN_T
 @dataclass(frozen=True)
 class Shape:
     key: str
-    revisioned: bool
+    revision: bool
 
 
 TYPES = {"order.placed": Shape("orderId", True), "order.noted": Shape("orderId", False)}
