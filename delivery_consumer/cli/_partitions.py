@@ -7,8 +7,8 @@ from pathlib import Path
 import click
 
 from ..errors import ConfigError, DeliveryError
-from ..partition_store import partition_db, partitioned_paths, stored_identity
-from ..partitions import SLOT_COUNT, Identity, check_partition
+from ..partition_store import partition_db, partitioned_paths
+from ..partitions import SLOT_COUNT, Identity
 from ._common import F, Fatal, deployment
 
 
@@ -25,21 +25,12 @@ def partition_options(fn: F) -> F:
 def partition_identity(consumer: str, partition: int | None, count: int | None, db: Path | None) -> Identity | None:
     """The partition a command serves, its count read from its database when
     not given; None for an unpartitioned consumer. Exits 2 with one line."""
-    if partition is None:
-        if count is not None:
-            raise Fatal("--partitions needs --partition K (the partition this command serves)")
-        return None
-    path = partition_db(consumer, partition, db)
+    from ..service.launch import partition_identity as identity
+
     try:
-        stored = stored_identity(path)
-        if count is None:
-            if stored is None:
-                raise Fatal(f"{path}: no partition database yet; give --partitions N to create it")
-            count = stored.count
-        check_partition(partition, count)
+        return identity(consumer, partition, count, db)
     except ConfigError as exc:
         raise Fatal(str(exc)) from None
-    return Identity(partition, count)
 
 
 def one_partition_option(fn: F) -> F:
