@@ -126,13 +126,27 @@ class EventType:
         return schema
 
 
+#: Compiled validators by their schema's canonical JSON: types that share a
+#: schema (order.placed and order.changed) share one compilation.
+_COMPILED: dict[bytes, Callable[[Any], Any]] = {}
+
+
 def _compile(schema: Mapping[str, Any], name: str = "") -> Callable[[Any], Any]:
-    # use_default=False: a "default" in a user's schema must never change an
-    # envelope after its fingerprint was taken.
     try:
-        return fastjsonschema.compile(dict(schema), formats={"date-time": is_rfc3339}, use_default=False)
-    except fastjsonschema.JsonSchemaDefinitionException as exc:
-        raise ConfigError(f"event type {name}: its schema is not valid JSON Schema: {exc}") from None
+        key = orjson.dumps({k: v for k, v in schema.items() if k != "title"}, option=orjson.OPT_SORT_KEYS)
+    except TypeError:  # not JSON: fastjsonschema says what is wrong
+        key = b""
+    validate = _COMPILED.get(key) if key else None
+    if validate is None:
+        # use_default=False: a "default" in a user's schema must never change
+        # an envelope after its fingerprint was taken.
+        try:
+            validate = fastjsonschema.compile(dict(schema), formats={"date-time": is_rfc3339}, use_default=False)
+        except fastjsonschema.JsonSchemaDefinitionException as exc:
+            raise ConfigError(f"event type {name}: its schema is not valid JSON Schema: {exc}") from None
+        if key:
+            _COMPILED[key] = validate
+    return validate
 
 
 def _pattern(regex: str) -> Callable[[str], re.Match[str] | None]:
