@@ -20,7 +20,7 @@ from .. import consumers
 from ..errors import ConfigError, DeliveryError, StoreOutage
 from ..partition_store import partition_db, stored_identity
 from ..partitions import Identity, check_partition
-from ..topology import DEFAULT_URL
+from ..topology import DEFAULT_URL, Topology
 
 if TYPE_CHECKING:
     from ..contract import ConsumerSpec
@@ -43,21 +43,39 @@ def checked_spec(consumer: str, consumer_options: dict[str, Any]) -> ConsumerSpe
     return spec
 
 
-def partition_identity(consumer: str, partition: int | None, count: int | None, db: Path | None) -> Identity | None:
-    """The partition a run serves, its count read from its database when not
-    given; None for an unpartitioned consumer. ConfigError in one line."""
+def partition_identity(consumer: str, partition: int | None, count: int | None, db: Path | None,
+                       broker: tuple[str, Topology] | None = None) -> Identity | None:
+    """The partition a run serves, its count read from its database when
+    not given, else (a first start) from the count the *broker* (url, the
+    consumer's topology) records; None for an unpartitioned consumer.
+    ConfigError in one line."""
     if partition is None:
         if count is not None:
-            raise ConfigError("--partitions needs --partition K (the partition this command serves)")
+            raise ConfigError("partitions needs partition (the partition this run serves)")
         return None
     path = partition_db(consumer, partition, db)
     stored = stored_identity(path)
     if count is None:
-        if stored is None:
-            raise ConfigError(f"{path}: no partition database yet; give --partitions N to create it")
-        count = stored.count
+        count = stored.count if stored is not None else _broker_count(path, broker)
     check_partition(partition, count)
     return Identity(partition, count)
+
+
+def _broker_count(path: Path, broker: tuple[str, Topology] | None) -> int:
+    from ..amqp.connection import BrokerError  # (amqp imports pika)
+    from ..partitions import recorded_count
+
+    count = None
+    if broker is not None:
+        try:
+            count = recorded_count(*broker)
+        except BrokerError as exc:
+            raise ConfigError(f"{path}: no partition database yet, and the broker cannot tell the count ({exc}); "
+                              "give partitions=N") from None
+    if count is None:
+        raise ConfigError(f"{path}: no partition database yet, and the broker records no partition count: "
+                          "give partitions=N to create it")
+    return count
 
 
 def run_consumer(consumer: str, url: str = DEFAULT_URL, db: str | Path | None = None, *,
@@ -91,9 +109,10 @@ def run_consumer(consumer: str, url: str = DEFAULT_URL, db: str | Path | None = 
         db_path = Path(db) if db is not None else None
         config = RunConfig(
             consumer=consumer, url=url,
-            db_path=partition_db(consumer, partition, db_path) if partition is not None else db_path,
-            partition=partition_identity(consumer, partition, partitions, db_path), **options,
+            db_path=partition_db(consumer, partition, db_path) if partition is not None else db_path, **options,
         )
+        config.partition = partition_identity(consumer, partition, partitions, db_path,
+                                              broker=(url, config.topology()))
         return run(config)
     except StoreOutage as exc:
         log.error("delivery-consumer: %s", exc)
