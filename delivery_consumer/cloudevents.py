@@ -93,12 +93,15 @@ def binary_attributes(headers: Mapping[str, Any] | None) -> dict[str, Any]:
     return found
 
 
+_SPECVERSION_HEADERS: Final = frozenset(f"{prefix}specversion".lower() for prefix in HEADER_PREFIXES)
+
+
 def is_cloudevent(content_type: str | None, headers: Mapping[str, Any] | None) -> bool:
     """Whether a message is a CloudEvent in either mode (cheap: looks at properties only)."""
-    media = media_type(content_type)
-    if media in (STRUCTURED_CONTENT_TYPE, _BATCH_CONTENT_TYPE):
+    if content_type and media_type(content_type) in (STRUCTURED_CONTENT_TYPE, _BATCH_CONTENT_TYPE):
         return True
-    return bool(headers) and "specversion" in binary_attributes(headers)
+    # On every delivery: one lowercase per header, no loop over the prefixes.
+    return headers is not None and any(len(name) <= 23 and name.lower() in _SPECVERSION_HEADERS for name in headers)
 
 
 def looks_structured(obj: Mapping[str, Any]) -> bool:
@@ -203,7 +206,7 @@ def parse_message(
         from .event_types import default_types  # event_types imports envelope, which this module imports
 
         types = default_types()
-    if is_cloudevent(content_type, headers):
+    if (content_type is not None or headers) and is_cloudevent(content_type, headers):
         if content_encoding is not None or compression is not None:
             body = decode_body(body, content_encoding, compression=compression, max_bytes=max_bytes)
         elif len(body) > max_bytes:

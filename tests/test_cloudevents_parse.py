@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from support import cli, json_lines, read_rows
 
 from delivery_consumer import envelope
-from delivery_consumer.cloudevents import event_id_for, parse_message
+from delivery_consumer.cloudevents import binary_attributes, event_id_for, is_cloudevent, media_type, parse_message
 from delivery_consumer.errors import INVALID_ENVELOPE, Rejection
 
 TYPES = orders_consumer.TYPES
@@ -119,3 +119,18 @@ def test_replay_applies_a_file_of_structured_cloudevents_once(tmp_path: Path) ->
     assert again[:2] == ["duplicate:updated"] * 2
     assert read_rows(db, "orders", "order_id, revision, status") == [("order-1", 2, "paid")]
     assert any("attribute subject is missing" in reason for (reason,) in read_rows(db, "rejected", "reason"))
+
+
+header_names = st.one_of(st.text(max_size=30), st.sampled_from(
+    ["ce-specversion", "CE-SpecVersion", "cloudEvents:specversion", "cloudEvents_specversion", "ce-id",
+     "cloudEvents_specversionx", "x-ce-specversion", "specversion", "compression"]))
+
+
+@given(headers=st.dictionaries(header_names, st.just("1.0"), max_size=6),
+       content_type=st.sampled_from([None, "", "application/json", "application/cloudevents+json; charset=utf-8",
+                                     "Application/CloudEvents-Batch+JSON", "text/plain"]))
+def test_a_message_is_a_cloudevent_when_its_properties_say_so(headers: dict[str, str],
+                                                              content_type: str | None) -> None:
+    """is_cloudevent is true exactly for a structured content type or a specversion attribute under a prefix."""
+    structured = media_type(content_type) in ("application/cloudevents+json", "application/cloudevents-batch+json")
+    assert is_cloudevent(content_type, headers) == (structured or "specversion" in binary_attributes(headers))
