@@ -98,10 +98,15 @@ _SPECVERSION_HEADERS: Final = frozenset(f"{prefix}specversion".lower() for prefi
 
 def is_cloudevent(content_type: str | None, headers: Mapping[str, Any] | None) -> bool:
     """Whether a message is a CloudEvent in either mode (cheap: looks at properties only)."""
-    if content_type and media_type(content_type) in (STRUCTURED_CONTENT_TYPE, _BATCH_CONTENT_TYPE):
+    # On every delivery: a substring test, then one lowercase per header (no loop over the prefixes).
+    if content_type and "cloudevents" in content_type.lower() \
+            and media_type(content_type) in (STRUCTURED_CONTENT_TYPE, _BATCH_CONTENT_TYPE):
         return True
-    # On every delivery: one lowercase per header, no loop over the prefixes.
-    return headers is not None and any(len(name) <= 23 and name.lower() in _SPECVERSION_HEADERS for name in headers)
+    if headers:
+        for name in headers:
+            if len(name) <= 23 and name.lower() in _SPECVERSION_HEADERS:
+                return True
+    return False
 
 
 def looks_structured(obj: Mapping[str, Any]) -> bool:
