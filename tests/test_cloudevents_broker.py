@@ -17,9 +17,11 @@ from cloudevents.core.bindings import amqp as ce_amqp
 from cloudevents.core.bindings import rabbitmq as ce_rabbitmq
 from cloudevents.core.formats.json import JSONFormat
 from cloudevents.core.v1.event import CloudEvent
-from support import read_rows
+from partitionkit import Cluster
+from support import read_rows, wait_until
 
 from delivery_consumer.cloudevents import event_id_for
+from delivery_consumer.partitions import partition_of
 from delivery_consumer.topology import H_ERROR_CODE, H_ERROR_REASON
 
 pytestmark = pytest.mark.broker
@@ -129,3 +131,37 @@ def test_sdk_cloudevents_in_both_modes_are_applied_exactly_once(ns: Namespace) -
     unknown = ns.cli("trace", "--consumer", "orders", "--db", str(inbox), "--ce-source", "/elsewhere",
                      "order-1-r1")
     assert 1 == unknown.returncode, unknown.stdout + unknown.stderr
+
+
+def test_cloudevents_without_slot_headers_are_rerouted_by_their_subject(ns: Namespace) -> None:
+    """A partitioned consumer: CloudEvents from a producer that sets no slot headers wait in unrouted;
+    reroute finds each one's key in its subject (binary and structured), and each partition applies its own."""
+    cluster = Cluster(ns, "orders", 2)
+    cluster.declare()
+    try:
+        sent = [("rabbitmq-binary", event(f"order-{i}-r1", f"order-{i}", 1, "placed", i)) for i in range(4)]
+        sent += [("amqp-structured", event(f"order-{i}-r2", f"order-{i}", 2, "paid", i)) for i in range(4)]
+        conn, ch = ns.channel()
+        try:
+            ch.confirm_delivery()
+            for mode, ce in sent:
+                body, props = amqp_message(mode, ce)
+                ch.basic_publish(ns.exchange, ce.get_type(), body, props, mandatory=True)
+        finally:
+            conn.close()
+        unrouted = f"{ns.prefix}.orders.unrouted"
+        wait_until("the CloudEvents in unrouted", lambda: ns.count(unrouted) == len(sent), 30)
+
+        moved = ns.cli("reroute", "--consumer", "orders")
+        assert moved.returncode == 0, moved.stderr
+        assert sorted(moved.stdout.split()) == sorted(["rerouted"] * len(sent) + [
+            event_id_for(SOURCE, ce.get_id()) for _, ce in sent])
+        for k in range(2):
+            cluster.start(k)
+        wait_until("every CloudEvent applied", lambda: cluster.receipts() == len(sent), 60, cluster.procs)
+        for k in range(2):
+            rows = read_rows(cluster.db(k), "orders", "order_id, revision, status")
+            assert rows == [(f"order-{i}", 2, "paid") for i in range(4) if partition_of(f"order-{i}", 2) == k]
+    finally:
+        cluster.stop()
+        cluster.delete()
