@@ -134,3 +134,14 @@ def test_a_message_is_a_cloudevent_when_its_properties_say_so(headers: dict[str,
     """is_cloudevent is true exactly for a structured content type or a specversion attribute under a prefix."""
     structured = media_type(content_type) in ("application/cloudevents+json", "application/cloudevents-batch+json")
     assert is_cloudevent(content_type, headers) == (structured or "specversion" in binary_attributes(headers))
+
+
+def test_a_cloudevent_sent_again_from_another_trace_is_the_same_event() -> None:
+    """The tracing extensions become meta, recorded but outside the fingerprint: only the fact counts."""
+    first = parse_message(orjson.dumps(structured("x-1", "o-1", 1, correlationid="req-1")),
+                          content_type="application/cloudevents+json", types=TYPES)
+    again = parse_message(orjson.dumps(structured("x-1", "o-1", 1, traceparent="00-4bf92f3577b34da6a3ce929d0e0e4736"
+                                                                   "-00f067aa0ba902b7-01")),
+                          content_type="application/cloudevents+json", types=TYPES)
+    assert first.meta == {"correlationId": "req-1"} and again.meta is not None and "traceparent" in again.meta
+    assert (first.event_id, first.fingerprint) == (again.event_id, again.fingerprint)
