@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
+from .. import tracing
 from ..contract import DeliveryMark, Outcome, WorkHooks
 from ..envelope import Envelope
 from ..errors import OUTCOME_UNKNOWN, REVISION_CONFLICT, DeliveryError, Rejection, StoreUnavailable, TransientError
@@ -315,7 +316,9 @@ def _call_all(db: ConsumerDB, plans: list[_Plan], step: ExternalStep, hooks: Wor
         elif note is not None:
             _until_stored(hooks, partial(note.mark, [delivery]))
         noted = note is not None
-        plan.result = step.call(Call(plan.key, plan.payload, plan.env))
+        with tracing.external_call(step.name, plan.key, plan.env) as traced:
+            plan.result = step.call(Call(plan.key, plan.payload, plan.env))
+            traced(plan.result)
         crashpoint("webhook-after-call")
         failure = plan.result.failure
         if plan.result.stop and isinstance(failure, TransientError):

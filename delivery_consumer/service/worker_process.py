@@ -14,7 +14,7 @@ from contextlib import suppress
 from multiprocessing.connection import Connection
 from types import FrameType
 
-from .. import faults
+from .. import faults, tracing
 from ..amqp.connection import BrokerUnavailable
 from ..amqp.publisher import OutMessage
 from ..deliveries import ObserverFactory
@@ -150,6 +150,7 @@ def worker_main(config: RunConfig, conn: Connection, parent_end: Connection,
     # The parent's end of the pipe came with the fork: held here, it would keep
     # the pipe open after the parent's death and recv() would never end.
     parent_end.close()
+    tracing.configure()  # OTEL_TRACES_EXPORTER set and opentelemetry-sdk installed: trace this process
     # The parent coordinates stopping (it gets SIGTERM/SIGINT and tells us);
     # a Ctrl-C to the whole process group must not kill a transaction.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -200,7 +201,9 @@ def worker_main(config: RunConfig, conn: Connection, parent_end: Connection,
             if worker.in_flight is not None:  # leaving on purpose: not a crash of what is under way
                 forget_in_flight(worker.in_flight.db.path, worker.in_flight.owner)
             os._exit(1)  # like a crash: SQLite rolls back what was not committed
-    log.info("exiting: %s", worker.stats.line())
+    if worker.live_generation or worker.stats.acked:  # never connected: the error alone says it
+        log.info("exiting: %s", worker.stats.line())
+    tracing.flush()  # this process ends with os._exit: no atexit
     if worker.error is not None:
         error = worker.error
         text = str(error) if isinstance(error, DeliveryError) else f"worker failed: {type(error).__name__}: {error}"
