@@ -120,6 +120,11 @@ def test_replay_applies_a_file_of_structured_cloudevents_once(tmp_path: Path) ->
     assert read_rows(db, "orders", "order_id, revision, status") == [("order-1", 2, "paid")]
     assert any("attribute subject is missing" in reason for (reason,) in read_rows(db, "rejected", "reason"))
 
+    traced = cli(["trace", "--consumer", "orders", "--db", str(db), "--ce-source", SOURCE, "order-1-r2"])
+    assert traced.exit_code == 0 and event_id_for(SOURCE, "order-1-r2") in traced.stdout
+    assert cli(["trace", "--consumer", "orders", "--db", str(db), "--ce-source", SOURCE]).exit_code == 2
+    assert cli(["trace", "--consumer", "orders", "--db", str(db), "order-1-r2"]).exit_code == 2  # not a UUID
+
 
 header_names = st.one_of(st.text(max_size=30), st.sampled_from(
     ["ce-specversion", "CE-SpecVersion", "cloudEvents:specversion", "cloudEvents_specversion", "ce-id",
