@@ -217,13 +217,14 @@ def _types_of(base: Topology) -> Any:
 
 def _key_of(msg: Any, types: Any) -> tuple[str | None, str | None, str | None]:
     """``(eventId, partition key, why there is none)`` of a held message, from its body."""
-    from .envelope import KOMBU_COMPRESSION_HEADER, MAX_BODY_BYTES, parse
+    from .cloudevents import parse_message
+    from .envelope import KOMBU_COMPRESSION_HEADER, MAX_BODY_BYTES
     from .errors import Rejection
 
     try:
-        env = parse(msg.body, max_bytes=max(len(msg.body) + 1, MAX_BODY_BYTES),
-                    content_encoding=msg.content_encoding, compression=msg.headers.get(KOMBU_COMPRESSION_HEADER),
-                    types=types)
+        env = parse_message(msg.body, max_bytes=max(len(msg.body) + 1, MAX_BODY_BYTES),
+                            content_type=msg.content_type, headers=msg.headers, content_encoding=msg.content_encoding,
+                            compression=msg.headers.get(KOMBU_COMPRESSION_HEADER), types=types)
     except Rejection as rej:
         return rej.event_id or msg.message_id, None, rej.code
     return env.event_id, env.key, None

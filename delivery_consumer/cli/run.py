@@ -15,19 +15,15 @@ from typing import Any
 
 import click
 
-from .. import consumers
 from ..durations import Duration
 from ..envelope import MAX_BODY_BYTES
 from ..partition_store import partition_db
 from ..partitions import explain
+from ..service.launch import EXIT_TEMPFAIL, checked_spec
 from ..topology import DEFAULT_DELIVERY_LIMIT, Topology
 from ._broker import RETRY_DELAYS, amqp_options, topology_for
 from ._common import F, Fatal, consumer_option, db_option, deployment, from_deployment, handle_errors, setup_logging
 from ._partitions import partition_identity, partition_options
-
-#: run's exit status when the database stayed unusable past --store-outage-limit
-#: (sysexits' EX_TEMPFAIL): unlike 2, worth a restart by a supervisor.
-EXIT_TEMPFAIL = 75
 
 
 def external_options(fn: F) -> F:
@@ -156,10 +152,8 @@ def run(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue
     from ..service.run import run as run_consumer
 
     setup_logging(log_level, log_format, consumer)
-    spec = consumers.get(consumer)  # unknown consumer: one line, exit 2
+    checked_spec(consumer, consumer_options)  # unknown consumer, no --webhook-url...: one line, exit 2
     db_path, partitions, metrics_port = _file_partition(consumer, db_path, partition, partitions, metrics_port)
-    if spec.external is not None:
-        spec.external(consumer_options)  # e.g. no --webhook-url: one line, exit 2
     if batch > prefetch:
         raise click.BadParameter(f"--batch {batch} cannot fill with --prefetch {prefetch}; raise --prefetch",
                                  param_hint="--batch")

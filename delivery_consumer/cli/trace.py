@@ -30,18 +30,28 @@ from .inbox import Missing, find_first, read_options, reading_all
               help="Without EVENT_ID: every event of this article across the deployment, by revision. "
                    "With --consumer catalog: show this article beside the event.")
 @click.option("--offline", is_flag=True, help="Do not read the dead queues from the broker.")
-@click.argument("event_id", required=False, type=EVENT_ID)
+@click.option("--ce-source", metavar="SOURCE",
+              help="EVENT_ID is the id of a CloudEvent from SOURCE (its source attribute): trace the eventId it "
+                   "maps to.")
+@click.argument("event_id", required=False)
 @click.pass_context
 @handle_errors
 def trace(ctx: click.Context, consumer: str | None, db_path: Path | None, as_json: bool, article_id: str | None,
-          offline: bool, event_id: str | None) -> None:
+          offline: bool, ce_source: str | None, event_id: str | None) -> None:
     """Everything known about EVENT_ID: the producer's outbox row, then each
     consumer's receipt, deliveries, rejections and dead letter, and a one-line
     verdict per consumer (needs a deployment file).
 
     With --consumer or --db: what that one database knows (the receipt,
     deliveries, rejections, effect rows). An id nobody knows: exit 1.
+
+    With --ce-source SOURCE: EVENT_ID is a CloudEvent's id, as its producer
+    sent it (README, "CloudEvents in").
     """
+    if event_id is not None:
+        event_id = _event_id(ctx, ce_source, event_id)
+    elif ce_source is not None:
+        raise click.UsageError("--ce-source needs the CloudEvent's id as EVENT_ID")
     if consumer is not None or db_path is not None:
         if event_id is None:
             raise click.UsageError("give the EVENT_ID to trace in this consumer's database")
@@ -63,6 +73,17 @@ def trace(ctx: click.Context, consumer: str | None, db_path: Path | None, as_jso
         emit_json(shown)
     else:
         _echo_event(shown)
+
+
+def _event_id(ctx: click.Context, ce_source: str | None, given: str) -> str:
+    """The eventId to trace: *given*, or the one a CloudEvent's source + id map to."""
+    if ce_source is None:
+        return EVENT_ID.convert(given, None, ctx)
+    from ..cloudevents import event_id_for
+
+    if not ce_source or not given:
+        raise click.UsageError("a CloudEvent's source and id are non-empty")
+    return event_id_for(ce_source, given)
 
 
 #: The outbox row's fields as the text trace names them (--json keeps the keys).
