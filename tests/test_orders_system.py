@@ -138,3 +138,41 @@ def test_trace_dead_status_and_views_of_an_orders_deployment_name_the_order_key(
         os.kill(console.pid, signal.SIGTERM)
         console.communicate(timeout=30)
     assert "<h1>orderId order-7</h1>" in page and paid["eventId"] in page, page[:2000]
+
+
+def test_a_partitioned_orders_deployment_traces_and_shows_each_order_in_its_partition(ns: Namespace,
+                                                                                      tmp_path: Path) -> None:
+    """Orders dispatched to two partitions: trace's other partition says where the orderId lives, the
+    one-database trace finds the partition and the order's row, and orders show reads the order's partition."""
+    from delivery_consumer.partitions import partition_of
+
+    config = write_config(tmp_path, ns)
+    config.write_text(config.read_text("utf-8").replace('db = "state/orders/inbox.db"',
+                                                        'db = "state/orders"\npartitions = 2'), "utf-8")
+    dc(config, "topology", "declare", "--consumer", "orders")
+    names = {partition_of(f"order-{i}", 2): f"order-{i}" for i in range(20)}  # one order per partition
+    events = [order(names[k], 1, "placed") for k in (0, 1)]
+    conn = outbox.connect(tmp_path / "producer.db")
+    try:
+        with outbox.transaction(conn):
+            for event in events:
+                assert outbox.enqueue(conn, event, types=orders_consumer.TYPES)
+    finally:
+        conn.close()
+    dc(config, "dispatch", "--exit-when-idle", "500ms", "--poll", "50ms")
+    for k in (0, 1):
+        proc = RunProcess([sys.executable, "-m", "delivery_consumer", "run", "--consumer", "orders",
+                           "--partition", str(k), "--exit-when-idle", "1.5"], cwd=tmp_path,
+                          env=deploy_env(config, **PLUGIN))
+        ns.started.append(proc)
+        done = proc.until_idle(120)
+        assert 0 == done.returncode, done.stderr[-2000:]
+
+    text = dc(config, "trace", events[0]["eventId"]).stdout
+    assert f"consumer orders/p1: not this partition's key (orderId {names[0]} lives in p0)" in text, text
+    assert re.search(r"^  orders/p0 +applied updated$", text, re.M), text
+    shown = orjson.loads(dc(config, "trace", "--consumer", "orders", "--json", events[1]["eventId"]).stdout)
+    assert (1, "orderId", names[1], True) == (shown["partition"], shown["key"]["field"], shown["key"]["value"],
+                                               shown["key"]["row"]["currentEvent"])
+    shown = orjson.loads(dc(config, "orders", "show", "--json", names[1]).stdout)
+    assert (1, events[1]["eventId"]) == (shown["partition"], shown["eventId"])
