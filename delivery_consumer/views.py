@@ -103,7 +103,7 @@ def key_row(db: ConsumerDB, event_id: str, key: str | None,
             f"SELECT {view.key_column} FROM {view.table} WHERE {view.event} = ?", (event_id,)).fetchall()
         if not rows:
             return None, None, (f"no receipt of this event holds its {field}, and it wrote no current row; "
-                                f"give --key VALUE to show the row of a {field}")
+                                f"give --key VALUE to show the row of that {field}")
         key = str(rows[0][0])
     try:
         row = find(db, view, view.key_column, key)
