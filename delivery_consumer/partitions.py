@@ -241,7 +241,7 @@ def _copy(msg: Any, exchange: str, routing_key: str, headers: Mapping[str, Any])
 def reroute(url: str, base: Topology, *, dry_run: bool = False) -> list[Rerouted]:
     """Send every message of the consumer's unrouted queue back through its slot route.
 
-    Each message's slot comes from its body's ``articleId``; the copy goes to
+    Each message's slot comes from its body's key (its type's key field); the copy goes to
     the consumer's slots exchange with the slot headers (mandatory, confirmed),
     and only then is the original removed. A body that does not parse, or a
     copy that is not confirmed, stays in the queue. The queue is held by one
@@ -326,12 +326,13 @@ class Identity:
         return f"partition {self.partition} of {self.count}"
 
 
-def misplaced(article_id: str, identity: Identity) -> str | None:
-    """Why an article cannot be applied in the partition *identity*, or None when it belongs there."""
-    home = partition_of(article_id, identity.count)
+def misplaced(key: str, identity: Identity, field: str = "articleId") -> str | None:
+    """Why an event of *key* (the value of its type's key *field*) cannot be applied in the
+    partition *identity*, or None when it belongs there."""
+    home = partition_of(key, identity.count)
     if home == identity.partition:
         return None
-    return f"articleId belongs to partition {home} of {identity.count}, this database is partition {identity.partition}"
+    return f"{field} belongs to partition {home} of {identity.count}, this database is partition {identity.partition}"
 
 
 def identity_from_meta(meta: Mapping[str, str]) -> Identity | None:

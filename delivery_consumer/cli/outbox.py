@@ -242,7 +242,7 @@ def outbox_stats(db_path: Path, as_json: bool) -> None:
 @handle_errors
 def outbox_show(db_path: Path, as_json: bool, event_id: str) -> None:
     """Everything about the row of EVENT_ID, with its body (exit 1 if absent);
-    passedBy: the later rows of its article that were published before it."""
+    passedBy: the later rows of its key (articleId, orderId ...) that were published before it."""
     with reading(db_path) as conn:
         row = outbox_lib.show(conn, event_id)
     if as_json:
@@ -250,7 +250,7 @@ def outbox_show(db_path: Path, as_json: bool, event_id: str) -> None:
         return
     passed = row.pop("passedBy")
     echo_record([(key, value) for key, value in row.items()])
-    click.echo(f"passedBy: {len(passed)} later rows of its article published before it"
+    click.echo(f"passedBy: {len(passed)} later rows of its key published before it"
                + ("".join(f"\n  {e}" for e in passed) if passed else ""))
 
 
