@@ -54,6 +54,8 @@ class OutboxCollector(Collector):
                                       value=self.dispatch.quarantined)
             yield CounterMetricFamily("outbox_dispatch_outages", "Broker outages this process waited out.",
                                       value=self.dispatch.outages)
+            yield GaugeMetricFamily("outbox_dispatch_connected", "1 while this process is connected to the "
+                                    "broker, 0 while it waits for it.", value=1 if self.dispatch.online else 0)
 
 
 def registry(path: Path | str, dispatch: DispatchStats | None = None) -> CollectorRegistry:

@@ -70,7 +70,7 @@ def run(config: RunConfig, observer_factory: ObserverFactory | None = None) -> i
         on_lost=link.lost,
         name=f"delivery-consumer run {config.consumer}",
         # a one-shot run (--exit-when-idle) must not wait forever for a broker it never reached
-        retry_first_connect=config.exit_when_idle_s is None,
+        first_connect_s=config.exit_when_idle_s,
     )
     link.io = io
     io.watch(parent_end.fileno(), link.readable)
