@@ -12,7 +12,7 @@ from pathlib import Path
 import flaky_consumer  # noqa: F401  (registers the "flaky" consumer in this process too)
 import orjson
 import pytest
-from brokerkit import Namespace, kill, restart_broker
+from brokerkit import Namespace, RabbitNode, kill
 from support import count_rows, new_event, read_rows, wait_until
 
 FAST_RETRY = ("--retry-delays", "100ms,200ms,300ms")
@@ -146,14 +146,15 @@ def test_sigterm_finishes_batch_and_exits_zero(ns: Namespace) -> None:
 
 
 @pytest.mark.slow
-def test_broker_restart_mid_consumption(ns: Namespace) -> None:
-    """A broker restart while consuming: run reconnects with backoff and every
+def test_broker_restart_mid_consumption(private_ns: Namespace, private_broker: RabbitNode) -> None:
+    """A broker restart (a private node's) while consuming: run reconnects with backoff and every
     event is applied exactly once."""
+    ns = private_ns
     ns.publish([orjson.dumps(new_event(article_id=f"a-{i}")) for i in range(3000)], declare=["audit"])
     proc = ns.start_run("audit", "--batch", "20", "--prefetch", "40", "--exit-when-idle", "3")
     db = ns.db("audit")
     wait_until("200 receipts", lambda: count_rows(db, "inbox") > 200, procs=[proc])
-    restart_broker(ns.url)
+    private_broker.restart()
     try:
         _, err = proc.communicate(timeout=120)
     finally:

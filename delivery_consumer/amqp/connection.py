@@ -127,7 +127,8 @@ def classify(exc: BaseException | None, *, url: str = "") -> BrokerError:
         # starting or stopping, a proxy or load balancer with no broker behind it.
         return BrokerUnavailable(f"the connection was closed before the AMQP handshake{where} "
                                  "(broker starting or stopping, or a proxy with no broker behind it)")
-    if isinstance(exc, AMQPConnectorStackTimeout):
+    if isinstance(exc, AMQPConnectorStackTimeout) or (
+            isinstance(exc, pex.ConnectionOpenAborted) and "Timeout while setting up" in str(exc)):
         return BrokerUnavailable(f"no AMQP handshake within the connection timeout{where}: "
                                  "the broker accepted the connection but did not answer")
     if isinstance(exc, pex.AMQPHeartbeatTimeout):

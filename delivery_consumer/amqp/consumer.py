@@ -96,7 +96,7 @@ class ConsumerIO:
         #: Seconds to keep trying when no connection ever consumed (None:
         #: forever): a one-shot run with a wrong address must say so in time.
         self._first_connect_s = first_connect_s
-        self._started = time.monotonic()
+        self._started = self._attempt_started = time.monotonic()
         self._ever_consumed = False
         self._outage: str | None = None  # what the failing attempts say, logged once
         self._outage_since = 0.0
@@ -115,6 +115,7 @@ class ConsumerIO:
         if self._stopping:
             self.ioloop.stop()
             return
+        self._attempt_started = time.monotonic()
         self._conn = pika.SelectConnection(
             self._params,
             on_open_callback=self._on_open,
@@ -137,7 +138,9 @@ class ConsumerIO:
             self.ioloop.stop()
             return
         self._failures += 1
-        delay = reconnect_delay_s(self._failures)
+        # Attempts start at most every backoff: the time a failed attempt took
+        # (a handshake that timed out) counts towards the wait.
+        delay = max(0.0, reconnect_delay_s(self._failures) - (time.monotonic() - self._attempt_started))
         if self._first_connect_s is not None and not self._ever_consumed:
             delay = max(0.01, min(delay, self._first_connect_s - waited))
         # Logged once per change of state, not once per attempt.

@@ -380,10 +380,11 @@ class Dispatcher:
             while self._inflight:
                 later, ticket = self._inflight.popleft()
                 self._settle(later, self.publisher.collect(ticket))
+            started = time.monotonic()
             try:
                 self.publisher.connect()
             except BrokerUnavailable as exc:
-                self._outage(str(exc))
+                self._outage(str(exc), spent=time.monotonic() - started)
                 return 0
             self._connected = self.stats.connected = self.stats.online = True
             if self._outage_why is not None:
@@ -448,11 +449,13 @@ class Dispatcher:
             log.warning("%s not published: %s %s", row.event_id, r.status, r.reason)
         log.debug("batch of %d: %d confirmed", len(rows), len(rows) - len(bad))
 
-    def _outage(self, why: str) -> None:
+    def _outage(self, why: str, spent: float = 0.0) -> None:
+        """Wait before the next attempt; *spent*: what the failed one took
+        (a handshake that timed out), which counts towards the wait."""
         self._failures += 1
         self.stats.outages += 1
         self.stats.last_outage = why
-        delay = reconnect_delay_s(self._failures)
+        delay = max(0.0, reconnect_delay_s(self._failures) - spent)
         if self._idle_deadline is not None:  # never wait past the time --exit-when-idle allows
             delay = min(delay, max(0.01, self._idle_deadline - self.clock()))
         self.stats.online = False
