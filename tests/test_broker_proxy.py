@@ -159,6 +159,35 @@ def test_run_through_a_slow_connection_applies_everything_once(ns: Namespace, pr
     assert applied_once(db, 300)
 
 
+def scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {line.rpartition(" ")[0]: float(line.rpartition(" ")[2])
+            for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def test_metrics_answer_while_the_worker_is_stuck_and_say_so(ns: Namespace) -> None:
+    """A worker stuck inside a batch: /metrics (served by the connection process) still answers at once,
+    its heartbeat timestamp stays behind, and catches up when the worker goes on."""
+    import flaky_consumer  # noqa: F401  (registers the "flaky" consumer in this process too)
+
+    flaky = ns.workdir / "flaky"
+    env = ns.env(DELIVERY_PLUGINS="flaky_consumer", FLAKY_DIR=str(flaky))
+    ns.publish([orjson.dumps(new_event(title="stall"))], declare=["flaky"])
+    port = free_port()
+    proc = ns.start_run("flaky", "--metrics-port", str(port), env=env)
+    beat = 'delivery_worker_heartbeat_timestamp_seconds{consumer="flaky"}'
+    wait_until("the worker stalled", lambda: (flaky / "stalled").exists(), procs=[proc])
+    stuck_since = time.time()
+    behind = wait_until("a heartbeat 3s behind", lambda: (m := scrape(port)) and time.time() - m[beat] > 3 and m,
+                        procs=[proc], ignoring=(OSError,))
+    assert behind[beat] <= stuck_since
+    assert 1 == behind['delivery_connected{consumer="flaky"}']
+    (flaky / "release").touch()
+    wait_until("a fresh heartbeat", lambda: scrape(port)[beat] > stuck_since, procs=[proc])
+    wait_until("the event applied", lambda: count_rows(ns.db("flaky"), "flaky") == 1, procs=[proc])
+    stop(proc)
+
+
 # -- dispatch ------------------------------------------------------------------------------
 
 

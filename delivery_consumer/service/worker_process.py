@@ -36,6 +36,7 @@ from .messages import (
     Stop,
     ToConnection,
     ToWorker,
+    Vitals,
 )
 from .worker import Worker
 
@@ -47,6 +48,8 @@ ORPHAN_GRACE_S = 2.0
 #: How often the worker process looks at its parent (besides PR_SET_PDEATHSIG).
 _PARENT_CHECK_S = 0.2
 _PR_SET_PDEATHSIG = 1
+#: How often the worker sends its metrics to the connection process, which serves them.
+VITALS_EVERY_S = 1.0
 
 
 class ConnectionProxy:
@@ -64,8 +67,16 @@ class ConnectionProxy:
         self.dispatch: Dispatch[ToWorker] = Dispatch()
         #: Called once the pipe says the connection process is gone.
         self.on_gone: Callable[[], None] = lambda: None
+        #: The worker's metrics as exposition text (None: metrics are off).
+        self.vitals: Callable[[], bytes] | None = None
+        self._vitals_due = 0.0
 
     def pump(self, timeout: float) -> None:
+        if self.vitals is not None and time.monotonic() >= self._vitals_due:
+            # Sent from the worker's own thread between batches: a worker stuck
+            # inside one leaves its heartbeat behind (docs/run.md, "Metrics").
+            self._vitals_due = time.monotonic() + VITALS_EVERY_S
+            self.send(Vitals(time.time(), self.vitals()))
         if self.gone:
             time.sleep(min(timeout, _PARENT_CHECK_S))  # nothing can come any more
             return
@@ -165,6 +176,9 @@ def worker_main(config: RunConfig, conn: Connection, parent_end: Connection,
         return
     worker = Worker(config, observer)
     worker.io = proxy
+    text = getattr(observer, "text", None)
+    if callable(text):
+        proxy.vitals = lambda: str(text()).encode("utf-8")
 
     def orphaned() -> None:
         # Nothing can be acked any more: finish what is in hand, start nothing
