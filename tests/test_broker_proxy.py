@@ -299,9 +299,12 @@ def test_a_broker_command_answers_a_silent_broker_with_one_line(
 
 def test_status_does_not_call_a_closing_proxy_a_non_amqp_server(ns: Namespace, proxy: Proxy) -> None:
     """A connection accepted and closed before the handshake is reported as that, not as a wrong server."""
+    from deploykit import dc, write_deployment
+
+    config = write_deployment(ns.workdir, ns=Namespace(proxy.url, ns.prefix, ns.workdir), consumers=("catalog",))
     proxy("close")
-    done = ns.cli("status", "--consumer", "catalog", "--db", str(ns.db("catalog")),
-                  env=ns.env(DELIVERY_AMQP_URL=proxy.url), timeout=120)
+    done = dc(config, "status")
+    assert 1 == done.returncode, done.stdout + done.stderr
+    assert "closed before the AMQP handshake" in done.stdout + done.stderr
     assert "not an AMQP" not in done.stdout + done.stderr
     assert "Traceback" not in done.stderr
-
