@@ -244,6 +244,20 @@ def test_dispatch_waits_out_a_broker_it_cannot_reach(ns: Namespace, proxy: Proxy
     consumed_once(ns, db)
 
 
+def test_dispatch_stops_at_once_on_sigterm_while_the_handshake_is_pending(ns: Namespace, proxy: Proxy) -> None:
+    """SIGTERM to a dispatcher whose connection was accepted and never answered: exit 0, without waiting for
+    the handshake timeout (which would log the outage), no traceback."""
+    db = ns.workdir / "producer.db"
+    produce(db, 5)
+    proxy("blackhole")
+    proc = start_dispatch(ns, db, proxy.url, "--poll", "50ms")
+    wait_until("the connection accepted", lambda: proxy.accepted() >= 1, procs=[proc])
+    proc.wait_for_log("dispatching")
+    err = stop(proc)
+    assert "no AMQP handshake" not in err, err
+    assert 0 == published(db)
+
+
 @pytest.mark.slow
 def test_dispatch_through_a_half_open_connection_publishes_everything(ns: Namespace, proxy: Proxy) -> None:
     """The dispatcher's connection goes half-open while rows keep coming: it gives the connection up,

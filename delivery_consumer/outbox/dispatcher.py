@@ -384,7 +384,8 @@ class Dispatcher:
             try:
                 self.publisher.connect()
             except BrokerUnavailable as exc:
-                self._outage(str(exc), spent=time.monotonic() - started)
+                if not self.stopping:  # else: interrupted by a stop, nothing to wait out
+                    self._outage(str(exc), spent=time.monotonic() - started)
                 return 0
             self._connected = self.stats.connected = self.stats.online = True
             if self._outage_why is not None:
