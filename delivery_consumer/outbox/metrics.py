@@ -4,7 +4,7 @@ Gauges read from the outbox at each scrape (so they are right whichever
 dispatcher did the work): rows by state -- ``due``, ``leased``,
 ``retrying``, ``held``, ``quarantined``, ``published``, ``dropped`` -- and the
 age of the oldest unpublished row. Counters of this process: publication
-results by status, rows quarantined, broker outages.
+results by status, rows quarantined, broker outages; whether it is connected.
 """
 
 from __future__ import annotations
