@@ -167,9 +167,3 @@ class RunExposition:
         server.daemon_threads = True
         self._server = server
         threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
