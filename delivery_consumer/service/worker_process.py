@@ -176,9 +176,6 @@ def worker_main(config: RunConfig, conn: Connection, parent_end: Connection,
         return
     worker = Worker(config, observer)
     worker.io = proxy
-    text = getattr(observer, "text", None)
-    if callable(text):
-        proxy.vitals = lambda: str(text()).encode("utf-8")
 
     def orphaned() -> None:
         # Nothing can be acked any more: finish what is in hand, start nothing
@@ -202,6 +199,9 @@ def worker_main(config: RunConfig, conn: Connection, parent_end: Connection,
         conn.send(Failed(str(worker.error)))
         return
     conn.send(Ready())
+    text = getattr(observer, "text", None)
+    if callable(text):  # only after Ready: the connection process reads Ready first
+        proxy.vitals = lambda: str(text()).encode("utf-8")
     deadline: float | None = None
     while worker.is_alive():
         worker.join(_PARENT_CHECK_S)
