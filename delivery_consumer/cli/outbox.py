@@ -142,6 +142,7 @@ def dispatch(db_path: Path, amqp_url: str, exchange: str, queue_prefix: str, dec
                 raise KeyboardInterrupt
             log.info("%s received: settling the batches in flight", signal.Signals(signum).name)
             dispatcher.stop()
+            publisher.interrupt()  # a connect waiting for a silent broker ends now
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)

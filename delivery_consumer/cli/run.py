@@ -64,29 +64,42 @@ def external_options(fn: F) -> F:
     return wrapped  # type: ignore[no-any-return]
 
 
-def _metrics_factory(consumer: str, port: int, host: str, queues: tuple[str, Topology] | None = None,
-                     partition: int | None = None) -> Callable[[], Any]:
-    """Metrics are kept where the work happens: in run's worker process.
-    *queues* (url, topology): also the queue depths, asked at scrape time.
-    *partition*: every series is labelled with it."""
+def _metrics_factory(consumer: str, partition: int | None = None) -> Callable[[], Any]:
+    """Metrics are kept where the work happens: in run's worker process (which
+    sends them to the connection process; see :func:`_metrics_server`)."""
 
     def make() -> Any:
-        from ..errors import ConfigError
         from ..metrics import Metrics
 
-        metrics = Metrics(consumer, partition=partition)
+        return Metrics(consumer, partition=partition, connection=False)
+
+    return make
+
+
+def _metrics_server(consumer: str, port: int, host: str, queues: tuple[str, Topology] | None = None,
+                    partition: int | None = None) -> Callable[[], Any]:
+    """``/metrics`` served by run's connection process, which answers while the
+    worker is busy or stuck. *queues* (url, topology): also the queue depths,
+    asked at scrape time. *partition*: every series is labelled with it."""
+
+    def serve() -> Any:
+        from ..errors import ConfigError
+        from ..metrics import RunExposition
+
+        collectors = []
         if queues is not None:
             from ..queue_metrics import QueueCollector
 
-            metrics.registry.register(QueueCollector(*queues))
+            collectors.append(QueueCollector(*queues))
+        exposition = RunExposition(consumer, partition, collectors)
         try:
-            metrics.serve(port, host)
+            exposition.serve(port, host)
         except OSError as exc:
             raise ConfigError(f"cannot listen for metrics on {host}:{port}: {exc.strerror}") from None
         logging.getLogger("delivery_consumer.run").info("metrics on http://%s:%d/metrics", host, port)
-        return metrics
+        return exposition
 
-    return make
+    return serve
 
 
 @click.command()
@@ -167,12 +180,12 @@ def run(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue
         partition=partition_identity(consumer, partition, partitions, db_path,
                                      broker=(amqp_url, topology_for(consumer, exchange, queue_prefix))),
     )
-    observer_factory = None
+    observer_factory = serve = None
     if metrics_port is not None:
-        observer_factory = _metrics_factory(consumer, metrics_port, metrics_host, (amqp_url, config.topology()),
-                                            partition)
+        observer_factory = _metrics_factory(consumer, partition)
+        serve = _metrics_server(consumer, metrics_port, metrics_host, (amqp_url, config.topology()), partition)
     try:
-        code = run_consumer(config, observer_factory)
+        code = run_consumer(config, observer_factory, serve)
     except BrokerError as exc:
         raise Fatal(explain(str(exc), config.topology())) from None
     except StoreOutage as exc:  # not a configuration error: a supervisor may restart it
