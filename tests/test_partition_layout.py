@@ -48,6 +48,23 @@ def test_declaring_the_other_layout_of_a_consumer_is_refused_naming_repartition(
         audit.delete()
 
 
+@pytest.mark.broker
+def test_an_unpartitioned_run_of_a_partitioned_consumer_is_refused(ns: Namespace, tmp_path: Path) -> None:
+    """`run` without --partition on a consumer the broker holds partitioned would bind its own queue beside
+    the partitions and apply every event twice: refused in one line naming the layout, exit 2, no queue made."""
+    audit = Cluster(ns, "audit", 2)
+    try:
+        audit.declare()
+        refused = ns.cli("run", "--consumer", "audit", "--db", str(tmp_path / "audit.db"), "--exit-when-idle", "1s")
+        assert refused.returncode == 2, refused.stderr
+        assert f"{ns.prefix}.audit.partitions records the count" in refused.stderr, refused.stderr
+        assert "give --partitions N" in refused.stderr, refused.stderr
+        assert queue_counts(ns.url, [f"{ns.prefix}.audit"]) == {f"{ns.prefix}.audit": None}
+        assert not (tmp_path / "audit.db").exists()
+    finally:
+        audit.delete()
+
+
 def test_reading_the_unpartitioned_database_beside_partition_databases_says_so(tmp_path: Path) -> None:
     """`catalog list` on the default path reads state/catalog/inbox.db; when partition databases sit
     beside it, a note on stderr says they were not read and how to read them; --db DIR reads them."""

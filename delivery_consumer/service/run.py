@@ -14,10 +14,10 @@ from multiprocessing.process import BaseProcess
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from ..amqp.connection import BrokerError
+from ..amqp.connection import BrokerError, BrokerUnavailable
 from ..amqp.consumer import ConsumerIO
 from ..deliveries import ObserverFactory
-from ..errors import DatabaseError, DeliveryError, StoreOutage
+from ..errors import ConfigError, DatabaseError, DeliveryError, StoreOutage
 from .config import RunConfig
 from .link import WorkerLink
 from .messages import Dispatch, Failed, Stop, ToConnection
@@ -25,6 +25,7 @@ from .worker_process import worker_main
 
 if TYPE_CHECKING:
     from ..metrics import RunExposition
+    from ..topology import Topology
 
 log = logging.getLogger("delivery_consumer.run")
 
@@ -66,6 +67,23 @@ def _started(parent_end: Connection, process: BaseProcess) -> bool:
     return True
 
 
+def _refuse_a_second_layout(config: RunConfig, topology: Topology) -> None:
+    """An unpartitioned run of a consumer the broker holds partitioned would bind its own queue
+    beside the partitions and apply every event twice: refuse it (ConfigError, exit 2). A broker
+    that does not answer now is not a reason to stop: the run reconnects as it always does."""
+    if config.partition is not None:
+        return
+    from ..partitions import layout_conflict
+
+    try:
+        conflict = layout_conflict(config.url, topology, None)
+    except BrokerUnavailable as exc:
+        log.debug("layout not checked, the broker does not answer: %s", exc)
+        return
+    if conflict is not None:
+        raise ConfigError(conflict)
+
+
 def run(config: RunConfig, observer_factory: ObserverFactory | None = None,
         serve: Callable[[], RunExposition] | None = None) -> int:
     """Run the consumer until SIGTERM/SIGINT or idle; returns the exit code.
@@ -78,6 +96,7 @@ def run(config: RunConfig, observer_factory: ObserverFactory | None = None,
     (raising DeliveryError when it cannot), which this process answers.
     """
     topology = config.topology()
+    _refuse_a_second_layout(config, topology)
     context = multiprocessing.get_context("fork")  # before any connection or thread exists
     parent_end, child_end = context.Pipe(duplex=True)
     _roomy(parent_end)
