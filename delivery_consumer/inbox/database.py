@@ -9,6 +9,7 @@ older one up to date under one write lock. Transactions on it:
 
 from __future__ import annotations
 
+import secrets
 import sqlite3
 from collections.abc import Callable
 from pathlib import Path
@@ -101,6 +102,8 @@ CORE_MIGRATIONS: tuple[str, ...] = (
     """,
 )
 STORE_VERSION = len(CORE_MIGRATIONS)
+#: The ``meta`` key of the consumer's seal key (hex), made by the first writable open.
+SEAL_KEY = "seal_key"
 _CONSUMER_VERSION_KEY = "consumer_schema_version"
 
 #: Resolves the consumer a database records to its spec (the registry's ``get``).
@@ -326,6 +329,10 @@ class ConsumerDB:
                     ],
                 )
             conn.execute(f"PRAGMA user_version = {STORE_VERSION}")
+            # The key that seals the attempt counts of this consumer's copies (retry.py); a database
+            # of an older release gets one now.
+            conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES (?, ?)",
+                         (SEAL_KEY, secrets.token_hex(32)))
             row = conn.execute(
                 "SELECT value FROM meta WHERE key = ?", (_CONSUMER_VERSION_KEY,)
             ).fetchone()
@@ -372,4 +379,5 @@ class ConsumerDB:
         return dict(self.conn.execute("SELECT key, value FROM meta").fetchall())
 
 
-__all__ = ["CORE_MIGRATIONS", "STORE_VERSION", "ConsumerDB", "SpecLookup", "default_db_path", "inbox_rowid_before"]
+__all__ = ["CORE_MIGRATIONS", "SEAL_KEY", "STORE_VERSION", "ConsumerDB", "SpecLookup", "default_db_path",
+           "inbox_rowid_before"]

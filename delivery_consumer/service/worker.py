@@ -23,10 +23,10 @@ from ..envelope import KOMBU_COMPRESSION_HEADER, Envelope, body_digest, is_event
 from ..errors import DELIVERY_LIMIT, DeliveryError, Rejection, StoreOutage, StoreUnavailable
 from ..faults import crashpoint
 from ..inbox import ConsumerDB, InFlight, Transaction, apply_batch, has_receipt
-from ..retry import RetryPolicy, attempts_done, reconnect_delay_s
+from ..retry import RetryPolicy, reconnect_delay_s
 from ..topology import H_ATTEMPTS, H_DELIVERY_COUNT
 from .config import RunConfig
-from .copies import Copy, CopyMaker
+from .copies import Copy, CopyMaker, seal_key
 
 log = logging.getLogger("delivery_consumer.run")
 _T = TypeVar("_T")
@@ -156,6 +156,7 @@ class Worker(threading.Thread):
             self.ready.set()
             return False
         self.in_flight = InFlight(self.db)
+        self.copies.key = seal_key(self.db)
         self.ready.set()
         self.observer.store_health(True)
         return True
@@ -363,7 +364,7 @@ class Worker(threading.Thread):
         assert db is not None and in_flight is not None
         in_flight.mark([delivery_key(d) for d in items])
         if db.spec.external is not None:  # an effect outside the database: the fence protocol (fence.py)
-            marks = [DeliveryMark(delivery_key(d), d.redelivered, attempts_done(d.headers) + 1, True,
+            marks = [DeliveryMark(delivery_key(d), d.redelivered, self.copies.attempts(d) + 1, True,
                                   _int_header(d.headers, H_DELIVERY_COUNT) + 1) for d in items]
             return db.spec.external(self.config.consumer_options)(db, parsed, marks, self._hooks())
 
@@ -375,7 +376,7 @@ class Worker(threading.Thread):
                     delivery_key(d),
                     outcome.event_id,
                     redelivered=d.redelivered,
-                    attempt=attempts_done(d.headers) + 1,
+                    attempt=self.copies.attempts(d) + 1,
                     outcome=outcome.status,
                     # a duplicate was delivered at least once before (its receipt says so)
                     delivered_hint=max(_int_header(d.headers, H_DELIVERY_COUNT) + 1,
@@ -435,7 +436,7 @@ class Worker(threading.Thread):
             event_id=parsed.event_id,
             fingerprint=parsed.fingerprint,
         )
-        copy = self.copies.dead(d, rejection, attempts_done(d.headers) + 1)
+        copy = self.copies.dead(d, rejection, self.copies.attempts(d) + 1)
         if not self._publish_copies(d.generation, [copy]):
             return False
         self._settle(d.generation, [d], [Outcome(parsed.event_id, rejection=rejection)])
