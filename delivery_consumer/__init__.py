@@ -6,4 +6,6 @@ Follow an event by names: bytes -> :mod:`.envelope` -> :func:`.inbox.apply_batch
 :mod:`.amqp.consumer` acks (docs/architecture.md).
 """
 
-__version__ = "0.1.0"
+#: Raised on every release that changes the database schema or the wire
+#: contract (CHANGELOG.md); a database records the release that last migrated it.
+__version__ = "0.2.0"

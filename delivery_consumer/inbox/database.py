@@ -104,6 +104,8 @@ CORE_MIGRATIONS: tuple[str, ...] = (
 STORE_VERSION = len(CORE_MIGRATIONS)
 #: The ``meta`` key of the consumer's seal key (hex), made by the first writable open.
 SEAL_KEY = "seal_key"
+#: The ``meta`` key naming the release that last migrated the database ("delivery-consumer X.Y.Z").
+SCHEMA_BY_KEY = "schema_by"
 _CONSUMER_VERSION_KEY = "consumer_schema_version"
 
 #: Resolves the consumer a database records to its spec (the registry's ``get``).
@@ -253,9 +255,12 @@ class ConsumerDB:
                     f"{path}: this is a producer's database (it holds an outbox), not a consumer's inbox")
             raise DatabaseError(f"{path}: not a delivery-consumer database")
         if version > STORE_VERSION:
+            row = conn.execute("SELECT value FROM meta WHERE key = ?", (SCHEMA_BY_KEY,)).fetchone()
+            by = f" by {row[0]}" if row else " by a later release"
             raise DatabaseError(
-                f"{path}: database schema version {version} is newer than this "
-                f"delivery-consumer ({__version__}) understands ({STORE_VERSION}); upgrade it"
+                f"{path}: database schema version {version} was written{by}; this delivery-consumer "
+                f"{__version__} knows versions up to {STORE_VERSION} and never downgrades a database: "
+                "open it with that release or a later one (pip install -U delivery-consumer)"
             )
         if version == 0:
             raise DatabaseError(f"{path}: not a delivery-consumer database")
@@ -341,6 +346,9 @@ class ConsumerDB:
             conn.execute(
                 "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (_CONSUMER_VERSION_KEY, str(applied)),
             )
+            if version != STORE_VERSION or applied != (int(row[0]) if row else 0):  # it migrated: say who
+                conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
+                             (SCHEMA_BY_KEY, f"delivery-consumer {__version__}"))
             conn.execute("COMMIT")
             return stored
         except BaseException:
