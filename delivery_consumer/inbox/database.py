@@ -9,7 +9,7 @@ older one up to date under one write lock. Transactions on it:
 
 from __future__ import annotations
 
-import secrets
+import os
 import sqlite3
 from collections.abc import Callable
 from pathlib import Path
@@ -337,7 +337,7 @@ class ConsumerDB:
             # The key that seals the attempt counts of this consumer's copies (retry.py); a database
             # of an older release gets one now.
             conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES (?, ?)",
-                         (SEAL_KEY, secrets.token_hex(32)))
+                         (SEAL_KEY, os.urandom(32).hex()))  # not secrets: start-up time counts
             row = conn.execute(
                 "SELECT value FROM meta WHERE key = ?", (_CONSUMER_VERSION_KEY,)
             ).fetchone()
