@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import cli, json_lines, make_envelope, new_event, read_rows
 
-from delivery_consumer import envelope
+from delivery_consumer import envelope, outbox
 from delivery_consumer.errors import MALFORMED_JSON, Rejection
 
 # -- a JSON writer that may repeat keys, escape any character and add whitespace -------------
@@ -169,6 +169,18 @@ def test_colons_and_escapes_in_a_valid_envelope_still_parse() -> None:
     env = make_envelope(title='a: "b" \\ c', url="https://example.org/a:b")
     raw = orjson.dumps(env).replace(b"a: ", b"a\\u003a ")
     assert env == envelope.parse(raw).fields
+
+
+def test_the_outbox_refuses_bytes_with_a_duplicate_key(tmp_path: Path) -> None:
+    """outbox.enqueue of raw bytes with a repeated revision raises malformed-json and adds no row."""
+    conn = outbox.connect(tmp_path / "producer.db")
+    try:
+        with pytest.raises(Rejection) as info, outbox.transaction(conn):
+            outbox.enqueue(conn, twice("revision", "7", new_event(revision=8)))
+        assert (MALFORMED_JSON, 'duplicate key "revision"') == (info.value.code, info.value.reason)
+        assert [(0,)] == conn.execute("SELECT count(*) FROM outbox").fetchall()
+    finally:
+        conn.close()
 
 
 # -- replay ----------------------------------------------------------------------------------
