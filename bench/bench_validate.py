@@ -9,9 +9,10 @@ few hundred invalid ones, one schema violation each) against
 * fastjsonschema: the function the project itself uses
   (``delivery_consumer.envelope.validator()``: the schema compiled to Python,
   with the ``date-time`` format checked by ``envelope.is_rfc3339``);
-* the project's actual path: ``envelope.quick_check()`` (a check derived
-  from the same schema that only ever answers "certainly valid"), and
-  fastjsonschema for whatever it does not accept;
+* the project's actual path: the type's quick check
+  (``event_types.quick_check``: generated for the type's shape, it only ever
+  answers "certainly valid"), found by the type, and fastjsonschema for
+  whatever it does not accept;
 * jsonschema: ``Draft7Validator`` built once, with a ``FormatChecker``. The
   checker gets the same ``is_rfc3339`` for ``date-time``: without the optional
   ``rfc3339-validator`` package jsonschema silently skips that format, and
@@ -60,12 +61,15 @@ def _fastjsonschema() -> Callable[[Any], bool]:
 
 
 def _project() -> Callable[[Any], bool]:
-    quick = envelope.quick_check()
+    from delivery_consumer.event_types import MATERIAL, quick_check
+
+    quick = {t.name: quick_check(t) for t in MATERIAL}
     slow = _fastjsonschema()
-    assert quick is not None
 
     def check(obj: Any) -> bool:
-        return quick(obj) or slow(obj)
+        kind = obj.get("type")
+        fast = quick.get(kind) if type(kind) is str else None
+        return (fast is not None and fast(obj)) or slow(obj)
 
     return check
 

@@ -15,7 +15,9 @@ applies these events exactly once must do, and nothing more.
 
 No validation, no rejection bookkeeping, no output. It expects valid events
 (the benchmark's stream is). ``--prefill N [--ids v4|v7]`` instead writes N
-receipts into the database and exits (for the growth curve).
+receipts into the database and exits (for the growth curve). ``--key F
+--published T`` reads events of another type of the same shape (the key in
+field F, T the published type; ``bench/_declared.py``).
 
     python bench/raw_limit.py --batch 100 --db X.db FILE.ndjson
 """
@@ -62,6 +64,9 @@ def stamp() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(when)) + f".{int(when % 1 * 1000):03d}Z"
 
 
+KEY, PUBLISHED = "articleId", "material.published"
+
+
 def apply_lines(conn: sqlite3.Connection, lines: list[bytes]) -> None:
     """Apply *lines* (one event each) in one ``BEGIN IMMEDIATE … COMMIT``."""
     execute = conn.execute
@@ -76,8 +81,8 @@ def apply_lines(conn: sqlite3.Connection, lines: list[bytes]) -> None:
             if stored[0] != fp:
                 raise SystemExit("event-id-reused: the benchmark stream has none")
             continue
-        data, revision, article = obj["data"], obj["revision"], obj["articleId"]
-        published = int(obj["type"] == "material.published")
+        data, revision, article = obj["data"], obj["revision"], obj[KEY]
+        published = int(obj["type"] == PUBLISHED)
         row = execute(ARTICLE, (article,)).fetchone()
         if row is None or revision > row[0]:
             execute(UPSERT, (article, revision, data["title"], data["url"], published))
@@ -122,13 +127,17 @@ def prefill(conn: sqlite3.Connection, count: int, ids: str, chunk: int = 100_000
 
 
 def main() -> None:
+    global KEY, PUBLISHED
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--db", required=True)
     parser.add_argument("--prefill", type=int, default=0, help="write N receipts and exit")
     parser.add_argument("--ids", default="v4", choices=("v4", "v7"), help="the prefilled receipts' eventIds")
+    parser.add_argument("--key", default=KEY, help="the field holding the key")
+    parser.add_argument("--published", default=PUBLISHED, help="the type that publishes")
     parser.add_argument("source", nargs="?")
     args = parser.parse_args()
+    KEY, PUBLISHED = args.key, args.published
     conn = connect(args.db)
     if args.prefill:
         prefill(conn, args.prefill, args.ids)

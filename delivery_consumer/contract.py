@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from .envelope import Envelope
 from .errors import Rejection, StoreUnavailable, TransientError
+from .event_types import MATERIAL, EventTypes
 
 if TYPE_CHECKING:
     from .inbox.apply import Transaction
@@ -108,6 +109,9 @@ class ConsumerSpec:
     external: ExternalFactory | None = None
     #: The view of ``<name> list|show`` and of ``trace``; None: no such commands.
     view: View | None = None
+    #: The event types the consumer handles (a type not declared here is
+    #: ``unknown-type``); the material types unless told otherwise.
+    event_types: EventTypes = MATERIAL
 
 
 @dataclass(slots=True)

@@ -15,12 +15,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import consumers
 from .amqp.consumer import Delivery
 from .amqp.dead_queue import DeadQueue, HeldMessage
 from .amqp.publisher import OutMessage, PublishResult
 from .deliveries import delivery_key
 from .envelope import KOMBU_COMPRESSION_HEADER, MAX_BODY_BYTES, body_digest, parse
 from .errors import DELIVERY_LIMIT, Rejection
+from .event_types import EventTypes
 from .faults import crashpoint
 from .inbox import ConsumerDB
 from .sqlite import now_iso
@@ -110,15 +112,17 @@ class DeadLetter:
         }
 
 
-def describe(position: int, msg: HeldMessage) -> DeadLetter:
-    """Read a held dead message: its identity from the body, its failure from the headers."""
+def describe(position: int, msg: HeldMessage, types: EventTypes | None = None) -> DeadLetter:
+    """Read a held dead message: its identity from the body (parsed against the
+    consumer's *types*), its failure from the headers."""
     headers = msg.headers
     event_id: str | None = None
     fingerprint: str | None = None
     event_type: str | None = None
     try:
         env = parse(msg.body, max_bytes=max(len(msg.body) + 1, MAX_BODY_BYTES),  # identity only: not the size
-                    content_encoding=msg.content_encoding, compression=headers.get(KOMBU_COMPRESSION_HEADER))
+                    content_encoding=msg.content_encoding, compression=headers.get(KOMBU_COMPRESSION_HEADER),
+                    types=types)
         event_id, fingerprint, event_type = env.event_id, env.fingerprint, env.type
     except Rejection as rej:
         event_id, fingerprint = rej.event_id, rej.fingerprint
@@ -221,7 +225,9 @@ def reading(url: str, topology: Topology, *, max_messages: int | None = None) ->
     with DeadQueue(url, topology.dead_queue, name=f"delivery-consumer dead {topology.consumer}") as dq:
         dq.open(prefetch=max_messages if max_messages is not None and max_messages <= 65535 else 0)
         held = dq.read(max_messages)
-        letters = [describe(i, msg) for i, msg in enumerate(held, 1)]
+        spec = consumers.find(topology.consumer)
+        types = spec.event_types if spec is not None else None
+        letters = [describe(i, msg, types) for i, msg in enumerate(held, 1)]
         yield dq, Snapshot(topology.dead_queue, letters, held, dq.count_at_open, dq.opened_at, dq.complete)
 
 

@@ -1,6 +1,8 @@
 """Bytes -> envelope: content encoding, size limit, JSON decoding, schema validation, fingerprint.
 
-The only place that knows how an event looks on the wire. Every refusal is a
+The only place that knows how an event looks on the wire (with
+``event_types.py``, where the declared types are compiled into the checks
+:func:`from_mapping` applies). Every refusal is a
 :class:`~delivery_consumer.errors.Rejection` whose reason never quotes the
 payload (only field names and rules), so it is safe to log and to put in AMQP
 headers.
@@ -19,7 +21,7 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Final, NamedTuple, NoReturn
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, NoReturn
 
 import fastjsonschema
 import orjson
@@ -27,10 +29,12 @@ import orjson
 from .errors import (
     INVALID_ENVELOPE,
     MALFORMED_JSON,
-    UNKNOWN_TYPE,
     Rejection,
     safe_reason,
 )
+
+if TYPE_CHECKING:
+    from .event_types import EventType, EventTypes
 
 #: Default limit on the size of one body, in bytes (1 MiB).
 MAX_BODY_BYTES: Final = 1 << 20
@@ -63,13 +67,36 @@ class Envelope(NamedTuple):
 
     event_id: str
     type: str
-    article_id: str
+    #: The value of the type's key field (``articleId``, ``orderId``, ...).
+    key: str
+    #: 0 when the type declares no revision.
     revision: int
     occurred_at: str
     data: Mapping[str, Any]
+    #: The whole envelope as decoded (``meta`` included).
     fields: Mapping[str, Any]
+    #: The canonical JSON of the whole envelope (what a producer sends).
     canonical: bytes
+    #: SHA-256 of the canonical JSON of the envelope without ``meta``.
     fingerprint: str
+    #: The declaration the envelope was validated against.
+    event_type: EventType | None = None
+
+    @property
+    def article_id(self) -> str:
+        """The key, by its name for the material types."""
+        return self.key
+
+    @property
+    def key_field(self) -> str:
+        """The name of the key field (``articleId`` when the type is unknown here)."""
+        return "articleId" if self.event_type is None else self.event_type.key
+
+    @property
+    def meta(self) -> Mapping[str, str] | None:
+        """The envelope's ``meta`` (correlationId, causationId, traceparent), if any."""
+        meta: Mapping[str, str] | None = self.fields.get("meta")
+        return meta
 
     @property
     def title(self) -> str:
@@ -164,116 +191,6 @@ def validator() -> Callable[[Any], Any]:
     return fastjsonschema.compile(load_schema(), formats={"date-time": is_rfc3339})
 
 
-# -- the quick acceptance path ------------------------------------------------
-#
-# fastjsonschema is the validator: it decides every refusal and gives its
-# reason. Its generated code is generic, though, and validation is most of
-# what parsing costs beyond JSON and the hash (docs/hot-path.md). So a check
-# specialised to this schema's shape first answers "certainly valid" for the
-# usual envelope; whatever it does not accept -- a violation, or a value it
-# is not sure of -- goes to fastjsonschema exactly as before.
-# It reads every limit (names, lengths, bounds, patterns, enum) from the
-# schema file, and exists only when the schema has precisely the structure it
-# mirrors (_QUICK_SKELETON): a new keyword or field turns it off, never wrong.
-# tests/test_envelope_quick.py checks that it never accepts what
-# fastjsonschema refuses.
-
-#: Keywords that only document; everything else in the schema constrains.
-_ANNOTATIONS: Final = frozenset({"$schema", "$id", "title", "description"})
-#: The schema's structure (constraint keywords and their JSON types) that
-#: quick_check() knows how to mirror.
-_QUICK_SKELETON: Final = {
-    "type": "str", "additionalProperties": "bool", "required": "list",
-    "properties": {
-        "eventId": {"type": "str", "pattern": "str"},
-        "type": {"type": "str", "enum": "list"},
-        "articleId": {"type": "str", "minLength": "int", "maxLength": "int", "pattern": "str"},
-        "revision": {"type": "str", "minimum": "int", "maximum": "int"},
-        "occurredAt": {"type": "str", "format": "str", "maxLength": "int", "pattern": "str"},
-        "data": {
-            "type": "str", "additionalProperties": "bool", "required": "list",
-            "properties": {
-                "title": {"type": "str", "minLength": "int", "maxLength": "int"},
-                "url": {"type": "str", "maxLength": "int"},
-            },
-        },
-    },
-}
-# As fastjsonschema compiles a pattern: every unescaped $ means end of string.
-_DOLLAR = re.compile(r"(?<!\\)\$")
-
-
-def _skeleton(schema: Any) -> Any:
-    """*schema* without its annotations, each constraint's value replaced by
-    the name of its type. (Under ``properties`` the keys are field names --
-    ``data`` has a field called ``title`` -- never annotations.)"""
-    if not isinstance(schema, dict):
-        return type(schema).__name__
-    return {
-        key: {name: _skeleton(sub) for name, sub in value.items()}
-        if key == "properties" and isinstance(value, dict)
-        else _skeleton(value)
-        for key, value in schema.items()
-        if key not in _ANNOTATIONS
-    }
-
-
-def _pattern(regex: str) -> Callable[[str], re.Match[str] | None]:
-    return re.compile(_DOLLAR.sub(r"\\Z", regex)).search
-
-
-def quick_check_for(schema: Mapping[str, Any]) -> Callable[[Mapping[str, Any]], bool] | None:
-    """A test that returns True only for envelopes *schema* accepts (and
-    False for some it accepts too), or None when *schema* is not shaped as
-    this function expects. See the comment above."""
-    props = schema.get("properties", {})
-    data = props.get("data", {})
-    if (
-        _skeleton(schema) != _QUICK_SKELETON
-        or schema["type"] != "object" or schema["additionalProperties"] is not False
-        or set(schema["required"]) != set(props)
-        or [props[k]["type"] for k in ("eventId", "type", "articleId", "revision", "occurredAt", "data")]
-        != ["string", "string", "string", "integer", "string", "object"]
-        or props["occurredAt"]["format"] != "date-time"
-        or data["additionalProperties"] is not True or set(data["required"]) != set(data["properties"])
-        or [data["properties"][k]["type"] for k in ("title", "url")] != ["string", "string"]
-    ):
-        return None
-    keys = frozenset(props)
-    event_id_ok = _pattern(props["eventId"]["pattern"])
-    types = frozenset(v for v in props["type"]["enum"] if type(v) is str)
-    article_min, article_max = props["articleId"]["minLength"], props["articleId"]["maxLength"]
-    article_ok = _pattern(props["articleId"]["pattern"])
-    revision_min, revision_max = props["revision"]["minimum"], props["revision"]["maximum"]
-    occurred_max, occurred_ok = props["occurredAt"]["maxLength"], _pattern(props["occurredAt"]["pattern"])
-    title = data["properties"]["title"]
-    title_min, title_max = title["minLength"], title["maxLength"]
-    url_max = data["properties"]["url"]["maxLength"]
-
-    def certainly_valid(obj: Mapping[str, Any]) -> bool:
-        if obj.keys() != keys:  # every field is required, no other allowed
-            return False
-        event_id, kind, article = obj["eventId"], obj["type"], obj["articleId"]
-        revision, occurred, fields = obj["revision"], obj["occurredAt"], obj["data"]
-        if type(fields) is not dict:
-            return False
-        title, url = fields.get("title"), fields.get("url")
-        return (
-            type(event_id) is str and event_id_ok(event_id) is not None
-            and type(kind) is str and kind in types
-            and type(article) is str and article_min <= len(article) <= article_max
-            # printable text has no control character: the pattern's search only for the rest
-            and (article.isprintable() or article_ok(article) is not None)
-            and type(revision) is int and revision_min <= revision <= revision_max
-            and type(occurred) is str and len(occurred) <= occurred_max
-            and occurred_ok(occurred) is not None and _instant(occurred)
-            and type(title) is str and title_min <= len(title) <= title_max
-            and type(url) is str and len(url) <= url_max
-        )
-
-    return certainly_valid
-
-
 def _instant(occurred: str) -> bool:
     """:func:`is_rfc3339` for a string that matched the schema's occurredAt
     pattern; the usual ``YYYY-MM-DDTHH:MM:SSZ`` goes straight to datetime."""
@@ -286,12 +203,6 @@ def _instant(occurred: str) -> bool:
     return is_rfc3339(occurred)
 
 
-@lru_cache(maxsize=1)
-def quick_check() -> Callable[[Mapping[str, Any]], bool] | None:
-    """:func:`quick_check_for` the envelope schema (built once per process)."""
-    return quick_check_for(load_schema())
-
-
 def is_event_id(value: object) -> bool:
     """Whether *value* is an eventId as the contract spells it (a lowercase 8-4-4-4-12 UUID)."""
     return isinstance(value, str) and _UUID.fullmatch(value) is not None
@@ -302,8 +213,9 @@ def _event_id_of(obj: Mapping[str, Any]) -> str | None:
     return value if is_event_id(value) else None
 
 
-def _schema_reason(exc: fastjsonschema.JsonSchemaValueException) -> str:
-    """A reason naming the field and the rule, never the offending value."""
+def _schema_reason(exc: fastjsonschema.JsonSchemaValueException, *, key: str = "articleId") -> str:
+    """A reason naming the field and the rule, never the offending value
+    (*key*: the name of the type's key field)."""
     field = (exc.name or "data").removeprefix("data").lstrip(".") or "envelope"
     rule = exc.rule or "schema"
     definition: Any = exc.rule_definition
@@ -330,8 +242,10 @@ def _schema_reason(exc: fastjsonschema.JsonSchemaValueException) -> str:
         return "eventId must be a UUID in canonical lowercase form"
     if field == "occurredAt":
         return "occurredAt must be an RFC 3339 timestamp with an offset"
-    if field == "articleId" and rule == "pattern":
-        return "articleId must not contain control characters (U+0000 to U+001F)"
+    if field in (key, "meta.correlationId", "meta.causationId") and rule == "pattern":
+        return f"{field} must not contain control characters (U+0000 to U+001F)"
+    if field == "meta.traceparent":
+        return "meta.traceparent must be a W3C traceparent: 00-<32 hex>-<16 hex>-<2 hex>, ids not all zeros"
     return f"{field} violates the schema rule '{rule}'"
 
 
@@ -469,11 +383,13 @@ def parse(
     max_bytes: int = MAX_BODY_BYTES,
     content_encoding: str | None = None,
     compression: object = None,
+    types: EventTypes | None = None,
 ) -> Envelope:
     """Validate one body and return its :class:`Envelope`, or raise Rejection.
 
     *content_encoding* and *compression* are a delivery's property and
-    kombu's header of that name (see :func:`decode_body`).
+    kombu's header of that name (see :func:`decode_body`). *types*: the
+    declared event types to accept (default: ``event_types.default_types()``).
     """
     if content_encoding is not None or compression is not None:
         body = decode_body(body, content_encoding, compression=compression, max_bytes=max_bytes)
@@ -486,7 +402,7 @@ def parse(
     if not isinstance(obj, dict):
         raise Rejection(MALFORMED_JSON, f"body is JSON but not an object ({type(obj).__name__})")
     try:
-        env = from_mapping(obj)
+        env = (_default_types() if types is None else types).from_mapping(obj)
     except Rejection:
         refuse_duplicate_keys(body, None, obj)  # a duplicate is the first thing wrong with a body
         raise
@@ -494,60 +410,16 @@ def parse(
     return env
 
 
-def from_mapping(obj: Mapping[str, Any]) -> Envelope:
-    """Validate an already decoded envelope (a dict) and return its Envelope."""
-    # The hot path of every delivery: keep it lean (bench/bench_replay.py).
-    # The eventId of a refused envelope is worked out only when refusing.
-    try:
-        canonical = orjson.dumps(obj, option=_CANONICAL)
-    except (orjson.JSONEncodeError, TypeError) as exc:  # only reachable from Python callers
-        raise Rejection(
-            INVALID_ENVELOPE, f"envelope cannot be written as JSON: {exc}", event_id=_event_id_of(obj)
-        ) from None
-    digest = hashlib.sha256(canonical).hexdigest()
-    quick = quick_check()
-    if quick is None or not quick(obj):  # what the quick check accepts passes all of this
-        _check(obj, digest)
-    # Every field passed the schema (eventId matches _UUID, type is in the
-    # enum). Positional arguments: cheaper than keywords on this path.
-    return Envelope(
-        obj["eventId"],
-        obj["type"],
-        obj["articleId"],
-        obj["revision"],
-        obj["occurredAt"],
-        obj["data"],
-        obj,
-        canonical,
-        digest,
-    )
+def _default_types() -> EventTypes:
+    from .event_types import default_types  # event_types imports this module
+
+    return default_types()
 
 
-def _check(obj: Mapping[str, Any], digest: str) -> None:
-    """Raise the rejection of an envelope the quick check did not accept, if
-    it is refused: an unknown type first, then the schema, then a revision
-    written as a float."""
-    event_type = obj.get("type")
-    if isinstance(event_type, str) and event_type not in known_types():
-        raise Rejection(
-            UNKNOWN_TYPE,
-            f"type {event_type[:64]!r} is not a known event type",
-            event_id=_event_id_of(obj),
-            fingerprint=digest,
-        )
-    try:
-        validator()(obj)
-    except fastjsonschema.JsonSchemaValueException as exc:
-        raise Rejection(
-            INVALID_ENVELOPE, _schema_reason(exc), event_id=_event_id_of(obj), fingerprint=digest
-        ) from None
-    if type(obj["revision"]) is not int:  # 1.0 passes JSON Schema's "integer"
-        raise Rejection(
-            INVALID_ENVELOPE,
-            "revision must be written as a JSON integer",
-            event_id=_event_id_of(obj),
-            fingerprint=digest,
-        )
+def from_mapping(obj: Mapping[str, Any], types: EventTypes | None = None) -> Envelope:
+    """Validate an already decoded envelope (a dict) and return its Envelope
+    (*types*: as for :func:`parse`)."""
+    return (_default_types() if types is None else types).from_mapping(obj)
 
 
 def body_digest(body: bytes) -> str:
@@ -570,8 +442,6 @@ __all__ = [
     "known_types",
     "load_schema",
     "parse",
-    "quick_check",
-    "quick_check_for",
     "refuse_duplicate_keys",
     "safe_reason",
     "schema_dir",

@@ -15,6 +15,9 @@ Points of the fence protocol (inbox/fence.py, the webhook consumer):
 ``webhook-after-claim`` (the keys are claimed, nothing called) and
 ``webhook-after-call`` (the endpoint answered, nothing recorded yet).
 With the variable unset, :func:`crashpoint` is a dictionary lookup.
+``DELIVERY_PAUSE_AT`` names points where the process stops itself instead
+(:func:`pausepoint`): ``repartition-before-switch`` (the databases are moved,
+the broker still routes by the old count).
 """
 
 from __future__ import annotations
@@ -57,3 +60,20 @@ def crashpoint(name: str) -> None:
         for pid in _ALSO:
             os.kill(pid, signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+PAUSE_ENV = "DELIVERY_PAUSE_AT"
+
+
+def pausepoint(name: str) -> None:
+    """Stop this process (SIGSTOP) if DELIVERY_PAUSE_AT names *name*.
+
+    A test sees the line on stderr, acts while the process stands still at the
+    boundary (publishes into ``repartition``'s window, say), then sends SIGCONT.
+    Not on a hot path: the variable is read at each call.
+    """
+    if name not in _parse(os.environ.get(PAUSE_ENV, "")):
+        return
+    sys.stderr.write(f"delivery-consumer: pause point {name} reached, SIGSTOP\n")
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGSTOP)

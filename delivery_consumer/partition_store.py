@@ -30,6 +30,16 @@ def stored_identity(path: Path) -> Identity | None:
         return identity_from_meta(dict(rows.fetchall()))
 
 
+def repartitioned_from(path: Path) -> str | None:
+    """The count the partition database *path* was repartitioned from (``"unpartitioned"``
+    from a plain consumer); None when it never was, or does not exist."""
+    if not path.is_file():
+        return None
+    with sqlite.reading(path, what="read its former partition count") as conn:
+        row = conn.execute("SELECT value FROM meta WHERE key = 'repartitioned_from'").fetchone()
+    return str(row[0]) if row else None
+
+
 def _directory_paths(directory: Path) -> list[Path]:
     """The ``p<k>/inbox.db`` files in *directory*, by partition."""
     if not directory.is_dir():
@@ -37,6 +47,12 @@ def _directory_paths(directory: Path) -> list[Path]:
     found = sorted((int(m.group(1)), d / "inbox.db") for d in directory.iterdir()
                    if (m := _PARTITION_DIR.fullmatch(d.name)) and (d / "inbox.db").is_file())
     return [path for _k, path in found]
+
+
+def partitions_beside(path: Path) -> list[Path]:
+    """The partition databases (``p<k>/inbox.db``) in the directory of the unpartitioned database *path*:
+    a consumer partitioned beside its old database, read by mistake through the old one."""
+    return _directory_paths(path.parent) if path.name == "inbox.db" else []
 
 
 def partition_db(consumer: str, partition: int, db_path: Path | None) -> Path:

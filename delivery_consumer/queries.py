@@ -26,6 +26,8 @@ from contextlib import contextmanager
 from datetime import datetime
 from typing import Any, Final, ParamSpec, TypeVar
 
+import orjson
+
 from .durations import format as format_duration
 from .errors import DeliveryError
 from .inbox import ConsumerDB
@@ -142,8 +144,15 @@ def inbox_list(db: ConsumerDB, *, result: str | None = None, limit: int | None =
 
 
 def receipt_row(conn: sqlite3.Connection, event_id: str) -> Row | None:
-    rows = conn.execute(f"{_RECEIPT} WHERE event_id = ?", (event_id,)).fetchall()
-    return _receipt(rows[0]) if rows else None
+    """The receipt of *event_id* with its key and the envelope's ``meta`` (a dict, or None)."""
+    rows = conn.execute(f"{_RECEIPT.replace(' FROM', ', partition_key, meta FROM')} WHERE event_id = ?",
+                        (event_id,)).fetchall()
+    if not rows:
+        return None
+    receipt = _receipt(rows[0])
+    receipt["key"], meta = rows[0][5:]
+    receipt["meta"] = orjson.loads(meta) if meta is not None else None
+    return receipt
 
 
 def camel(column: str) -> str:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from .contract import Outcome
 from .envelope import MAX_BODY_BYTES, Envelope, body_digest, parse
 from .errors import Rejection, TransientError
+from .event_types import EventTypes
 from .inbox import ConsumerDB, Transaction, apply_batch
 from .inbox.apply import BatchHook
 from .sources import Item
@@ -73,14 +74,15 @@ class Summary:
         return f"{self.total} events: " + (", ".join(parts) if parts else "nothing to do")
 
 
-def _parse_all(items: list[Item], max_bytes: int) -> tuple[list[Envelope | Rejection], list[str | None] | None]:
-    """Parse a batch: envelopes or rejections, and the body digests of the
-    rejected ones (None when nothing was rejected, the usual case)."""
+def _parse_all(items: list[Item], max_bytes: int,
+               types: EventTypes) -> tuple[list[Envelope | Rejection], list[str | None] | None]:
+    """Parse a batch of the consumer's *types*: envelopes or rejections, and
+    the body digests of the rejected ones (None when nothing was rejected, the usual case)."""
     parsed: list[Envelope | Rejection] = []
     digests: list[str | None] | None = None
     for i, item in enumerate(items):
         try:
-            parsed.append(parse(item.body, max_bytes=max_bytes))
+            parsed.append(parse(item.body, max_bytes=max_bytes, types=types))
         except Rejection as rej:
             parsed.append(rej)
             if digests is None:
@@ -105,7 +107,7 @@ def _apply_parsed(db: ConsumerDB, parsed: list[Envelope | Rejection], sources: l
 
 def _apply_chunk(db: ConsumerDB, items: list[Item], batch: int, max_bytes: int) -> Iterator[tuple[Item, Outcome]]:
     """Parse *items* at once, then apply them *batch* per transaction."""
-    parsed, digests = _parse_all(items, max_bytes)
+    parsed, digests = _parse_all(items, max_bytes, db.spec.event_types)
     sources: list[str | None] = [item.location for item in items]
     for start in range(0, len(items), batch):
         end = start + batch
@@ -126,10 +128,11 @@ class _ParsedAhead:
     for the thread, which stops at the next item.
     """
 
-    def __init__(self, items: Iterable[Item], batch: int, max_bytes: int):
+    def __init__(self, items: Iterable[Item], batch: int, max_bytes: int, types: EventTypes):
         self._items = iter(items)
         self._batch = batch
         self._max_bytes = max_bytes
+        self._types = types
         # A lock held until asked: cheaper than a Semaphore, all in C.
         self._asked = threading.Lock()
         self._asked.acquire()
@@ -170,7 +173,7 @@ class _ParsedAhead:
                     items.append(item)
                 if self._closed:
                     return
-                parsed, digests = _parse_all(items, self._max_bytes)
+                parsed, digests = _parse_all(items, self._max_bytes, self._types)
             except BaseException as exc:  # handed to the replaying thread, which raises it
                 self._done.put(exc)
                 return
@@ -184,7 +187,7 @@ _Parsed = tuple[list[Item], list[Envelope | Rejection], list[str | None] | None]
 
 def _replay_parsing_ahead(db: ConsumerDB, items: Iterable[Item], batch: int,
                           max_bytes: int) -> Iterator[tuple[Item, Outcome]]:
-    ahead = _ParsedAhead(items, batch, max_bytes)
+    ahead = _ParsedAhead(items, batch, max_bytes, db.spec.event_types)
     try:
         ahead.ask()
         while True:

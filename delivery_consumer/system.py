@@ -409,6 +409,23 @@ def _queue_figures(dep: Deployment, label: str, topo: Topology, counts: dict[str
     return item
 
 
+def _former_queues(dep: Deployment, name: str, found: list[tuple[str | None, Path, Topology]]) -> dict[str, str]:
+    """Queue -> what it served, of the layouts a partitioned consumer had before: its unpartitioned
+    queues, and those of partitions its databases' former count had beyond the current one."""
+    from .partition_store import repartitioned_from
+
+    base = topology(dep, name)
+    out = {q: "the unpartitioned consumer" for q, _ in base.queues()}
+    try:
+        former = next((repartitioned_from(path) for _, path, _ in found if path.exists()), None)
+    except DeliveryError:
+        former = None
+    if former is not None and former.isdigit():
+        for k in range(len(found), int(former)):
+            out.update({q: f"its former {former} partitions" for q, _ in partition_topology(base, k).queues()})
+    return out
+
+
 def notes(row: Row) -> str | None:
     """What a status row has to say besides its figures, in a few words."""
     if row.get("error"):
@@ -438,9 +455,11 @@ def status(dep: Deployment, *, now: float | None = None, broker: bool = True) ->
     broker_error = None
     layout = {name: places(dep, entry) for name, entry in dep.consumers.items()}
     partitioned = {name for name, found in layout.items() if any(partition for partition, _, _ in found)}
+    former = {name: _former_queues(dep, name, layout[name]) for name in partitioned}
     if broker and dep.consumers:
         queues = [q for found in layout.values() for _, _, topo in found for q in (topo.queue, topo.dead_queue)]
         queues += [unrouted_name(topology(dep, name)) for name in partitioned]
+        queues += [q for found in former.values() for q in found]
         try:
             counts = queue_counts(dep.amqp_url, queues)
         except BrokerError as exc:
@@ -490,6 +509,13 @@ def status(dep: Deployment, *, now: float | None = None, broker: bool = True) ->
             if waiting is not None and waiting.ready:
                 problems.append(f"{name}: {_count(waiting.ready, 'message')} in {queue} reached no partition "
                                 f"(no slot header?); after the fix: delivery-consumer reroute --consumer {name}")
+            for queue, what in former[name].items():
+                left = counts.get(queue)
+                if left is not None and left.ready:
+                    problems.append(
+                        f"{name}: {_count(left.ready, 'message')} in {queue}, a queue of {what}, not of its "
+                        f"{len(layout[name])} partitions: nothing consumes it; delivery-consumer repartition "
+                        f"--consumer {name} --partitions {len(layout[name])} moves them to their partitions")
         out_consumers.append(item)
     out_producers = []
     for name, producer in dep.producers.items():

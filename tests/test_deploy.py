@@ -1,5 +1,8 @@
 """deploy/: the Prometheus rules and the Grafana dashboard name only metrics that
-a real ``run --metrics-port`` exports, and the systemd unit template verifies."""
+a real ``run --metrics-port`` exports; every systemd unit verifies, is hardened
+(systemd-analyze security) and runs as the user and in the directory that
+deploy/'s sysusers.d and tmpfiles.d files create. (The alerts themselves are
+evaluated on real scrapes in test_alerts.py.)"""
 
 from __future__ import annotations
 
@@ -18,9 +21,10 @@ from typing import Any
 import orjson
 import pytest
 import yaml
-from brokerkit import Namespace
+from brokerkit import Namespace, RunProcess
+from deploykit import deploy_env, write_deployment
 from partitionkit import Cluster
-from support import REPO, new_event, wait_until
+from support import REPO, count_rows, new_event, wait_until
 from webhook_server import free_port
 
 from delivery_consumer.partitions import partition_of
@@ -29,6 +33,10 @@ DEPLOY = REPO / "deploy"
 RULES = DEPLOY / "prometheus" / "delivery-consumer.rules.yml"
 DASHBOARD = DEPLOY / "grafana" / "delivery-consumer.json"
 UNIT = DEPLOY / "systemd" / "delivery-consumer@.service"
+UNITS = sorted((DEPLOY / "systemd").glob("*.service"))
+SYSUSERS = DEPLOY / "sysusers.d" / "delivery-consumer.conf"
+TMPFILES = DEPLOY / "tmpfiles.d" / "delivery-consumer.conf"
+INSTALLED = "/opt/delivery-consumer/.venv/bin/delivery-consumer"
 METRIC = re.compile(r"\b((?:delivery|process)_[a-z_]+)\b")
 
 
@@ -129,7 +137,8 @@ def test_the_alert_rules_are_well_formed() -> None:
     promtool agrees when it is installed."""
     found = rules()
     assert {"DeliveryDeadLetters", "DeliveryBacklogWithoutConsumer", "DeliveryNoCommit",
-            "DeliveryStoreUnhealthy"} <= {rule["alert"] for rule in found}
+            "DeliveryStoreUnhealthy", "DeliveryConsumerDown", "OutboxQuarantined", "OutboxPendingTooOld",
+            "OutboxDispatcherDown"} <= {rule["alert"] for rule in found}
     for rule in found:
         assert rule["expr"] and rule["for"] and rule["labels"]["severity"] and rule["annotations"]["summary"], rule
         # A join of two series pairs one partition's with the same partition's (a queue is one partition's).
@@ -187,24 +196,163 @@ def test_the_systemd_instance_is_a_consumer_or_one_partition_of_one(instance: st
     assert (0, args) == (done.returncode, done.stdout.strip()), done.stderr
 
 
-def test_the_systemd_unit_template_kills_the_whole_group_and_verifies(tmp_path: Path) -> None:
-    """KillMode=control-group, run is exec'd (the main process); systemd-analyze verify finds nothing
-    wrong with an instance of a consumer or of a partition."""
-    text = UNIT.read_text()
-    assert re.search(r"^KillMode=control-group$", text, re.M)
-    assert "exec /opt/delivery-consumer/.venv/bin/delivery-consumer run " in text
+def systemd_analyze() -> str:
+    """systemd-analyze's path; skipped without it (failed under CI, which installs it)."""
     analyze = shutil.which("systemd-analyze")
     if analyze is None:
         why = "systemd-analyze is not installed (apt-get install systemd; .ci/run does it)"
         if os.environ.get("CI"):
             pytest.fail(why)
-        pytest.skip(why + ": the unit was only read, not verified")
+        pytest.skip(why + ": the units were only read, not verified")
+    return analyze
+
+
+def installed(unit: Path, directory: Path) -> Path:
+    """*unit* as installed in *directory*, this venv's script instead of /opt's; a template
+    as its instance ``catalog``."""
     script = Path(sys.executable).parent / "delivery-consumer"
-    unit = tmp_path / "delivery-consumer@.service"
-    unit.write_text(text.replace("/opt/delivery-consumer/.venv/bin/delivery-consumer", str(script)))
+    copy = directory / unit.name
+    copy.write_text(unit.read_text().replace(INSTALLED, str(script)))
+    if not unit.name.endswith("@.service"):
+        return copy
+    instance = directory / unit.name.replace("@.", "@catalog.")
+    instance.symlink_to(copy.name)
+    return instance
+
+
+def test_the_systemd_unit_template_kills_the_whole_group_and_verifies(tmp_path: Path) -> None:
+    """KillMode=control-group, run is exec'd (the main process); systemd-analyze verify finds nothing
+    wrong with an instance of a consumer or of a partition."""
+    text = UNIT.read_text()
+    assert re.search(r"^KillMode=control-group$", text, re.M)
+    assert f"exec {INSTALLED} run " in text
+    analyze = systemd_analyze()
+    installed(UNIT, tmp_path)
+    (tmp_path / "delivery-consumer@catalog.p1.service").symlink_to(UNIT.name)
     for instance in ("catalog", "catalog.p1"):
-        (tmp_path / f"delivery-consumer@{instance}.service").symlink_to(unit.name)
         done = subprocess.run([analyze, "verify", str(tmp_path / f"delivery-consumer@{instance}.service")],
                               capture_output=True, text=True, timeout=60)
         ours = [line for line in done.stderr.splitlines() if "delivery-consumer@" in line]
         assert 0 == done.returncode and not ours, done.stderr
+
+
+@pytest.mark.parametrize("unit", UNITS, ids=lambda unit: unit.name)
+def test_every_unit_verifies_and_its_exposure_is_2_or_lower(unit: Path, tmp_path: Path) -> None:
+    """systemd-analyze verify finds nothing wrong with the unit, and ``security --offline``
+    rates its exposure 2.0 or lower (the hardening is in the file, not assumed)."""
+    analyze = systemd_analyze()
+    path = installed(unit, tmp_path)
+    done = subprocess.run([analyze, "verify", str(path)], capture_output=True, text=True, timeout=60)
+    ours = [line for line in done.stderr.splitlines() if unit.name.split("@")[0].split(".")[0] in line]
+    assert 0 == done.returncode and not ours, done.stderr
+    done = subprocess.run([analyze, "security", "--offline=true", "--threshold=20", "--no-pager", str(path)],
+                          capture_output=True, text=True, timeout=60)
+    [level] = re.findall(r"Overall exposure level for \S+: (\d+\.\d+)", done.stdout)
+    assert 0 == done.returncode and float(level) <= 2.0, done.stdout + done.stderr
+
+
+def _sandbox(text: str) -> list[str]:
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("# Sandbox"))
+    end = next(i for i, line in enumerate(lines) if line.startswith("SystemCallErrorNumber="))
+    return lines[start:end + 1]
+
+
+def test_every_unit_runs_as_the_sysusers_user_in_its_private_state_directory() -> None:
+    """Every unit: the user sysusers.d creates, the state directory tmpfiles.d creates (0700) as its
+    only writable path, UMask=0077 and the same sandbox; a crash restarts, exit 2 (a person must
+    look) does not."""
+    [user] = re.findall(r"^u\s+(\S+)\s", SYSUSERS.read_text(), re.M)
+    dirs = dict(re.findall(r"^d\s+(\S+)\s+(\d+)", TMPFILES.read_text(), re.M))
+    assert "0700" == dirs["/var/lib/delivery-consumer"]
+    sandboxes = []
+    for unit in UNITS:
+        text = unit.read_text()
+        settings = dict(re.findall(r"^(\w+)=(.*)$", text, re.M))
+        assert user == settings["User"] == settings["Group"], unit.name
+        assert ("delivery-consumer", "0700") == (settings["StateDirectory"], settings["StateDirectoryMode"]), unit
+        assert "/var/lib/delivery-consumer" == settings["ReadWritePaths"] == settings["WorkingDirectory"], unit
+        assert ("0077", "strict", "on-failure", "2") == (settings["UMask"], settings["ProtectSystem"],
+                                                        settings["Restart"], settings["RestartPreventExitStatus"])
+        sandboxes.append(_sandbox(text))
+    assert all(sandbox == sandboxes[0] for sandbox in sandboxes)
+
+
+def test_sysusers_and_tmpfiles_create_the_user_and_the_state_directory(tmp_path: Path) -> None:
+    """systemd-sysusers and systemd-tmpfiles, run on an empty root with deploy/'s files installed
+    where a package puts them, create the user (no login shell) and a state directory only it can
+    open, and a configuration directory it can read and not write."""
+    sysusers, tmpfiles = shutil.which("systemd-sysusers"), shutil.which("systemd-tmpfiles")
+    if sysusers is None or tmpfiles is None:
+        if os.environ.get("CI"):
+            pytest.fail("systemd-sysusers/systemd-tmpfiles are not installed (package systemd)")
+        pytest.skip("systemd-sysusers/systemd-tmpfiles are not installed (apt-get install systemd)")
+    root = tmp_path / "root"
+    for source, where in ((SYSUSERS, "usr/lib/sysusers.d"), (TMPFILES, "usr/lib/tmpfiles.d")):
+        (root / where).mkdir(parents=True)
+        shutil.copy(source, root / where / source.name)
+    (root / "etc").mkdir()
+    for tool in (sysusers, tmpfiles):
+        done = subprocess.run([tool, f"--root={root}", *(["--create"] if tool == tmpfiles else [])],
+                              capture_output=True, text=True, timeout=60)
+        assert 0 == done.returncode and "delivery-consumer.conf" not in done.stderr, done.stderr
+    [entry] = [line.split(":") for line in (root / "etc/passwd").read_text().splitlines()
+               if line.startswith("delivery-consumer:")]
+    uid, gid, home, shell = int(entry[2]), int(entry[3]), entry[5], entry[6]
+    assert ("/var/lib/delivery-consumer", "/usr/sbin/nologin") == (home, shell)
+    state, etc = (root / "var/lib/delivery-consumer").stat(), (root / "etc/delivery-consumer").stat()
+    assert (0o700, uid, gid) == (state.st_mode & 0o7777, state.st_uid, state.st_gid)
+    assert (0o750, 0, gid) == (etc.st_mode & 0o7777, etc.st_uid, etc.st_gid)
+
+
+#: Runs a command with PR_SET_MDWE (what MemoryDenyWriteExecute= enforces): memory can never be
+#: writable and executable; the rule passes to the command's children (run's worker) through exec.
+MDWE = """
+import ctypes, mmap, os, sys
+if ctypes.CDLL(None, use_errno=True).prctl(65, 1, 0, 0, 0) != 0:  # PR_SET_MDWE, PR_MDWE_REFUSE_EXEC_GAIN
+    sys.exit(f"PR_SET_MDWE: {os.strerror(ctypes.get_errno())}")
+try:
+    mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+    sys.exit("PR_SET_MDWE set, yet a writable and executable mapping was allowed")
+except PermissionError:
+    pass
+os.execv(sys.argv[1], sys.argv[1:])
+"""
+
+
+@pytest.mark.broker
+def test_dispatch_run_and_console_work_with_memory_deny_write_execute(ns: Namespace) -> None:
+    """Under PR_SET_MDWE (MemoryDenyWriteExecute=yes in the units), dispatch publishes the outbox,
+    run applies it and the console shows it: nothing in them needs writable executable memory."""
+    probe = subprocess.run([sys.executable, "-c", MDWE, "/bin/true"], capture_output=True, text=True, timeout=60)
+    if probe.returncode != 0:
+        pytest.skip(f"this kernel cannot enforce it: {probe.stderr.strip()}")
+    producer = ns.workdir / "producer.db"
+    for article in ("m1", "m2"):
+        done = ns.cli("produce", "--db", str(producer), "--article", article, "--title", article,
+                      "--url", f"https://example.org/{article}")
+        assert 0 == done.returncode, done.stderr
+    script = str(Path(sys.executable).parent / "delivery-consumer")
+    done = subprocess.run([sys.executable, "-c", MDWE, script, "dispatch", "--db", str(producer), "--consumer",
+                           "catalog", "--exit-when-idle", "1s"], cwd=ns.workdir, env=ns.env(),
+                          capture_output=True, text=True, timeout=120)
+    assert 0 == done.returncode, done.stderr
+    proc = RunProcess([sys.executable, "-c", MDWE, script, "run", "--consumer", "catalog", "--db",
+                       str(ns.db("catalog")), "--exit-when-idle", "1.5"], cwd=ns.workdir, env=ns.env())
+    ns.started.append(proc)
+    result = proc.until_idle(120)
+    assert 0 == result.returncode, result.stderr
+    assert 2 == count_rows(ns.db("catalog"), "inbox"), result.stderr
+    config = write_deployment(ns.workdir, ns=ns, consumers=("catalog",))
+    config.write_text(config.read_text().replace('"state/catalog/inbox.db"', f'"{ns.db("catalog")}"')
+                      .replace('"producer.db"', f'"{producer}"'))
+    console = RunProcess([sys.executable, "-c", MDWE, script, "console", "--port", "0"], cwd=ns.workdir,
+                         env=deploy_env(config))
+    ns.started.append(console)
+    found = wait_until("the console's URL", lambda: re.search(r"console on (http://\S+/)", console.output()[1]),
+                       procs=[console])
+    with urllib.request.urlopen(found.group(1), timeout=30) as page:
+        assert 200 == page.status and "catalog" in page.read().decode()
+    os.kill(console.pid, signal.SIGTERM)
+    console.communicate(timeout=30)
+    assert 0 == console.returncode, console.output()[1]

@@ -1,6 +1,7 @@
 """The README's "Adding a consumer" example, exactly as printed, works through
-the CLI once pip-installed: its entry point registers it, and its view gives
-it list, show and its article in trace."""
+the CLI once pip-installed: a consumer of its own event types (orders keyed by
+orderId), registered by its entry point, whose events replay with the answers
+printed, and whose view gives it list, show and its row and meta in trace."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import pytest
 from support import subprocess_env
 
 REPO = Path(__file__).resolve().parent.parent
-LAST_OF_101 = "96214b82-ee25-40da-a164-1cc2b2d6451d"  # sample 10: article-101's only event
+FIRST = "01938a7e-7c00-7000-8000-000000000001"  # order-7 placed, with meta
+PAID = "01938a7e-7c00-7000-8000-000000000002"  # order-7 paid: its current event
 
 
 def section() -> str:
@@ -40,10 +42,11 @@ def transcript() -> list[tuple[str, str]]:
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The example pip-installed (entry point included) into a fresh venv that sees the test venv."""
     root = tmp_path_factory.mktemp("readme_consumer")
-    package = root / "delivery-revisions"
+    package = root / "delivery-orders"
     package.mkdir()
     for name, content in example_files().items():
-        (package / name).write_text(content, "utf-8")
+        if name != "orders.ndjson":  # the events, not part of the distribution
+            (package / name).write_text(content, "utf-8")
     venv = root / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)],
                    check=True, timeout=120)
@@ -67,32 +70,35 @@ def run(python: Path, cwd: Path, command: str, code: int = 0) -> str:
     return done.stdout
 
 
-def test_the_example_has_a_module_and_its_entry_point() -> None:
-    """The section shows the module and a pyproject.toml whose entry point names it."""
+def test_the_example_has_a_module_its_entry_points_and_events() -> None:
+    """The section shows the module, a pyproject.toml whose entry points name it, and its events."""
     files = example_files()
-    assert {"delivery_revisions.py", "pyproject.toml"} == set(files)
-    assert '[project.entry-points."delivery_consumer.consumers"]\nrevisions = "delivery_revisions"' in (
+    assert {"delivery_orders.py", "pyproject.toml", "orders.ndjson"} == set(files)
+    assert '[project.entry-points."delivery_consumer.consumers"]\norders = "delivery_orders"' in files["pyproject.toml"]
+    assert '[project.entry-points."delivery_consumer.event_types"]\norders = "delivery_orders"' in (
         files["pyproject.toml"])
+    assert 6 == len(files["orders.ndjson"].splitlines())
 
 
 def test_the_installed_example_works_through_the_cli(installed: Path, tmp_path: Path) -> None:
-    """replay, the transcript's list and show (output exactly as printed) and trace work for the
-    installed example, found by its entry point alone (no DELIVERY_PLUGINS)."""
-    (tmp_path / "sample_events").symlink_to(REPO / "sample_events")
-    replay = run(installed, tmp_path, "delivery-consumer replay --consumer revisions sample_events/", code=1)
-    assert "12 events: 10 counted, 1 duplicate:counted, 1 rejected (1 event-id-reused)" == replay.splitlines()[-1]
-
-    steps = [(command, expected) for command, expected in transcript() if "replay" not in command]
-    assert [c for c, _ in steps] == ["delivery-consumer revisions list", "delivery-consumer revisions show article-42"]
+    """replay of its events, list and show (output exactly as printed) and trace with the key and meta
+    work for the installed example, found by its entry point alone (no DELIVERY_PLUGINS)."""
+    (tmp_path / "orders.ndjson").write_text(example_files()["orders.ndjson"], "utf-8")
+    steps = transcript()
+    assert [c for c, _ in steps] == ["delivery-consumer replay --consumer orders orders.ndjson",
+                                     "delivery-consumer orders list", "delivery-consumer orders show order-7"]
     for command, expected in steps:
-        assert expected == run(installed, tmp_path, command), command
+        assert expected == run(installed, tmp_path, command, code=1 if "replay" in command else 0), command
 
-    trace = f"delivery-consumer trace --consumer revisions --json {LAST_OF_101}"
-    traced = orjson.loads(run(installed, tmp_path, trace))
-    assert ("applied", "counted") == (traced["status"], traced["receipt"]["result"])
-    assert {"articleId": "article-101", "events": 1, "maxRevision": 1, "lastEventId": LAST_OF_101,
-            "currentEvent": True} == traced["article"]
-    missing = subprocess.run([str(installed), "-m", "delivery_consumer", "revisions", "show", "article-0"],
+    traced = orjson.loads(run(installed, tmp_path, f"delivery-consumer trace --consumer orders --json {FIRST}"))
+    assert ("applied", "updated", "order-7") == (traced["status"], traced["receipt"]["result"],
+                                                 traced["receipt"]["key"])
+    assert {"correlationId": "checkout-31",
+            "traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"} == traced["receipt"]["meta"]
+    current = orjson.loads(run(installed, tmp_path, f"delivery-consumer trace --consumer orders --json {PAID}"))
+    assert {"orderId": "order-7", "revision": 2, "status": "paid", "totalCents": 1250, "eventId": PAID,
+            "currentEvent": True} == current["article"]
+    missing = subprocess.run([str(installed), "-m", "delivery_consumer", "orders", "show", "order-0"],
                              cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=120)
     assert (1, "") == (missing.returncode, missing.stdout)
-    assert "articleId article-0 not found" in missing.stderr
+    assert "orderId order-0 not found" in missing.stderr

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import orjson
 import pytest
-from brokerkit import Namespace
+from brokerkit import Namespace, RunProcess
 from partitionkit import Cluster, make_events, wait_until
 from support import count_rows, read_rows
 
@@ -141,3 +143,173 @@ def test_an_unpartitioned_consumer_is_split(undeclared: Cluster) -> None:
     assert after == before
     consume(cluster, first[:ARTICLES] + second, len(events))
     assert cluster.check_exactly_once(events) == {"updated": len(events)}
+
+
+def _repartition_paused(ns: Namespace, count: int) -> RunProcess:
+    """``repartition`` started and stopped at its pause point: databases moved, the broker not yet switched."""
+    proc = RunProcess([sys.executable, "-m", "delivery_consumer", "repartition", "--consumer", "catalog",
+                       "--partitions", str(count)], cwd=ns.workdir,
+                      env=ns.env(DELIVERY_PAUSE_AT="repartition-before-switch"))
+    ns.started.append(proc)
+    proc.wait_for_log("pause point repartition-before-switch reached", timeout=120)
+    return proc
+
+
+def _apply_everything(cluster: Cluster, events: list[dict[str, object]]) -> None:
+    """Run every partition until each event has a receipt or a rejection somewhere, then stop."""
+    for k in range(cluster.count):
+        cluster.start(k)
+    settled = lambda: sum(count_rows(cluster.db(k), t) for k in range(cluster.count)  # noqa: E731
+                          for t in ("inbox", "rejected")) >= len(events)
+    wait_until("every event settled", settled, 300, cluster.procs)
+    cluster.stop()
+    cluster.procs.clear()
+
+
+@pytest.mark.broker
+@pytest.mark.parametrize("count", [8, 2])
+def test_events_published_in_repartitions_window_are_moved_not_stranded(cluster: Cluster, count: int) -> None:
+    """Events published after repartition's emptiness check and before its switch are moved to their new
+    partitions: it exits 0, no queue of the old count is left, and every event is applied exactly once."""
+    ns = cluster.ns
+    events = make_events(4 * ARTICLES, ARTICLES, seed=11)
+    before, window = events[: 2 * ARTICLES], events[2 * ARTICLES:]
+    consume(cluster, before, len(before))
+
+    paused = _repartition_paused(ns, count)
+    cluster.publish(window)  # confirmed: every one is in a queue of the old count now
+    os.kill(paused.pid, signal.SIGCONT)
+    _out, err = paused.communicate(timeout=300)
+    assert paused.returncode == 0, err
+    elsewhere = sum(partition_of(str(e["articleId"]), count) != partition_of(str(e["articleId"]), 4) for e in window)
+    assert 0 < elsewhere and f"{elsewhere} messages that reached the old queues meanwhile moved" in err, err
+
+    from delivery_consumer.amqp.admin import queue_counts
+
+    gone = [q for k in range(count, 4) for q, _ in ns.topology("catalog", partition=k).queues()]
+    assert set(queue_counts(ns.url, gone).values()) <= {None}
+    cluster.count = count
+    _apply_everything(cluster, events)
+    assert cluster.check_exactly_once(events) == {"updated": len(events)}
+    dead = [ns.topology("catalog", partition=k).dead_queue for k in range(count)]
+    assert {q: s.ready for q, s in queue_counts(ns.url, dead).items() if s is not None} == dict.fromkeys(dead, 0)
+
+
+@pytest.mark.broker
+def test_status_reports_a_message_in_a_queue_of_the_former_count_and_repartition_moves_it(
+        cluster: Cluster, tmp_path: Path) -> None:
+    """After 4 -> 2, a message in a queue of the former 4 partitions makes status red with the fix
+    (repartition again), and running it again moves the message to its article's partition."""
+    from deploykit import dc, write_deployment
+
+    from delivery_consumer.amqp.admin import declare
+    from delivery_consumer.amqp.publisher import OutMessage, Publisher
+
+    ns = cluster.ns
+    assert ns.workdir == tmp_path
+    config = write_deployment(tmp_path, ns=ns, consumers=("catalog",), partitions={"catalog": 2})
+    events = make_events(40, 20, seed=5)
+    consume(cluster, events[:20], 20)
+    moved = dc(config, "repartition", "--consumer", "catalog", "--partitions", "2")
+    assert moved.returncode == 0, moved.stderr
+    cluster.count = 2
+    healthy = dc(config, "status", "--json")
+    assert healthy.returncode == 0, healthy.stdout
+
+    stray = events[20]
+    old_p3 = ns.topology("catalog", partition=3)
+    declare(ns.url, [old_p3])  # what an old run of p3, say, re-creates
+    with Publisher(ns.url) as pub:
+        assert all(r.ok for r in pub.publish([OutMessage(old_p3.queue, orjson.dumps(stray), "", stray["eventId"])]))
+    shown = dc(config, "status", "--json")
+    assert shown.returncode == 1
+    problems = orjson.loads(shown.stdout)["problems"]
+    assert problems == [f"catalog: 1 message in {old_p3.queue}, a queue of its former 4 partitions, not of its 2 "
+                        "partitions: nothing consumes it; delivery-consumer repartition --consumer catalog "
+                        "--partitions 2 moves them to their partitions"], problems
+
+    again = dc(config, "repartition", "--consumer", "catalog", "--partitions", "2")
+    assert again.returncode == 0, again.stderr
+    assert "1 message that reached the old queues meanwhile moved" in again.stderr, again.stderr
+    home = ns.topology("catalog", partition=partition_of(str(stray["articleId"]), 2)).queue
+    assert ns.count(home) == 1
+    after = orjson.loads(dc(config, "status", "--json").stdout)["problems"]
+    assert after == [f"catalog/p{home[-1]}: 1 message waits in {home} and no consumer is connected"], after
+
+
+@pytest.mark.broker
+def test_an_unpartitioned_consumers_window_is_moved_and_its_queue_unbound(undeclared: Cluster) -> None:
+    """Splitting an unpartitioned consumer: events published in the window are moved from its old queue to the
+    partitions, the old queue is deleted, and events published after the switch reach the partitions only."""
+    cluster = undeclared
+    ns = cluster.ns
+    events = make_events(6 * 50, 50, seed=13)
+    before, window, after = events[:100], events[100:200], events[200:]
+    assert ns.cli("topology", "declare", "--consumer", "catalog").returncode == 0
+    cluster.publish(before)
+    done = ns.cli("run", "--consumer", "catalog", "--exit-when-idle", "1.5")
+    assert done.returncode == 0, done.stderr
+
+    paused = _repartition_paused(ns, 4)
+    cluster.publish(window)
+    os.kill(paused.pid, signal.SIGCONT)
+    _out, err = paused.communicate(timeout=300)
+    assert paused.returncode == 0, err
+    assert f"{len(window)} messages that reached the old queues meanwhile moved" in err, err
+    from delivery_consumer.amqp.admin import queue_counts
+
+    assert queue_counts(ns.url, [f"{ns.prefix}.catalog"]) == {f"{ns.prefix}.catalog": None}
+    cluster.publish(after)
+    _apply_everything(cluster, events)
+    assert cluster.check_exactly_once(events) == {"updated": len(events)}
+
+
+@pytest.mark.broker
+def test_a_publisher_that_goes_on_across_repartitions_switch_loses_and_doubles_nothing(cluster: Cluster) -> None:
+    """A publisher started inside repartition's window and still publishing across the switch (4 -> 8): every
+    event ends with exactly one receipt in its new partition and the catalog holds each article's last
+    revision (an event moved behind a newer one of its article is answered stale, never applied)."""
+    ns = cluster.ns
+    events = make_events(6 * ARTICLES, ARTICLES, seed=17)
+    before, stream = events[: ARTICLES], events[ARTICLES:]
+    consume(cluster, before, len(before))
+
+    paused = _repartition_paused(ns, 8)
+    publisher = cluster.publish_async(stream)
+    old_queues = [ns.topology("catalog", partition=k).queue for k in range(4)]
+    wait_until("the stream reaching the old queues", lambda: sum(ns.count(q) for q in old_queues) > 0, 120)
+    os.kill(paused.pid, signal.SIGCONT)
+    _out, err = paused.communicate(timeout=300)
+    assert paused.returncode == 0, err
+    _pout, perr = publisher.communicate(timeout=300)
+    assert publisher.returncode == 0, perr
+
+    cluster.count = 8
+    _apply_everything(cluster, events)
+    results = cluster.check_exactly_once(events)
+    assert set(results) <= {"updated", "stale"} and sum(results.values()) == len(events), results
+
+
+@pytest.mark.broker
+def test_an_old_queue_it_cannot_delete_is_named_and_a_second_run_finishes(cluster: Cluster) -> None:
+    """4 -> 2 while something consumes an old partition's dead queue: repartition does not report success, it
+    names the queue and what to do (exit 2, one line); run again once that consumer is gone, it finishes."""
+    ns = cluster.ns
+    consume(cluster, make_events(40, 20, seed=19), 40)
+    paused = _repartition_paused(ns, 2)
+    holder, channel = ns.channel()
+    old_dead = ns.topology("catalog", partition=3).dead_queue
+    try:
+        channel.basic_consume(old_dead, lambda *_: None)
+        os.kill(paused.pid, signal.SIGCONT)
+        _out, err = paused.communicate(timeout=300)
+    finally:
+        holder.close()
+    assert paused.returncode == 2, err
+    line = err.strip().splitlines()[-1]
+    assert f"{old_dead} (0 messages, 1 consumer)" in line and "--partitions 2 again" in line, err
+    again = ns.cli("repartition", "--consumer", "catalog", "--partitions", "2")
+    assert again.returncode == 0, again.stderr
+    from delivery_consumer.amqp.admin import queue_counts
+
+    assert queue_counts(ns.url, [old_dead]) == {old_dead: None}

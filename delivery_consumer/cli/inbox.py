@@ -35,7 +35,7 @@ from ..durations import Duration
 from ..durations import age as _age
 from ..errors import DeliveryError
 from ..inbox import ConsumerDB, default_db_path
-from ..partition_store import partition_db, partitioned_paths
+from ..partition_store import partition_db, partitioned_paths, partitions_beside
 from ..partitions import SLOT_COUNT
 from . import LazyGroup
 from ._broker import amqp_options, broker_call, topology_for
@@ -144,6 +144,9 @@ def reading_all(consumer: str | None, db_path: Path | None) -> Iterator[list[tup
     or the one database as [(None, db)]; a NotFound exits 1."""
     paths = partition_paths(consumer, db_path)
     if paths is None:
+        if consumer is not None and db_path is None and (beside := partitions_beside(default_db_path(consumer))):
+            click.echo(f"note: {beside[0].parent.parent} also holds {len(beside)} partition databases "
+                       f"(p<k>/inbox.db), not read here; --db {beside[0].parent.parent} reads them", err=True)
         with reading(consumer, db_path) as db:
             yield [(None, db)]
         return

@@ -9,8 +9,9 @@ from pathlib import Path
 import click
 
 from ..errors import DeliveryError
-from ..partition_store import partitioned_paths, split_merge
-from ..partitions import SLOT_COUNT, partition_topologies, route, unrouted_name
+from ..partition_store import partitioned_paths, repartitioned_from, split_merge
+from ..partitions import SLOT_COUNT, Rerouted, partition_topologies, partition_topology, route, unrouted_name
+from ..topology import Binding, Route, Topology
 from ._broker import amqp_options, topology_for
 from ._common import EXIT_OK, EXIT_REJECTED, Fatal, consumer_option, handle_errors
 
@@ -31,11 +32,14 @@ def repartition(consumer: str, amqp_url: str, exchange: str, queue_prefix: str, 
     consumer: stop the producers' dispatch, let the runs drain the queues,
     stop them, then run this. Every article's catalog row, receipts and
     fence rows move to their new partition; the new slot bindings are
-    declared before the old ones are removed, and queues no longer needed
-    are deleted. Run it again if it was interrupted.
+    declared before the old ones are removed. Whatever reached the old
+    queues meanwhile is then moved to its new partition by its key, and
+    queues no longer needed are deleted. Run it again if it was interrupted
+    or could not finish (it says so, exit 2).
     """
     from ..amqp.admin import declare, delete_unused_queues, queue_counts
     from ..amqp.connection import BrokerError
+    from ..faults import pausepoint
 
     base = topology_for(consumer, exchange, queue_prefix)
     paths = partitioned_paths(consumer, None, root)
@@ -46,22 +50,27 @@ def repartition(consumer: str, amqp_url: str, exchange: str, queue_prefix: str, 
         paths = [root / consumer / "inbox.db"]
     old = len(paths)
     previous: int | None = None if unpartitioned else old
-    if old == count and not unpartitioned:  # done before, or nothing to do: finish the broker side again
-        meta_from = _repartitioned_from(paths[0])
+    # The databases are at COUNT already (done before, or interrupted after the swap): finish the broker side.
+    switched = old == count and not unpartitioned
+    if switched:
+        meta_from = repartitioned_from(paths[0])
         unpartitioned = meta_from == "unpartitioned"
         previous = None if unpartitioned else int(meta_from) if meta_from is not None else old
-    old_topologies = partition_topologies(base, max(old, previous or 0)) + ([base] if unpartitioned else [])
-    old_queues = [q for t in old_topologies for q, _ in t.queues()]
+    olds: list[tuple[Topology, int | None, int]] = [(base, None, 1)] if unpartitioned else [
+        (partition_topology(base, k), k, previous or old) for k in range(previous or old)]
+    old_queues = [q for t in partition_topologies(base, max(old, previous or 0)) + [t for t, _, _ in olds]
+                  for q, _ in t.queues()]
     old_queues.append(unrouted_name(base))
     try:
-        states = queue_counts(amqp_url, old_queues, name="delivery-consumer repartition")
+        states = queue_counts(amqp_url, list(dict.fromkeys(old_queues)), name="delivery-consumer repartition")
     except BrokerError as exc:
         raise Fatal(str(exc)) from None
-    busy = [f"{q} ({s.ready} messages, {s.consumers} consumers)" for q, s in states.items()
-            if s is not None and (s.ready or s.consumers)]
+    # Once switched, messages in the old queues are what this command moves; a consumer still holds them.
+    busy = [f"{q} ({_n(s.ready, 'message')}, {_n(s.consumers, 'consumer')})" for q, s in states.items()
+            if s is not None and (s.consumers or (s.ready and not switched))]
     if busy:
         raise Fatal(f"refused: drain the queues and stop every run first; still busy: {', '.join(busy)}")
-    if old != count or paths == [root / consumer / "inbox.db"]:
+    if not switched:
         try:
             moved = split_merge(consumer, count, root)
         except DeliveryError as exc:
@@ -71,27 +80,61 @@ def repartition(consumer: str, amqp_url: str, exchange: str, queue_prefix: str, 
             click.echo(f"p{k}: {rows}")
         click.echo(f"{consumer}: databases moved from {old} to {count} partitions; the old ones are in {moved.backup}",
                    err=True)
+    pausepoint("repartition-before-switch")
     marker = partition_topologies(base, count)[0].count_marker
+    current = {q for t in partition_topologies(base, count) for q, _ in t.queues()}
     try:
         delete_unused_queues(amqp_url, [marker])  # it records the old count; empty, never consumed
-        declare(amqp_url, partition_topologies(base, count), routes=[route(base, count, previous=previous)])
-        gone = partition_topologies(base, previous)[count:] if previous is not None else [base]
-        obsolete = [q for t in gone for q, _ in t.queues() if q != marker]
+        routes = [route(base, count, previous=previous)]
+        if unpartitioned and states.get(base.queue) is not None:  # its events now go through the slots only
+            routes.append(Route(unbind=tuple(Binding(base.exchange, base.queue, key) for key in base.binding_keys)))
+        declare(amqp_url, partition_topologies(base, count), routes=routes)
+        stranded = _move_stranded(amqp_url, base, count, olds)
+        obsolete = [q for t, _, _ in olds for q, _ in t.queues() if q not in current and q != marker]
         kept = delete_unused_queues(amqp_url, obsolete)
+        left = queue_counts(amqp_url, kept, name="delivery-consumer repartition") if kept else {}
     except BrokerError as exc:
         raise Fatal(f"{exc} (the databases are at {count} partitions: run repartition again)") from None
+    if stranded:
+        click.echo(f"{consumer}: {stranded}", err=True)
+    if kept:
+        held = ", ".join(f"{q} ({_n(s.ready, 'message')}, {_n(s.consumers, 'consumer')})"
+                         for q, s in left.items() if s is not None)
+        raise Fatal(f"{consumer}: switched to {count} partitions, but queues of the old partitions are not empty or "
+                    f"in use: {held}; stop what consumes them and run repartition --consumer {consumer} "
+                    f"--partitions {count} again (it moves what they hold to the new partitions)")
     click.echo(f"{consumer}: queues {base.prefix}.{consumer}.p0 .. p{count - 1} routed by slot mod {count}"
-               + (f"; {len(obsolete) - len(kept)} queues of the old partitions deleted" if obsolete else "")
-               + (f"; kept (not empty or in use): {', '.join(kept)}" if kept else ""), err=True)
+               + (f"; {_n(len(obsolete), 'queue')} of the old partitions deleted" if obsolete else ""), err=True)
 
 
-def _repartitioned_from(path: Path) -> str | None:
-    """The count a database was repartitioned from ("unpartitioned" from a plain consumer)."""
-    from .. import sqlite
+def _n(n: int, what: str) -> str:
+    return f"{n} {what}" + ("" if n == 1 else "s")
 
-    with sqlite.reading(path) as conn:
-        row = conn.execute("SELECT value FROM meta WHERE key = 'repartitioned_from'").fetchone()
-    return str(row[0]) if row else None
+
+def _move_stranded(url: str, base: Topology, count: int, olds: list[tuple[Topology, int | None, int]]) -> str:
+    """Move what the old queues (and the unrouted queue) hold after the switch to the new partitions;
+    what was done, in a few words ("" when they were empty)."""
+    from ..amqp.admin import queue_counts
+    from ..partitions import move_stranded, reroute
+
+    unrouted = unrouted_name(base)
+    queues = [(t, k, n, q) for t, k, n in olds for q, _ in t.queues() if q != t.count_marker]
+    states = queue_counts(url, [q for *_, q in queues] + [unrouted], name="delivery-consumer repartition")
+    done: list[Rerouted] = []
+    for topo, k, n, queue in queues:
+        state = states.get(queue)
+        if state is not None and state.ready:
+            done += move_stranded(url, base, queue, count, old=k, old_count=n, dead=queue == topo.dead_queue)
+    waiting = states.get(unrouted)
+    if waiting is not None and waiting.ready:
+        done += reroute(url, base)
+    moved = sum(1 for d in done if d.outcome.startswith(("moved", "rerouted")))
+    left = [d for d in done if d.outcome.startswith("left")]
+    if not moved and not left:
+        return ""
+    return (f"{_n(moved, 'message')} that reached the old queues meanwhile moved to the new partitions by key"
+            + (f"; {len(left)} left: " + ", ".join(f"{d.event_id or '-'} ({d.outcome[6:]})" for d in left[:5])
+               if left else ""))
 
 
 @click.command()

@@ -13,9 +13,11 @@ from typing import Any
 
 import click
 
+from .. import consumers
 from .. import sources as sources_lib
 from ..envelope import MAX_BODY_BYTES, parse
 from ..errors import ConfigError, Rejection
+from ..event_types import default_types
 from ..partitions import slot_headers
 from ._broker import amqp_options, topology_for
 from ._common import EXIT_OK, EXIT_REJECTED, Fatal, emit_json, handle_errors
@@ -36,7 +38,8 @@ def publish(amqp_url: str, exchange: str, queue_prefix: str, declare_for: tuple[
     """Validate envelopes from SOURCES and publish them to the exchange.
 
     Persistent, mandatory, message_id = eventId, routing key = type, with
-    pipelined publisher confirms. Invalid envelopes are reported with their
+    pipelined publisher confirms. The types accepted: the material ones, the
+    installed ones and those of each --consumer. Invalid envelopes are reported with their
     rejection code and not sent. Exit 0 when every message was confirmed,
     1 when any was invalid, unroutable, nacked or unconfirmed (named on
     stderr), 2 for usage or broker errors.
@@ -47,20 +50,23 @@ def publish(amqp_url: str, exchange: str, queue_prefix: str, declare_for: tuple[
     try:
         files = sources_lib.expand(sources)
         topologies = [topology_for(c, exchange, queue_prefix) for c in declare_for]
+        types = default_types()
+        for consumer in declare_for:
+            types = types | consumers.get(consumer).event_types
     except ConfigError as exc:
         raise click.BadParameter(str(exc)) from None
     counts: Counter[str] = Counter()
     messages: list[OutMessage] = []
     for item in sources_lib.read(files, limit=max_bytes):
         try:
-            env = parse(item.body, max_bytes=max_bytes)
+            env = parse(item.body, max_bytes=max_bytes, types=types)
         except Rejection as rej:
             counts["invalid"] += 1
             _report(as_json, {"eventId": rej.event_id, "rejected": rej.code, "reason": rej.reason,
                               "source": item.location})
             continue
         messages.append(OutMessage(routing_key=env.type, body=item.body, exchange=exchange,
-                                   message_id=env.event_id, headers=slot_headers(env.article_id)))
+                                   message_id=env.event_id, headers=slot_headers(env.key)))
     try:
         with Publisher(amqp_url, topologies=topologies, exchanges=[exchange],
                        name="delivery-consumer publish") as publisher:

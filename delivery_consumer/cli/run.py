@@ -21,7 +21,7 @@ from ..envelope import MAX_BODY_BYTES
 from ..partition_store import partition_db
 from ..partitions import explain
 from ..topology import DEFAULT_DELIVERY_LIMIT, Topology
-from ._broker import RETRY_DELAYS, amqp_options
+from ._broker import RETRY_DELAYS, amqp_options, topology_for
 from ._common import F, Fatal, consumer_option, db_option, deployment, from_deployment, handle_errors, setup_logging
 from ._partitions import partition_identity, partition_options
 
@@ -169,7 +169,8 @@ def run(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue
         retry_delays_ms=retry_delays, delivery_limit=delivery_limit, max_crashes=max_crashes,
         exit_when_idle_s=exit_when_idle, max_bytes=max_bytes, log_each_event=log_format == "json",
         consumer_options=consumer_options, store_outage_limit_s=store_outage_limit_s,
-        partition=partition_identity(consumer, partition, partitions, db_path),
+        partition=partition_identity(consumer, partition, partitions, db_path,
+                                     broker=(amqp_url, topology_for(consumer, exchange, queue_prefix))),
     )
     observer_factory = None
     if metrics_port is not None:

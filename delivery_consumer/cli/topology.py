@@ -9,7 +9,7 @@ from __future__ import annotations
 import click
 
 from .. import consumers
-from ..partitions import SLOT_HEADER, check_count, explain, partition_topologies, route
+from ..partitions import SLOT_HEADER, check_count, explain, layout_conflict, partition_topologies, route
 from ..topology import DEFAULT_DELIVERY_LIMIT, Topology
 from ._broker import RETRY_DELAYS, amqp_options, topology_for
 from ._common import Fatal, deployment, handle_errors
@@ -55,18 +55,24 @@ def declare_cmd(names: tuple[str, ...], amqp_url: str, exchange: str, queue_pref
             topologies += partition_topologies(base, count)
             routes.append(route(base, count))
     try:
+        for base in bases:  # the other layout of a consumer: refused before anything is declared
+            conflict = layout_conflict(amqp_url, base, counts[base.consumer])
+            if conflict is not None:
+                raise Fatal(conflict)
         declare(amqp_url, topologies, routes=routes)
     except BrokerError as exc:
         raise Fatal(explain(str(exc), bases[0]) if len(bases) == 1 else str(exc)) from None
     for base in bases:
         count = counts[base.consumer]
         if count is None:
-            queues = ", ".join(q for q, _ in base.queues())
-            click.echo(f"{base.consumer}: {exchange} -[{' '.join(base.binding_keys)}]-> {queues}")
+            others = ", ".join(q for q, _ in base.queues() if q != base.queue)
+            click.echo(f"{base.consumer}: {exchange} -[{' '.join(base.binding_keys)}]-> {base.queue}; "
+                       f"also declared, not bound: {others}")
             continue
         first, last = (partition_topologies(base, count)[k].queue for k in (0, -1))
         click.echo(f"{base.consumer}: {exchange} -[{' '.join(base.binding_keys)}]-> {base.prefix}.{base.consumer}"
-                   f".slots -[{SLOT_HEADER} mod {count}]-> {first} .. {last} (each with .dead and .retry.*)")
+                   f".slots -[{SLOT_HEADER} mod {count}]-> {first} .. {last}; also declared, not bound: "
+                   "their .dead and .retry.* queues")
 
 
 def _declared_counts(names: tuple[str, ...], partitions: int | None) -> dict[str, int | None]:

@@ -195,7 +195,9 @@ def _echo_trace(shown: dict[str, Any]) -> None:
     receipt = shown["receipt"]
     click.echo("receipt:" + ("" if receipt else " none (never applied)"))
     if receipt:
-        echo_record([(k, receipt[k]) for k in ("result", "type", "receivedAt", "fingerprint")], indent="  ")
+        meta = sorted((receipt.get("meta") or {}).items())
+        echo_record([(k, receipt[k]) for k in ("result", "type", "key", "receivedAt", "fingerprint")
+                     if receipt.get(k) is not None] + [(f"meta.{k}", v) for k, v in meta], indent="  ")
     implied = " (the applying one known from the receipt)" if deliveries["fromReceipt"] else ""
     click.echo(f"deliveries: {deliveries['deliveries'] or 'none recorded'}{implied}")
     if deliveries["deliveries"]:

@@ -95,9 +95,15 @@ _RECEIPTS_SELECT = (
     "SELECT event_id, fingerprint, result FROM inbox WHERE event_id IN (SELECT value FROM json_each(?))"
 )
 _RECEIPT_INSERT = (
-    "INSERT INTO inbox (event_id, fingerprint, result, event_type, received_at, partition_key)"
-    " VALUES (?, ?, ?, ?, ?, ?)"
+    "INSERT INTO inbox (event_id, fingerprint, result, event_type, received_at, partition_key, meta)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?)"
 )
+
+
+def _meta_column(env: Envelope) -> str | None:
+    """The receipt's ``meta`` column: the envelope's ``meta`` as canonical JSON, or NULL."""
+    meta = env.fields.get("meta")
+    return None if meta is None else orjson.dumps(meta, option=orjson.OPT_SORT_KEYS).decode()
 
 
 class _Fallback(Exception):
@@ -284,7 +290,7 @@ class Transaction:
         if not fresh:
             return outcomes  # type: ignore[return-value]
         part = self.db.partition
-        if part is not None and any(misplaced(env.article_id, part) for env in fresh):
+        if part is not None and any(misplaced(env.key, part) for env in fresh):
             raise _Fallback  # the per-event path rejects the misplaced event alone
         apply_many, effect, now = self.apply_many_fn, self.effect, self.now
         try:
@@ -300,7 +306,7 @@ class Transaction:
             # Inside the try: an effect's bad result (None) fails here, as
             # the per-event path's receipt INSERT does.
             conn.executemany(_RECEIPT_INSERT, [
-                (env.event_id, env.fingerprint, result, env.type, now, env.article_id)
+                (env.event_id, env.fingerprint, result, env.type, now, env.key, _meta_column(env))
                 for env, result in zip(fresh, results, strict=True)
             ])
         except _Fallback:
@@ -349,10 +355,11 @@ class Transaction:
         if row is not None:
             return duplicate(row, env)
         part = self.db.partition
-        if part is not None and (why := misplaced(env.article_id, part)):
+        if part is not None and (why := misplaced(env.key, part)):
             raise Rejection(WRONG_PARTITION, why, event_id=env.event_id, fingerprint=env.fingerprint)
         result = self.effect(conn, env)
-        conn.execute(_RECEIPT_INSERT, (env.event_id, env.fingerprint, result, env.type, self.now, env.article_id))
+        conn.execute(_RECEIPT_INSERT, (env.event_id, env.fingerprint, result, env.type, self.now, env.key,
+                                       _meta_column(env)))
         if known is not None:
             known[env.event_id] = (env.fingerprint, result)
         return result

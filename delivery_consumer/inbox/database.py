@@ -100,6 +100,11 @@ CORE_MIGRATIONS: tuple[str, ...] = (
     """
     DROP INDEX inbox_received_at;
     """,
+    # The envelope's meta (correlationId, causationId, traceparent) as JSON,
+    # recorded with the receipt for trace. NULL when the event had none.
+    """
+    ALTER TABLE inbox ADD COLUMN meta TEXT;
+    """,
 )
 STORE_VERSION = len(CORE_MIGRATIONS)
 #: The ``meta`` key of the consumer's seal key (hex), made by the first writable open.

@@ -60,7 +60,7 @@ class Claimed(NamedTuple):
     routing_key: str
     body: bytes
     attempts: int
-    #: The articleId: the message carries its slot (partitions.py).
+    #: The event's key (articleId, orderId, ...): the message carries its slot (partitions.py).
     ordering_key: str = ""
 
 

@@ -32,6 +32,7 @@ from typing import Any, Final
 from .. import sqlite
 from ..envelope import Envelope, from_mapping, parse
 from ..errors import EVENT_ID_REUSED, DatabaseError, DeliveryError, Rejection
+from ..event_types import EventTypes
 from ..sqlite import DEFAULT_BUSY_TIMEOUT_MS, now_iso
 
 #: Forward-only migrations of the outbox tables; ``outbox_meta.version`` is
@@ -228,15 +229,21 @@ def install(conn: sqlite3.Connection) -> int:
 
 
 def enqueue(
-    conn: sqlite3.Connection, envelope: Envelope | Mapping[str, Any] | bytes, *, routing_key: str | None = None
+    conn: sqlite3.Connection, envelope: Envelope | Mapping[str, Any] | bytes, *, routing_key: str | None = None,
+    types: EventTypes | None = None,
 ) -> bool:
     """Add *envelope* to the outbox inside the caller's open transaction.
 
     The envelope (an :class:`Envelope`, a dict or raw JSON bytes) is validated
-    against the schema (:class:`Rejection` otherwise) and stored as its
-    canonical bytes. The routing key defaults to the event type; one AMQP
+    against its declared type (:class:`Rejection` otherwise) and stored as its
+    canonical bytes. *types*: the producer's declared event types (default:
+    ``event_types.default_types()``, the material types plus the installed
+    and declared ones); an Envelope was validated already. The routing key
+    defaults to the event type; one AMQP
     cannot carry (over 255 UTF-8 bytes, control characters) is refused with
-    :class:`OutboxError`. The ordering key is the articleId.
+    :class:`OutboxError`. The ordering key is the type's key (``articleId``,
+    ``orderId``, ...): the dispatcher keeps each key's events in order and
+    routes them to its partition slot.
 
     Returns True when a row was added, False when the same eventId is already
     there with the same fingerprint (a no-op). The same eventId with another
@@ -253,9 +260,9 @@ def enqueue(
     if isinstance(envelope, Envelope):
         env = envelope
     elif isinstance(envelope, bytes | bytearray | memoryview):
-        env = parse(bytes(envelope))
+        env = parse(bytes(envelope), types=types)
     elif isinstance(envelope, Mapping):
-        env = from_mapping(envelope)
+        env = from_mapping(envelope, types)
     else:
         raise OutboxError(f"enqueue takes an Envelope, a dict or JSON bytes, not {type(envelope).__name__}")
     key = env.type if routing_key is None or routing_key == "" else routing_key
@@ -266,7 +273,7 @@ def enqueue(
         cur = conn.execute(
             "INSERT INTO outbox (event_id, routing_key, ordering_key, body, fingerprint, created_at)"
             " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (event_id) DO NOTHING",
-            (env.event_id, key, env.article_id, env.canonical, env.fingerprint, now_iso()),
+            (env.event_id, key, env.key, env.canonical, env.fingerprint, now_iso()),
         )
     except sqlite3.OperationalError as exc:
         if installed_version(conn) == 0:

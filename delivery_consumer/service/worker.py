@@ -243,8 +243,9 @@ class Worker(threading.Thread):
     # -- one batch --
     def _parse(self, d: Delivery) -> Envelope | Rejection:
         try:
+            types = None if self.db is None else self.db.spec.event_types
             return parse(d.body, max_bytes=self.config.max_bytes, content_encoding=d.content_encoding,
-                         compression=d.headers.get(KOMBU_COMPRESSION_HEADER))
+                         compression=d.headers.get(KOMBU_COMPRESSION_HEADER), types=types)
         except Rejection as rej:
             return rej
 

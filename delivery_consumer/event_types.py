@@ -1,0 +1,486 @@
+"""Declared event types: what an envelope of each type looks like, and the compiled check of it.
+
+A consumer (``ConsumerSpec.event_types``) and a producer (``outbox.enqueue``,
+``publish``) declare the types they handle as :class:`EventType` values: the
+JSON Schema of ``data``, the envelope field that names the entity the event
+changes (its *key*: ``articleId``, ``orderId``, ...) and whether it carries a
+``revision``. Every envelope has ``eventId``, ``type``, its key, ``occurredAt``
+and ``data``; ``revision`` when declared; optionally ``meta``
+(``correlationId``, ``causationId``, ``traceparent``); nothing else unless
+declared in ``extra``. The limits of the common fields are those of
+``schemas/envelope.schema.json`` (the key has the articleId's).
+
+:class:`EventTypes` is a set of declarations compiled once: a dict from type
+name to its checks, so that parsing looks the type up and never loops over
+the types. Each type gets a check generated as Python source for its exact
+shape that answers "certainly valid" for the usual envelope; anything else
+goes to fastjsonschema compiled from the type's whole envelope schema, which
+decides every refusal and its reason. The material types are
+:data:`MATERIAL`, the declaration the built-in consumers use.
+
+Producers that are not a consumer declare their types with :func:`declare`
+or with an entry point in the group :data:`ENTRY_POINT_GROUP` (value: an
+EventType, an EventTypes or a module with ``TYPES``); :func:`default_types`
+is the material types plus those.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import fastjsonschema
+import orjson
+
+from .envelope import (
+    _CANONICAL,
+    Envelope,
+    _event_id_of,
+    _instant,
+    _schema_reason,
+    is_rfc3339,
+    load_schema,
+)
+from .errors import INVALID_ENVELOPE, UNKNOWN_TYPE, ConfigError, Rejection
+
+#: Entry-point group of installed event types (for producers and tools).
+ENTRY_POINT_GROUP: Final = "delivery_consumer.event_types"
+#: Top-level names with a fixed meaning: no key or extra field may take them.
+CORE_FIELDS: Final = frozenset({"eventId", "type", "revision", "occurredAt", "data", "meta"})
+#: The fields of ``meta``.
+META_FIELDS: Final = frozenset({"correlationId", "causationId", "traceparent"})
+_FIELD_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
+#: Keywords that only document.
+_ANNOTATIONS: Final = frozenset({"$schema", "$id", "$comment", "title", "description", "examples"})
+
+
+@dataclass(frozen=True)
+class EventType:
+    """One declared event type.
+
+    *name*: the ``type`` string (also the default routing key). *key*: the
+    top-level field naming the entity the event changes (its value routes
+    the event to a partition and keys the consumer's state). *data*: the JSON
+    Schema of ``data`` (an object schema; ``"type": "object"`` is implied).
+    *revision*: whether envelopes carry a ``revision`` (an integer >= 1
+    ordering the states of one key). *extra*: optional top-level fields
+    beyond the common ones, name -> JSON Schema.
+    """
+
+    name: str
+    key: str
+    data: Mapping[str, Any] = field(default_factory=lambda: {"type": "object"})
+    revision: bool = True
+    extra: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not 1 <= len(self.name.encode("utf-8")) <= 255 \
+                or not self.name.isprintable() or self.name != self.name.strip():
+            raise ConfigError(f"event type name {self.name!r}: 1 to 255 bytes of printable text")
+        for what, name in [("key", self.key), *(("extra field", n) for n in self.extra)]:
+            if not isinstance(name, str) or not _FIELD_NAME.fullmatch(name) or name in CORE_FIELDS:
+                raise ConfigError(f"event type {self.name}: {what} {name!r} must be a field name (letters, digits, _)"
+                                  f" other than {', '.join(sorted(CORE_FIELDS))}")
+        if self.key in self.extra:
+            raise ConfigError(f"event type {self.name}: {self.key!r} is the key, not an extra field")
+        if not isinstance(self.data, Mapping) or self.data.get("type", "object") != "object":
+            raise ConfigError(f"event type {self.name}: the data schema must describe a JSON object")
+
+    def __hash__(self) -> int:  # the schemas are dicts
+        return hash((self.name, self.key, self.revision))
+
+    def data_schema(self) -> dict[str, Any]:
+        """The schema of ``data`` with ``"type": "object"`` made explicit."""
+        return {"type": "object", **self.data}
+
+    def envelope_schema(self, names: Iterable[str] = ()) -> dict[str, Any]:
+        """The JSON Schema of a whole envelope of this type. *names*: the
+        ``type`` values the schema's enum lists (default: this type's)."""
+        common = load_schema()["properties"]
+        properties: dict[str, Any] = {
+            "eventId": common["eventId"],
+            "type": {"type": "string", "enum": list(names) or [self.name]},
+            self.key: common["articleId"],
+        }
+        if self.revision:
+            properties["revision"] = common["revision"]
+        properties["occurredAt"] = common["occurredAt"]
+        properties["data"] = self.data_schema()
+        properties["meta"] = common["meta"]
+        properties.update({name: dict(schema) for name, schema in self.extra.items()})
+        required = ["eventId", "type", self.key, *(["revision"] if self.revision else []), "occurredAt", "data"]
+        schema: dict[str, Any] = {
+            "$schema": "http://json-schema.org/draft-07/schema#",
+            "title": f"{self.name} envelope",
+            "type": "object",
+            "additionalProperties": False,
+            "required": required,
+            "properties": properties,
+        }
+        # "#/definitions/..." in the data schema means its own root: put them at the envelope's.
+        schema.update({k: self.data[k] for k in ("definitions", "$defs") if k in self.data})
+        return schema
+
+
+#: Compiled validators by their schema's canonical JSON: types that share a
+#: schema (order.placed and order.changed) share one compilation.
+_COMPILED: dict[bytes, Callable[[Any], Any]] = {}
+
+
+def _compile(schema: Mapping[str, Any], name: str = "") -> Callable[[Any], Any]:
+    try:
+        key = orjson.dumps({k: v for k, v in schema.items() if k != "title"}, option=orjson.OPT_SORT_KEYS)
+    except TypeError:  # not JSON: fastjsonschema says what is wrong
+        key = b""
+    validate = _COMPILED.get(key) if key else None
+    if validate is None:
+        # use_default=False: a "default" in a user's schema must never change
+        # an envelope after its fingerprint was taken.
+        try:
+            validate = fastjsonschema.compile(dict(schema), formats={"date-time": is_rfc3339}, use_default=False)
+        except fastjsonschema.JsonSchemaDefinitionException as exc:
+            raise ConfigError(f"event type {name}: its schema is not valid JSON Schema: {exc}") from None
+        if key:
+            _COMPILED[key] = validate
+    return validate
+
+
+def _pattern(regex: str) -> Callable[[str], re.Match[str] | None]:
+    """*regex* as fastjsonschema applies it (search; every unescaped ``$`` ends the string)."""
+    return re.compile(re.sub(r"(?<!\\)\$", r"\\Z", regex)).search
+
+
+# -- the quick acceptance check, generated per type ---------------------------
+
+def _data_terms(schema: Mapping[str, Any]) -> list[str] | None:
+    """Python expressions over ``d`` (the data dict) that together accept
+    only objects *schema* accepts; None when *schema* uses a keyword this
+    does not mirror (the compiled validator then checks ``data``)."""
+    if set(schema) - _ANNOTATIONS - {"type", "properties", "required", "additionalProperties"}:
+        return None
+    props = schema.get("properties", {})
+    required = schema.get("required", [])
+    extra = schema.get("additionalProperties", True)
+    if not isinstance(props, Mapping) or not isinstance(required, list) or not isinstance(extra, bool) \
+            or not all(isinstance(name, str) for name in [*props, *required]):
+        return None
+    terms: list[str] = []
+    if extra is False:
+        terms.append(f"d.keys() <= {frozenset(props)!r}")
+    for name in required:
+        if name not in props:
+            terms.append(f"{name!r} in d")
+    for name, sub in props.items():
+        term = _value_term(sub, f"d.get({name!r})" if name in required else f"d[{name!r}]")
+        if term is None:
+            return None
+        terms.append(term if name in required else f"({name!r} not in d or {term})")
+    return terms
+
+
+def _value_term(schema: Any, v: str) -> str | None:
+    """An expression over the Python expression *v* accepting only values *schema* accepts, or None."""
+    if not isinstance(schema, Mapping):
+        return None
+    kind = schema.get("type")
+    rules = set(schema) - _ANNOTATIONS - {"type"}
+    bounds = {rule: schema[rule] for rule in rules - {"enum"}}
+    if any(type(value) is not int for value in bounds.values()):
+        return None
+    if kind == "string" and rules <= {"minLength", "maxLength"}:
+        low, high = bounds.get("minLength", 0), bounds.get("maxLength")
+        length = f"{low} <= len({v})" + (f" <= {high}" if high is not None else "")
+        return f"(type({v}) is str and {length})" if (low or high is not None) else f"type({v}) is str"
+    if kind == "integer" and rules <= {"minimum", "maximum"}:
+        low, high = bounds.get("minimum"), bounds.get("maximum")
+        checks = [f"{low} <= {v}" if low is not None else "", f"{v} <= {high}" if high is not None else ""]
+        return f"(type({v}) is int" + "".join(f" and {c}" for c in checks if c) + ")"
+    if kind == "string" and rules == {"enum"} and isinstance(schema["enum"], list) \
+            and all(type(v) is str for v in schema["enum"]):
+        return f"(type({v}) is str and {v} in {frozenset(schema['enum'])!r})"
+    if kind == "boolean" and not rules:
+        return f"type({v}) is bool"
+    return None
+
+
+def _meta_check() -> Callable[[Any], bool]:
+    """True only for a ``meta`` the schema accepts (False for some it accepts too)."""
+    props = load_schema()["properties"]["meta"]["properties"]
+    low, high = props["correlationId"]["minLength"], props["correlationId"]["maxLength"]
+    assert (low, high) == (props["causationId"]["minLength"], props["causationId"]["maxLength"])
+    traceparent_ok = _pattern(props["traceparent"]["pattern"])
+    fields = META_FIELDS
+
+    def certainly_valid(meta: Any) -> bool:
+        if type(meta) is not dict or not meta.keys() <= fields:
+            return False
+        for name, value in meta.items():
+            if type(value) is not str:
+                return False
+            if name == "traceparent":
+                if traceparent_ok(value) is None:
+                    return False
+            elif not (low <= len(value) <= high and value.isprintable()):
+                return False
+        return True
+
+    return certainly_valid
+
+
+def quick_check(event_type: EventType) -> Callable[[Mapping[str, Any]], bool]:
+    """A check that returns True only for envelopes of *event_type* its
+    schema accepts (and False for some it accepts too: those go to the
+    compiled validator). Generated as Python source for this type's fields."""
+    common = load_schema()["properties"]
+    key, event_id, occurred, revision = (common[k] for k in ("articleId", "eventId", "occurredAt", "revision"))
+    required = {"eventId", "type", event_type.key, "occurredAt", "data", *(["revision"] if event_type.revision else [])}
+    namespace: dict[str, Any] = {
+        "KEYS": frozenset(required), "KEYS_META": frozenset(required | {"meta"}), "meta_ok": _meta_check(),
+        "event_id_ok": _pattern(event_id["pattern"]), "key_ok": _pattern(key["pattern"]),
+        "occurred_ok": _pattern(occurred["pattern"]), "instant": _instant,
+    }
+    data = _data_terms(event_type.data_schema())
+    if data is None:
+        validate = _compile(event_type.data_schema(), event_type.name)
+
+        def data_ok(value: Any) -> bool:
+            try:
+                validate(value)
+            except fastjsonschema.JsonSchemaValueException:
+                return False
+            return True
+
+        namespace["data_ok"] = data_ok
+        data = ["data_ok(d)"]
+    terms = [
+        "type(event_id) is str and event_id_ok(event_id) is not None",
+        f"type(key) is str and {key['minLength']} <= len(key) <= {key['maxLength']}",
+        # printable text has no control character: the pattern's search only for the rest
+        "(key.isprintable() or key_ok(key) is not None)",
+        *([f"type(revision) is int and {revision['minimum']} <= revision <= {revision['maximum']}"]
+          if event_type.revision else []),
+        f"type(occurred) is str and len(occurred) <= {occurred['maxLength']}",
+        "occurred_ok(occurred) is not None and instant(occurred)",
+        *data,
+    ]
+    source = "\n".join([
+        "def certainly_valid(obj):",
+        "    keys = obj.keys()",
+        "    if keys != KEYS and (keys != KEYS_META or not meta_ok(obj['meta'])):",
+        "        return False",
+        "    d = obj['data']",
+        "    if type(d) is not dict:",
+        "        return False",
+        f"    event_id, key, occurred = obj['eventId'], obj[{event_type.key!r}], obj['occurredAt']",
+        *(["    revision = obj['revision']"] if event_type.revision else []),
+        "    return (",
+        "        " + "\n        and ".join(terms),
+        "    )",
+    ])
+    exec(compile(source, f"<quick check of {event_type.name}>", "exec"), namespace)
+    check: Callable[[Mapping[str, Any]], bool] = namespace["certainly_valid"]
+    return check
+
+
+# -- a compiled set of types ----------------------------------------------------
+
+class _Compiled:
+    """One type's checks (the validator compiled at its first refusal)."""
+
+    __slots__ = ("_validate", "key", "names", "quick", "revision", "type")
+
+    def __init__(self, event_type: EventType, names: tuple[str, ...]) -> None:
+        self.type = event_type
+        self.key = event_type.key
+        self.revision = event_type.revision
+        self.names = names
+        self.quick = quick_check(event_type)
+        self._validate: Callable[[Any], Any] | None = None
+        if event_type not in _SHIPPED:  # a declaration's mistake shows now, not at its first refusal
+            self._validator()
+
+    def _validator(self) -> Callable[[Any], Any]:
+        if self._validate is None:
+            self._validate = _compile(self.type.envelope_schema(self.names), self.type.name)
+        return self._validate
+
+    def validate(self, obj: Any) -> None:
+        self._validator()(obj)
+
+
+def _meta_free_digest(obj: Mapping[str, Any]) -> str:
+    """The fingerprint of an envelope carrying ``meta``: that of the envelope without it."""
+    return hashlib.sha256(orjson.dumps({k: v for k, v in obj.items() if k != "meta"}, option=_CANONICAL)).hexdigest()
+
+
+class EventTypes:
+    """An immutable set of declared event types, compiled for parsing.
+
+    ``types.get(name)`` gives a declaration (its ``key`` and ``revision`` are
+    what a mapper from another format needs); ``types.from_mapping(obj)``
+    validates an envelope; ``a | b`` is the union (the same name declared
+    twice differently is a ConfigError).
+    """
+
+    def __init__(self, types: Iterable[EventType] = ()) -> None:
+        declared: dict[str, EventType] = {}
+        for event_type in types:
+            if not isinstance(event_type, EventType):
+                raise ConfigError(f"not an EventType: {event_type!r}")
+            other = declared.get(event_type.name)
+            if other is not None and other != event_type:
+                raise ConfigError(f"event type {event_type.name!r} is declared twice, differently")
+            declared[event_type.name] = event_type
+        self._types = declared
+        names = tuple(declared)
+        self._compiled = {name: _Compiled(t, names) for name, t in declared.items()}
+
+    def __iter__(self) -> Iterator[EventType]:
+        return iter(self._types.values())
+
+    def __len__(self) -> int:
+        return len(self._types)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._types
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, EventTypes) and self._types == other._types
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self._types.values()))
+
+    def __or__(self, other: EventTypes) -> EventTypes:
+        return EventTypes([*self, *other])
+
+    def __repr__(self) -> str:
+        return f"EventTypes({', '.join(self._types)})"
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._types)
+
+    def get(self, name: str) -> EventType | None:
+        """The declaration of *name*, or None."""
+        return self._types.get(name)
+
+    def schema(self, name: str) -> dict[str, Any]:
+        """The JSON Schema of a whole envelope of type *name* (KeyError if undeclared)."""
+        return self._types[name].envelope_schema(self.names)
+
+    def from_mapping(self, obj: Mapping[str, Any]) -> Envelope:
+        """Validate a decoded envelope and return its Envelope, or raise Rejection."""
+        # The hot path of every delivery: keep it lean (bench/bench_replay.py).
+        try:
+            canonical = orjson.dumps(obj, option=_CANONICAL)
+        except (orjson.JSONEncodeError, TypeError) as exc:  # only reachable from Python callers
+            raise Rejection(
+                INVALID_ENVELOPE, f"envelope cannot be written as JSON: {exc}", event_id=_event_id_of(obj)
+            ) from None
+        digest = hashlib.sha256(canonical).hexdigest() if "meta" not in obj else _meta_free_digest(obj)
+        kind: Any = obj.get("type")  # a str once checked
+        compiled = self._compiled.get(kind) if type(kind) is str else None
+        if compiled is None or not compiled.quick(obj):
+            compiled = self._check(obj, digest, compiled)
+        # Positional arguments: cheaper than keywords on this path. A type
+        # without revision has no "revision" field (the schema refuses one).
+        return Envelope(
+            obj["eventId"], kind, obj[compiled.key], obj.get("revision", 0), obj["occurredAt"], obj["data"],
+            obj, canonical, digest, compiled.type,
+        )
+
+    def _check(self, obj: Mapping[str, Any], digest: str, compiled: _Compiled | None) -> _Compiled:
+        """The rejection of an envelope the quick check did not accept, if
+        it is refused: an unknown type first, then the schema, then a
+        revision written as a float. Returns the type's checks otherwise."""
+        kind = obj.get("type")
+        if compiled is None and isinstance(kind, str):
+            compiled = self._compiled.get(kind)
+            if compiled is None:
+                raise Rejection(UNKNOWN_TYPE, f"type {kind[:64]!r} is not a known event type",
+                                event_id=_event_id_of(obj), fingerprint=digest)
+        # A type that is not a string: any type's schema names what is wrong.
+        checks = compiled or next(iter(self._compiled.values()), None)
+        if checks is None:
+            raise Rejection(INVALID_ENVELOPE, "type must be a string naming an event type",
+                            event_id=_event_id_of(obj), fingerprint=digest)
+        try:
+            checks.validate(obj)
+        except fastjsonschema.JsonSchemaValueException as exc:
+            raise Rejection(INVALID_ENVELOPE, _schema_reason(exc, key=checks.key),
+                            event_id=_event_id_of(obj), fingerprint=digest) from None
+        assert compiled is not None  # the schema's enum holds only declared names
+        if compiled.revision and type(obj["revision"]) is not int:  # 1.0 passes JSON Schema's "integer"
+            raise Rejection(INVALID_ENVELOPE, "revision must be written as a JSON integer",
+                            event_id=_event_id_of(obj), fingerprint=digest)
+        return compiled
+
+
+def _material(name: str) -> EventType:
+    return EventType(name, key="articleId", data=load_schema()["properties"]["data"], revision=True,
+                     description="the state of one material at one revision")
+
+
+#: Declarations whose schema is the shipped file's: compiled at their first
+#: refusal only (start-up time counts; bench/bench_replay.py).
+_SHIPPED: Final = frozenset({_material("material.published"), _material("material.withdrawn")})
+#: The material types (``material.published``, ``material.withdrawn``), keyed
+#: by ``articleId``, with a revision: the built-in consumers' declaration.
+MATERIAL: Final = EventTypes(sorted(_SHIPPED, key=lambda t: t.name))
+
+_declared: list[EventType] = []
+_default: EventTypes | None = None
+
+
+def declare(*types: EventType) -> None:
+    """Add *types* to :func:`default_types` (a producer's own types)."""
+    global _default
+    EventTypes([*(_default or MATERIAL), *_declared, *types])  # refuses a conflict now
+    _declared.extend(types)
+    _default = None
+
+
+def default_types() -> EventTypes:
+    """The types a producer may send when it names none: :data:`MATERIAL`,
+    the installed ones (entry points of :data:`ENTRY_POINT_GROUP`) and those
+    given to :func:`declare`."""
+    global _default
+    if _default is None:
+        _default = EventTypes([*MATERIAL, *_installed(), *_declared])
+    return _default
+
+
+def _installed() -> list[EventType]:
+    # Imported here: importlib.metadata is slow to import, and consumers never need it.
+    from importlib.metadata import entry_points
+
+    found: list[EventType] = []
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            loaded = ep.load()
+        except Exception as exc:
+            raise ConfigError(f"event types entry point {ep.name!r} ({ep.value}): cannot load: {exc}") from None
+        loaded = getattr(loaded, "TYPES", loaded)
+        items = [loaded] if isinstance(loaded, EventType) else list(loaded) if isinstance(loaded, Iterable) else []
+        if not items or not all(isinstance(item, EventType) for item in items):
+            raise ConfigError(f"event types entry point {ep.name!r} ({ep.value}): not an EventType,"
+                              " EventTypes or module with TYPES")
+        found.extend(items)
+    return found
+
+
+__all__ = [
+    "CORE_FIELDS",
+    "ENTRY_POINT_GROUP",
+    "MATERIAL",
+    "META_FIELDS",
+    "EventType",
+    "EventTypes",
+    "declare",
+    "default_types",
+    "quick_check",
+]

@@ -1,0 +1,160 @@
+"""The previous release's databases and events keep their meaning under the declared event types.
+
+The previous release's package is taken from git (``git archive`` of the
+commit before the event types were declared) into a temporary directory and
+run from there in subprocesses: it builds the databases and computes the
+fingerprints; this checkout opens, migrates and answers them.
+"""
+
+from __future__ import annotations
+
+import io
+import sqlite3
+import subprocess
+import sys
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from support import REPO, SAMPLES, json_lines, read_rows, subprocess_env
+
+from delivery_consumer import envelope
+from delivery_consumer.consumers import open_db
+from delivery_consumer.errors import Rejection
+from delivery_consumer.inbox.database import STORE_VERSION
+from delivery_consumer.replay import replay
+from delivery_consumer.sources import expand, read
+
+#: The last commit of the release before declared event types.
+PREVIOUS = "00f3786589c65cd93bf6bd87e7eecab306d53d84"
+#: Tables whose every row must survive the migration.
+TABLES = {"catalog": ("inbox", "rejected", "deliveries", "catalog"), "audit": ("inbox", "rejected", "deliveries")}
+
+
+@pytest.fixture(scope="module")
+def previous(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The previous release's package and schema, extracted from git."""
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", PREVIOUS, "delivery_consumer", "schemas"],
+                             capture_output=True)
+    if archive.returncode != 0:
+        pytest.skip(f"not a git checkout holding {PREVIOUS[:12]}: {archive.stderr.decode().strip()}")
+    root = tmp_path_factory.mktemp("previous")
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(root, filter="data")
+    return root
+
+
+def _old(previous: Path, *args: str, input: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run([sys.executable, "-m", "delivery_consumer", *args], input=input, capture_output=True,
+                          env=subprocess_env(PYTHONPATH=str(previous)), cwd=previous, timeout=120)
+
+
+def _replay_samples(db: Any) -> list[tuple[str, str]]:
+    return [(item.location, outcome.status) for item, outcome in
+            replay(db, read(expand([str(SAMPLES), str(SAMPLES / "invalid")])))]
+
+
+@pytest.mark.parametrize("consumer", ["catalog", "audit"])
+@pytest.mark.parametrize("batch", ["1", "100"])
+def test_a_previous_release_database_opens_migrates_and_answers_duplicate(
+    previous: Path, tmp_path: Path, consumer: str, batch: str
+) -> None:
+    """A database the previous release filled opens here with every row kept, and its events are duplicates."""
+    db_path = tmp_path / "inbox.db"
+    made = _old(previous, "replay", "--consumer", consumer, "--db", str(db_path), "--batch", batch, "--json",
+                str(SAMPLES), str(SAMPLES / "invalid"))
+    assert made.returncode == 1, made.stderr  # the samples include rejections, on purpose
+    first = json_lines(made.stdout.decode())
+    assert read_rows(db_path, "inbox")  # the old code really wrote receipts
+    with sqlite3.connect(f"file:{db_path}?mode=ro", uri=True) as conn:
+        before = {table: conn.execute(f"SELECT * FROM {table} ORDER BY 1").fetchall() for table in TABLES[consumer]}
+    conn.close()
+
+    with open_db(db_path, consumer) as db:
+        assert db.conn.execute("PRAGMA user_version").fetchone()[0] == STORE_VERSION
+        after = {table: db.conn.execute(f"SELECT * FROM {table} ORDER BY 1").fetchall()
+                 for table in TABLES[consumer]}
+        again = _replay_samples(db)
+
+    inbox_before, inbox_after = before.pop("inbox"), after.pop("inbox")
+    assert [(*row, None) for row in inbox_before] == inbox_after  # the new meta column, NULL
+    assert before == after
+    assert len(again) == len(first)
+    for (source, status), old in zip(again, first, strict=True):
+        if "rejected" in old:  # the same refusal again (no receipt was written for it)
+            assert status == old["rejected"], (source, old, status)
+        else:
+            assert status == "duplicate:" + old["result"].removeprefix("duplicate:"), (source, old, status)
+
+
+@pytest.fixture(scope="module")
+def old_fingerprints(previous: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """The previous release's parse, as a process answering one line per NDJSON line."""
+    script = (
+        "import sys\n"
+        "from delivery_consumer.envelope import parse\n"
+        "from delivery_consumer.errors import Rejection\n"
+        "for line in sys.stdin.buffer:\n"
+        "    try:\n"
+        "        out = 'ok ' + parse(line.rstrip(b'\\n')).fingerprint\n"
+        "    except Rejection as rej:\n"
+        "        out = 'rejected ' + rej.code + ' ' + rej.reason\n"
+        "    sys.stdout.write(out + '\\n')\n"
+        "    sys.stdout.flush()\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            env=subprocess_env(PYTHONPATH=str(previous)), cwd=previous)
+    yield proc
+    assert proc.stdin is not None
+    proc.stdin.close()
+    proc.wait(timeout=30)
+
+
+def _ask(proc: subprocess.Popen[bytes], body: bytes) -> str:
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(body + b"\n")
+    proc.stdin.flush()
+    return proc.stdout.readline().decode().rstrip("\n")
+
+
+_TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=12)
+_TYPES = ["material.published", "material.withdrawn", "material.deleted", 3]
+
+
+@st.composite
+def material_envelopes(draw: st.DrawFn) -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "eventId": draw(st.uuids().map(str) | st.sampled_from(["not-a-uuid", "0B1E9C1E-4A53-4F0E-9D2A-6F1F3F7B2C11"])),
+        "type": draw(st.sampled_from(_TYPES)),
+        "articleId": draw(_TEXT | st.sampled_from(["article-42", "a\nb", ""])),
+        "revision": draw(st.integers(-1, 2**64 - 1) | st.sampled_from([1.0, "2", True])),
+        "occurredAt": draw(st.sampled_from(["2026-11-29T10:00:00Z", "2026-11-29T13:00:00.5+03:00",
+                                            "2026-02-30T10:00:00Z", "yesterday"])),
+        "data": draw(st.fixed_dictionaries({"title": _TEXT, "url": _TEXT},
+                                           optional={"lang": _TEXT, "tags": st.lists(_TEXT, max_size=2)})),
+    }
+    for key in draw(st.sets(st.sampled_from(sorted(env)), max_size=1)):
+        del env[key]
+    if draw(st.integers(0, 9)) == 0:
+        env["revison"] = 1
+    return env
+
+
+@settings(max_examples=400, deadline=None)
+@given(material_envelopes(), st.booleans())
+def test_material_fingerprints_and_refusals_are_those_of_the_previous_release(
+    old_fingerprints: subprocess.Popen[bytes], env: dict[str, Any], indent: bool
+) -> None:
+    """For any material envelope, valid or not: the same fingerprint, or the same refusal with the same reason."""
+    body = orjson.dumps(env, option=orjson.OPT_INDENT_2 if indent else 0).replace(b"\n", b" ")
+    old = _ask(old_fingerprints, body)
+    try:
+        new = "ok " + envelope.parse(body).fingerprint
+    except Rejection as rej:
+        new = f"rejected {rej.code} {rej.reason}"
+    assert new == old
