@@ -228,10 +228,13 @@ class InstantPublisher:
     def send(self, messages: list[OutMessage]) -> int:
         return len(messages)
 
+    def wait(self, ticket: int, wake: int) -> bool:
+        return True
+
     def collect(self, ticket: int) -> list[PublishResult]:
         return [PublishResult("confirmed")] * ticket
 
-    def idle(self, seconds: float) -> None:
+    def idle(self, seconds: float, wake: int | None = None) -> None:
         pass
 
 

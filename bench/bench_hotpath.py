@@ -259,7 +259,7 @@ def bench_growth(tmp: Path, repeat: int, receipts: int, curve: list[int], rows: 
         template.unlink()
 
 
-RUN_RATE = re.compile(r"first delivery to last ack [0-9.]+s \(([0-9]+)/s\)")
+RUN_RATE = re.compile(r"first delivery to last ack [0-9.]+s, [0-9.]+s busy \(([0-9]+)/s\)")
 
 
 def _tree_hwm(pid: int, peaks: dict[int, int]) -> None:

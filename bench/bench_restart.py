@@ -16,7 +16,7 @@ Per round, on a fresh queue of the consumer (catalog by default):
 3. ``--window`` new events are seeded and ``run`` C (steady state, same
    database, nothing redelivered) drains them.
 
-Each rate is what ``run`` prints at exit (first delivery to last ack, so the
+Each rate is what ``run`` prints at exit (over the time it had deliveries in hand, so the
 start-up is not counted). The ratio B / C, median of ``--repeat`` rounds, is
 printed beside its goal (>= 0.5).
 
@@ -52,7 +52,8 @@ from delivery_consumer.topology import DEFAULT_URL, Topology
 
 GOAL = 0.5
 BATCH_LINE = re.compile(r"batch (\d+)-(\d+) acked")
-RUN_RATE = re.compile(r"(\d+) deliveries acked .* first delivery to last ack [0-9.]+s \(([0-9]+)/s\)")
+RUN_RATE = re.compile(r"(\d+) deliver(?:y|ies) acked .* first delivery to last ack [0-9.]+s, [0-9.]+s busy "
+                      r"\(([0-9]+)/s\)")
 
 
 def acked(log: str) -> int:

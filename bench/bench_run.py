@@ -117,7 +117,7 @@ BARE_SQL = textwrap.dedent(
     """
 )
 
-RUN_RATE = re.compile(r"first delivery to last ack [0-9.]+s \(([0-9]+)/s\)")
+RUN_RATE = re.compile(r"first delivery to last ack [0-9.]+s, [0-9.]+s busy \(([0-9]+)/s\)")
 
 
 def make_events(n: int, ids: str = "v4") -> list[bytes]:

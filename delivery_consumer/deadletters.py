@@ -2,13 +2,18 @@
 
 Every command holds the queue through an exclusive
 :class:`~delivery_consumer.amqp.dead_queue.DeadQueue`, so nothing is lost or
-reordered. Where dead letters come from, and the order of a requeue's steps
-(what a kill at each one leaves): docs/amqp.md, "Dead letters".
+reordered. A reader that finds the queue held by another waits for it a
+little (:data:`BUSY_WAIT_S`); readers of the same process share one read
+through :class:`SharedReads`. Where dead letters come from, and the order of
+a requeue's steps (what a kill at each one leaves): docs/amqp.md, "Dead
+letters"; the console's reads: docs/console.md.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -17,7 +22,7 @@ from typing import Any
 
 from . import consumers
 from .amqp.consumer import Delivery
-from .amqp.dead_queue import DeadQueue, HeldMessage
+from .amqp.dead_queue import DeadQueue, HeldMessage, QueueBusy
 from .amqp.publisher import OutMessage, PublishResult
 from .deliveries import delivery_key
 from .envelope import KOMBU_COMPRESSION_HEADER, MAX_BODY_BYTES, body_digest, parse
@@ -219,11 +224,40 @@ class Snapshot:
         return sorted(selection.event_ids - present)
 
 
+#: How long a reader waits for the dead queue while another holds it (a
+#: console's read, another dead command) before it gives up, in seconds.
+BUSY_WAIT_S = 15.0
+
+
+def _open(dq: DeadQueue, prefetch: int, wait_s: float, on_busy: Callable[[str], None] | None) -> None:
+    """Open *dq*, trying again while another reader holds the queue, up to *wait_s* seconds
+    (*on_busy* is told once, with the broker's refusal)."""
+    deadline = time.monotonic() + wait_s
+    pause = 0.05
+    told = False
+    while True:
+        try:
+            dq.open(prefetch=prefetch)
+            return
+        except QueueBusy as exc:
+            if time.monotonic() + pause > deadline:
+                raise
+            if on_busy is not None and not told:
+                told = True
+                on_busy(str(exc))
+        time.sleep(pause)
+        pause = min(pause * 2, 0.5)
+
+
 @contextmanager
-def reading(url: str, topology: Topology, *, max_messages: int | None = None) -> Iterator[tuple[DeadQueue, Snapshot]]:
-    """Hold the dead queue of *topology* for the block; everything not acked returns at the end."""
+def reading(url: str, topology: Topology, *, max_messages: int | None = None, wait_s: float = BUSY_WAIT_S,
+            on_busy: Callable[[str], None] | None = None) -> Iterator[tuple[DeadQueue, Snapshot]]:
+    """Hold the dead queue of *topology* for the block; everything not acked returns at the end.
+
+    While another reader holds the queue, waits up to *wait_s* seconds for it
+    (then :class:`QueueBusy`), telling *on_busy* once that it waits."""
     with DeadQueue(url, topology.dead_queue, name=f"delivery-consumer dead {topology.consumer}") as dq:
-        dq.open(prefetch=max_messages if max_messages is not None and max_messages <= 65535 else 0)
+        _open(dq, max_messages if max_messages is not None and max_messages <= 65535 else 0, wait_s, on_busy)
         held = dq.read(max_messages)
         spec = consumers.find(topology.consumer)
         types = spec.event_types if spec is not None else None
@@ -231,10 +265,72 @@ def reading(url: str, topology: Topology, *, max_messages: int | None = None) ->
         yield dq, Snapshot(topology.dead_queue, letters, held, dq.count_at_open, dq.opened_at, dq.complete)
 
 
-def list_dead(url: str, topology: Topology, *, max_messages: int | None = None) -> Snapshot:
+def list_dead(url: str, topology: Topology, *, max_messages: int | None = None, wait_s: float = BUSY_WAIT_S,
+              on_busy: Callable[[str], None] | None = None) -> Snapshot:
     """Read the dead queue and give every message back, in place."""
-    with reading(url, topology, max_messages=max_messages) as (_dq, snapshot):
+    with reading(url, topology, max_messages=max_messages, wait_s=wait_s, on_busy=on_busy) as (_dq, snapshot):
         return snapshot
+
+
+class SharedReads:
+    """Dead-queue reads shared by the threads of one process, each kept *ttl_s* seconds.
+
+    One thread at a time reads a given queue; the others that ask meanwhile
+    wait for that read and get the same snapshot, and so do those that ask
+    within *ttl_s* after it (a failure too: one line, kept as long). The
+    queue is held only while one read runs, and a reader never waits for
+    another process's (a dead command's) hold: it reports the queue busy.
+    """
+
+    def __init__(self, ttl_s: float = 5.0, *, wait_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self.wait_s = wait_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._entries: dict[tuple[str, str, int | None], _Shared] = {}
+        #: Reads of the broker done (for tests and benchmarks).
+        self.reads = 0
+
+    def list(self, url: str, topology: Topology, *, max_messages: int | None = None) -> Snapshot:
+        """The snapshot of the dead queue of *topology*, at most ``ttl_s`` old; a BrokerError as read."""
+        key = (url, topology.dead_queue, max_messages)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or (entry.done.is_set() and self._clock() - entry.at > self.ttl_s):
+                entry = self._entries[key] = _Shared()
+                mine = True
+            else:
+                mine = False
+        if mine:
+            try:
+                self.reads += 1
+                entry.snapshot = list_dead(url, topology, max_messages=max_messages, wait_s=self.wait_s)
+            except Exception as exc:  # every waiter gets it, as the reader did
+                entry.error = exc
+            finally:
+                entry.at = self._clock()
+                entry.done.set()
+        entry.done.wait()
+        if entry.error is not None:
+            raise entry.error
+        assert entry.snapshot is not None
+        return entry.snapshot
+
+    def forget(self) -> None:
+        """Drop every kept snapshot (after an action changed a queue)."""
+        with self._lock:
+            self._entries = {key: entry for key, entry in self._entries.items() if not entry.done.is_set()}
+
+
+class _Shared:
+    """One read of a dead queue, awaited by every thread that asked for it."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.at = 0.0
+        self.snapshot: Snapshot | None = None
+        self.error: BaseException | None = None
 
 
 def event_ids(letters: Iterable[DeadLetter]) -> set[str]:
@@ -361,6 +457,63 @@ def resolve(db: ConsumerDB, queue: str, letters: Sequence[DeadLetter]) -> int:
                 )
                 done += cur.rowcount
     return done
+
+
+@dataclass
+class Resolved:
+    """What :func:`resolve_by_hand` did: rows resolved, rows left (with why), ids not found."""
+
+    resolved: list[int] = field(default_factory=list)
+    left: list[tuple[int, str]] = field(default_factory=list)
+    missing: list[int] = field(default_factory=list)
+    dry_run: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"resolved": self.resolved, "left": [{"id": i, "why": why} for i, why in self.left],
+                "missing": self.missing, "dryRun": self.dry_run}
+
+
+def resolve_by_hand(db: ConsumerDB, *, ids: Sequence[int] = (), before: str | None = None, code: str | None = None,
+                    dry_run: bool = False) -> Resolved:
+    """Mark unresolved rejections resolved: those of *ids*, or those rejected before *before* (ISO
+    time; with *code*, only that code). A person looked at them: ``status`` stops counting them and
+    ``inbox prune`` may remove them in due time.
+
+    A rejection whose copy went to a dead queue is left: its dead letter may still be requeued, and
+    ``dead requeue`` or ``dead purge`` resolves it (a copy already gone is reconciled by them).
+    Rejections recorded without a copy -- ``replay``'s, or a consumer's with dead-lettering off --
+    have nothing else that could resolve them.
+    """
+    if bool(ids) == (before is not None):
+        raise ValueError("choose the rejections by id, or by time (before)")
+    where, params = (("id IN (SELECT value FROM json_each(?))", [_json_ids(ids)]) if ids
+                     else ("rejected_at < ?", [before]))
+    if code is not None:
+        where, params = f"{where} AND code = ?", [*params, code]
+    rows = db.conn.execute(f"SELECT id, dead_letter, resolved_at FROM rejected WHERE {where} ORDER BY id",
+                           params).fetchall()
+    out = Resolved(dry_run=dry_run)
+    out.missing = sorted(set(ids) - {row[0] for row in rows})
+    chosen = []
+    for row_id, dead_letter, resolved_at in rows:
+        if resolved_at is not None:
+            if ids:
+                out.left.append((row_id, f"already resolved at {resolved_at}"))
+        elif dead_letter is not None:
+            out.left.append((row_id, f"its copy went to {dead_letter}: dead requeue or dead purge resolves it"))
+        else:
+            chosen.append(row_id)
+    if not dry_run:
+        for start in range(0, len(chosen), RESOLVE_BATCH):
+            with db.transaction() as tx:
+                tx.conn.executemany("UPDATE rejected SET resolved_at = ? WHERE id = ? AND resolved_at IS NULL",
+                                    [(tx.now, row_id) for row_id in chosen[start:start + RESOLVE_BATCH]])
+    out.resolved = chosen
+    return out
+
+
+def _json_ids(ids: Sequence[int]) -> str:
+    return "[" + ",".join(str(int(i)) for i in ids) + "]"
 
 
 #: A rejection must be this much older than the dead-queue read for
@@ -496,6 +649,7 @@ def purge(
 
 __all__ = [
     "APPLIED",
+    "BUSY_WAIT_S",
     "CONFLICT",
     "DROPPED_HEADERS",
     "H_REQUEUED_AT",
@@ -504,7 +658,9 @@ __all__ = [
     "DeadLetter",
     "Item",
     "Report",
+    "Resolved",
     "Selection",
+    "SharedReads",
     "Snapshot",
     "describe",
     "event_ids",
@@ -516,4 +672,5 @@ __all__ = [
     "requeue",
     "requeue_copy",
     "resolve",
+    "resolve_by_hand",
 ]

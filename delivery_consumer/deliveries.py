@@ -37,6 +37,14 @@ def delivery_key(message: Keyed) -> str:
 class Observer:
     """Hooks for metrics; the default does nothing."""
 
+    #: Whether :meth:`event_ages` is wanted (the worker computes ages only then).
+    wants_ages: bool = False
+
+    def event_ages(self, stamp: str, seconds: Sequence[float]) -> None:
+        """Ages of a batch's events at its commit, from *stamp*: ``produced``
+        (the outbox row's creation, header ``x-produced-ms``) or ``occurred``
+        (the envelope's occurredAt, when the header is missing)."""
+
     def batch_committed(self, outcomes: Sequence[Outcome], seconds: float, committed_at: float = 0.0) -> None:
         """A batch was applied (*committed_at* is its Unix commit time, 0 if it failed)."""
 

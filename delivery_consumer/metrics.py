@@ -1,8 +1,8 @@
 """Prometheus metrics of ``run`` (``--metrics-port``).
 
 Counters by consumer and outcome, by rejection code, retries and dead
-letters; histograms of the apply-and-commit latency of a batch and of batch
-sizes; gauges for the time of the last commit, the connection state and the
+letters; histograms of the apply-and-commit latency of a batch, of batch
+sizes and of each event's age at commit; gauges for the time of the last commit, the connection state and the
 database's health.
 Each :class:`Metrics` has its own registry, so several consumers can run in
 one process (tests) without clashing, and nothing is global.
@@ -23,6 +23,10 @@ from .deliveries import Observer
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _BATCH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
+#: An event's age at commit: tens of milliseconds when all is well, up to
+#: hours behind a backlog (or a replay of old events).
+_AGE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0, 3600.0,
+                21600.0, 86400.0)
 
 
 class Metrics(Observer):
@@ -48,6 +52,10 @@ class Metrics(Observer):
                                        base, buckets=_LATENCY_BUCKETS, registry=r)
         self.batch_size = Histogram("delivery_batch_size", "Deliveries per transaction.", base,
                                     buckets=_BATCH_BUCKETS, registry=r)
+        self.event_age = Histogram("delivery_event_age_seconds", "Age of each event at its commit: since the "
+                                   "producer wrote it (stamp=produced, header x-produced-ms) or, without that "
+                                   "header, since its occurredAt (stamp=occurred).", [*base, "stamp"],
+                                   buckets=_AGE_BUCKETS, registry=r)
         self.last_commit = Gauge("delivery_last_commit_timestamp_seconds", "Unix time of the last commit.",
                                  base, registry=r)
         self.connected = Gauge("delivery_connected", "1 while consuming from the broker, else 0.",
@@ -70,6 +78,13 @@ class Metrics(Observer):
         self.batch_size.labels(*c).observe(len(outcomes))
         if committed_at:
             self.last_commit.labels(*c).set(committed_at)
+
+    wants_ages = True
+
+    def event_ages(self, stamp: str, seconds: Sequence[float]) -> None:
+        observe = self.event_age.labels(*self._base, stamp).observe
+        for age in seconds:
+            observe(age)
 
     def copy_published(self, kind: str, code: str) -> None:
         if kind == "retry":

@@ -36,8 +36,13 @@ from .sqlite import now_iso, translate
 P = ParamSpec("P")
 T = TypeVar("T")
 
-#: How long one ad-hoc statement may run before it is stopped.
+#: How long one ad-hoc statement may run, the fetch of its result included, before it is stopped.
 QUERY_TIMEOUT_S: Final = 10.0
+#: The largest result of an ad-hoc statement (bytes of its values as shown),
+#: and the largest string or BLOB SQLite may make while running it.
+QUERY_MAX_BYTES: Final = 32 << 20
+#: Rows fetched at a time (the clock and the size are checked between).
+_FETCH_ROWS: Final = 500
 #: SQLite virtual-machine steps between two looks at the clock (a few hundred
 #: microseconds of work).
 _CLOCK_EVERY: Final = 10_000
@@ -264,6 +269,10 @@ _DENIED_ACTIONS: Final[Mapping[int, str]] = {
     sqlite3.SQLITE_TRANSACTION: "BEGIN/COMMIT/ROLLBACK",
     sqlite3.SQLITE_SAVEPOINT: "SAVEPOINT",
 }
+#: SQL functions refused in ad-hoc SQL: ``fts3_tokenizer`` hands out (and
+#: takes) raw pointers; the others load code or touch files, where a build
+#: or a shell extension provides them.
+DENIED_FUNCTIONS: Final = frozenset({"fts3_tokenizer", "load_extension", "readfile", "writefile", "edit"})
 
 
 class _ReadOnlyAuthorizer:
@@ -281,6 +290,8 @@ class _ReadOnlyAuthorizer:
 
     def __call__(self, action: int, arg1: str | None, arg2: str | None, _db: str | None, _src: str | None) -> int:
         what = _DENIED_ACTIONS.get(action)
+        if action == sqlite3.SQLITE_FUNCTION and (arg2 or "").lower() in DENIED_FUNCTIONS:
+            what = f"the function {(arg2 or '').lower()}()"
         if action == sqlite3.SQLITE_PRAGMA:
             if arg1 in WRITING_PRAGMAS:
                 what = f"PRAGMA {arg1}"
@@ -318,12 +329,14 @@ class _Deadline:
 
 
 @reads
-def query(db: ConsumerDB, sql: str, *, timeout_s: float = QUERY_TIMEOUT_S) -> Row:
+def query(db: ConsumerDB, sql: str, *, timeout_s: float = QUERY_TIMEOUT_S, max_bytes: int = QUERY_MAX_BYTES) -> Row:
     """Run one read-only SQL statement; ``{"columns": [...], "rows": [[...], ...]}``.
 
     Needs a database opened read-only. Refuses several statements, writes,
-    ATTACH, transactions and pragmas that set a value, and stops a statement
-    still running after *timeout_s* seconds (:class:`QueryError`).
+    ATTACH, transactions, pragmas that set a value and :data:`DENIED_FUNCTIONS`;
+    stops a statement still running -- or still being fetched -- after
+    *timeout_s* seconds, and one whose result (or any value it makes) passes
+    *max_bytes* (:class:`QueryError`).
     """
     if not db.readonly:
         raise QueryError("query needs a database opened read-only")
@@ -335,12 +348,28 @@ def query(db: ConsumerDB, sql: str, *, timeout_s: float = QUERY_TIMEOUT_S) -> Ro
     conn.set_authorizer(auth)
     deadline = _Deadline(timeout_s)
     conn.set_progress_handler(deadline, _CLOCK_EVERY)
+    length = conn.getlimit(sqlite3.SQLITE_LIMIT_LENGTH)
+    conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, max_bytes)  # randomblob(1e9) fails instead of allocating
     cursor: sqlite3.Cursor | None = None
     try:
         cursor = conn.execute(sql)
         columns = [column[0] for column in cursor.description or ()]
-        rows = [[_json_value(value) for value in row] for row in cursor.fetchall()]
+        rows: list[list[Any]] = []
+        size = 0
+        while batch := cursor.fetchmany(_FETCH_ROWS):
+            for row in batch:
+                values = [_json_value(value) for value in row]
+                size += sum(len(v) if isinstance(v, str) else 8 for v in values)
+                rows.append(values)
+            if size > max_bytes:
+                raise QueryError(f"query stopped: its result passed {max_bytes >> 20} MB after {len(rows)} rows "
+                                 "(narrow it: LIMIT, WHERE, fewer columns)")
+            if deadline():
+                raise sqlite3.OperationalError("interrupted")  # as SQLite says it: handled below
     except sqlite3.DatabaseError as exc:
+        if "too big" in str(exc):
+            raise QueryError(f"query stopped: it makes a value over {max_bytes >> 20} MB "
+                             "(the most a query may show)") from None
         if deadline.passed:
             raise QueryError(f"query stopped: still running after {format_duration(timeout_s)} "
                              "(give a longer --timeout if it is meant to take that long)") from None
@@ -353,10 +382,13 @@ def query(db: ConsumerDB, sql: str, *, timeout_s: float = QUERY_TIMEOUT_S) -> Ro
             cursor.close()  # resets the statement: no read snapshot stays open
         conn.set_authorizer(None)
         conn.set_progress_handler(None, 0)
+        conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, length)
     return {"columns": columns, "rows": rows}
 
 
 __all__ = [
+    "DENIED_FUNCTIONS",
+    "QUERY_MAX_BYTES",
     "QUERY_TIMEOUT_S",
     "NotFound",
     "QueryError",

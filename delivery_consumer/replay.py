@@ -21,6 +21,7 @@ from .errors import Rejection, TransientError
 from .event_types import EventTypes
 from .inbox import ConsumerDB, Transaction, apply_batch
 from .inbox.apply import BatchHook
+from .plural import count
 from .sources import Item
 from .sqlite import DATABASE_BUSY
 
@@ -71,7 +72,7 @@ class Summary:
         if self.transient:
             codes = ", ".join(f"{n} {k}" for k, n in sorted(self.transient.items()))
             parts.append(f"{sum(self.transient.values())} not applied, transient ({codes})")
-        return f"{self.total} events: " + (", ".join(parts) if parts else "nothing to do")
+        return f"{count(self.total, 'event')}: " + (", ".join(parts) if parts else "nothing to do")
 
 
 def _parse_all(items: list[Item], max_bytes: int,

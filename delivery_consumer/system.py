@@ -27,6 +27,7 @@ from .durations import format as format_duration
 from .errors import DeliveryError
 from .inbox import ConsumerDB, inbox_rowid_before
 from .partitions import partition_of, partition_topology, unrouted_name
+from .plural import count as _count
 from .queries import NotFound, dict_rows, read_snapshot
 from .sqlite import now_iso
 from .topology import Topology
@@ -98,15 +99,17 @@ def partition_count(entry: ConsumerEntry) -> int | None:
 # -- dead letters ------------------------------------------------------------------------
 
 
-def dead_letters(dep: Deployment, consumer: str, topo: Topology | None = None) -> Row:
-    """The dead queue of *consumer* (of the partition *topo* names) as read now:
+def dead_letters(dep: Deployment, consumer: str, topo: Topology | None = None, *, shared: Any = None) -> Row:
+    """The dead queue of *consumer* (of the partition *topo* names) as read now (or as
+    *shared*, a :class:`deadletters.SharedReads`, read it lately):
     ``{"queue", "letters", "complete"}`` or ``{"error"}``."""
     from .amqp.connection import BrokerError
     from .deadletters import list_dead
 
     topo = topo or topology(dep, consumer)
     try:
-        snapshot = list_dead(dep.amqp_url, topo, max_messages=DEAD_SCAN_LIMIT)
+        snapshot = (shared.list if shared is not None else list_dead)(dep.amqp_url, topo,
+                                                                       max_messages=DEAD_SCAN_LIMIT)
     except BrokerError as exc:
         return {"queue": topo.dead_queue, "error": str(exc)}
     return {"queue": snapshot.queue, "letters": snapshot.letters,
@@ -198,7 +201,7 @@ def _verdict(shown: Row | None, letters: list[Row], routed: bool, published: lis
 
 
 def trace_event(dep: Deployment, event_id: str, *, article_id: str | None = None,
-                broker: bool = True) -> Row:
+                broker: bool = True, shared: Any = None) -> Row:
     """The whole story of *event_id*; :class:`NotFound` when nobody knows it."""
     outbox_rows = _outbox_rows(dep, event_id)
     known = [r for r in outbox_rows if "error" not in r]
@@ -218,7 +221,7 @@ def trace_event(dep: Deployment, event_id: str, *, article_id: str | None = None
             item: Row = {"consumer": name, "partition": partition, "database": str(path), "trace": None}
             letters: list[Row] = []
             if broker:
-                dead = dead_letters(dep, name, topo)
+                dead = dead_letters(dep, name, topo, shared=shared)
                 letters = [letter.to_json() for letter in dead.get("letters", [])
                            if event_id in (letter.event_id, letter.message_id)]
                 found = found or bool(letters)
@@ -382,7 +385,7 @@ def unacknowledged(dep: Deployment, queue: str) -> int | None:
 
 
 def _queue_figures(dep: Deployment, label: str, topo: Topology, counts: dict[str, Any], asked: bool,
-                   problems: list[str]) -> Row:
+                   problems: list[str], shared: Any = None) -> Row:
     """The figures of one consumer's (or partition's) queues, and the problems they show."""
     main, dead = counts.get(topo.queue), counts.get(topo.dead_queue)
     item: Row = {"queue": topo.queue, "deadQueue": topo.dead_queue,
@@ -393,7 +396,7 @@ def _queue_figures(dep: Deployment, label: str, topo: Topology, counts: dict[str
     if asked and main is None:
         item["queueNote"] = "no queue yet (topology declare)"
     if dead is not None and dead.ready:
-        letters = dead_letters(dep, topo.consumer, topo)
+        letters = dead_letters(dep, topo.consumer, topo, shared=shared)
         if "error" in letters:
             item["deadByCode"] = None
             item["deadNote"] = letters["error"]
@@ -434,17 +437,14 @@ def notes(row: Row) -> str | None:
     return "; ".join(found) or None
 
 
-def _count(n: int, what: str) -> str:
-    return f"{n} {what}" + ("" if n == 1 else "s")
-
-
 def _total(values: list[Any]) -> int | None:
     """The sum, or None (unknown) when any part is unknown."""
     return None if not values or any(v is None for v in values) else sum(values)
 
 
-def status(dep: Deployment, *, now: float | None = None, broker: bool = True) -> Row:
-    """Every consumer (every partition) and producer of *dep*, and the problems that need a person."""
+def status(dep: Deployment, *, now: float | None = None, broker: bool = True, shared: Any = None) -> Row:
+    """Every consumer (every partition) and producer of *dep*, and the problems that need a person
+    (dead queues read through *shared*, a :class:`deadletters.SharedReads`, when given)."""
     from . import outbox
     from .amqp.admin import queue_counts
     from .amqp.connection import BrokerError
@@ -473,7 +473,7 @@ def status(dep: Deployment, *, now: float | None = None, broker: bool = True) ->
         for partition, path, topo in layout[name]:
             label = _label(entry, partition)
             db_item: Row = {"partition": partition, "database": str(path)}
-            db_item.update(_queue_figures(dep, label, topo, counts, asked, problems))
+            db_item.update(_queue_figures(dep, label, topo, counts, asked, problems, shared))
             if not path.exists():
                 db_item["note"] = "no database yet"
             else:
@@ -533,9 +533,9 @@ def status(dep: Deployment, *, now: float | None = None, broker: bool = True) ->
             out_producers.append(p_item)
             continue
         p_item.update({k: v for k, v in stats.items() if k != "database"})
-        age = stats.get("oldestUnpublishedAgeSeconds")
+        age = stats.get("oldestPendingAgeSeconds")
         if age is not None and age > dep.outbox_max_age_s:
-            problems.append(f"producer {name}: {_count(stats['unpublished'], 'unpublished row')}, the oldest "
+            problems.append(f"producer {name}: {_count(stats['pending'], 'pending row')}, the oldest "
                             f"{age_text(age)} old (more than {format_duration(dep.outbox_max_age_s)}): "
                             "is dispatch running?")
         quarantined = stats.get("quarantined")

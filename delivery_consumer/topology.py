@@ -31,6 +31,7 @@ H_FAILED_AT = "x-failed-at"
 H_ROUTING_KEY = "x-original-routing-key"
 H_LAST_ERROR = "x-last-error"  # a retry copy: the reason of its transient failure
 H_DELIVERY_COUNT = "x-delivery-count"  # set by quorum queues on redelivery
+H_PRODUCED_MS = "x-produced-ms"  # dispatch: the outbox row's created_at, ms since the epoch
 #: Headers the broker owns; a copy we publish must not carry them back.
 BROKER_HEADERS = ("x-death", "x-first-death-exchange", "x-first-death-queue", "x-first-death-reason",
                   "x-last-death-exchange", "x-last-death-queue", "x-last-death-reason", H_DELIVERY_COUNT)

@@ -27,6 +27,7 @@ from .errors import (
     WRONG_PARTITION,
 )
 from .inbox import ConsumerDB
+from .plural import count
 from .queries import NotFound, dict_rows, read_snapshot, reads
 from .views import article_of
 
@@ -94,7 +95,7 @@ def _status(receipt: Row | None, rejections: list[Row], deliveries: Row) -> tupl
     if receipt is not None:
         summary = f"applied: {receipt['result']} at {receipt['receivedAt']}"
         if deliveries["deliveries"] > 1:
-            summary += f" after {deliveries['deliveries']} deliveries"
+            summary += f" after {count(deliveries['deliveries'], 'delivery', 'deliveries')}"
         if unresolved:
             codes = ", ".join(sorted({r["code"] for r in unresolved}))
             summary += f"; another copy was rejected ({codes}), unresolved"

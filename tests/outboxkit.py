@@ -70,13 +70,16 @@ class FakePublisher:
             ticket.append((msg.message_id or "", PublishResult(status, reason)))
         return ticket
 
+    def wait(self, ticket: list[tuple[str, PublishResult]], wake: int) -> bool:
+        return True
+
     def collect(self, ticket: list[tuple[str, PublishResult]]) -> list[PublishResult]:
         if self.raise_on_collect is not None:
             raise self.raise_on_collect
         self.log.append(("collect", [event_id for event_id, _ in ticket]))
         return [result for _, result in ticket]
 
-    def idle(self, seconds: float) -> None:
+    def idle(self, seconds: float, wake: int | None = None) -> None:
         self.idled.append(seconds)
 
 

@@ -259,7 +259,7 @@ def test_status_thresholds_come_from_the_file_and_flags_override_them(tmp_path: 
     config = write_deployment(tmp_path, consumers=("catalog",), extra='[status]\noutbox_max_age = "0s"')
     assert 0 == with_config(config, "produce", "--article", "a-1", "--title", "T", "--url", "https://x/1")[0]
     code, out, _err = with_config(config, "status", "--offline")
-    assert 1 == code and re.search(r"NEEDS A PERSON: producer material: 1 unpublished row, the oldest \d+s old "
+    assert 1 == code and re.search(r"NEEDS A PERSON: producer material: 1 pending row, the oldest \d+s old "
                                    r"\(more than 0s\): is dispatch running\?", out), out
     code, out, _err = with_config(config, "status", "--offline", "--outbox-max-age", "1h")
     assert 0 == code and out.rstrip().endswith("healthy"), out
@@ -323,7 +323,7 @@ def test_the_console_gives_the_newest_receipt_s_age_and_a_readable_peak(tmp_path
     with_config(config, "produce", "--article", "a", "--title", "T", "--url", "u")
     page = Console(parse_file(config)).status_page()
     ages = re.findall(r'<span title="\d{4}-\d\d-\d\dT[^"]+Z">\d+s ago</span>', page)
-    assert 2 == len(ages), page  # the newest receipt, the oldest unpublished outbox row
+    assert 2 == len(ages), page  # the newest receipt, the oldest pending outbox row
     assert 'paint-order="stroke">peak ' in page
 
 

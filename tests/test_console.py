@@ -173,3 +173,106 @@ def test_without_actions_the_console_is_read_only(
     assert 403 == posted.status and "--allow-actions" in posted.text()
     page.screenshot(path=str(tmp_path / "screenshots" / "read-only.png"), full_page=True)
     assert 1 == ns.count(f"{ns.prefix}.webhook.dead")
+
+
+# -- under load ---------------------------------------------------------------------------
+
+
+def _get(url: str, timeout: float = 120) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as answer:
+            return answer.status, answer.read().decode("utf-8")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode("utf-8")
+
+
+def test_two_hundred_concurrent_pages_are_answered_and_dead_list_is_not_locked_out(
+        deployment: tuple[Path, str, str], start_console: Any) -> None:
+    """200 concurrent GET / from real clients are all answered with the dead letters read (never "in
+    use by another reader"), `dead list` run meanwhile succeeds, and an uppercase eventId is traced."""
+    import threading
+
+    config, _fine, refused = deployment
+    console = start_console(config)
+    answers: list[tuple[int, str]] = []
+    lock = threading.Lock()
+    start = threading.Barrier(200)
+
+    def fetch() -> None:
+        start.wait()
+        answer = _get(console.url)
+        with lock:
+            answers.append(answer)
+
+    clients = [threading.Thread(target=fetch) for _ in range(200)]
+    for client in clients:
+        client.start()
+    wait_until("a first page", lambda: answers, timeout=120)
+    listed = dc(config, "dead", "list", "--consumer", "webhook")  # while the console is hammered
+    for client in clients:
+        client.join(timeout=300)
+    assert 0 == listed.returncode and refused in listed.stdout, listed.stderr
+    assert 200 == len(answers)
+    assert [200] * 200 == [status for status, _ in answers]
+    assert all("endpoint-rejected" in page and "in use by another reader" not in page for _, page in answers)
+
+    status, page = _get(console.url + f"trace?q={refused.upper()}")
+    assert 200 == status and "dead-lettered endpoint-rejected" in page
+
+
+def _threads(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    raise AssertionError("no thread count")
+
+
+def test_slow_clients_are_dropped_and_never_grow_the_threads(
+        ns: Namespace, tmp_path: Path, start_console: Any) -> None:
+    """Forty clients that never finish their request head, and one that sends it a byte at a time,
+    are closed by the console (a deadline for the whole request, not per read); meanwhile it keeps
+    a bounded number of threads and still answers."""
+    import socket
+    import threading
+    import urllib.parse
+
+    most = 8 + 4  # the pool's eight workers, the main thread and a few of the process's own
+    console = start_console(write_deployment(tmp_path, ns=ns, consumers=("catalog",)))
+    where = urllib.parse.urlsplit(console.url)
+    address = (where.hostname or "127.0.0.1", where.port or 80)
+    slow = []
+    for _ in range(40):
+        sock = socket.create_connection(address, timeout=120)
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: ")
+        slow.append(sock)
+    closed = threading.Event()
+
+    def trickle() -> None:
+        with socket.create_connection(address, timeout=120) as sock:
+            try:
+                for byte in b"GET / HTTP/1.1\r\n" + b"X-Slow: " + b"x" * 10_000:
+                    sock.sendall(bytes([byte]))
+                    if closed.wait(0.5):
+                        return
+            except OSError:  # the console closed it: what must happen
+                closed.set()
+
+    trickler = threading.Thread(target=trickle)
+    trickler.start()
+    try:
+        assert 200 == _get(console.url + "healthz")[0]
+        assert _threads(console.proc.pid) <= most
+        for sock in slow:
+            assert b"" == sock.recv(1024)  # closed by the console, without an answer
+        assert closed.wait(120), "the client sending a byte at a time was never dropped"
+        assert _threads(console.proc.pid) <= most
+        status, page = _get(console.url)
+        assert 200 == status and "Status" in page
+    finally:
+        closed.set()
+        trickler.join()
+        for sock in slow:
+            sock.close()

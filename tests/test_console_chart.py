@@ -1,9 +1,11 @@
 """The console's outcomes per minute: the minute cache gives what a fresh read
-of the whole window gives, as time moves and receipts arrive."""
+of the whole window gives, as time moves and receipts arrive. And its other
+caches: a page and a dead queue's read shared by concurrent requests."""
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -57,3 +59,82 @@ def test_the_chart_draws_one_bar_per_minute_with_a_tooltip(open_db: OpenDB) -> N
     svg = chart.svg(chart.MinuteCache().minutes(db, 3 * 3600, now), 3 * 3600, now)
     assert svg.startswith("<svg") and svg.count("<rect") == 1 + 3
     assert "1 applied, 1 stale" in svg or "1 stale, 1 applied" in svg
+
+
+def test_a_page_asked_for_by_many_threads_at_once_is_built_once() -> None:
+    """console.Recent: threads asking together, or within its time to live, share one build."""
+    import threading
+
+    from delivery_consumer.console.server import Recent
+
+    release, asked = threading.Event(), threading.Semaphore(0)
+
+    def build() -> str:
+        assert release.wait(60)
+        return "page"
+
+    recent = Recent(build, ttl_s=600)
+    pages: list[str] = []
+
+    def ask() -> None:
+        asked.release()
+        pages.append(recent.get())
+
+    threads = [threading.Thread(target=ask) for _ in range(20)]
+    for thread in threads:
+        thread.start()
+    for _ in threads:
+        assert asked.acquire(timeout=60)
+    release.set()
+    for thread in threads:
+        thread.join()
+    assert ["page"] * 20 == pages and 1 == recent.builds
+    recent.forget()
+    assert "page" == recent.get() and 2 == recent.builds
+
+
+def test_dead_queue_reads_are_shared_and_so_are_their_failures(monkeypatch: Any) -> None:
+    """deadletters.SharedReads: concurrent readers of one queue share one read (its snapshot, or its
+    error), and a queue is read again once the snapshot is older than the time to live."""
+    import threading
+
+    from delivery_consumer import deadletters
+    from delivery_consumer.amqp.dead_queue import QueueBusy
+    from delivery_consumer.topology import Topology
+
+    now = [0.0]
+    release = threading.Event()
+    outcomes: list[Any] = [deadletters.Snapshot("q.dead", [], [], 0), QueueBusy("held by another reader")]
+
+    def list_dead(url: str, topology: Topology, **_kwargs: Any) -> Any:
+        assert release.wait(60)
+        outcome = outcomes.pop(0)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    monkeypatch.setattr(deadletters, "list_dead", list_dead)
+    shared = deadletters.SharedReads(5.0, clock=lambda: now[0])
+    topo = Topology(consumer="catalog")
+    got: list[Any] = []
+
+    def read() -> None:
+        try:
+            got.append(shared.list("amqp://x", topo))
+        except QueueBusy as exc:
+            got.append(exc)
+
+    threads = [threading.Thread(target=read) for _ in range(10)]
+    for thread in threads:
+        thread.start()
+    release.set()
+    for thread in threads:
+        thread.join()
+    assert 1 == shared.reads and 1 == len({id(snapshot) for snapshot in got})
+    now[0] = 5.5  # older than its time to live: read again, and this time it fails for everyone
+    threads = [threading.Thread(target=read) for _ in range(5)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert 2 == shared.reads and all(isinstance(x, QueueBusy) for x in got[10:]) and 15 == len(got)

@@ -171,8 +171,8 @@ def test_list_while_dead_letters_arrive_loses_and_reorders_nothing(ns: Namespace
 
 
 def test_second_reader_is_refused_while_one_holds_the_queue(ns: Namespace) -> None:
-    """While one dead command holds the dead queue, another is refused with one line
-    (exit 2); the held messages are back afterwards."""
+    """While one dead command holds the dead queue for longer than the wait, another says once
+    that it waits, then is refused with one line (exit 2); the held messages are back afterwards."""
     make_dead_letters(ns, 1)
     dead_queue = ns.topology("catalog").dead_queue
     with DeadQueue(ns.url, dead_queue) as holder:
@@ -180,9 +180,32 @@ def test_second_reader_is_refused_while_one_holds_the_queue(ns: Namespace) -> No
         assert 1 == len(holder.read())
         done = ns.cli("dead", "list", "--consumer", "catalog")
         assert 2 == done.returncode
-        assert "in use by another reader" in done.stderr
-        assert 1 == len(done.stderr.strip().splitlines())
+        waiting, refused = done.stderr.strip().splitlines()
+        assert "in use by another reader" in waiting and "waiting up to 15s" in waiting
+        assert "in use by another reader" in refused
     assert 1 == ns.count(dead_queue)
+
+
+def test_a_reader_waits_for_a_short_hold_instead_of_failing(ns: Namespace) -> None:
+    """dead list started while another reader (a console's read) holds the queue waits for it:
+    once the holder lets go, the list succeeds with every dead letter (exit 0)."""
+    from brokerkit import RunProcess
+
+    event_ids = make_dead_letters(ns, 2)
+    dead_queue = ns.topology("catalog").dead_queue
+    with DeadQueue(ns.url, dead_queue) as holder:
+        holder.open()
+        assert 2 == len(holder.read())
+        listing = RunProcess([sys.executable, "-m", "delivery_consumer", "dead", "list", "--consumer", "catalog",
+                              "--json"], cwd=ns.workdir, env=ns.env())
+        try:
+            wait_until("dead list to say it waits", lambda: "waiting up to" in listing.output()[1], procs=[listing])
+        except BaseException:
+            listing.kill()
+            raise
+    out, err = listing.communicate(timeout=120)
+    assert 0 == listing.returncode, err
+    assert event_ids == [m["eventId"] for m in orjson.loads(out)["messages"]]
 
 
 # -- requeue -----------------------------------------------------------------------

@@ -414,7 +414,7 @@ class SpinGuard(FakePublisher):
     """Its idle() returns at once, like a dead connection's; a dispatcher that called it in a
     loop without sleeping would never move the test's clock: it fails instead of hanging."""
 
-    def idle(self, seconds: float) -> None:
+    def idle(self, seconds: float, wake: int | None = None) -> None:
         super().idle(seconds)
         assert len(self.idled) < 1000, "idle() called over and over with no sleep between: a spin"
 

@@ -519,7 +519,7 @@ def test_run_registers_with_a_heartbeat_and_leaves_cleanly(conn: sqlite3.Connect
     seen: list[tuple[Any, ...]] = []
 
     class Watching(FakePublisher):
-        def idle(self, seconds: float) -> None:
+        def idle(self, seconds: float, wake: int | None = None) -> None:
             seen.extend(conn.execute("SELECT owner, pid, host FROM outbox_owners").fetchall())
             super().idle(seconds)
 
@@ -560,7 +560,7 @@ def test_exit_when_idle_with_the_broker_down_says_it_never_connected(conn: sqlit
     assert 2 <= clock.now - started < 2.5
     assert "broker unreachable" in stats.last_outage
     assert Counter(pending=1) == outbox.waiting(conn, now=clock.now)
-    assert "1 rows left: 1 due now" == outbox.describe_waiting(outbox.waiting(conn, now=clock.now))
+    assert "1 row left: 1 due now" == outbox.describe_waiting(outbox.waiting(conn, now=clock.now))
 
 
 def test_dispatch_exits_2_when_the_broker_cannot_be_reached(tmp_path: Path) -> None:
@@ -575,7 +575,7 @@ def test_dispatch_exits_2_when_the_broker_cannot_be_reached(tmp_path: Path) -> N
     assert 2 == done.returncode, done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("delivery-consumer: the broker could not be reached in 1s")
-    assert "1 rows left: 1 due now" in last
+    assert "1 row left: 1 due now" in last
     assert "Traceback" not in done.stderr
 
 

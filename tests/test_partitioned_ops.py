@@ -68,7 +68,7 @@ def test_inspect_trace_dead_prune_and_metrics_of_a_partitioned_consumer(cluster:
     pruned = ns.cli("inbox", "prune", "--consumer", "catalog", "--partition", str(home), "--older-than", "7d",
                     "--dry-run")
     assert pruned.returncode == 0, pruned.stderr
-    assert f"dead queue {ns.prefix}.catalog.p{home}.dead: 1 dead letters" in pruned.stdout
+    assert f"dead queue {ns.prefix}.catalog.p{home}.dead: 1 dead letter" in pruned.stdout
 
 
 def test_the_outbox_dispatcher_routes_to_partitions(cluster: Cluster) -> None:

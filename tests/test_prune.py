@@ -201,7 +201,7 @@ def test_prune_resolves_rejections_whose_dead_letter_is_gone(ns: Namespace) -> N
         assert pub.publish([OutMessage(topo.dead_queue, present_body, message_id=present)])[0].ok
     done = prune(ns, "--older-than", "30d")
     assert 0 == done.returncode, done.stderr
-    assert "1 rejections resolved first" in done.stdout
+    assert "1 rejection resolved first" in done.stdout
     assert {present} == remaining(db, "inbox")
     assert [(gone,)] == read_rows(db, "rejected", "event_id", "resolved_at IS NOT NULL")
 

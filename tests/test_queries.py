@@ -228,6 +228,37 @@ def test_an_endless_query_is_stopped_at_its_timeout(writer: ConsumerDB, reader: 
     assert {"columns": ["n"], "rows": [[1]]} == queries.query(reader, "SELECT count(*) AS n FROM inbox")
 
 
+@pytest.mark.parametrize("function", ["fts3_tokenizer('simple')", "FTS3_TOKENIZER('porter')",
+                                      "load_extension('/tmp/x.so')"])
+def test_query_refuses_functions_that_hand_out_pointers_or_load_code(reader: ConsumerDB, function: str) -> None:
+    """fts3_tokenizer() (a raw pointer) and load_extension() are refused by name, in any case."""
+    name = function.split("(")[0].lower()
+    with pytest.raises(queries.QueryError, match=rf"query refused: the function {name}\(\) is not allowed"):
+        queries.query(reader, f"SELECT {function}")
+
+
+def test_a_huge_value_is_refused_before_it_is_made(reader: ConsumerDB) -> None:
+    """randomblob(1e9) stops at once, naming the size limit, instead of allocating a gigabyte;
+    the connection's own limit is restored afterwards."""
+    import sqlite3
+
+    before = reader.conn.getlimit(sqlite3.SQLITE_LIMIT_LENGTH)
+    with pytest.raises(queries.QueryError, match="makes a value over 32 MB"):
+        queries.query(reader, "SELECT randomblob(1000000000)", timeout_s=5)
+    assert before == reader.conn.getlimit(sqlite3.SQLITE_LIMIT_LENGTH)
+    assert [[4]] == queries.query(reader, "SELECT length(randomblob(4))")["rows"]
+
+
+def test_a_result_past_its_size_limit_is_stopped_while_fetched(reader: ConsumerDB) -> None:
+    """Endless rows of 1 kB each: the fetch stops once the result passes the limit (memory stays bounded),
+    long before the timeout."""
+    endless_rows = ("WITH RECURSIVE n(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM n) "
+                    "SELECT x, printf('%.1000c', 'y') FROM n")
+    with pytest.raises(queries.QueryError, match=r"result passed 1 MB after \d+ rows"):
+        queries.query(reader, endless_rows, timeout_s=600, max_bytes=1 << 20)
+    assert not reader.conn.in_transaction
+
+
 def test_query_needs_a_readonly_database(writer: ConsumerDB) -> None:
     """query refuses a database that was not opened read-only."""
     with pytest.raises(queries.QueryError, match="read-only"):

@@ -117,7 +117,7 @@ def test_status_needs_a_person_for_an_old_outbox_row_and_a_backlog_nobody_consum
     status = dc(config, "status", "--json")
     assert 1 == status.returncode
     problems = orjson.loads(status.stdout)["problems"]
-    assert any("producer material: 1 unpublished row, the oldest" in p for p in problems), problems
+    assert any("producer material: 1 pending row, the oldest" in p for p in problems), problems
     assert any(f"1 message waits in {ns.prefix}.catalog and no consumer is connected" in p for p in problems)
 
 
@@ -201,7 +201,7 @@ def test_a_partitioned_consumer_is_declared_from_the_file_and_shown_partition_by
             assert link is not None and "partition=p1" in link.group(1), page
             with urlopen(console.url + html.unescape(link.group(1)), timeout=60) as answer:
                 confirm = answer.read().decode()
-            assert "1 dead letters of <b>catalog/p1</b>" in confirm, confirm
+            assert "1 dead letter of <b>catalog/p1</b>" in confirm, confirm
             form = dict(re.findall(r'<input type="hidden" name="([^"]+)" value="([^"]*)">', confirm))
             with urlopen(Request(console.url + "dead/purge", data=urlencode(form).encode()), timeout=60) as answer:
                 assert '<p id="result">1 purged</p>' in answer.read().decode()

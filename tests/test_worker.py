@@ -315,3 +315,20 @@ def test_messages_cross_the_pipe_and_dispatch_by_type() -> None:
     assert [Ack(1, 7)] == seen
     with pytest.raises(ProtocolError):
         dispatch(Stop())
+
+
+def test_the_exit_line_s_rate_leaves_idle_time_out(make_worker: Callable[..., tuple[Worker, FakeIO]]) -> None:
+    """Two batches with an idle pause between them: the busy time excludes the pause, the rate in the
+    exit line is deliveries over busy time, and counts of one are singular."""
+    worker, _io = make_worker()
+    worker.deliver_all([delivery(1)])
+    worker.process(worker._collect())
+    assert "1 delivery acked in 1 batch:" in worker.stats.line()
+    threading.Event().wait(0.2)  # the consumer idles (the scenario, not a synchronisation)
+    worker.deliver_all([delivery(2), delivery(3), delivery(4)])
+    worker.process(worker._collect())
+    stats = worker.stats
+    span = stats.last_ack - stats.first_delivery
+    assert 0 < stats.busy_s <= span - 0.2
+    assert "4 deliveries acked in 2 batches: 4 updated;" in stats.line()
+    assert stats.line().endswith(f"{span:.3f}s, {stats.busy_s:.3f}s busy ({4 / stats.busy_s:.0f}/s)")

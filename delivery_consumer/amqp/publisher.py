@@ -17,7 +17,7 @@ from typing import Any
 import pika
 import pika.exceptions as pex
 from pika import spec
-from pika.adapters.select_connection import IOLoop
+from pika.adapters.select_connection import IOLoop, PollEvents
 
 from ..errors import safe_reason
 from ..topology import DEFAULT_URL, Route, Topology
@@ -264,18 +264,26 @@ class Publisher:
         self._batch, self._results = (), []
         return results
 
-    def idle(self, seconds: float) -> None:
-        """Let the connection service heartbeats for *seconds*."""
+    def idle(self, seconds: float, wake: int | None = None) -> None:
+        """Let the connection service heartbeats for *seconds*, or until the
+        file descriptor *wake* is readable (the caller reads it)."""
         if self._conn is None:
             return
         deadline = [False]
 
-        def wake() -> None:
+        def done(*_args: object) -> None:
             deadline[0] = True
             self._check()
 
-        self._ioloop.call_later(seconds, wake)
-        self._run_until(lambda: deadline[0], "idle")
+        handle = self._ioloop.call_later(seconds, done)
+        if wake is not None:
+            self._ioloop.add_handler(wake, done, PollEvents.READ)
+        try:
+            self._run_until(lambda: deadline[0], "idle")
+        finally:
+            self._ioloop.remove_timeout(handle)
+            if wake is not None:
+                self._ioloop.remove_handler(wake)
         self._error = None
 
     def close(self) -> None:
@@ -361,7 +369,8 @@ class StreamPublisher(Publisher):
         if self._broken is None and not self._ready:
             self._broken = "not connected"
         if self._broken is None:
-            self._run_until(settled, "confirm messages")
+            if self._error is None:  # (wait() may have met the error already)
+                self._run_until(settled, "confirm messages")
             if self._error is not None:
                 error, self._error = self._error, None
                 self._broken = str(error)
@@ -375,6 +384,30 @@ class StreamPublisher(Publisher):
         self._pending = {tag: index - end for tag, index in self._pending.items()}
         self._offset = ticket.end
         return results
+
+    def wait(self, ticket: Ticket, wake: int) -> bool:
+        """Run the loop until *ticket* is settled (True; also when the
+        connection failed: :meth:`collect` says how) or the file descriptor
+        *wake* is readable first (False; the caller reads it), so that the
+        caller can send more behind it."""
+        end = ticket.end - self._offset
+        if self._broken is not None or not self._ready or self._error is not None:
+            return True
+        woken = [False]
+
+        def settled() -> bool:
+            return self._next >= end and (not self._pending or next(iter(self._pending.values())) >= end)
+
+        def on_wake(*_args: object) -> None:
+            woken[0] = True
+            self._check()
+
+        self._ioloop.add_handler(wake, on_wake, PollEvents.READ)
+        try:
+            self._run_until(lambda: woken[0] or settled(), "confirm messages")
+        finally:
+            self._ioloop.remove_handler(wake)
+        return self._error is not None or settled() or not woken[0]
 
     def _pump(self) -> None:
         channel = self._channel

@@ -30,7 +30,7 @@ from ._common import (
     json_option,
     open_db,
 )
-from ._output import echo_table
+from ._output import count, echo_table
 from ._partitions import one_partition, one_partition_option
 
 
@@ -39,9 +39,17 @@ def dead() -> None:
     """The consumer's dead-letter queue (<prefix>.<consumer>.dead).
 
     Every dead command holds the queue with an exclusive consumer while it
-    works, so a second one (or inbox prune) is refused until it ends; what
-    it does not remove returns to its place, also if it is killed.
+    works; a second one (or inbox prune, or a console's read) waits for it up
+    to 15 s, then is refused. What it does not remove returns to its place,
+    also if it is killed.
     """
+
+
+def _waiting(refusal: str) -> None:
+    """Say once that the queue is held by another reader and the command waits for it."""
+    from ..deadletters import BUSY_WAIT_S
+
+    click.echo(f"delivery-consumer: {refusal.split(';')[0]}; waiting up to {BUSY_WAIT_S:g}s for it", err=True)
 
 
 def _selectors(fn: F) -> F:
@@ -86,7 +94,7 @@ def dead_list(consumer: str, amqp_url: str, exchange: str, queue_prefix: str, pa
 
     one_partition(consumer, None, partition, "read its dead queue")
     topology = topology_for(consumer, exchange, queue_prefix, partition=partition)
-    snapshot = broker_call(list_dead, amqp_url, topology)
+    snapshot = broker_call(list_dead, amqp_url, topology, on_busy=_waiting)
     letters = [letter for letter in snapshot.letters if code is None or letter.code == code]
     if as_json:
         emit_json({"queue": snapshot.queue, "count": len(snapshot.letters), "complete": snapshot.complete,
@@ -100,7 +108,7 @@ def dead_list(consumer: str, amqp_url: str, exchange: str, queue_prefix: str, pa
         echo_table(["code", "count"], list(snapshot.by_code().items()))
     shown = f", {len(letters)} shown" if code is not None else ""
     partial = "" if snapshot.complete else f"; incomplete: {snapshot.count_at_open} were there when reading began"
-    click.echo(f"{len(snapshot.letters)} dead letters in {snapshot.queue}{shown} "
+    click.echo(f"{count(len(snapshot.letters), 'dead letter')} in {snapshot.queue}{shown} "
                f"(read and given back in place{partial})", err=True)
 
 
@@ -157,7 +165,7 @@ def dead_requeue(consumer: str, db_path: Path | None, amqp_url: str, exchange: s
     topology = topology_for(consumer, exchange, queue_prefix, partition=partition)
     with ExitStack() as stack:
         db = stack.enter_context(open_db(consumer, db_path))
-        dq, snapshot = broker_call(stack.enter_context, deadletters.reading(amqp_url, topology))
+        dq, snapshot = broker_call(stack.enter_context, deadletters.reading(amqp_url, topology, on_busy=_waiting))
         report = broker_call(deadletters.requeue, db, dq, snapshot, topology, selection,
                               drop_applied=drop_applied, dry_run=dry_run)
     verb = "would requeue" if dry_run else "requeued"
@@ -195,14 +203,14 @@ def dead_purge(consumer: str, db_path: Path | None, amqp_url: str, exchange: str
             if db_path is not None or "no such database" not in exc.message:
                 raise
             click.echo(f"delivery-consumer: {exc.message}; the rejections will not be marked resolved", err=True)
-        dq, snapshot = broker_call(stack.enter_context, deadletters.reading(amqp_url, topology))
+        dq, snapshot = broker_call(stack.enter_context, deadletters.reading(amqp_url, topology, on_busy=_waiting))
         chosen = snapshot.select(selection)
         if chosen and not dry_run and not yes:
             by_code: dict[str, int] = {}
             for letter, _msg in chosen:
                 by_code[letter.code] = by_code.get(letter.code, 0) + 1
             codes = ", ".join(f"{n} {c}" for c, n in sorted(by_code.items()))
-            click.echo(f"{len(chosen)} dead letters selected in {snapshot.queue}: {codes}", err=True)
+            click.echo(f"{count(len(chosen), 'dead letter')} selected in {snapshot.queue}: {codes}", err=True)
             if not click.confirm("Remove them for good?", default=False, err=True):
                 click.echo("nothing removed", err=True)
                 sys.exit(EXIT_REJECTED)

@@ -51,7 +51,7 @@ from ._common import (
     json_option,
     open_db,
 )
-from ._output import echo_record, echo_table
+from ._output import count, echo_record, echo_table
 from ._partitions import one_partition, one_partition_option
 
 
@@ -361,8 +361,8 @@ def inbox_prune(consumer: str | None, db_path: Path | None, amqp_url: str, excha
         if keep is not None:
             report.dead_letters = len(snapshot.letters)
             if reconciled:
-                report.notes.append(f"{reconciled} rejections resolved first: their dead letters had already left "
-                                    f"{snapshot.queue}")
+                report.notes.append(f"{count(reconciled, 'rejection')} resolved first: their dead letters had "
+                                    f"already left {snapshot.queue}")
     if as_json:
         emit_json(report.to_json())
         return
@@ -383,7 +383,7 @@ def _echo_prune(report: Any) -> None:
     click.echo(f"{report.consumer} ({report.database}): older than {format_duration(report.older_than_s)} "
                f"(before {report.cutoff}), redelivery horizon {format_duration(report.horizon_s)}")
     if report.dead_queue is not None:
-        click.echo(f"dead queue {report.dead_queue}: {report.dead_letters} dead letters, their receipts kept")
+        click.echo(f"dead queue {report.dead_queue}: {count(report.dead_letters, 'dead letter')}, their receipts kept")
     echo_record([
         ("receipts", f"{report.receipts} {verb}; kept: {report.kept_in_dead_queue} in the dead queue, "
                      f"{report.kept_unresolved} with an unresolved rejection"),
@@ -393,7 +393,7 @@ def _echo_prune(report: Any) -> None:
     for note in report.notes:
         click.echo(f"note: {note}")
     if not report.dry_run:
-        click.echo(f"{report.batches} transactions in {report.seconds:.3f}s", err=True)
+        click.echo(f"{count(report.batches, 'transaction')} in {report.seconds:.3f}s", err=True)
 
 
 # -- rejected --------------------------------------------------------------------
@@ -423,21 +423,72 @@ def rejected_list(consumer: str | None, db_path: Path | None, as_json: bool, cod
     echo_table(keys, _columns(rows, keys), empty="no rejections")
 
 
+@rejected.command("resolve")
+@consumer_option()
+@db_option
+@one_partition_option
+@click.argument("ids", nargs=-1, type=click.IntRange(1))
+@click.option("--older-than", type=Duration(),
+              help="Instead of IDS: every unresolved rejection older than this (0s: all of them).")
+@click.option("--code", help="With --older-than: only this rejection code.")
+@click.option("--dry-run", is_flag=True, help="Say what would be resolved; change nothing.")
+@json_option
+@handle_errors
+def rejected_resolve(consumer: str | None, db_path: Path | None, partition: int | None, ids: tuple[int, ...],
+                     older_than: float | None, code: str | None, dry_run: bool, as_json: bool) -> None:
+    """Mark rejections resolved after looking at them (IDS from rejected list).
+
+    status counts unresolved rejections: one recorded without a dead-letter
+    copy (replay's, for one) has nothing else that could resolve it. One
+    whose copy went to a dead queue is left: dead requeue or dead purge
+    resolves it. Exit 1 when an id asked for is not found or is left.
+    """
+    import time
+
+    from .. import deadletters
+    from ..sqlite import now_iso
+
+    if bool(ids) == (older_than is not None):
+        raise click.UsageError("give the rejection IDS, or --older-than DURATION")
+    if code is not None and older_than is None:
+        raise click.UsageError("--code goes with --older-than")
+    db_path = one_partition(consumer, db_path, partition, "resolve its rejections")
+    with open_db(consumer, db_path) as db:
+        before = None if older_than is None else now_iso(time.time() - older_than)
+        done = deadletters.resolve_by_hand(db, ids=ids, before=before, code=code, dry_run=dry_run)
+        where = str(db.path)
+    if as_json:
+        emit_json(done.to_json())
+    else:
+        verb = "would resolve" if dry_run else "resolved"
+        click.echo(f"{verb} {count(len(done.resolved), 'rejection')} in {where}"
+                   + (f": {', '.join(map(str, done.resolved[:20]))}" + (" ..." if len(done.resolved) > 20 else "")
+                      if done.resolved else ""))
+        for row_id, why in done.left:
+            click.echo(f"left {row_id}: {why}")
+    if ids and (done.missing or done.left):
+        named = ", ".join(map(str, done.missing))
+        raise Missing(f"{count(len(done.missing) + len(done.left), 'rejection')} not resolved"
+                      + (f" (not found: {named})" if done.missing else ""))
+
+
 # -- query -----------------------------------------------------------------------
 
 
 @click.command()
 @read_options()
 @click.option("--timeout", "timeout_s", default="10s", show_default=True, type=Duration(positive=True),
-              help="Stop the statement if it still runs after this long (exit 2).")
+              help="Stop the statement if it still runs, or its result is still being fetched, after this long "
+                   "(exit 2).")
 @click.argument("sql")
 @handle_errors
 def query(consumer: str | None, db_path: Path | None, as_json: bool, timeout_s: float, sql: str) -> None:
     """Run one read-only SQL statement (SELECT, WITH, EXPLAIN, reading PRAGMAs).
 
     The database is opened read-only with query_only set; writes, ATTACH,
-    transactions and several statements are refused, and a statement still
-    running after --timeout is stopped (exit 2). --json gives
+    transactions, several statements and functions such as fts3_tokenizer()
+    and load_extension() are refused; a statement still running after
+    --timeout, or whose result passes 32 MB, is stopped (exit 2). --json gives
     {"columns": [...], "rows": [[...], ...]}; BLOBs appear as X'..' literals.
     """
     with reading(consumer, db_path) as db:

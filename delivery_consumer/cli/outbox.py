@@ -33,7 +33,7 @@ from ..errors import ConfigError
 from ..queries import NotFound
 from ._broker import amqp_options, topology_for
 from ._common import F, Fatal, db_option, emit_json, from_deployment, handle_errors, json_option, setup_logging
-from ._output import echo_record, echo_table
+from ._output import count, echo_record, echo_table
 from .inbox import Missing, limit_option
 
 log = logging.getLogger("delivery_consumer.dispatch")
@@ -80,7 +80,9 @@ def reading(db_path: Path) -> Iterator[sqlite3.Connection]:
               help="How long a claim is held. A dead dispatcher's claims are taken back sooner: at once on this"
                    " host, after 10s without heartbeat elsewhere.")
 @click.option("--poll", "poll_s", default="500ms", show_default=True, type=Duration(positive=True),
-              help="Pause between looks at the outbox when there is nothing to publish.")
+              help="Pause between looks at the outbox when there is nothing to publish. A commit through"
+                   " outbox.transaction on this host wakes the dispatcher at once; the poll is the fallback"
+                   " (another host, a producer committing by itself).")
 @click.option("--retry-base", "retry_base_s", default="1s", show_default=True, type=Duration(positive=True),
               help="First backoff of a nacked row (doubles per failure, jittered).")
 @click.option("--retry-cap", "retry_cap_s", default="5m", show_default=True, type=Duration(positive=True),
@@ -183,7 +185,8 @@ def _cells(rows: list[dict[str, Any]], keys: list[str]) -> list[list[Any]]:
 @limit_option
 @handle_errors
 def outbox_list(db_path: Path, as_json: bool, state: str, limit: int) -> None:
-    """Rows; waiting states in the order they go out, others newest first.
+    """Rows: those that wait (every state but published, dropped and all)
+    oldest first, the order they go out; published, dropped and all newest first.
     DETAIL says why a row waits: leased by <owner> until <time>, held behind
     <eventId>, next attempt at <time>, or its quarantine reason."""
     with reading(db_path) as conn:
@@ -200,13 +203,13 @@ def outbox_list(db_path: Path, as_json: bool, state: str, limit: int) -> None:
 @json_option
 @handle_errors
 def outbox_stats(db_path: Path, as_json: bool) -> None:
-    """Counts by state, the oldest unpublished row, the commonest errors."""
+    """Counts by state, the oldest pending row, the commonest errors."""
     with reading(db_path) as conn:
         stats = outbox_lib.stats(conn)
     if as_json:
         emit_json(stats)
         return
-    age = stats["oldestUnpublishedAgeSeconds"]
+    age = stats["oldestPendingAgeSeconds"]
     echo_record([
         ("database", stats["database"]),
         ("rows", stats["rows"]),
@@ -219,7 +222,8 @@ def outbox_stats(db_path: Path, as_json: bool) -> None:
         ("  quarantined", stats["quarantined"]),
         ("failed (pending)", stats["failed"]),
         ("dropped", stats["dropped"]),
-        ("oldest unpublished", f"{stats['oldestUnpublishedAt']} ({age:.0f}s ago)" if age is not None else None),
+        ("oldest pending", f"{stats['oldestPendingAt']} ({age:.0f}s ago)" if age is not None else None),
+        ("oldest quarantined", stats["oldestQuarantinedAt"]),
         ("max attempts", stats["maxAttemptsUnpublished"]),
         ("last published", stats["lastPublishedAt"]),
     ])
@@ -285,7 +289,7 @@ def _acted(results: list[dict[str, Any]], as_json: bool) -> None:
     if missed:
         named = ", ".join(f"{r['eventId']}: {r['outcome']}" for r in missed[:3])
         more = f", and {len(missed) - 3} more" if len(missed) > 3 else ""
-        raise Missing(f"{len(missed)} of {len(results)} rows not acted on ({named}{more})")
+        raise Missing(f"{len(missed)} of {count(len(results), 'row')} not acted on ({named}{more})")
 
 
 @outbox.command("requeue")

@@ -103,7 +103,8 @@ def _metrics_factory(consumer: str, port: int, host: str, queues: tuple[str, Top
               help="Deliveries per transaction (1 = one commit per delivery).")
 @click.option("--batch-wait", "batch_wait_ms", default="10ms", show_default=True,
               type=Duration(maximum=60, milliseconds=True),
-              help="How long to wait for a batch to fill before committing what there is.")
+              help="The longest a batch keeps taking deliveries that are still arriving; a lone delivery"
+                   " never waits.")
 @click.option("--max-attempts", default=3, show_default=True, type=click.IntRange(1, 1000),
               help="Tries of an event that fails transiently before it is dead-lettered retries-exhausted.")
 @click.option("--retry-delays", default="1s,10s,60s", show_default=True, type=RETRY_DELAYS,

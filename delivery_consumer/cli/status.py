@@ -78,12 +78,12 @@ def _echo_status(shown: dict[str, Any]) -> None:
                     "newest", "unresolved", "note"], rows)
     prows = []
     for item in shown["producers"]:
-        age = item.get("oldestUnpublishedAgeSeconds")
+        age = item.get("oldestPendingAgeSeconds")
         prows.append([item["producer"], item.get("unpublished"), durations.age(age) if age is not None else None,
                       item.get("failed"), item.get("quarantined"), system.notes(item)])
     if prows:
         click.echo()
-        echo_table(["producer", "unpublished", "oldest", "with errors", "quarantined", "note"], prows)
+        echo_table(["producer", "unpublished", "oldest pending", "with errors", "quarantined", "note"], prows)
     click.echo()
     if shown["broker"] is None:
         click.echo("broker not asked (--offline): queue depths, consumers and dead letters unknown")

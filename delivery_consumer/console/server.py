@@ -1,25 +1,33 @@
-"""The console's HTTP server: the standard library's ThreadingHTTPServer,
-pages rendered on the server (HTML with inline SVG and CSS, no script).
+"""The console's HTTP server: the standard library's HTTP server on a fixed
+pool of worker threads, pages rendered on the server (HTML with inline SVG
+and CSS, no script).
 
 Routes: ``GET /`` status, chart and dead letters; ``GET /trace?q=ID`` an
 eventId or articleId; ``GET /dead/confirm`` the confirmation step of an
 action; ``POST /dead/requeue`` and ``POST /dead/purge``; ``GET /healthz``.
 Actions need ``--allow-actions``, the form's CSRF token and a ``Host``
 header naming this server; otherwise every POST is refused (403).
+
+Under load (docs/console.md): a listen backlog, a bounded pool of workers, a
+deadline for each request's head and body, the status page and dead-queue
+reads shared between concurrent requests for a few seconds.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
+import queue
 import secrets
+import select
 import socket
+import threading
 import time
 from collections.abc import Callable
 from contextlib import ExitStack, suppress
 from html import escape
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlencode, urlsplit
@@ -27,7 +35,10 @@ from urllib.parse import parse_qs, urlencode, urlsplit
 from .. import durations, system
 from ..config import Deployment
 from ..consumers import open_db
+from ..deadletters import SharedReads
+from ..envelope import is_event_id
 from ..errors import DeliveryError
+from ..plural import count
 from ..queries import NotFound
 from ..topology import Topology
 from . import chart
@@ -36,6 +47,15 @@ log = logging.getLogger("delivery_consumer.console")
 
 #: Largest POST body read (a form with a few fields).
 MAX_FORM_BYTES = 16 * 1024
+#: Worker threads that answer requests (at most this many at once), and
+#: accepted connections waiting for one; more wait in the listen backlog.
+WORKERS, PENDING, BACKLOG = 8, 64, 512
+#: A request's line, headers and body must arrive within this many seconds
+#: of its connection's acceptance; one that had begun to arrive when it got
+#: a worker after that gets LATE_READ_S more.
+REQUEST_DEADLINE_S, LATE_READ_S = 10.0, 0.5
+#: How long the status page and a dead queue's read are shared, in seconds.
+STATUS_TTL_S, DEAD_TTL_S = 2.0, 5.0
 
 CSS = """
 body{font:14px/1.4 system-ui,sans-serif;margin:0;color:#222}
@@ -79,6 +99,49 @@ def _ago(age: float | None, at: str | None) -> str:
     return f'<span title="{_e(at)}">{escape(durations.age(age))} ago</span>'
 
 
+class Recent:
+    """The last value of *build*, shared by every thread for *ttl_s* seconds.
+
+    One thread builds at a time; those that ask meanwhile wait for its value.
+    A failure is not kept: the next thread to ask builds again.
+    """
+
+    def __init__(self, build: Callable[[], str], ttl_s: float) -> None:
+        self._build = build
+        self.ttl_s = ttl_s
+        self._cond = threading.Condition()
+        self._value: str | None = None
+        self._at = 0.0
+        self._building = False
+        #: Values built (for tests and benchmarks).
+        self.builds = 0
+
+    def get(self) -> str:
+        with self._cond:
+            while True:
+                if self._value is not None and time.monotonic() - self._at <= self.ttl_s:
+                    return self._value
+                if not self._building:
+                    self._building = True
+                    break
+                self._cond.wait()
+        value = None
+        try:
+            value = self._build()
+            self.builds += 1
+            return value
+        finally:
+            with self._cond:
+                self._building = False
+                if value is not None:
+                    self._value, self._at = value, time.monotonic()
+                self._cond.notify_all()
+
+    def forget(self) -> None:
+        with self._cond:
+            self._value = None
+
+
 class Console:
     """What the pages need: the deployment, the mode, the CSRF token, the minute cache."""
 
@@ -88,6 +151,9 @@ class Console:
         self.window_s = window_s
         self.token = secrets.token_urlsafe(32)
         self.minutes = chart.MinuteCache()
+        #: Dead-queue reads shared by concurrent pages; never waiting for a dead command's hold.
+        self.dead = SharedReads(DEAD_TTL_S)
+        self.status = Recent(self.build_status_page, STATUS_TTL_S)
         self.address = ""
         #: Host headers that name this console (a defence against DNS rebinding).
         self.hosts: set[str] = set()
@@ -118,8 +184,12 @@ class Console:
     # -- the status page ------------------------------------------------------------------
 
     def status_page(self) -> str:
+        """The status page, built at most every STATUS_TTL_S seconds whatever the number of readers."""
+        return self.status.get()
+
+    def build_status_page(self) -> str:
         started = time.perf_counter()
-        shown = system.status(self.dep)
+        shown = system.status(self.dep, shared=self.dead)
         parts = []
         if shown["healthy"]:
             parts.append('<p class="ok" id="verdict">healthy</p>')
@@ -146,11 +216,11 @@ class Console:
             ["consumer", "ready", "unacked", "consumers", "dead letters", "last minute", "last hour", "newest receipt",
              "unresolved", "note"], rows, numeric={1, 2, 3, 4, 5, 6, 8}, raw={7, 9}) + "</section>")
         prows = [[p["producer"], p.get("unpublished"),
-                  _ago(p.get("oldestUnpublishedAgeSeconds"), p.get("oldestUnpublishedAt")), p.get("failed"),
+                  _ago(p.get("oldestPendingAgeSeconds"), p.get("oldestPendingAt")), p.get("failed"),
                   p.get("quarantined"), p.get("lastPublishedAt"), system.notes(p)] for p in shown["producers"]]
         if prows:
             parts.append("<section><h2>Producers</h2>" + _table(
-                ["producer", "unpublished", "oldest unpublished", "with errors", "quarantined", "last published",
+                ["producer", "unpublished", "oldest pending", "with errors", "quarantined", "last published",
                  "note"], prows, numeric={1, 3, 4}, raw={2}) + "</section>")
         parts.append(self._charts())
         parts.append(self._dead_letters(shown))
@@ -222,8 +292,10 @@ class Console:
         query = query.strip()
         if not query:
             return HTTPStatus.OK, self.page("Trace", "<p>give an eventId or an articleId</p>")
+        if is_event_id(query.lower()):  # a UUID, in any case: stored in lower case, as trace reads it
+            query = query.lower()
         try:
-            shown = system.trace_event(self.dep, query)
+            shown = system.trace_event(self.dep, query, shared=self.dead)
         except NotFound:
             try:
                 return HTTPStatus.OK, self.page(f"Article {query}", self._article(system.trace_article(self.dep,
@@ -318,15 +390,13 @@ class Console:
         raise ValueError("choose the dead letters by code or eventId")
 
     def confirm_page(self, form: dict[str, str]) -> tuple[HTTPStatus, str]:
-        from ..deadletters import list_dead
-
         action = form.get("action", "")
         if action not in ("requeue", "purge"):
             return HTTPStatus.BAD_REQUEST, self.page("Bad request", "<p>unknown action</p>")
         try:
             consumer, selection = self._selection(form)
             _, _, topo = self._place(form)
-            snapshot = list_dead(self.dep.amqp_url, topo)
+            snapshot = self.dead.list(self.dep.amqp_url, topo)
         except (ValueError, DeliveryError) as exc:
             return HTTPStatus.BAD_REQUEST, self.page("Cannot do that", f'<p class="bad">{_e(exc)}</p>')
         chosen = [letter for letter, _ in snapshot.select(selection)]
@@ -335,11 +405,12 @@ class Console:
                          if k in ("consumer", "partition", "code", "event"))
         verb = "Requeue" if action == "requeue" else "Purge for good"
         where = consumer + (f"/{form['partition']}" if form.get("partition") else "")
-        body = (f"<p>{len(chosen)} dead letters of <b>{_e(where)}</b> selected ({_e(selection.describe())}) in "
+        letters = count(len(chosen), "dead letter")
+        body = (f"<p>{letters} of <b>{_e(where)}</b> selected ({_e(selection.describe())}) in "
                 f"{_e(snapshot.queue)}:</p>" + _table(["#", "code", "eventId", "reason"], rows, numeric={0})
                 + f'<form method="post" action="/dead/{action}">{hidden}'
                 f'<input type="hidden" name="csrf" value="{escape(self.token)}">'
-                f'<button id="confirm" {"disabled" if not chosen else ""}>{verb} {len(chosen)} dead letters</button>'
+                f'<button id="confirm" {"disabled" if not chosen else ""}>{verb} {letters}</button>'
                 ' <a href="/">cancel</a></form>')
         return HTTPStatus.OK, self.page(f"Confirm: {action}", body)
 
@@ -360,6 +431,9 @@ class Console:
                     report = deadletters.purge(db, dq, snapshot, selection)
         except (ValueError, DeliveryError) as exc:
             return HTTPStatus.CONFLICT, self.page("Not done", f'<p class="bad">{_e(exc)}</p>')
+        finally:  # the queue (and maybe the status) changed: the next page reads it again
+            self.dead.forget()
+            self.status.forget()
         log.info("console %s %s (%s): %s", action, topo.queue, selection.describe(), report.counts())
         rows = [[i.outcome, i.letter.event_id, i.letter.code, i.detail] for i in report.items]
         rows += [["not-found", e, None, None] for e in report.missing]
@@ -388,15 +462,65 @@ class Console:
         return None
 
 
+class _Deadline:
+    """The request's stream, read against one deadline for the whole request: a
+    client that sends its head a byte at a time cannot keep a worker longer."""
+
+    def __init__(self, stream: Any, sock: socket.socket, deadline: float) -> None:
+        self._stream = stream
+        self._sock = sock
+        self._deadline = deadline
+        self._late = False
+
+    def _arm(self) -> None:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            if self._late or not select.select([self._sock], [], [], 0)[0]:
+                raise TimeoutError("the request did not arrive in time")
+            # It arrived while waiting for a worker: read what is there, a little longer.
+            self._late, left = True, LATE_READ_S
+            self._deadline = time.monotonic() + left
+        self._sock.settimeout(left)
+
+    def readline(self, size: int = -1) -> bytes:
+        self._arm()
+        return bytes(self._stream.readline(size))
+
+    def read(self, size: int = -1) -> bytes:
+        self._arm()
+        return bytes(self._stream.read(size))
+
+    def close(self) -> None:
+        self._stream.close()
+
+
+def client_gone(sock: socket.socket) -> bool:
+    """True when the client has closed its end (its request was read, nothing more is expected)."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
+    except (BlockingIOError, TimeoutError):
+        return False
+    except OSError:  # reset by the client, or closed
+        return True
+
+
 def handler(console: Console) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         server_version = "delivery-consumer-console"
+
+        def setup(self) -> None:
+            super().setup()
+            deadline = getattr(getattr(self.server, "current", None), "deadline", None)
+            self.rfile = _Deadline(self.rfile, self.connection,  # type: ignore[assignment]
+                                   deadline or time.monotonic() + REQUEST_DEADLINE_S)
 
         def log_message(self, format: str, *args: Any) -> None:
             log.debug("%s %s", self.address_string(), format % args)
 
         def _send(self, status: HTTPStatus, html: str, content_type: str = "text/html; charset=utf-8") -> None:
             data = html.encode("utf-8")
+            self.connection.settimeout(REQUEST_DEADLINE_S)  # for the answer: the request's deadline is past use
             self.send_response(status)
             self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(data)))
@@ -409,6 +533,10 @@ def handler(console: Console) -> type[BaseHTTPRequestHandler]:
             self.wfile.write(data)
 
         def _guard(self, work: Callable[[], tuple[HTTPStatus, str]]) -> None:
+            if client_gone(self.connection):  # nobody would read the page
+                log.debug("%s left before its page was built", self.address_string())
+                self.close_connection = True
+                return
             try:
                 status, html = work()
             except Exception as exc:  # one page with one line, never a traceback to the browser
@@ -463,10 +591,68 @@ def handler(console: Console) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-def make_server(console: Console, host: str, port: int) -> ThreadingHTTPServer:
+class PooledHTTPServer(HTTPServer):
+    """An HTTP server answering on *workers* threads, never more.
+
+    The accepting thread hands each connection to the pool through a queue of
+    *pending* places; when it is full the accepting thread waits, and new
+    connections wait in the kernel's listen backlog (``request_queue_size``).
+    A request's deadline runs from its acceptance (``current.deadline`` in the
+    worker that answers it), so slow clients queued behind slow clients are
+    dropped at once instead of each holding a worker in turn.
+    """
+
+    request_queue_size = BACKLOG
+    allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], handler_class: type[BaseHTTPRequestHandler], *,
+                 workers: int = WORKERS, pending: int = PENDING) -> None:
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
+        super().__init__(address, handler_class)
+        self._jobs: queue.Queue[tuple[Any, Any, float] | None] = queue.Queue(maxsize=pending)
+        self.current = threading.local()
+        self._workers = [threading.Thread(target=self._work, name=f"console-worker-{i}", daemon=True)
+                         for i in range(workers)]
+        for worker in self._workers:
+            worker.start()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        self._jobs.put((request, client_address, time.monotonic() + REQUEST_DEADLINE_S))
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            request, client_address, self.current.deadline = job
+            try:
+                self.finish_request(request, client_address)
+            except Exception:
+                self.handle_error(request, client_address)
+            finally:
+                self.shutdown_request(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        log.debug("request from %s failed", client_address, exc_info=True)
+
+    def server_close(self) -> None:
+        super().server_close()
+        while True:  # connections not yet answered: closed
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                self.shutdown_request(job[0])
+        for _ in self._workers:
+            with suppress(queue.Full):
+                self._jobs.put_nowait(None)
+
+
+def make_server(console: Console, host: str, port: int, *, workers: int = WORKERS) -> PooledHTTPServer:
     """Bind (port 0: any free port); ``console.address`` becomes ``host:port``."""
-    server = ThreadingHTTPServer((host, port), handler(console))
-    server.daemon_threads = True
+    server = PooledHTTPServer((host, port), handler(console), workers=workers)
     bound_port = server.server_address[1]
     console.address = f"{host}:{bound_port}" if ":" not in host else f"[{host}]:{bound_port}"
     console.hosts = {console.address}
@@ -481,4 +667,4 @@ def make_server(console: Console, host: str, port: int) -> ThreadingHTTPServer:
     return server
 
 
-__all__ = ["Console", "make_server"]
+__all__ = ["Console", "PooledHTTPServer", "Recent", "client_gone", "make_server"]

@@ -11,7 +11,8 @@ The producer writes its own change and the event in **one** transaction::
 so the change and the event commit together or not at all.
 
 * :mod:`.table` -- the schema (versioned, forward-only), ``connect``,
-  ``transaction``, ``enqueue`` and the routing-key check;
+  ``transaction``, ``enqueue``, ``notify`` and the routing-key check;
+* :mod:`.wake` -- a commit wakes the dispatchers on its host at once;
 * :mod:`.dispatcher` -- ``delivery-consumer dispatch``: leases, batches in
   flight, order per article, quarantine, exit when idle;
 * :mod:`.owners` -- which dispatcher holds a lease and whether it is alive;
@@ -49,6 +50,7 @@ from .table import (
     enqueue,
     install,
     installed_version,
+    notify,
     routing_key_problem,
     transaction,
 )
@@ -75,6 +77,7 @@ __all__ = [
     "install",
     "installed_version",
     "list_rows",
+    "notify",
     "pending_states",
     "prune",
     "quarantined_ids",

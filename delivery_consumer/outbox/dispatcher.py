@@ -13,19 +13,22 @@ import os
 import secrets
 import socket
 import sqlite3
+import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Sequence
-from contextlib import suppress
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, Protocol
 
 from ..errors import DeliveryError, TransientError, safe_reason
 from ..faults import crashpoint
 from ..partitions import slot_headers
+from ..plural import count
 from ..retry import reconnect_delay_s
 from ..sqlite import now_iso, path_of
-from . import owners
+from ..topology import H_PRODUCED_MS
+from . import owners, wake
 from .table import MAX_ERROR_CHARS, routing_key_problem, transaction
 
 if TYPE_CHECKING:
@@ -37,6 +40,34 @@ log = logging.getLogger("delivery_consumer.dispatch")
 PERMANENT: Final = frozenset({"returned", "unencodable"})
 #: How often (seconds of the dispatcher's clock) registered owners are checked for death.
 REAP_EVERY_S: Final = 1.0
+#: A connect or a batch's confirms waiting this long (seconds) is logged, once, and so is its end.
+STALL_LOG_S = 5.0
+
+
+@contextmanager
+def _logged_if_slow(what: str) -> Iterator[None]:
+    """Log once when the block has waited STALL_LOG_S for the broker, and again when it ends
+    (a blackholed or half-open broker is otherwise silent until the publisher's timeout)."""
+    started, lock, state = time.monotonic(), threading.Lock(), {"done": False, "warned": False}
+
+    def warn() -> None:
+        with lock:
+            if not state["done"]:
+                state["warned"] = True
+                log.warning("%s: no answer from the broker for %.0fs (stalled, or a half-open connection?)",
+                            what, time.monotonic() - started)
+
+    timer = threading.Timer(STALL_LOG_S, warn)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        with lock:
+            state["done"] = True
+        if state["warned"]:
+            log.warning("%s: the broker's answer came after %.1fs", what, time.monotonic() - started)
 
 
 class PublisherLike(Protocol):
@@ -49,7 +80,13 @@ class PublisherLike(Protocol):
 
     def collect(self, ticket: Any) -> list[PublishResult]: ...
 
-    def idle(self, seconds: float) -> None: ...
+    def wait(self, ticket: Any, wake: int) -> bool:
+        """Service the connection until *ticket* is settled (True) or the
+        file descriptor *wake* is readable (False)."""
+
+    def idle(self, seconds: float, wake: int | None = None) -> None:
+        """Service the connection for *seconds*, or until the file
+        descriptor *wake* is readable."""
 
 
 class Claimed(NamedTuple):
@@ -62,6 +99,10 @@ class Claimed(NamedTuple):
     attempts: int
     #: The event's key (articleId, orderId, ...): the message carries its slot (partitions.py).
     ordering_key: str = ""
+    #: When the producer wrote the row, in milliseconds since the epoch (None:
+    #: ``created_at`` is not a time): the message carries it (``x-produced-ms``),
+    #: for the consumers' age at commit.
+    produced_ms: int | None = None
 
 
 @dataclass
@@ -80,7 +121,11 @@ class DispatchConfig:
     #: boundary. A crash duplicates at most depth * batch rows.
     depth: int = 2
     lease_s: float = 60.0
+    #: The timed poll: the fallback for commits that wake no dispatcher
+    #: (another host, a producer committing on its own, a lost wake-up).
     poll_s: float = 0.5
+    #: Listen for wake-ups from producers' commits on this host (.wake).
+    wake: bool = True
     #: Exit after this long without progress (a row published or quarantined).
     exit_when_idle_s: float | None = None
     #: Backoff of a row's transient failures: base * 2^(n-1), jittered, capped.
@@ -144,13 +189,20 @@ class DispatchStats:
         span = self.last_mark - self.first_claim if self.batches else 0.0
         rate = f" ({self.published / span:.0f}/s)" if span > 0 and self.published else ""
         failed = ", ".join(f"{n} {k}" for k, n in sorted(self.results.items()) if k != "confirmed") or "0 failed"
-        return (f"{self.published} published in {self.batches} batches, {failed}, {self.quarantined} quarantined; "
-                f"{self.outages} broker outages; first claim to last mark {span:.3f}s{rate}")
+        return (f"{self.published} published in {count(self.batches, 'batch', 'batches')}, {failed}, "
+                f"{self.quarantined} quarantined; {count(self.outages, 'broker outage')}; first claim to last mark "
+                f"{span:.3f}s{rate}")
 
 
 #: One UPDATE for a whole batch: the seqs travel as one JSON array, which
 #: costs a fraction of an ``executemany`` with a statement per row.
 _SEQS: Final = "(SELECT value FROM json_each(?))"
+
+
+#: ``created_at`` in milliseconds since the epoch, computed by the claim's
+#: SELECT (SQLite keeps a julian day as integer milliseconds, so this is
+#: exact); NULL when it is not a time.
+CREATED_MS: Final = "CAST(round((julianday(created_at) - 2440587.5) * 86400000.0) AS INTEGER)"
 
 
 def _seqs(seqs: Iterable[int]) -> str:
@@ -191,6 +243,7 @@ class Dispatcher:
         self._reaped_at = float("-inf")
         self._good_keys: set[str] = set()  # routing keys already checked and found good
         self._idle_deadline: float | None = None  # when run() gives up for want of progress
+        self._listener: wake.Listener | None = None  # producers' commits wake run() (see run)
 
     def stop(self) -> None:
         """Claim no more; :meth:`run` settles the batches in flight and returns (signal-safe)."""
@@ -238,10 +291,10 @@ class Dispatcher:
             size = 0
             cur = conn.execute(
                 "SELECT seq, event_id, routing_key, ordering_key, body, attempts, next_attempt_at,"
-                " lease_owner, lease_until FROM outbox WHERE status = 'pending' ORDER BY seq"
+                f" lease_owner, lease_until, {CREATED_MS} FROM outbox WHERE status = 'pending' ORDER BY seq"
             )
             try:
-                for seq, event_id, routing_key, key, body, attempts, next_at, owner, lease_until in cur:
+                for seq, event_id, routing_key, key, body, attempts, next_at, owner, lease_until, created in cur:
                     if key in blocked:
                         continue
                     if (next_at is not None and next_at > now_s) or (lease_until is not None and lease_until > now_s):
@@ -254,7 +307,7 @@ class Dispatcher:
                     if taken and size + len(body) > self.config.batch_bytes:
                         break
                     size += len(body)
-                    taken.append(Claimed(seq, event_id, routing_key, body, attempts, key))
+                    taken.append(Claimed(seq, event_id, routing_key, body, attempts, key, created))
                     if next_at is not None:  # a retry goes out alone for its article
                         blocked.add(key)
                     if owner is not None:
@@ -377,7 +430,8 @@ class Dispatcher:
                 later, ticket = self._inflight.popleft()
                 self._settle(later, self.publisher.collect(ticket))
             try:
-                self.publisher.connect()
+                with _logged_if_slow("connecting"):
+                    self.publisher.connect()
             except BrokerUnavailable as exc:
                 self._outage(str(exc))
                 return 0
@@ -386,23 +440,23 @@ class Dispatcher:
             rows = self.claim()  # a busy database raises here; what is in flight stays in flight
             if not rows:
                 break
-            if not self.stats.batches and not self._inflight:
-                self.stats.first_claim = time.perf_counter()
-            crashpoint("dispatch-before-publish")
-            exchange = self.config.exchange
-            try:
-                ticket = self.publisher.send([OutMessage(routing_key=r.routing_key, body=r.body, exchange=exchange,
-                                                         message_id=r.event_id, headers=slot_headers(r.ordering_key))
-                                              for r in rows])
-            except BaseException:
-                self._abandon(rows)
-                raise
-            self._inflight.append((rows, ticket))
+            self._send(rows, OutMessage)
         if not self._inflight:
             return 0
         rows, ticket = self._inflight[0]
+        listener = self._listener
+        # Rows committed while the oldest batch waits for its confirms go out
+        # behind it at once, not after it is marked.
+        while listener is not None and len(self._inflight) < self.config.depth and not self.stopping:
+            if self.publisher.wait(ticket, listener.fileno()):
+                break
+            listener.drain()
+            more = self.claim()
+            if more:
+                self._send(more, OutMessage)
         try:
-            results = self.publisher.collect(ticket)
+            with _logged_if_slow(f"the confirms of a batch of {len(rows)}"):
+                results = self.publisher.collect(ticket)
         except BaseException:
             self._abandon([])
             raise
@@ -422,6 +476,27 @@ class Dispatcher:
             self._settle(later, self.publisher.collect(ticket))
         self._outage(lost)
         return len(rows)
+
+    def _send(self, rows: list[Claimed], message: type[OutMessage]) -> None:
+        """Send *rows* behind the batches in flight (*message*: OutMessage, imported lazily)."""
+        if not self.stats.batches and not self._inflight:
+            self.stats.first_claim = time.perf_counter()
+        crashpoint("dispatch-before-publish")
+        exchange = self.config.exchange
+        try:
+            ticket = self.publisher.send([message(routing_key=r.routing_key, body=r.body, exchange=exchange,
+                                                  message_id=r.event_id, headers=self._headers(r))
+                                          for r in rows])
+        except BaseException:
+            self._abandon(rows)
+            raise
+        self._inflight.append((rows, ticket))
+
+    def _headers(self, row: Claimed) -> dict[str, Any]:
+        headers = slot_headers(row.ordering_key)
+        if row.produced_ms is not None:
+            headers[H_PRODUCED_MS] = row.produced_ms
+        return headers
 
     def _abandon(self, rows: list[Claimed]) -> None:
         """The publisher failed for good (BrokerFatal, an interrupt): give up
@@ -457,9 +532,15 @@ class Dispatcher:
         ``Publisher.idle`` returns at once when the connection is gone: then
         the rest is slept, and the next pass reconnects (never a spin).
         """
+        listener = self._listener
         if self._connected:
             started = time.monotonic()
-            self.publisher.idle(seconds)
+            if listener is None:
+                self.publisher.idle(seconds)
+            else:
+                self.publisher.idle(seconds, listener.fileno())
+                if listener.drain():  # a producer committed: claim now (drained before that claim's read)
+                    return
             left = seconds - (time.monotonic() - started)
             if left <= seconds / 10:
                 return
@@ -500,9 +581,18 @@ class Dispatcher:
         dispatcher gives back any lease it still holds and unregisters.
         """
         beat = self._register()
+        path = path_of(self.conn)
+        if self.config.wake and os.path.isfile(path):
+            self._listener = wake.Listener.bind(path)
+            if self._listener is None:
+                log.info("no wake-up slot free for this outbox (%d dispatchers listen already); polling every %gs",
+                         wake.SLOTS, self.config.poll_s)
         try:
             self._loop()
         finally:
+            if self._listener is not None:
+                self._listener.close()
+                self._listener = None
             if beat is not None:
                 beat.stop()
                 with suppress(DeliveryError, sqlite3.Error):

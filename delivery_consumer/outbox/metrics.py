@@ -3,7 +3,8 @@
 Gauges read from the outbox at each scrape (so they are right whichever
 dispatcher did the work): rows by state -- ``due``, ``leased``,
 ``retrying``, ``held``, ``quarantined``, ``published``, ``dropped`` -- and the
-age of the oldest unpublished row. Counters of this process: publication
+age of the oldest pending row (quarantined rows wait for a person: their
+count is the ``quarantined`` state). Counters of this process: publication
 results by status, rows quarantined, broker outages.
 """
 
@@ -41,9 +42,9 @@ class OutboxCollector(Collector):
         for state in ROW_STATES:
             rows.add_metric([state], now[state])
         yield rows
-        yield GaugeMetricFamily("outbox_oldest_unpublished_age_seconds",
-                                "Age of the oldest row neither published nor dropped (0: none).",
-                                value=now["oldestUnpublishedAgeSeconds"] or 0.0)
+        yield GaugeMetricFamily("outbox_oldest_pending_age_seconds",
+                                "Age of the oldest row waiting for dispatch, quarantined ones aside (0: none).",
+                                value=now["oldestPendingAgeSeconds"] or 0.0)
         if self.dispatch is not None:
             results = CounterMetricFamily("outbox_dispatch_results", "Publications by this process, by result.",
                                           labels=["result"])

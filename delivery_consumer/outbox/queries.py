@@ -25,6 +25,7 @@ from typing import Any, Final
 import orjson
 
 from ..errors import safe_reason
+from ..plural import count
 from ..queries import NotFound
 from ..sqlite import now_iso, path_of, rollback
 from .table import transaction
@@ -97,9 +98,10 @@ def _row(values: Sequence[Any], states: dict[int, tuple[str, str | None]]) -> Ro
 def list_rows(
     conn: sqlite3.Connection, *, state: str = "all", limit: int | None = 50, now: float | None = None
 ) -> list[Row]:
-    """Rows of the outbox. States that wait (everything but ``all`` and
-    ``published``) in creation order (the order they go out), ``published``
-    and ``all`` newest first."""
+    """Rows of the outbox. Rows that wait (``unpublished``, ``pending``,
+    ``due``, ``leased``, ``retrying``, ``held``, ``failed``, ``quarantined``)
+    oldest first, the order they go out; ``published``, ``dropped`` and
+    ``all`` newest first."""
     if state not in STATES:
         raise ValueError(f"unknown state {state!r}: one of {', '.join(STATES)}")
     now_s = now_iso(now)
@@ -108,7 +110,7 @@ def list_rows(
         "unpublished": ("status IN ('pending', 'quarantined')", "seq"),
         "failed": ("status IN ('pending', 'quarantined') AND attempts > 0", "seq"),
         "quarantined": ("status = 'quarantined'", "seq"),
-        "dropped": ("status = 'dropped'", "seq"),
+        "dropped": ("status = 'dropped'", "seq DESC"),
         "published": ("status = 'published'", "seq DESC"),
     }.get(state, ("status = 'pending'", "seq"))
     with _snapshot(conn):  # the states and the rows from one snapshot
@@ -165,23 +167,25 @@ def waiting(conn: sqlite3.Connection, *, now: float | None = None) -> Counter[st
 
 
 def describe_waiting(counts: Counter[str]) -> str:
-    """``3 rows left: 1 quarantined, 2 retrying`` (for exit messages)."""
+    """``3 rows left: 1 quarantined, 2 retrying`` (for exit messages; ``1 row left: ...``)."""
     words = {"pending": "due now", "leased": "leased by another dispatcher", "retrying": "waiting for their backoff",
              "held": "held behind an earlier row of their article", "quarantined": "quarantined"}
     parts = ", ".join(f"{counts[k]} {words[k]}" for k in words if counts.get(k))
-    return f"{sum(counts.values())} rows left: {parts}"
+    return f"{count(sum(counts.values()), 'row')} left: {parts}"
 
 
 def stats(conn: sqlite3.Connection, *, now: float | None = None) -> Row:
-    """Counts by status and state, the oldest waiting row, the commonest
-    errors of pending rows and reasons of quarantined ones."""
+    """Counts by status and state, the oldest pending row (a quarantined row
+    waits for a person, not for dispatch: it has its own count and oldest),
+    the commonest errors of pending rows and reasons of quarantined ones."""
     now = time.time() if now is None else now
     now_s = now_iso(now)
     with _snapshot(conn):  # one snapshot for every read
-        total, published, quarantined, dropped, oldest, max_attempts, last_published = conn.execute(
+        total, published, quarantined, dropped, oldest, oldest_quarantined, max_attempts, last_published = conn.execute(
             "SELECT count(*), coalesce(sum(status = 'published'), 0), coalesce(sum(status = 'quarantined'), 0),"
             " coalesce(sum(status = 'dropped'), 0),"
-            " min(CASE WHEN status IN ('pending', 'quarantined') THEN created_at END),"
+            " min(CASE WHEN status = 'pending' THEN created_at END),"
+            " min(CASE WHEN status = 'quarantined' THEN quarantined_at END),"
             " coalesce(max(CASE WHEN status IN ('pending', 'quarantined') THEN attempts END), 0),"
             " max(published_at) FROM outbox",
         ).fetchone()
@@ -208,8 +212,9 @@ def stats(conn: sqlite3.Connection, *, now: float | None = None) -> Row:
         "failed": failed,
         "quarantined": quarantined,
         "dropped": dropped,
-        "oldestUnpublishedAt": oldest,
-        "oldestUnpublishedAgeSeconds": _age_s(oldest, now),
+        "oldestPendingAt": oldest,
+        "oldestPendingAgeSeconds": _age_s(oldest, now),
+        "oldestQuarantinedAt": oldest_quarantined,
         "maxAttemptsUnpublished": max_attempts,
         "lastPublishedAt": last_published,
         "errors": {error: n for error, n in errors},

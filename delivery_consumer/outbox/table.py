@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import re
 import sqlite3
+import time
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from pathlib import Path
 from typing import Any, Final
 
@@ -34,6 +35,7 @@ from ..envelope import Envelope, from_mapping, parse
 from ..errors import EVENT_ID_REUSED, DatabaseError, DeliveryError, Rejection
 from ..event_types import EventTypes
 from ..sqlite import DEFAULT_BUSY_TIMEOUT_MS, now_iso
+from . import wake
 
 #: Forward-only migrations of the outbox tables; ``outbox_meta.version`` is
 #: the number applied. Never edit an entry: append one.
@@ -182,8 +184,10 @@ def _check_foreign(conn: sqlite3.Connection, path: Path) -> None:
 
 @contextmanager
 def transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
-    """``BEGIN IMMEDIATE`` ... ``COMMIT`` (or ``ROLLBACK``) on *conn*
-    (:func:`delivery_consumer.sqlite.transaction`).
+    """``BEGIN IMMEDIATE`` ... ``COMMIT`` (or ``ROLLBACK``) on *conn*, as
+    :func:`delivery_consumer.sqlite.transaction` but with a finer wait for
+    the write lock (:func:`_begin`); after a COMMIT that enqueued rows the
+    dispatchers on this host are woken (:func:`notify`).
 
     Transactions do not nest: on a connection with a transaction already
     open this raises :class:`OutboxError` and leaves that transaction as it
@@ -193,8 +197,80 @@ def transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
     if conn.in_transaction:
         raise OutboxError("outbox.transaction cannot be nested: this connection already has an open transaction"
                           " (call outbox.enqueue inside it instead)")
-    with sqlite.transaction(conn):
+    key = id(conn)
+    _owed.discard(key)
+    try:
+        _begin(conn)
+    except sqlite3.Error as exc:  # nothing was begun: nothing to roll back
+        raise sqlite.translate(exc, sqlite.path_of(conn)) from None
+    try:
         yield conn
+        conn.execute("COMMIT")
+    except sqlite3.Error as exc:
+        _owed.discard(key)
+        sqlite.rollback(conn)
+        raise sqlite.translate(exc, sqlite.path_of(conn)) from None
+    except BaseException:
+        _owed.discard(key)
+        sqlite.rollback(conn)
+        raise
+    if key in _owed:  # committed with rows in it: wake the dispatchers now, not at their next poll
+        notify(conn)
+
+
+#: SQLite's own busy handler sleeps 1, 2, 5, 10, 15, 20, 25 ... 100 ms between
+#: tries: a producer and a dispatcher taking turns on the write lock hundreds
+#: of times a second would each wait tens of milliseconds behind the other's
+#: sub-millisecond transactions. ``BEGIN IMMEDIATE`` is retried from this
+#: pause, doubled up to the longest, within the connection's busy timeout.
+_FIRST_PAUSE_S: Final = 0.0002
+_LONGEST_PAUSE_S: Final = 0.0005
+
+
+def _begin(conn: sqlite3.Connection) -> None:
+    """``BEGIN IMMEDIATE``, retried every few hundred microseconds while
+    another connection holds the write lock, up to *conn*'s busy timeout."""
+    timeout_ms = int(conn.execute("PRAGMA busy_timeout").fetchone()[0])
+    conn.execute("PRAGMA busy_timeout = 0")
+    try:
+        deadline = time.monotonic() + timeout_ms / 1000
+        pause = _FIRST_PAUSE_S
+        while True:
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                return
+            except sqlite3.OperationalError as exc:
+                if (getattr(exc, "sqlite_errorcode", 0) or 0) & 0xFF != _SQLITE_BUSY or time.monotonic() >= deadline:
+                    raise
+            time.sleep(pause)
+            pause = min(pause * 2, _LONGEST_PAUSE_S)
+    finally:
+        with suppress(sqlite3.Error):
+            conn.execute(f"PRAGMA busy_timeout = {timeout_ms}")
+
+
+_SQLITE_BUSY: Final = 5
+
+#: id() of the connections whose open transaction enqueued a row (sqlite3
+#: connections take no attributes and no weak references); a stale entry
+#: costs at most one needless wake-up.
+_owed: set[int] = set()
+
+
+def notify(conn: sqlite3.Connection) -> int:
+    """Tell the dispatchers on this host that *conn*'s database has rows
+    waiting; returns how many were told.
+
+    :func:`transaction` calls it after a COMMIT that enqueued rows. A
+    producer that enqueues inside its own transaction and commits it itself
+    calls it after that COMMIT; without it the rows wait for the
+    dispatcher's next poll (``dispatch --poll``). Best-effort: never blocks,
+    never raises, and a call before the COMMIT wakes a dispatcher too early
+    to see the rows.
+    """
+    _owed.discard(id(conn))
+    path = wake.database_file(conn)
+    return 0 if path is None else wake.notify_path(path)
 
 
 def installed_version(conn: sqlite3.Connection) -> int:
@@ -281,6 +357,9 @@ def enqueue(
                               " (open it with outbox.connect, or call outbox.install first)") from None
         raise sqlite.translate(exc, sqlite.path_of(conn)) from None
     if cur.rowcount == 1:
+        if len(_owed) > 10_000:
+            _owed.clear()
+        _owed.add(id(conn))
         return True
     row = conn.execute("SELECT fingerprint FROM outbox WHERE event_id = ?", (env.event_id,)).fetchone()
     if row is not None and row[0] == env.fingerprint:
@@ -304,6 +383,7 @@ __all__ = [
     "enqueue",
     "install",
     "installed_version",
+    "notify",
     "routing_key_problem",
     "transaction",
 ]

@@ -13,6 +13,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, Protocol, TypeVar
 
 from ..amqp.consumer import Delivery
@@ -23,8 +24,9 @@ from ..envelope import KOMBU_COMPRESSION_HEADER, Envelope, body_digest, is_event
 from ..errors import DELIVERY_LIMIT, DeliveryError, Rejection, StoreOutage, StoreUnavailable
 from ..faults import crashpoint
 from ..inbox import ConsumerDB, InFlight, Transaction, apply_batch, has_receipt
+from ..plural import count
 from ..retry import RetryPolicy, reconnect_delay_s
-from ..topology import H_ATTEMPTS, H_DELIVERY_COUNT
+from ..topology import H_ATTEMPTS, H_DELIVERY_COUNT, H_PRODUCED_MS
 from .config import RunConfig
 from .copies import Copy, CopyMaker, seal_key
 
@@ -65,19 +67,47 @@ class Stats:
     #: perf_counter() of the first delivery handed over and of the last ack posted.
     first_delivery: float = 0.0
     last_ack: float = 0.0
+    #: Seconds with deliveries in hand (waiting or being applied), and since when now (None: idle).
+    busy_s: float = 0.0
+    busy_since: float | None = None
 
     def line(self) -> str:
         done = ", ".join(f"{n} {k}" for k, n in self.results.most_common()) or "nothing applied"
         span = self.last_ack - self.first_delivery if self.acked else 0.0
-        rate = f" ({self.acked / span:.0f}/s)" if span > 0 else ""
-        return (f"{self.acked} deliveries acked in {self.batches} batches: {done}; {self.retried} retried, "
-                f"{sum(self.dead_lettered.values())} dead-lettered; first delivery to last ack {span:.3f}s{rate}")
+        rate = f" ({self.acked / self.busy_s:.0f}/s)" if self.busy_s > 0 else ""  # idle time aside
+        return (f"{count(self.acked, 'delivery', 'deliveries')} acked in {count(self.batches, 'batch', 'batches')}: "
+                f"{done}; {self.retried} retried, {sum(self.dead_lettered.values())} dead-lettered; first delivery "
+                f"to last ack {span:.3f}s, {self.busy_s:.3f}s busy{rate}")
 
 
 
 def _int_header(headers: dict[str, Any], name: str) -> int:
     value = headers.get(name)
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _observe_ages(observer: Observer, items: Sequence[Delivery], parsed: Sequence[Envelope | Rejection],
+                  outcomes: Sequence[Outcome], committed_at: float) -> None:
+    """The age at *committed_at* of each event with a result (applied, or a
+    duplicate): from the producer's stamp (``x-produced-ms``), else from its
+    occurredAt (clock skew clamped at 0)."""
+    produced: list[float] = []
+    occurred: list[float] = []
+    for d, p, o in zip(items, parsed, outcomes, strict=True):
+        if o.result is None:  # rejected, or failed transiently: not in effect yet
+            continue
+        ms = d.headers.get(H_PRODUCED_MS)
+        if isinstance(ms, int) and not isinstance(ms, bool):
+            produced.append(max(0.0, committed_at - ms / 1000))
+        elif isinstance(p, Envelope):
+            try:
+                occurred.append(max(0.0, committed_at - datetime.fromisoformat(p.occurred_at).timestamp()))
+            except (ValueError, OverflowError, OSError):
+                continue
+    if produced:
+        observer.event_ages("produced", produced)
+    if occurred:
+        observer.event_ages("occurred", occurred)
 
 
 class Worker(threading.Thread):
@@ -113,6 +143,8 @@ class Worker(threading.Thread):
     def deliver_all(self, deliveries: Sequence[Delivery]) -> None:
         if not self.stats.first_delivery:
             self.stats.first_delivery = time.perf_counter()
+        if self.stats.busy_since is None:
+            self.stats.busy_since = time.perf_counter()
         self.waiting.extend(deliveries)
 
     def deliver(self, delivery: Delivery) -> None:
@@ -205,7 +237,10 @@ class Worker(threading.Thread):
 
     def _collect(self) -> list[Delivery]:
         """The next batch: deliveries of one live channel, up to ``batch`` of
-        them, waiting at most ``batch_wait_ms`` for more once it has begun."""
+        them, of those already received. It never waits for more: a lone
+        delivery goes at once, and what arrives during a commit makes the
+        next batch. ``batch_wait_ms`` bounds how long it keeps taking
+        deliveries that are still coming in."""
         assert self.io is not None
         first = self._next_live()
         if first is None:
@@ -227,7 +262,9 @@ class Worker(threading.Thread):
             deadline = deadline or now + self.config.batch_wait_ms / 1000
             if now >= deadline or self.stop_requested.is_set():
                 return batch
-            self.io.pump(deadline - now)
+            self.io.pump(0)
+            if not waiting:  # nothing more has arrived: go with what there is
+                return batch
 
     def _pause(self, seconds: float) -> bool:
         """Wait *seconds* while listening to the connection; True when stopping."""
@@ -297,6 +334,8 @@ class Worker(threading.Thread):
         self.stats.last_commit = time.time()
         crashpoint("after-commit")
         self.observer.batch_committed(outcomes, time.perf_counter() - started, self.stats.last_commit)
+        if self.observer.wants_ages:
+            _observe_ages(self.observer, items, parsed, outcomes, self.stats.last_commit)
         copies = [c for c in (self.copies.for_outcome(d, o) for d, o in zip(items, outcomes, strict=True)) if c]
         if copies and not self._publish_copies(gen, copies):
             return False
@@ -406,7 +445,10 @@ class Worker(threading.Thread):
     def _settle(self, gen: int, items: list[Delivery], outcomes: list[Outcome]) -> None:
         assert self.io is not None
         self.io.ack(gen, items[-1].tag, multiple=True)
-        self.stats.last_ack = time.perf_counter()
+        self.stats.last_ack = now = time.perf_counter()
+        if self.stats.busy_since is not None:
+            self.stats.busy_s += now - self.stats.busy_since
+            self.stats.busy_since = now if self.waiting else None
         self.stats.acked += len(items)
         self.stats.batches += 1
         for outcome in outcomes:

@@ -200,7 +200,8 @@ def worker_main(config: RunConfig, conn: Connection, parent_end: Connection,
             if worker.in_flight is not None:  # leaving on purpose: not a crash of what is under way
                 forget_in_flight(worker.in_flight.db.path, worker.in_flight.owner)
             os._exit(1)  # like a crash: SQLite rolls back what was not committed
-    log.info("exiting: %s", worker.stats.line())
+    if worker.live_generation or worker.stats.acked:  # never connected: the error alone says it
+        log.info("exiting: %s", worker.stats.line())
     if worker.error is not None:
         error = worker.error
         text = str(error) if isinstance(error, DeliveryError) else f"worker failed: {type(error).__name__}: {error}"
