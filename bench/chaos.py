@@ -8,7 +8,18 @@ operators and machines do it, chosen at random:
 
 * ``kill -9`` of the main PID alone (supervisord, a hand at a terminal);
 * ``kill -9`` of the whole process group (systemd, a container stop);
-* SIGTERM (a rolling restart).
+* SIGTERM (a rolling restart);
+
+and operator mistakes:
+
+* the database deleted (``rm inbox.db inbox.db-wal inbox.db-shm``) under the
+  running ``run``: it must stop by itself (exit 2, one line) without acking
+  anything after the deletion; the operator then restores the backup taken
+  at the moment of the mistake (the run's processes frozen meanwhile), so the
+  final ledger is exact only if nothing was acked that the backup lacks;
+* a second ``run`` of the same database started beside it: it must be
+  refused in one line (exit 2) without consuming; the first is then stopped
+  at random as above.
 
 After every kill no process of that run may be alive 5 s later. Finally
 ``run`` drains the queue and the ledger is printed: events, receipts, effects
@@ -26,7 +37,9 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -39,13 +52,72 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from brokerkit import Namespace, session_processes, wait_session_gone
-from support import read_rows
+from brokerkit import Namespace, RunProcess, session_processes, wait_session_gone
+from support import count_rows, read_rows
 from webhook_server import WebhookServer
 
 from delivery_consumer.topology import DEFAULT_URL
 
 ACTIONS = ("kill -9 main PID", "kill -9 group", "SIGTERM")
+MISTAKES = ("delete the database", "start a second run")
+
+
+def _db_files(db: Path) -> list[Path]:
+    return [db, Path(f"{db}-wal"), Path(f"{db}-shm")]
+
+
+def delete_the_database(proc: RunProcess, db: Path, backup: Path) -> bool | None:
+    """Freeze the run, back its database up as it is, delete it, let the run go on:
+    True when it stopped by itself with one line (or, idle with nothing to commit,
+    was still running and is stopped by SIGTERM); the backup is then put back.
+    None when there was no database yet (the run still running)."""
+    os.killpg(proc.pid, signal.SIGSTOP)
+    if not db.exists():  # not created yet: nothing to delete; the run is stopped as usual
+        os.killpg(proc.pid, signal.SIGCONT)
+        return None
+    shutil.rmtree(backup, ignore_errors=True)
+    backup.mkdir()
+    for f in _db_files(db)[:2]:
+        if f.exists():
+            shutil.copy(f, backup / f.name)
+    for f in _db_files(db):
+        f.unlink(missing_ok=True)
+    os.killpg(proc.pid, signal.SIGCONT)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:  # nothing committed since: nothing to notice yet
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    err = proc.communicate()[1]
+    lines = [line for line in err.splitlines() if "was deleted while in use" in line]
+    good = (proc.returncode == 2 and len(lines) == 1) or proc.returncode == 0
+    how = {2: "stopped by itself, exit 2", 0: "idle (nothing committed since), stopped by SIGTERM"}
+    print(f"  database deleted under run: {how.get(proc.returncode, f'exit {proc.returncode}')}; backup restored "
+          f"({count_rows(backup / db.name, 'inbox')} receipts)")
+    if not good:
+        print(f"  delete the database: exit {proc.returncode}, {len(lines)} lines saying so:\n{err[-1500:]}")
+    for f in _db_files(db):
+        f.unlink(missing_ok=True)
+    for f in backup.iterdir():
+        shutil.copy(f, db.parent / f.name)
+    return good
+
+
+def start_a_second_run(ns: Namespace, consumer: str, env: dict[str, str], first: RunProcess) -> bool:
+    """A second run of the same database: refused in one line naming the first, exit 2."""
+    second = ns.start_run(consumer, "--exit-when-idle", "2", env=env)
+    try:
+        _out, err = second.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(second.pid, signal.SIGKILL)
+        second.communicate()
+        print("  second run: still running after 60 s")
+        return False
+    lines = err.strip().splitlines()
+    good = second.returncode == 2 and len(lines) == 1 and f"in use by pid {first.pid}" in lines[0]
+    if not good:
+        print(f"  second run: exit {second.returncode}:\n{err[-1500:]}")
+    return good
 
 
 def stream(rng: random.Random, n: int) -> tuple[list[dict[str, Any]], list[bytes], list[bytes]]:
@@ -75,14 +147,25 @@ def chaos(ns: Namespace, consumer: str, n: int, rounds: int, rng: random.Random)
         env = ns.env(**({"DELIVERY_WEBHOOK_URL": server.url} if server else {}))
         actions: Counter[str] = Counter()
         leftovers = 0
+        mistakes_wrong = 0
         for _ in range(rounds):
             proc = ns.start_run(consumer, env=env)
             time.sleep(rng.uniform(0.3, 2.5))
             if proc.poll() is not None:  # already done: nothing to kill
                 proc.communicate()
                 continue
-            action = rng.choice(ACTIONS)
+            action = rng.choice(ACTIONS + MISTAKES)
             actions[action] += 1
+            if action == "delete the database":
+                handled = delete_the_database(proc, ns.db(consumer), ns.workdir / "backup")
+                if handled is not None:
+                    mistakes_wrong += not handled
+                    continue
+            if action in MISTAKES:  # then the run is stopped as usual
+                if action == "start a second run":
+                    mistakes_wrong += not start_a_second_run(ns, consumer, env, proc)
+                action = rng.choice(ACTIONS)
+                actions[action] += 1
             if action == "kill -9 main PID":
                 os.kill(proc.pid, signal.SIGKILL)
             elif action == "kill -9 group":
@@ -96,14 +179,15 @@ def chaos(ns: Namespace, consumer: str, n: int, rounds: int, rng: random.Random)
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
         done = ns.run_until_idle(consumer, env=env, idle=3, timeout=600)
-        return report(ns, consumer, events, bad, server, actions, leftovers, done.returncode)
+        return report(ns, consumer, events, bad, server, actions, leftovers, done.returncode, mistakes_wrong)
     finally:
         if server is not None:
             server.stop()
 
 
 def report(ns: Namespace, consumer: str, events: list[dict[str, Any]], bad: list[bytes],
-           server: WebhookServer | None, actions: Counter[str], leftovers: int, exit_code: int) -> bool:
+           server: WebhookServer | None, actions: Counter[str], leftovers: int, exit_code: int,
+           mistakes_wrong: int = 0) -> bool:
     db = ns.db(consumer)
     distinct = {str(e["eventId"]) for e in events}
     receipts = [r[0] for r in read_rows(db, "inbox", "event_id")]
@@ -112,6 +196,7 @@ def report(ns: Namespace, consumer: str, events: list[dict[str, Any]], bad: list
     rows: list[tuple[str, object, object, bool]] = [
         ("final run's exit code", exit_code, 0, exit_code == 0),
         ("processes alive 5 s after a kill", leftovers, 0, leftovers == 0),
+        ("mistakes not stopped/refused in 1 line", mistakes_wrong, 0, mistakes_wrong == 0),
         ("distinct events", len(distinct), len(distinct), True),
         ("receipts", len(receipts), len(distinct), len(receipts) == len(distinct)),
         ("events with a receipt", len(distinct & set(receipts)), len(distinct), distinct == set(receipts)),

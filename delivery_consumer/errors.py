@@ -118,6 +118,16 @@ class WrongDatabase(DatabaseError):
     producer's (it holds an outbox)."""
 
 
+class DatabaseLost(DatabaseError):
+    """The database file was deleted or replaced under a process that had it
+    open: what it writes goes to a file nobody will read. Nothing more may be
+    acknowledged; a person must look (exit 2, not restarted)."""
+
+
+class DatabaseInUse(DatabaseError):
+    """Another process writes this database (it holds ``<db>.lock``)."""
+
+
 class StoreOutage(DatabaseError):
     """The database stayed unusable as a whole past ``run``'s outage limit.
     Not a configuration error: ``run`` exits 75 (EX_TEMPFAIL) so that a

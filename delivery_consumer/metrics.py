@@ -63,6 +63,8 @@ class Metrics(Observer):
         self.store_healthy = Gauge("delivery_store_healthy", "1 while the database works, 0 while it fails as "
                                    "a whole (disk full, I/O error, busy, read-only): deliveries are held.",
                                    base, registry=r)
+        self.active_run = Gauge("delivery_active", "1 while this run holds its database and consumes, 0 while it "
+                                "is a partition's standby waiting for it.", base, registry=r)
         self.connected.labels(*c).set(0)
         self.store_healthy.labels(*c).set(1)
         self.last_commit.labels(*c).set(0)
@@ -97,6 +99,9 @@ class Metrics(Observer):
 
     def store_health(self, healthy: bool) -> None:
         self.store_healthy.labels(*self._base).set(1 if healthy else 0)
+
+    def active(self, active: bool) -> None:
+        self.active_run.labels(*self._base).set(1 if active else 0)
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> Any:
         """Expose ``/metrics`` on *addr*:*port* from a daemon thread."""

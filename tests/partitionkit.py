@@ -75,12 +75,14 @@ class Cluster:
         assert done.returncode == 0, done.stderr
 
     def start(self, k: int, *args: str) -> RunProcess:
-        """Start ``run --partition k`` and wait until it is consuming (active or standby)."""
+        """Start ``run --partition k`` and wait until it is consuming (the active one)
+        or waiting for the partition's database (a standby)."""
         cmd = [sys.executable, "-m", "delivery_consumer", "run", "--consumer", self.consumer, "--partition", str(k),
                "--partitions", str(self.count), *args]
         proc = RunProcess(cmd, cwd=self.ns.workdir, env=self.ns.env())
         self.procs.append(proc)
-        wait_until(f"run --partition {k} to consume", lambda: "consuming " in proc.output()[1], 60, [proc])
+        wait_until(f"run --partition {k} to consume or stand by",
+                   lambda: any(text in proc.output()[1] for text in ("consuming ", "standby: waiting")), 60, [proc])
         return proc
 
     def publish(self, events: list[dict[str, Any]]) -> None:

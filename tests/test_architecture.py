@@ -14,6 +14,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "delivery_consumer"
 #: library when it imports it or any of its submodules, at any depth of the file.
 ONLY_IMPORTED_BY = [
     ("pika", "delivery_consumer.amqp"),
+    ("opentelemetry", "delivery_consumer.tracing"),
 ]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, closing
@@ -14,6 +15,7 @@ import orjson
 from .. import replay as replay_lib
 from .. import sources as sources_lib
 from ..contract import Outcome
+from ..dbfile import WriterLock
 from ..envelope import MAX_BODY_BYTES
 from ..errors import ConfigError, TransientError
 from ._common import (
@@ -123,6 +125,10 @@ def replay(consumer: str | None, db_path: Path | None, batch: int, max_bytes: in
     lines = _Lines(as_json, interactive="-" in files or _isatty(sys.stdout))
     with ExitStack() as stack:
         db = stack.enter_context(open_db(consumer, db_path, create=consumer is not None))
+        # Replays may share a database; a run holds its own alone (docs/failures.md).
+        lock = WriterLock(db.path)
+        lock.acquire(os.getpid(), "replay", shared=True)
+        stack.callback(lock.release)
         items = _with_progress(
             sources_lib.read(files, limit=max_bytes), sources_lib.total_size(files), stack
         )

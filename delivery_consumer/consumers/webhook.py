@@ -19,7 +19,7 @@ from urllib.parse import quote, urlsplit
 
 import orjson
 
-from .. import __version__
+from .. import __version__, tracing
 from ..contract import ConsumerSpec, ExternalBatchFn
 from ..envelope import Envelope, canonical_bytes
 from ..errors import ENDPOINT_REJECTED, ConfigError, Rejection, TransientError, safe_reason
@@ -176,8 +176,8 @@ class Notifier:
         import httpx
 
         try:
-            response = self.client.post(self.config.url, content=call.payload,
-                                        headers={"Idempotency-Key": idempotency_key_header(call.key)})
+            headers = tracing.http_headers({"Idempotency-Key": idempotency_key_header(call.key)})
+            response = self.client.post(self.config.url, content=call.payload, headers=headers)
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
             # The request never left: calling again cannot repeat an effect.
             return CallResult(failure=TransientError(f"{type(exc).__name__}: {exc}", code="endpoint-unreachable"),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import orjson
 
@@ -140,6 +140,8 @@ class Transaction:
     """
 
     __slots__ = ("_known", "apply_many_fn", "conn", "db", "effect", "now", "spec")
+    #: Whether a commit checks that the file is still the database (ConsumerDB.check_file).
+    CHECKS_FILE: ClassVar[bool] = True
 
     def __init__(self, db: ConsumerDB, now: str = ""):
         self.db = db
@@ -169,12 +171,17 @@ class Transaction:
         if exc is None:
             try:
                 self.conn.execute("COMMIT")
-                return
             except sqlite3.Error as error:
                 exc = error
             except BaseException:
                 sqlite.rollback(self.conn)
                 raise
+            else:
+                # Only now may the batch be acknowledged or reported: not if the
+                # file it went to is no longer the database (deleted, replaced).
+                if self.CHECKS_FILE:
+                    self.db.check_file()
+                return
         sqlite.rollback(self.conn)
         if isinstance(exc, sqlite3.Error):
             raise sqlite.translate(exc, self.db.path) from None
@@ -462,6 +469,8 @@ class UnsyncedTransaction(Transaction):
     """
 
     __slots__ = ()
+    # Nothing is acknowledged on it: the next synced commit checks the file.
+    CHECKS_FILE = False
 
     def __enter__(self) -> Transaction:
         try:

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 from .. import __version__, sqlite
 from ..contract import ConsumerSpec
-from ..errors import DatabaseError, WrongDatabase
+from ..dbfile import FileGuard, SerialLock
+from ..errors import DatabaseError, StoreUnavailable, WrongDatabase, safe_reason
 from ..partitions import Identity, identity_from_meta
 from ..sqlite import DEFAULT_BUSY_TIMEOUT_MS, now_iso
 from .apply import Transaction
@@ -167,6 +169,10 @@ class ConsumerDB:
         self.partition: Identity | None = None
         #: Whether :meth:`open` created the file (it did not exist).
         self.created = False
+        #: The file's identity as opened (writable opens): every synced commit
+        #: checks that the path still names it (:meth:`check_file`).
+        self.guard: FileGuard | None = None
+        self._serial: SerialLock | None = None
 
     # -- opening ---------------------------------------------------------------
 
@@ -239,6 +245,8 @@ class ConsumerDB:
             db = cls(conn, path, spec, readonly)
             db.partition = identity_from_meta(db.meta())
             db.created = not exists
+            if not readonly:
+                db.guard = FileGuard(path)
         return db
 
     @staticmethod
@@ -368,6 +376,16 @@ class ConsumerDB:
 
     def close(self) -> None:
         self.conn.close()
+        if self._serial is not None:
+            self._serial.close()
+
+    def serial(self) -> SerialLock:
+        """``with db.serial():`` -- one process at a time in the block, across
+        connections and processes (an ``flock`` on ``<db>.serial.lock``): for a
+        protocol whose steps span several transactions (the fence)."""
+        if self._serial is None:
+            self._serial = SerialLock(Path(f"{self.path}.serial.lock"))
+        return self._serial
 
     def __enter__(self) -> ConsumerDB:
         return self
@@ -386,6 +404,47 @@ class ConsumerDB:
         if self.readonly:
             raise DatabaseError(f"{self.path}: opened read-only")
         return Transaction(self)
+
+    def check_file(self) -> None:
+        """Raise DatabaseLost when the path no longer names the file this
+        connection writes (deleted, or replaced by another file): one ``stat``.
+        Every synced commit calls it (:class:`Transaction`), so that nothing
+        committed into a lost file is acknowledged or reported."""
+        if self.guard is not None:
+            self.guard.check()
+
+    def check_integrity(self, limit_s: float) -> bool:
+        """``PRAGMA quick_check``, given at most *limit_s* seconds: raise
+        DatabaseError (one line: how to recover) when the file is damaged;
+        False when the check did not finish in time (not checked), True when
+        it passed. quick_check reads every page once (O(size)); it does not
+        compare indexes with their tables (integrity_check does, slower)."""
+        deadline = time.monotonic() + limit_s
+
+        def over_time() -> bool:
+            return time.monotonic() > deadline
+
+        self.conn.set_progress_handler(over_time, 10_000)
+        try:
+            rows = self.conn.execute("PRAGMA quick_check(3)").fetchall()
+        except sqlite3.Error as exc:
+            if over_time():
+                return False
+            error = sqlite.translate(exc, self.path)
+            if isinstance(error, StoreUnavailable):  # the disk's fault (I/O, busy): not a damaged file
+                raise error from None
+            problems = [str(exc)]
+        else:
+            problems = [line for row in rows for line in str(row[0]).splitlines()
+                        if line.strip() and line != "ok" and not line.startswith("***")]
+        finally:
+            self.conn.set_progress_handler(None, 0)
+        if problems:
+            raise DatabaseError(
+                f"{self.path}: the database is damaged ({safe_reason(problems[0], 120)}); not written into: "
+                f"recover it with sqlite3 {self.path} '.recover' | sqlite3 recovered.db (then check it and put "
+                f"it in place), or restore a backup")
+        return True
 
     def meta(self) -> dict[str, str]:
         """The database's identity and versions."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
+from .. import tracing
 from ..contract import DeliveryMark, Outcome, WorkHooks
 from ..envelope import Envelope
 from ..errors import OUTCOME_UNKNOWN, REVISION_CONFLICT, DeliveryError, Rejection, StoreUnavailable, TransientError
@@ -170,8 +171,19 @@ def apply_fenced(
     completing transaction clears the note. Raises StoreUnavailable when the
     database as a whole failed before any call (the caller retries the
     batch); once calls were made, their answers are kept and the completion
-    waits for the database (``hooks.wait_for_store``).
+    waits for the database (``hooks.wait_for_store``). One process at a time
+    runs the three steps on a database (:meth:`ConsumerDB.serial`): two
+    processes that reach one database never call one key twice, nor an older
+    revision after a newer one.
     """
+    with db.serial():
+        return _apply_fenced(db, parsed, marks, step, hooks)
+
+
+def _apply_fenced(
+    db: ConsumerDB, parsed: Sequence[Envelope | Rejection], marks: Sequence[DeliveryMark], step: ExternalStep,
+    hooks: WorkHooks,
+) -> list[Outcome]:
     answers = _claim_all(db, parsed, step)
     plans = [answer for answer in answers.values() if isinstance(answer, _Plan)]
     plans.sort(key=lambda plan: plan.index)
@@ -315,7 +327,9 @@ def _call_all(db: ConsumerDB, plans: list[_Plan], step: ExternalStep, hooks: Wor
         elif note is not None:
             _until_stored(hooks, partial(note.mark, [delivery]))
         noted = note is not None
-        plan.result = step.call(Call(plan.key, plan.payload, plan.env))
+        with tracing.external_call(step.name, plan.key, plan.env) as traced:
+            plan.result = step.call(Call(plan.key, plan.payload, plan.env))
+            traced(plan.result)
         crashpoint("webhook-after-call")
         failure = plan.result.failure
         if plan.result.stop and isinstance(failure, TransientError):

@@ -21,6 +21,8 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, Protocol
 
+from .. import tracing
+from ..dbfile import FileGuard
 from ..errors import DeliveryError, TransientError, safe_reason
 from ..faults import crashpoint
 from ..partitions import slot_headers
@@ -244,6 +246,9 @@ class Dispatcher:
         self._good_keys: set[str] = set()  # routing keys already checked and found good
         self._idle_deadline: float | None = None  # when run() gives up for want of progress
         self._listener: wake.Listener | None = None  # producers' commits wake run() (see run)
+        # The file as opened: a claim first checks that the path still names it.
+        path = path_of(conn)
+        self._file = FileGuard(path) if os.path.isfile(path) else None
 
     def stop(self) -> None:
         """Claim no more; :meth:`run` settles the batches in flight and returns (signal-safe)."""
@@ -268,8 +273,12 @@ class Dispatcher:
         a live lease (another dispatcher's, or this one's batch in flight),
         waiting for its backoff, or being retried in this batch. A row whose
         routing key AMQP cannot carry is quarantined here. Leases of owners
-        known dead are taken back first (:func:`.owners.reap`).
+        known dead are taken back first (:func:`.owners.reap`). Raises
+        DatabaseLost, claiming nothing, once the database file was deleted or
+        replaced: nothing more is published from a file nobody else will read.
         """
+        if self._file is not None:
+            self._file.check()
         now = self.clock()
         if now - self._reaped_at >= REAP_EVERY_S:
             self._reaped_at = now
@@ -496,7 +505,7 @@ class Dispatcher:
         headers = slot_headers(row.ordering_key)
         if row.produced_ms is not None:
             headers[H_PRODUCED_MS] = row.produced_ms
-        return headers
+        return tracing.message_headers(headers, row.body) or headers
 
     def _abandon(self, rows: list[Claimed]) -> None:
         """The publisher failed for good (BrokerFatal, an interrupt): give up

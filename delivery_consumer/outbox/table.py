@@ -30,7 +30,7 @@ from contextlib import contextmanager, nullcontext, suppress
 from pathlib import Path
 from typing import Any, Final
 
-from .. import sqlite
+from .. import sqlite, tracing
 from ..envelope import Envelope, from_mapping, parse
 from ..errors import EVENT_ID_REUSED, DatabaseError, DeliveryError, Rejection
 from ..event_types import EventTypes
@@ -341,6 +341,7 @@ def enqueue(
         env = from_mapping(envelope, types)
     else:
         raise OutboxError(f"enqueue takes an Envelope, a dict or JSON bytes, not {type(envelope).__name__}")
+    env = tracing.stamp(env)  # the current trace context into meta.traceparent (outside the fingerprint)
     key = env.type if routing_key is None or routing_key == "" else routing_key
     problem = routing_key_problem(key)
     if problem is not None:

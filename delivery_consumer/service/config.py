@@ -9,7 +9,7 @@ from typing import Any
 
 from .. import consumers
 from ..envelope import MAX_BODY_BYTES
-from ..inbox import ConsumerDB
+from ..inbox import ConsumerDB, default_db_path
 from ..partitions import Identity
 from ..partitions import db_path as partition_db_path
 from ..topology import DEFAULT_DELIVERY_LIMIT, DEFAULT_EXCHANGE, DEFAULT_PREFIX, DEFAULT_RETRY_DELAYS_MS, Topology
@@ -44,6 +44,9 @@ class RunConfig:
     #: error...) before run exits for a supervisor to act; meanwhile it
     #: holds its deliveries and retries with backoff.
     store_outage_limit_s: float = 600.0
+    #: The longest the integrity check at open may take (ConsumerDB.check_integrity);
+    #: a larger file is used unchecked, with a warning.
+    integrity_check_s: float = 10.0
 
     def topology(self) -> Topology:
         spec = consumers.get(self.consumer)
@@ -58,14 +61,27 @@ class RunConfig:
             partition_count=self.partition.count if self.partition else None,
         )
 
+    def database_path(self) -> Path:
+        """The file of the run's database (the default one when no path was given)."""
+        if self.db_path is not None:
+            return self.db_path
+        if self.partition is not None:
+            return partition_db_path(self.consumer, self.partition.partition)
+        return default_db_path(self.consumer)
+
     def open_db(self) -> ConsumerDB:
         """The run's database, checked to be this consumer's (and partition's)."""
-        path = self.db_path
-        if path is None and self.partition is not None:
-            path = partition_db_path(self.consumer, self.partition.partition)
+        path = self.database_path()
         db = consumers.open_db(path, self.consumer, create=True, partition=self.partition,
                                unpartitioned=self.partition is None)
+        log = logging.getLogger("delivery_consumer.run")
         if db.created:  # a first start, or a --db with a typo: the operator sees where state now lives
-            logging.getLogger("delivery_consumer.run").warning(
-                "%s: no database was there; created a new, empty one for %s", db.path.resolve(), self.consumer)
+            log.warning("%s: no database was there; created a new, empty one for %s", db.path.resolve(), self.consumer)
+        try:
+            if not db.check_integrity(self.integrity_check_s):
+                log.warning("%s: integrity check not finished within %gs: the file is used unchecked (check it "
+                            "offline: sqlite3 %s 'PRAGMA integrity_check')", db.path, self.integrity_check_s, db.path)
+        except BaseException:
+            db.close()
+            raise
         return db

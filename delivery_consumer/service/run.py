@@ -9,6 +9,7 @@ import signal
 import socket
 from contextlib import suppress
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from types import FrameType
 
 from ..amqp.connection import BrokerError
@@ -35,6 +36,31 @@ def _roomy(end: Connection) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, PIPE_BUFFER_BYTES)
 
 
+def _started(parent_end: Connection, process: BaseProcess) -> bool:
+    """Wait for the worker's first word (it may wait long: a partition's standby
+    waits for the database's lock). False when SIGTERM/SIGINT came first: the
+    worker, which holds nothing acked, is killed and run ends (exit 0)."""
+    stop: list[int] = []
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        stop.append(signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while not parent_end.poll(0.2):
+            if stop:
+                log.info("%s received before consuming: stopping", signal.Signals(stop[0]).name)
+                process.kill()  # it ignores SIGTERM; it has acked nothing and holds only the lock
+                process.join()
+                return False
+            if not process.is_alive():
+                break
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return True
+
+
 def run(config: RunConfig, observer_factory: ObserverFactory | None = None) -> int:
     """Run the consumer until SIGTERM/SIGINT or idle; returns the exit code.
 
@@ -53,6 +79,8 @@ def run(config: RunConfig, observer_factory: ObserverFactory | None = None) -> i
     process.start()
     child_end.close()
     link = WorkerLink(parent_end, process)
+    if not _started(parent_end, process):
+        return 0
     try:
         first = parent_end.recv()
     except EOFError:

@@ -16,12 +16,13 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol, TypeVar
 
+from .. import tracing
 from ..amqp.consumer import Delivery
 from ..amqp.publisher import OutMessage
 from ..contract import DeliveryMark, Outcome, WorkHooks
 from ..deliveries import Observer, delivery_key
 from ..envelope import KOMBU_COMPRESSION_HEADER, Envelope, body_digest, is_event_id, parse
-from ..errors import DELIVERY_LIMIT, DeliveryError, Rejection, StoreOutage, StoreUnavailable
+from ..errors import DELIVERY_LIMIT, DatabaseLost, DeliveryError, Rejection, StoreOutage, StoreUnavailable
 from ..faults import crashpoint
 from ..inbox import ConsumerDB, InFlight, Transaction, apply_batch, has_receipt
 from ..plural import count
@@ -175,7 +176,8 @@ class Worker(threading.Thread):
             self._loop()
         except BaseException as exc:  # a fatal database error or a bug: stop the service
             self.error = exc
-            log.error("worker stopped: %s: %s", type(exc).__name__, exc)
+            if not isinstance(exc, DatabaseLost):  # its one line is run's last (the CLI's)
+                log.error("worker stopped: %s: %s", type(exc).__name__, exc)
         finally:
             self.close()
 
@@ -319,9 +321,11 @@ class Worker(threading.Thread):
         given). False when the rest of the batch must not go on (its channel
         was given up, the process is stopping)."""
         started = time.perf_counter()
+        trace = tracing.batch(self.config.consumer, self.config.partition)
         gen = items[0].generation
         isolated = crashes is not None
         parsed = [self._parse(d) for d in items]
+        trace.parsed(items, parsed)
         if crashes is not None and crashes >= self.config.max_crashes:
             answered = self._until_stored(gen, lambda: self._answered(parsed[0]), wrote=False)
             if answered is None:
@@ -332,6 +336,7 @@ class Worker(threading.Thread):
         if outcomes is None:
             return False
         self.stats.last_commit = time.time()
+        trace.committed(outcomes)
         crashpoint("after-commit")
         self.observer.batch_committed(outcomes, time.perf_counter() - started, self.stats.last_commit)
         if self.observer.wants_ages:
@@ -340,6 +345,7 @@ class Worker(threading.Thread):
         if copies and not self._publish_copies(gen, copies):
             return False
         self._settle(gen, items, outcomes)
+        trace.end()
         return True
 
     def _answered(self, parsed: Envelope | Rejection) -> bool:
@@ -423,6 +429,7 @@ class Worker(threading.Thread):
                                        2 if outcome.status.startswith("duplicate:") else 1),
                 )
             in_flight.clear(tx)
+            tracing.mark_commit()
             crashpoint("before-commit")
 
         # Rejections are recorded once their dead-letter copy is confirmed (_publish_copies).

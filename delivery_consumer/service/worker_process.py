@@ -14,11 +14,12 @@ from contextlib import suppress
 from multiprocessing.connection import Connection
 from types import FrameType
 
-from .. import faults
+from .. import faults, tracing
 from ..amqp.connection import BrokerUnavailable
 from ..amqp.publisher import OutMessage
-from ..deliveries import ObserverFactory
-from ..errors import DeliveryError, StoreOutage
+from ..dbfile import LOCK_POLL_S, WriterLock
+from ..deliveries import Observer, ObserverFactory
+from ..errors import ConfigError, DeliveryError, StoreOutage
 from ..inbox import forget_in_flight
 from .config import RunConfig
 from .messages import (
@@ -144,12 +145,72 @@ def die_with_parent(parent: int) -> Callable[[], bool]:
     return lambda: told[0] or os.getppid() != parent
 
 
+def _take_the_lock(config: RunConfig, lock: WriterLock, parent: int) -> bool:
+    """Take the database's writer lock (``<db>.lock``) for this run: True when taken,
+    False for a partition's standby that must wait for it; DatabaseInUse otherwise.
+    A holder whose run is gone (an orphaned worker finishing its batch) is waited for."""
+    if lock.db_path.is_dir():
+        return True  # not a database: opening it says so
+    with suppress(OSError):  # run creates a missing database, its directory first; opening says what fails
+        lock.db_path.parent.mkdir(parents=True, exist_ok=True)
+    if lock.try_acquire(parent, "run"):
+        return True
+    if _holder_gone(lock):
+        deadline = time.monotonic() + ORPHAN_GRACE_S + 3.0
+        while time.monotonic() < deadline:
+            time.sleep(LOCK_POLL_S)
+            if lock.try_acquire(parent, "run"):
+                return True
+    if config.partition is not None:
+        return False
+    lock.acquire(parent, "run")  # refused in one line, naming the holder
+    return True
+
+
+def _holder_gone(lock: WriterLock) -> bool:
+    """Whether the process the lock file names has exited (its worker may still hold the lock)."""
+    words = lock.holder().split()
+    if len(words) < 2 or not words[1].isdigit():
+        return False
+    try:
+        os.kill(int(words[1]), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def _observer(factory: ObserverFactory | None, *, standby: bool, tries: int = 1) -> Observer | None:
+    """The run's observer (its metrics). A standby whose metrics port is taken (the
+    active run of its partition on the same host) serves none until it takes over:
+    None then, and the factory is called again (*tries* times, 0.2 s apart: the
+    previous holder's port is freed when its process ends)."""
+    if factory is None:
+        return None
+    for attempt in range(tries):
+        try:
+            observer = factory()
+        except ConfigError as exc:
+            if standby:
+                log.info("standby: %s; serving metrics once this run takes over", exc)
+                return None
+            if attempt + 1 >= tries:
+                raise
+            time.sleep(LOCK_POLL_S)
+            continue
+        observer.active(not standby)
+        return observer
+    return None
+
+
 def worker_main(config: RunConfig, conn: Connection, parent_end: Connection,
                 observer_factory: ObserverFactory | None) -> None:
     """The worker process: the database, batches, commits; asks the parent to ack."""
     # The parent's end of the pipe came with the fork: held here, it would keep
     # the pipe open after the parent's death and recv() would never end.
     parent_end.close()
+    tracing.configure()  # OTEL_TRACES_EXPORTER set and opentelemetry-sdk installed: trace this process
     # The parent coordinates stopping (it gets SIGTERM/SIGINT and tells us);
     # a Ctrl-C to the whole process group must not kill a transaction.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -158,11 +219,25 @@ def worker_main(config: RunConfig, conn: Connection, parent_end: Connection,
     parent_gone = die_with_parent(parent)
     faults.also_kill(parent)  # a crash point kills the whole of run
     proxy = ConnectionProxy(conn)
+    lock = WriterLock(config.database_path())
     try:
-        observer = observer_factory() if observer_factory is not None else None
+        active = _take_the_lock(config, lock, parent)
+        observer = _observer(observer_factory, standby=not active)
     except DeliveryError as exc:
         conn.send(Failed(str(exc)))
         return
+    if not active:
+        if not lock.wait(parent, "run", give_up=parent_gone, on_wait=lambda holder: log.info(
+                "standby: waiting for %s held by %s", config.database_path(), holder)):
+            return  # stopped (the connection process is gone) before taking over
+        log.warning("taking over: %s is ours now", config.database_path())
+        try:
+            observer = observer if observer is not None else _observer(observer_factory, standby=False, tries=25)
+        except DeliveryError as exc:
+            conn.send(Failed(str(exc)))
+            return
+    if observer is not None:
+        observer.active(True)
     worker = Worker(config, observer)
     worker.io = proxy
 
@@ -202,6 +277,7 @@ def worker_main(config: RunConfig, conn: Connection, parent_end: Connection,
             os._exit(1)  # like a crash: SQLite rolls back what was not committed
     if worker.live_generation or worker.stats.acked:  # never connected: the error alone says it
         log.info("exiting: %s", worker.stats.line())
+    tracing.flush()  # this process ends with os._exit: no atexit
     if worker.error is not None:
         error = worker.error
         text = str(error) if isinstance(error, DeliveryError) else f"worker failed: {type(error).__name__}: {error}"
