@@ -30,6 +30,15 @@ message's fault), 1 otherwise.
     python bench/chaos.py [--events 2000] [--webhook-events 300] [--rounds 6] [--seed N] [--consumer NAME]
 
 Needs RabbitMQ (``DELIVERY_AMQP_URL``); every queue it makes is deleted after.
+
+``--proxy SECONDS`` plays another game (:func:`proxy_chaos`): a private RabbitMQ
+node (tests/brokerkit.py ``RabbitNode``) behind a TCP proxy (tests/tcpproxy.py);
+a producer writes to its outbox, ``dispatch`` publishes it and ``run audit``
+consumes it, both through the proxy, which for that long refuses, closes,
+blackholes, half-opens and slows connections while the node is restarted now
+and then. At the end both processes must still be running, every row
+published, every event applied exactly once, nothing dead-lettered, and both
+must stop with exit 0 on SIGTERM.
 """
 
 from __future__ import annotations
@@ -239,6 +248,106 @@ def report(ns: Namespace, consumer: str, events: list[dict[str, Any]], bad: list
     return ok
 
 
+PROXY_ACTIONS = ("refuse", "close", "blackhole", "halfopen", "slow 0.05", "forward", "restart the node")
+
+
+def proxy_chaos(seconds: float, rng: random.Random) -> bool:
+    """The proxy game (see the module docstring); True when the ledger is exact."""
+    import threading
+
+    from brokerkit import RabbitNode, RunProcess, rabbitmq_sbin
+    from support import count_rows
+    from tcpproxy import Proxy
+
+    from delivery_consumer import producer
+
+    sbin = rabbitmq_sbin()
+    if sbin is None:
+        print("rabbitmq-server is not installed (DELIVERY_RABBITMQ_SBIN)")
+        return False
+    with tempfile.TemporaryDirectory() as tmp:
+        node = RabbitNode(sbin, Path(tmp) / "node")
+        node.start()
+        proxy = Proxy(node.url)
+        ns = Namespace(proxy.url, f"chaos{uuid.uuid4().hex[:8]}", Path(tmp))
+        outbox = Path(tmp) / "producer.db"
+        producer.open_db(outbox).close()
+        stop = threading.Event()
+        written = [0]
+
+        def write() -> None:
+            conn = producer.open_db(outbox)
+            try:
+                while not stop.is_set():
+                    producer.produce(conn, f"article-{written[0] % 200}", title=f"t{written[0]}", url="u")
+                    written[0] += 1
+                    time.sleep(0.01)
+            finally:
+                conn.close()
+
+        writer = threading.Thread(target=write)
+        try:
+            run = ns.start_run("audit")
+            dispatch = RunProcess([sys.executable, "-m", "delivery_consumer", "dispatch", "--db", str(outbox),
+                                   "--consumer", "audit", "--poll", "50ms"], cwd=ns.workdir, env=ns.env())
+            ns.started.append(dispatch)
+            writer.start()
+            actions: Counter[str] = Counter()
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                action = rng.choice(PROXY_ACTIONS)
+                actions[action] += 1
+                if action == "restart the node":
+                    node.restart(down_for=rng.uniform(0.5, 5))
+                else:
+                    proxy(action)
+                time.sleep(min(rng.uniform(2, 40), max(0.0, deadline - time.monotonic())))
+            proxy("forward")
+            stop.set()
+            writer.join()
+            alive = [name for name, proc in (("run", run), ("dispatch", dispatch)) if proc.poll() is None]
+            total = written[0]
+            limit = time.monotonic() + 300
+            while time.monotonic() < limit and (count_rows(outbox, "outbox", "published_at IS NOT NULL") < total
+                                                or count_rows(ns.db("audit"), "inbox") < total):
+                time.sleep(0.5)
+            codes = []
+            for proc in (run, dispatch):
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+                proc.communicate(timeout=120)
+                codes.append(proc.returncode)
+            published = count_rows(outbox, "outbox", "published_at IS NOT NULL")
+            ids = {r[0] for r in read_rows(outbox, "outbox", "event_id")}
+            receipts = [r[0] for r in read_rows(ns.db("audit"), "inbox", "event_id")]
+            effects = Counter(r[0] for r in read_rows(ns.db("audit"), "audit", "event_id"))
+            dead = ns.count(ns.topology("audit").dead_queue)
+            rows: list[tuple[str, object, object, bool]] = [
+                ("still running at the end", ", ".join(alive), "run, dispatch", len(alive) == 2),
+                ("exit codes on SIGTERM", codes, [0, 0], codes == [0, 0]),
+                ("rows written", total, "-", True),
+                ("rows published", published, total, published == total),
+                ("receipts", len(receipts), total, sorted(receipts) == sorted(ids)),
+                ("most audit rows for one event", max(effects.values(), default=0), 1,
+                 max(effects.values(), default=0) == 1 and set(effects) == ids),
+                ("dead letters", dead, 0, dead == 0),
+            ]
+            print(f"\n== proxy chaos for {seconds:g}s: {', '.join(f'{k}: {v}' for k, v in actions.items())}")
+            print(f"{'':<40} {'found':>14}   {'must be':<20}")
+            for name, found, expected, good in rows:
+                print(f"{name:<40} {found!s:>14}   {expected!s:<20} {'ok' if good else 'WRONG'}")
+            return all(r[3] for r in rows)
+        finally:
+            stop.set()
+            if writer.is_alive():
+                writer.join()
+            for proc in ns.started:
+                if session_processes(proc.pid):
+                    os.killpg(proc.pid, signal.SIGKILL)
+            proxy.close()
+            node.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--events", type=int, default=2000, help="distinct events for catalog and audit")
@@ -247,9 +356,15 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=int(time.time()))
     parser.add_argument("--consumer", action="append", choices=["catalog", "audit", "webhook"])
     parser.add_argument("--amqp-url", default=os.environ.get("DELIVERY_AMQP_URL", DEFAULT_URL))
+    parser.add_argument("--proxy", type=float, metavar="SECONDS",
+                        help="the proxy game on a private node for that long, instead of the kills")
     args = parser.parse_args()
     print(f"seed {args.seed}")
     rng = random.Random(args.seed)
+    if args.proxy:
+        ok = proxy_chaos(args.proxy, rng)
+        print("\nledger exact" if ok else "\nLEDGER WRONG")
+        sys.exit(0 if ok else 1)
     ok = True
     for consumer in args.consumer or ["catalog", "audit", "webhook"]:
         with tempfile.TemporaryDirectory() as tmp:

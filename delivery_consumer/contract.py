@@ -65,11 +65,12 @@ class View:
     filters: Mapping[str, str] = field(default_factory=dict)
     #: Default ``--limit`` of ``list``; 0 lists every row.
     limit: int = 0
-    #: The column holding the articleId: ``show`` of a partitioned consumer
-    #: reads the article's partition, ``trace`` shows the article's row.
-    article: str | None = None
+    #: The column holding the event's key (the value of its type's key field:
+    #: ``articleId``, ``orderId``, ...): ``show`` of a partitioned consumer
+    #: reads the key's partition, ``trace`` shows the key's row.
+    key_column: str | None = None
     #: The column holding the eventId that last wrote the row: ``trace`` finds
-    #: the event's article by it.
+    #: the event's row by it when the receipt holds no key.
     event: str | None = None
     #: Column -> output name, where camelCase is not the name wanted.
     rename: Mapping[str, str] = field(default_factory=dict)

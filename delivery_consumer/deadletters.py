@@ -24,8 +24,9 @@ from . import consumers
 from .amqp.consumer import Delivery
 from .amqp.dead_queue import DeadQueue, HeldMessage, QueueBusy
 from .amqp.publisher import OutMessage, PublishResult
+from .cloudevents import parse_message
 from .deliveries import delivery_key
-from .envelope import KOMBU_COMPRESSION_HEADER, MAX_BODY_BYTES, body_digest, parse
+from .envelope import KOMBU_COMPRESSION_HEADER, MAX_BODY_BYTES, body_digest
 from .errors import DELIVERY_LIMIT, Rejection
 from .event_types import EventTypes
 from .faults import crashpoint
@@ -125,9 +126,9 @@ def describe(position: int, msg: HeldMessage, types: EventTypes | None = None) -
     fingerprint: str | None = None
     event_type: str | None = None
     try:
-        env = parse(msg.body, max_bytes=max(len(msg.body) + 1, MAX_BODY_BYTES),  # identity only: not the size
-                    content_encoding=msg.content_encoding, compression=headers.get(KOMBU_COMPRESSION_HEADER),
-                    types=types)
+        env = parse_message(msg.body, max_bytes=max(len(msg.body) + 1, MAX_BODY_BYTES),  # identity only: not the size
+                            content_type=msg.content_type, headers=headers, content_encoding=msg.content_encoding,
+                            compression=headers.get(KOMBU_COMPRESSION_HEADER), types=types)
         event_id, fingerprint, event_type = env.event_id, env.fingerprint, env.type
     except Rejection as rej:
         event_id, fingerprint = rej.event_id, rej.fingerprint

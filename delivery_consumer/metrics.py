@@ -6,17 +6,27 @@ sizes and of each event's age at commit; gauges for the time of the last commit,
 database's health.
 Each :class:`Metrics` has its own registry, so several consumers can run in
 one process (tests) without clashing, and nothing is global.
+
+``run`` keeps :class:`Metrics` in its worker process (where the work is) and
+serves ``/metrics`` from its connection process (:class:`RunExposition`): the
+connection process sets ``delivery_connected`` itself and adds the worker's
+latest figures, which the worker sends about once a second with the time it
+made them (``delivery_worker_heartbeat_timestamp_seconds``). A worker stuck in
+a batch leaves that timestamp behind; the scrape still answers.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import Counter as Tally
 from collections.abc import Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.exposition import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
 
 from .contract import Outcome
 from .deliveries import Observer
@@ -32,7 +42,8 @@ _AGE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 class Metrics(Observer):
     """An :class:`deliveries.Observer` that keeps Prometheus metrics."""
 
-    def __init__(self, consumer: str, partition: int | None = None) -> None:
+    def __init__(self, consumer: str, partition: int | None = None, *, connection: bool = True) -> None:
+        """*connection* False: no ``delivery_connected`` here (:class:`RunExposition` has it)."""
         self.consumer = consumer
         #: Label values every series starts with: the consumer, and the
         #: partition when the run serves one (label ``partition``).
@@ -59,7 +70,7 @@ class Metrics(Observer):
         self.last_commit = Gauge("delivery_last_commit_timestamp_seconds", "Unix time of the last commit.",
                                  base, registry=r)
         self.connected = Gauge("delivery_connected", "1 while consuming from the broker, else 0.",
-                               base, registry=r)
+                               base, registry=r if connection else None)
         self.store_healthy = Gauge("delivery_store_healthy", "1 while the database works, 0 while it fails as "
                                    "a whole (disk full, I/O error, busy, read-only): deliveries are held.",
                                    base, registry=r)
@@ -110,3 +121,69 @@ class Metrics(Observer):
     def text(self) -> str:
         """The exposition text (what a scrape returns)."""
         return generate_latest(self.registry).decode("utf-8")
+
+
+class RunExposition:
+    """``/metrics`` of ``run``, served by its connection process.
+
+    Its own series -- ``delivery_connected`` (set by the connection process,
+    which knows), ``delivery_worker_heartbeat_timestamp_seconds`` and whatever
+    *collectors* add (queue depths) -- then the worker's latest exposition
+    text as the worker sent it (:meth:`worker_vitals`).
+    """
+
+    def __init__(self, consumer: str, partition: int | None = None,
+                 collectors: Sequence[Collector] = ()) -> None:
+        base = ["consumer"] if partition is None else ["consumer", "partition"]
+        self._labels = (consumer,) if partition is None else (consumer, str(partition))
+        self.registry = CollectorRegistry()
+        self.connected = Gauge("delivery_connected", "1 while consuming from the broker, else 0 (set by run's "
+                               "connection process).", base, registry=self.registry)
+        self.heartbeat = Gauge("delivery_worker_heartbeat_timestamp_seconds",
+                               "Unix time at which run's worker process last reported (about every second "
+                               "while it is not inside a batch); behind: the worker is stuck.",
+                               base, registry=self.registry)
+        self.connected.labels(*self._labels).set(0)
+        self.heartbeat.labels(*self._labels).set(0)
+        for collector in collectors:
+            self.registry.register(collector)
+        self._worker_text = b""
+        self._server: ThreadingHTTPServer | None = None
+
+    def connection_state(self, connected: bool) -> None:
+        self.connected.labels(*self._labels).set(1 if connected else 0)
+
+    def worker_vitals(self, at: float, text: bytes) -> None:
+        """The worker's exposition *text*, made at Unix time *at*."""
+        self._worker_text = text
+        self.heartbeat.labels(*self._labels).set(at)
+
+    def text(self) -> bytes:
+        """What a scrape returns."""
+        return generate_latest(self.registry) + self._worker_text
+
+    def serve(self, port: int, addr: str = "127.0.0.1") -> None:
+        """Listen on *addr*:*port* (OSError when it cannot) and serve from a daemon thread."""
+        exposition = self
+
+        class Handler(BaseHTTPRequestHandler):
+            timeout = 10  # a client that sends nothing does not hold a thread
+
+            def do_GET(self) -> None:
+                if self.path.split("?")[0] not in ("/", "/metrics"):
+                    self.send_error(404)
+                    return
+                body = exposition.text()
+                self.send_response(200)
+                self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        server = ThreadingHTTPServer((addr, port), Handler)
+        server.daemon_threads = True
+        self._server = server
+        threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()

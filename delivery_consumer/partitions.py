@@ -217,13 +217,14 @@ def _types_of(base: Topology) -> Any:
 
 def _key_of(msg: Any, types: Any) -> tuple[str | None, str | None, str | None]:
     """``(eventId, partition key, why there is none)`` of a held message, from its body."""
-    from .envelope import KOMBU_COMPRESSION_HEADER, MAX_BODY_BYTES, parse
+    from .cloudevents import parse_message
+    from .envelope import KOMBU_COMPRESSION_HEADER, MAX_BODY_BYTES
     from .errors import Rejection
 
     try:
-        env = parse(msg.body, max_bytes=max(len(msg.body) + 1, MAX_BODY_BYTES),
-                    content_encoding=msg.content_encoding, compression=msg.headers.get(KOMBU_COMPRESSION_HEADER),
-                    types=types)
+        env = parse_message(msg.body, max_bytes=max(len(msg.body) + 1, MAX_BODY_BYTES),
+                            content_type=msg.content_type, headers=msg.headers, content_encoding=msg.content_encoding,
+                            compression=msg.headers.get(KOMBU_COMPRESSION_HEADER), types=types)
     except Rejection as rej:
         return rej.event_id or msg.message_id, None, rej.code
     return env.event_id, env.key, None
@@ -240,7 +241,7 @@ def _copy(msg: Any, exchange: str, routing_key: str, headers: Mapping[str, Any])
 def reroute(url: str, base: Topology, *, dry_run: bool = False) -> list[Rerouted]:
     """Send every message of the consumer's unrouted queue back through its slot route.
 
-    Each message's slot comes from its body's ``articleId``; the copy goes to
+    Each message's slot comes from its body's key (its type's key field); the copy goes to
     the consumer's slots exchange with the slot headers (mandatory, confirmed),
     and only then is the original removed. A body that does not parse, or a
     copy that is not confirmed, stays in the queue. The queue is held by one
@@ -325,12 +326,13 @@ class Identity:
         return f"partition {self.partition} of {self.count}"
 
 
-def misplaced(article_id: str, identity: Identity) -> str | None:
-    """Why an article cannot be applied in the partition *identity*, or None when it belongs there."""
-    home = partition_of(article_id, identity.count)
+def misplaced(key: str, identity: Identity, field: str = "articleId") -> str | None:
+    """Why an event of *key* (the value of its type's key *field*) cannot be applied in the
+    partition *identity*, or None when it belongs there."""
+    home = partition_of(key, identity.count)
     if home == identity.partition:
         return None
-    return f"articleId belongs to partition {home} of {identity.count}, this database is partition {identity.partition}"
+    return f"{field} belongs to partition {home} of {identity.count}, this database is partition {identity.partition}"
 
 
 def identity_from_meta(meta: Mapping[str, str]) -> Identity | None:

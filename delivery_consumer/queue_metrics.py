@@ -7,6 +7,11 @@ Prometheus scrapes, so the figures are as fresh as the scrape and cost one
 short connection per scrape, nothing between scrapes. When the broker cannot
 be asked, ``delivery_queue_up`` is 0 and the depths are left out.
 
+The asking runs in a thread of its own: a scrape waits for it at most
+:data:`SCRAPE_TIMEOUT_S`, and a broker that does not answer makes the scrape
+say ``delivery_queue_up 0`` then, not hang (the next scrape waits for the same
+question again, never stacks another one).
+
 A partition's run labels these series ``partition`` as :class:`metrics.Metrics`
 labels the rest of its series, so that an alert can join a partition's queue
 to that partition's commits (``on (consumer, partition)``); an unpartitioned
@@ -15,7 +20,9 @@ consumer's series have no ``partition`` label, like its other series.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -34,11 +41,37 @@ class QueueCollector(Collector):
     def __init__(self, url: str, topology: Topology) -> None:
         self.url = url
         self.topology = topology
+        self._lock = threading.Lock()
+        self._asking: threading.Thread | None = None
+        self._answer: dict[str, Any] | None = None
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def _ask(self, queues: list[str]) -> None:
         from .amqp.admin import queue_counts
         from .amqp.connection import BrokerError
 
+        try:
+            answer: dict[str, Any] | None = queue_counts(
+                self.url, queues, name=f"delivery-consumer metrics {self.topology.consumer}",
+                timeout_s=SCRAPE_TIMEOUT_S)
+        except BrokerError:
+            answer = None
+        with self._lock:
+            self._answer = answer
+
+    def _counts(self, queues: list[str]) -> dict[str, Any] | None:
+        """The broker's answer if it comes within SCRAPE_TIMEOUT_S, else None."""
+        with self._lock:
+            asking = self._asking
+            if asking is None or not asking.is_alive():
+                self._answer = None
+                asking = self._asking = threading.Thread(target=self._ask, args=(queues,), daemon=True,
+                                                         name="queue-counts")
+                asking.start()
+        asking.join(SCRAPE_TIMEOUT_S)
+        with self._lock:
+            return None if asking.is_alive() else self._answer
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
         topo = self.topology
         # The labels every series of the run starts with (as metrics.Metrics has them).
         base, values = (["consumer"], [topo.consumer]) if topo.partition is None else (
@@ -50,10 +83,8 @@ class QueueCollector(Collector):
         up = GaugeMetricFamily("delivery_queue_up", "1 when the broker answered the scrape's passive declare.",
                                labels=base)
         queues = {topo.queue: "main", topo.dead_queue: "dead"}
-        try:
-            counts = queue_counts(self.url, list(queues), name=f"delivery-consumer metrics {topo.consumer}",
-                                  timeout_s=SCRAPE_TIMEOUT_S)
-        except BrokerError:
+        counts = self._counts(list(queues))
+        if counts is None:
             up.add_metric(values, 0)
             yield up
             return

@@ -1,6 +1,6 @@
 """Apply envelopes from files straight into a consumer's database (no broker).
 
-The same path as a broker delivery: bytes -> :func:`envelope.parse` ->
+The same path as a broker delivery: bytes -> :func:`cloudevents.parse_message` ->
 :func:`inbox.apply_batch`, ``batch`` events per transaction; results do not
 depend on the batch size. Large batches are parsed one ahead, in a thread,
 while the one before commits (docs/hot-path.md).
@@ -15,8 +15,9 @@ from collections import Counter
 from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass, field
 
+from .cloudevents import parse_message
 from .contract import Outcome
-from .envelope import MAX_BODY_BYTES, Envelope, body_digest, parse
+from .envelope import MAX_BODY_BYTES, Envelope, body_digest
 from .errors import Rejection, TransientError
 from .event_types import EventTypes
 from .inbox import ConsumerDB, Transaction, apply_batch
@@ -83,7 +84,7 @@ def _parse_all(items: list[Item], max_bytes: int,
     digests: list[str | None] | None = None
     for i, item in enumerate(items):
         try:
-            parsed.append(parse(item.body, max_bytes=max_bytes, types=types))
+            parsed.append(parse_message(item.body, max_bytes=max_bytes, types=types))
         except Rejection as rej:
             parsed.append(rej)
             if digests is None:

@@ -126,7 +126,12 @@ def sealed_attempts(headers: Mapping[str, Any] | None, body: bytes, key: bytes |
     return attempts
 
 
-def reconnect_delay_s(failures: int, *, base_s: float = 0.5, cap_s: float = 30.0,
+#: The longest wait between two connection attempts: a broker that comes back
+#: is reached again within this (plus one connect), however long it was away.
+RECONNECT_CAP_S = 5.0
+
+
+def reconnect_delay_s(failures: int, *, base_s: float = 0.5, cap_s: float = RECONNECT_CAP_S,
                       rng: random.Random | None = None) -> float:
     """Exponential backoff with jitter for the *failures*-th failed connect.
 

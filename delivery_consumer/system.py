@@ -1,4 +1,4 @@
-"""The system view: one eventId (or articleId) across the producer and every
+"""The system view: one eventId (or key: articleId, orderId, ...) across the producer and every
 consumer, and the health of the whole deployment.
 
 Everything here reads: producer databases through :mod:`outbox`'s queries,
@@ -136,6 +136,26 @@ def group_dead_letters(letters: list[Any]) -> list[Row]:
 # -- trace -------------------------------------------------------------------------------
 
 
+def key_field(dep: Deployment, event_type: str | None) -> str | None:
+    """The key field (``articleId``, ``orderId``, ...) of *event_type* as the
+    deployment's consumers, else the producers' declared types, declare it."""
+    from .event_types import default_types
+
+    if event_type is None:
+        return None
+    for name in dep.consumers:
+        declared = registry.get(name).event_types.get(event_type)
+        if declared is not None:
+            return declared.key
+    declared = default_types().get(event_type)
+    return None if declared is None else declared.key
+
+
+def _key_fields(dep: Deployment) -> set[str]:
+    """Every key field the deployment's consumers declare."""
+    return {t.key for name in dep.consumers for t in registry.get(name).event_types}
+
+
 def _outbox_rows(dep: Deployment, event_id: str) -> list[Row]:
     from . import outbox
 
@@ -151,7 +171,9 @@ def _outbox_rows(dep: Deployment, event_id: str) -> list[Row]:
             continue
         body = row.pop("body", None)
         if isinstance(body, dict):
-            row.update({k: body.get(k) for k in ("type", "articleId", "revision")})
+            field = key_field(dep, body.get("type")) or "articleId"
+            row.update({k: body.get(k) for k in ("type", field, "revision")})
+            row["keyField"] = field
         rows.append({"producer": name, "database": str(producer.db), **row})
     return rows
 
@@ -200,7 +222,7 @@ def _verdict(shown: Row | None, letters: list[Row], routed: bool, published: lis
     return "unknown here"
 
 
-def trace_event(dep: Deployment, event_id: str, *, article_id: str | None = None,
+def trace_event(dep: Deployment, event_id: str, *, key: str | None = None,
                 broker: bool = True, shared: Any = None) -> Row:
     """The whole story of *event_id*; :class:`NotFound` when nobody knows it."""
     outbox_rows = _outbox_rows(dep, event_id)
@@ -210,7 +232,9 @@ def trace_event(dep: Deployment, event_id: str, *, article_id: str | None = None
     routing_key = next((r.get("routingKey") for r in known), None)
     result: Row = {"eventId": event_id, "deployment": str(dep.path), "outbox": outbox_rows, "consumers": []}
     found = bool(known)
-    article = next((r["articleId"] for r in known if r.get("articleId")), None)
+    keyed = next((r for r in known if r.get(r.get("keyField") or "articleId")), None)
+    field = (keyed or {}).get("keyField") or "articleId"
+    article = None if keyed is None else str(keyed[field])
     for name, entry in dep.consumers.items():
         spec = registry.get(name)
         routed = routing_key is None or any(topic_matches(k, routing_key) for k in spec.binding_keys)
@@ -232,7 +256,7 @@ def trace_event(dep: Deployment, event_id: str, *, article_id: str | None = None
             else:
                 try:
                     with _consumer_db(path, name) as db:
-                        item["trace"] = trace_one(db, event_id, article_id=article_id)
+                        item["trace"] = trace_one(db, event_id, key=key)
                 except NotFound:
                     pass
                 except DeliveryError as exc:
@@ -240,7 +264,7 @@ def trace_event(dep: Deployment, event_id: str, *, article_id: str | None = None
             found = found or item["trace"] is not None
             item["letters"] = letters
             items.append(item)
-        if home is None and count:  # no outbox row told the article: the partition that knows the event
+        if home is None and count:  # no outbox row told the key: the partition that knows the event
             home = next((i["partition"] for i in items if i["trace"] is not None or i["letters"]), None)
         for item in items:
             letters = item.pop("letters")
@@ -249,7 +273,7 @@ def trace_event(dep: Deployment, event_id: str, *, article_id: str | None = None
             if "error" in item:
                 item["verdict"] = f"error: {item['error']}"
             elif item.get("home") is False and item["trace"] is None and not letters:
-                item["verdict"] = (f"not this partition's article (articleId {article} lives in {home})" if article
+                item["verdict"] = (f"not this partition's key ({field} {article} lives in {home})" if article
                                    else f"not this partition's event (it is in {home})")
             elif "note" in item and not letters:  # no database yet: what the outbox row says, if any
                 verdict = _verdict(None, [], routed, published, unpublished) if known else item["note"]
@@ -266,17 +290,20 @@ def trace_event(dep: Deployment, event_id: str, *, article_id: str | None = None
     return result
 
 
-def _article_rows(db: ConsumerDB, article_id: str) -> dict[str, Row]:
-    """eventId -> {revision, type} from every effect table with article_id and event_id columns."""
+def _key_rows(db: ConsumerDB, key: str) -> dict[str, Row]:
+    """eventId -> {revision, type} from every effect table with a key column (the
+    view's ``key_column``, else ``article_id``) and an ``event_id`` column."""
     out: dict[str, Row] = {}
-    for table in db.spec.tables:
+    view = db.spec.view
+    for table in dict.fromkeys([*db.spec.tables, *([view.table] if view is not None else [])]):
         columns = {row[1] for row in db.conn.execute(f'PRAGMA table_info("{table}")').fetchall()}
-        if not {"article_id", "event_id"} <= columns:
+        key_column = view.key_column if view is not None and view.table == table and view.key_column else "article_id"
+        if not {key_column, "event_id"} <= columns:
             continue
         picks = ["event_id", "revision" if "revision" in columns else "NULL",
                  "event_type" if "event_type" in columns else "NULL"]
         for event_id, revision, event_type in db.conn.execute(
-                f'SELECT {", ".join(picks)} FROM "{table}" WHERE article_id = ?', (article_id,)).fetchall():
+                f'SELECT {", ".join(picks)} FROM "{table}" WHERE "{key_column}" = ?', (key,)).fetchall():
             seen = out.setdefault(event_id, {})
             seen.setdefault("revision", revision)
             if event_type:
@@ -293,8 +320,9 @@ def _receipts(db: ConsumerDB, event_ids: list[str]) -> dict[str, Row]:
     return {r[0]: {"result": r[1], "receivedAt": r[2]} for r in rows}
 
 
-def trace_article(dep: Deployment, article_id: str) -> Row:
-    """An article's events across the producers and every consumer, by revision."""
+def trace_key(dep: Deployment, key: str) -> Row:
+    """A key's events (an article's, an order's ...) across the producers and every consumer, by revision.
+    ``keyField`` names the key's field as the events' types declare it."""
     from . import outbox
 
     events: dict[str, Row] = {}
@@ -303,20 +331,21 @@ def trace_article(dep: Deployment, article_id: str) -> Row:
             with closing(outbox.connect(producer.db, readonly=True)) as conn:
                 rows = conn.execute(
                     "SELECT event_id, routing_key, body, created_at, published_at, attempts, last_error"
-                    " FROM outbox WHERE ordering_key = ?", (article_id,)).fetchall()
+                    " FROM outbox WHERE ordering_key = ?", (key,)).fetchall()
         except (DeliveryError, sqlite3.Error):
             continue
-        for event_id, key, body, created, published, attempts, error in rows:
-            revision = orjson.loads(body).get("revision")
-            events.setdefault(event_id, {"revision": revision, "type": key})["outbox"] = {
+        for event_id, routing_key, body, created, published, attempts, error in rows:
+            parsed = orjson.loads(body)
+            events.setdefault(event_id, {"revision": parsed.get("revision"),
+                                         "type": parsed.get("type") or routing_key})["outbox"] = {
                 "producer": name, "createdAt": created, "publishedAt": published, "attempts": attempts,
                 "lastError": error}
     dbs = [(_label(entry, partition), name, path) for name, entry in dep.consumers.items()
            for partition, path in entry.databases() if path.exists()]
-    for _, name, path in dbs:  # first every eventId of the article, from every database
+    for _, name, path in dbs:  # first every eventId of the key, from every database
         try:
             with _consumer_db(path, name) as db, read_snapshot(db.conn):
-                for event_id, seen in _article_rows(db, article_id).items():
+                for event_id, seen in _key_rows(db, key).items():
                     known = events.setdefault(event_id, {"revision": seen.get("revision")})
                     known.setdefault("type", seen.get("type"))
                     if known.get("revision") is None:
@@ -331,14 +360,17 @@ def trace_article(dep: Deployment, article_id: str) -> Row:
         except DeliveryError:
             continue
     if not events:
-        raise NotFound(f"articleId {article_id} is known to no producer and no consumer of {dep.path}")
+        raise NotFound(f"key {key} is known to no producer and no consumer of {dep.path}")
     out = []
     for event_id, known in events.items():
         out.append({"eventId": event_id, "revision": known.get("revision"), "type": known.get("type"),
                     "outbox": known.get("outbox"),
                     "consumers": {label: receipts.get(event_id) for label, receipts in per_consumer.items()}})
     out.sort(key=lambda e: (e["revision"] is None, e["revision"] or 0, e["eventId"]))
-    return {"articleId": article_id, "deployment": str(dep.path), "events": out}
+    found = {key_field(dep, known.get("type")) for known in events.values()} - {None}
+    declared = _key_fields(dep)
+    field = found.pop() if len(found) == 1 else declared.pop() if not found and len(declared) == 1 else "key"
+    return {"key": key, "keyField": field, "deployment": str(dep.path), "events": out}
 
 
 # -- status ------------------------------------------------------------------------------
@@ -554,4 +586,4 @@ def _redacted(url: str) -> str:
 
 
 __all__ = ["dead_letters", "group_dead_letters", "notes", "outbox_history", "partition_count", "places", "status",
-           "topic_matches", "topology", "trace_article", "trace_event", "unacknowledged"]
+           "topic_matches", "topology", "trace_event", "trace_key", "unacknowledged"]

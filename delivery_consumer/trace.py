@@ -5,19 +5,20 @@ result, fingerprint, first seen), how many times was it delivered (the
 ``deliveries`` rows: deliveries, redeliveries, attempts, crashes, first and
 last time, last outcome), why did it stop (every rejection: code, reason,
 when, where the copy went, whether it was resolved), the consumer's rows
-written by the event and, when its view is keyed by article, the current row
-of its article. Read-only and short, like :mod:`queries`.
+written by the event and, when its view names a key column
+(``View.key_column``), the current row of the event's key (``orderId
+order-7``). Read-only and short, like :mod:`queries`.
 
-The catalog database does not keep the articleId of every event: the article
-is found when this event is its current revision (``catalog.event_id``), or
-when the caller names it (``article_id``). The same holds for any consumer
-whose view names an article column (``View.article``, ``View.event``).
+The key is the one the caller names, else the one the receipt holds (with
+the name of the type's key field), else -- a receipt written before
+receipts kept the key -- the row this event wrote last (``View.event``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from .contract import ConsumerSpec
 from .errors import (
     DELIVERY_LIMIT,
     ENDPOINT_REJECTED,
@@ -29,7 +30,7 @@ from .errors import (
 from .inbox import ConsumerDB
 from .plural import count
 from .queries import NotFound, dict_rows, read_snapshot, reads
-from .views import article_of
+from .views import key_row
 
 Row = dict[str, Any]
 
@@ -131,8 +132,18 @@ def _status(receipt: Row | None, rejections: list[Row], deliveries: Row) -> tupl
     return PENDING, f"not applied: {why} (last delivery {deliveries['lastAt']})"
 
 
+def key_field(spec: ConsumerSpec, event_type: str | None) -> str:
+    """The name of the key field of *event_type* among the consumer's types;
+    unknown type: the one key all its types share, else ``key``."""
+    declared = spec.event_types.get(event_type) if event_type is not None else None
+    if declared is not None:
+        return declared.key
+    keys = {t.key for t in spec.event_types}
+    return keys.pop() if len(keys) == 1 else "key"
+
+
 @reads
-def trace(db: ConsumerDB, event_id: str, *, article_id: str | None = None) -> Row:
+def trace(db: ConsumerDB, event_id: str, *, key: str | None = None) -> Row:
     """Receipt, deliveries, rejections and effect rows of *event_id*; NotFound if none."""
     from .queries import receipt_row
 
@@ -148,8 +159,11 @@ def trace(db: ConsumerDB, event_id: str, *, article_id: str | None = None) -> Ro
         effects = {table: dict_rows(conn.execute(f'SELECT * FROM "{table}" WHERE {column} = ?', (event_id,)))
                    for table, column in _event_id_tables(db).items()}
         view = db.spec.view
-        by_article = view is not None and view.article is not None
-        article, article_note = article_of(db, event_id, article_id) if by_article else (None, None)
+        by_key = view is not None and view.key_column is not None
+        if by_key:
+            field = key_field(db.spec, receipt["type"] if receipt else None)
+            value, key_state, key_note = key_row(db, event_id, key if key is not None else (receipt or {}).get("key"),
+                                                 field)
     if receipt is None and not rejections and not deliveries["records"]:
         raise NotFound(f"eventId {event_id} not found in {db.path} (no receipt, delivery or rejection)")
     for rows in effects.values():
@@ -167,11 +181,11 @@ def trace(db: ConsumerDB, event_id: str, *, article_id: str | None = None) -> Ro
         "rejections": rejections,
         "effects": effects,
     }
-    if by_article:
-        result["article"] = article
-        if article_note:
-            result["articleNote"] = article_note
+    if by_key:
+        # the row of the event's key: {"field": "orderId", "value": "order-7", "row": {...}}, or a note why not
+        result["key"] = {"field": field, "value": value, "row": key_state,
+                         **({"note": key_note} if key_note else {})}
     return result
 
 
-__all__ = ["APPLIED", "PENDING", "REJECTED", "RESOLVED", "trace"]
+__all__ = ["APPLIED", "PENDING", "REJECTED", "RESOLVED", "key_field", "trace"]

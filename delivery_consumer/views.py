@@ -90,26 +90,28 @@ def show(db: ConsumerDB, view: View, key: str) -> Row:
     return find(db, view, view.key, key)
 
 
-def article_of(db: ConsumerDB, event_id: str, article_id: str | None) -> tuple[Row | None, str | None]:
-    """For ``trace``: the row of the event's article in the consumer's view, or
-    None and why not. The article is the one named, else the one whose row
-    this event wrote last (``view.event``)."""
+def key_row(db: ConsumerDB, event_id: str, key: str | None,
+            field: str = "key") -> tuple[str | None, Row | None, str | None]:
+    """For ``trace``: (the key, its row in the consumer's view or None, why not).
+    The key is *key* when given (the one named, or the receipt's), else the
+    one whose row this event wrote last (``view.event``). *field* is the
+    type's key field, for the note (``orderId``)."""
     view = db.spec.view
-    assert view is not None and view.article is not None
-    if article_id is None:
+    assert view is not None and view.key_column is not None
+    if key is None:
         rows = [] if view.event is None else db.conn.execute(
-            f"SELECT {view.article} FROM {view.table} WHERE {view.event} = ?", (event_id,)).fetchall()
+            f"SELECT {view.key_column} FROM {view.table} WHERE {view.event} = ?", (event_id,)).fetchall()
         if not rows:
-            return None, ("this event is not the current revision of any article, and the database keeps no "
-                          "articleId per event; give --article ID to show its article")
-        article_id = str(rows[0][0])
+            return None, None, (f"no receipt of this event holds its {field}, and it wrote no current row; "
+                                f"give --key VALUE to show the row of that {field}")
+        key = str(rows[0][0])
     try:
-        article = find(db, view, view.article, article_id)
+        row = find(db, view, view.key_column, key)
     except NotFound:
-        return None, f"articleId {article_id} is not in the {view.table}"
+        return key, None, f"{field} {key} is not in the {view.table}"
     if view.event is not None:
-        article["currentEvent"] = article[name(view, view.event)] == event_id
-    return article, None
+        row["currentEvent"] = row[name(view, view.event)] == event_id
+    return key, row, None
 
 
-__all__ = ["Part", "article_of", "find", "list_rows", "name", "show"]
+__all__ = ["Part", "find", "key_row", "list_rows", "name", "show"]

@@ -8,6 +8,12 @@ reason when it is unreachable, unless ``DELIVERY_REQUIRE_BROKER`` is set (as
 
 ``tests/conftest.py`` loads this module as a plugin, so the fixtures
 ``amqp_url`` and ``ns`` are available to every test.
+
+On the shared broker a test only declares, publishes and consumes under its
+own names. A test that restarts, stops or kills a broker uses
+``private_ns`` / ``private_broker`` instead: a RabbitMQ node of the test
+session's own (:class:`RabbitNode`), started from the installed
+``rabbitmq-server`` on free ports, stopped when the session ends.
 """
 
 from __future__ import annotations
@@ -332,14 +338,137 @@ def wait_for_broker(url: str, timeout: float = 60.0) -> None:
                ignoring=(pika.exceptions.AMQPError,), interval=0.25)
 
 
-def restart_broker(url: str, *, down_for: float = 1.0) -> None:
-    """Stop the RabbitMQ application and start it again (a broker restart
-    without killing the Erlang VM), then wait until it answers.
+#: Where rabbitmq-server and rabbitmqctl are taken from for a private node: the
+#: scripts themselves, not /usr/sbin's wrappers (which switch to the rabbitmq user).
+RABBITMQ_SBIN_DIRS = ("/usr/lib/rabbitmq/bin", "/usr/local/sbin", "/usr/sbin", "/opt/homebrew/sbin")
 
-    Every connection to the broker drops, so tests that call this must not
-    run in parallel with other broker tests (CI runs tests one at a time).
-    """
-    subprocess.run(["rabbitmqctl", "stop_app"], check=True, capture_output=True, timeout=120)
-    time.sleep(down_for)  # the outage itself: how long the broker stays down is what the caller tests
-    subprocess.run(["rabbitmqctl", "start_app"], check=True, capture_output=True, timeout=120)
-    wait_for_broker(url)
+
+def rabbitmq_sbin() -> Path | None:
+    """The directory of rabbitmq-server and rabbitmqctl (``DELIVERY_RABBITMQ_SBIN`` first), or None."""
+    given = os.environ.get("DELIVERY_RABBITMQ_SBIN")
+    for candidate in ([given] if given else list(RABBITMQ_SBIN_DIRS)):
+        path = Path(candidate)
+        if (path / "rabbitmq-server").exists() and (path / "rabbitmqctl").exists():
+            return path
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RabbitNode:
+    """A RabbitMQ node of the test run's own: its own node name, AMQP and
+    distribution ports (free ones, chosen now), data, log and config files in
+    *base*, no plugin (no management or Prometheus listener), and its own
+    Erlang cookie (``HOME`` = *base*/home, shared with ``rabbitmqctl``). A test
+    may stop, restart or kill it; the shared broker is never touched."""
+
+    def __init__(self, sbin: Path, base: Path) -> None:
+        self.sbin = sbin
+        self.base = base
+        self.name = f"delivery-test-{os.getpid()}-{uuid.uuid4().hex[:6]}@localhost"
+        self.port = free_port()
+        self.dist_port = free_port()
+        (base / "home").mkdir(parents=True, exist_ok=True)
+        (base / "rabbitmq-env.conf").write_text("")  # not the system's NODENAME / ports
+        (base / "rabbitmq.conf").write_text("")
+        (base / "enabled_plugins").write_text("[].\n")
+        self.env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith(("RABBITMQ_", "ERL_"))},
+            "HOME": str(base / "home"),
+            "RABBITMQ_CONF_ENV_FILE": str(base / "rabbitmq-env.conf"),
+            "RABBITMQ_NODENAME": self.name,
+            "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
+            "RABBITMQ_NODE_PORT": str(self.port),
+            "RABBITMQ_DIST_PORT": str(self.dist_port),
+            "RABBITMQ_MNESIA_BASE": str(base / "mnesia"),
+            "RABBITMQ_LOG_BASE": str(base / "log"),
+            "RABBITMQ_CONFIG_FILE": str(base / "rabbitmq.conf"),
+            "RABBITMQ_ENABLED_PLUGINS_FILE": str(base / "enabled_plugins"),
+            "RABBITMQ_PID_FILE": str(base / "rabbitmq.pid"),
+            "ERL_EPMD_ADDRESS": "127.0.0.1",
+        }
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"amqp://guest:guest@127.0.0.1:{self.port}/%2F"
+
+    def start(self, timeout: float = 120.0) -> None:
+        """Start the node as a child process (its own session) and wait until it takes AMQP connections."""
+        with open(self.base / "server.out", "ab") as out:
+            self.proc = subprocess.Popen([str(self.sbin / "rabbitmq-server")], env=self.env, cwd=self.base,
+                                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+        def answers() -> bool:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                log = (self.base / "server.out").read_text(errors="replace")[-3000:]
+                raise AssertionError(f"the private RabbitMQ node exited ({self.proc.returncode}):\n{log}")
+            pika.BlockingConnection(pika.URLParameters(self.url)).close()
+            return True
+
+        wait_until(f"the private RabbitMQ node on port {self.port}", answers, timeout=timeout,
+                   ignoring=(pika.exceptions.AMQPError, OSError), interval=0.25)
+
+    def ctl(self, *args: str, timeout: float = 120.0) -> None:
+        subprocess.run([str(self.sbin / "rabbitmqctl"), "-n", self.name, *args], env=self.env, check=True,
+                       capture_output=True, timeout=timeout)
+
+    def restart(self, *, down_for: float = 1.0) -> None:
+        """Stop the RabbitMQ application of this node and start it again (every
+        connection drops), then wait until it answers."""
+        self.ctl("stop_app")
+        time.sleep(down_for)  # the outage itself: how long the broker stays down is what the caller tests
+        self.ctl("start_app")
+        wait_for_broker(self.url)
+
+    def stop(self) -> None:
+        """Stop the node (gracefully, else kill its process group); nothing of it is left running."""
+        proc = self.proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            with contextlib.suppress(subprocess.SubprocessError, OSError):
+                self.ctl("stop", timeout=60)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(30)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever the node started (erl_child_setup, inet_gethost)
+        proc.wait()
+        self.proc = None
+
+
+@pytest.fixture(scope="session")
+def private_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RabbitNode]:
+    """A RabbitMQ node started for this test session alone (for tests that restart
+    or kill a broker); stopped at the end. Skips when RabbitMQ is not installed
+    (fails under DELIVERY_REQUIRE_BROKER)."""
+    sbin = rabbitmq_sbin()
+    if sbin is None:
+        if os.environ.get("DELIVERY_REQUIRE_BROKER"):
+            pytest.fail("a private RabbitMQ node is required but rabbitmq-server is not installed "
+                        "(set DELIVERY_RABBITMQ_SBIN to its directory)")
+        pytest.skip("rabbitmq-server not installed; set DELIVERY_RABBITMQ_SBIN to its directory")
+    node = RabbitNode(sbin, tmp_path_factory.mktemp("rabbitmq"))
+    try:
+        node.start()
+        yield node
+    finally:
+        node.stop()
+
+
+@pytest.fixture
+def private_ns(private_broker: RabbitNode, tmp_path: Path) -> Iterator[Namespace]:
+    """Like ``ns``, on the session's private RabbitMQ node (``private_broker``)."""
+    space = Namespace(private_broker.url, f"t{uuid.uuid4().hex[:10]}", tmp_path)
+    yield space
+    for proc in space.started:
+        if session_processes(proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    wait_for_broker(space.url)  # a test may leave it restarting
+    space.delete()

@@ -17,7 +17,7 @@ pytest_plugins = ["brokerkit", "partitionkit"]
 
 #: Fixtures that reach RabbitMQ: a test using any of them (directly or through
 #: another fixture) needs the broker.
-BROKER_FIXTURES = frozenset({"amqp_url", "ns"})
+BROKER_FIXTURES = frozenset({"amqp_url", "ns", "private_broker", "private_ns"})
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -53,7 +53,7 @@ SPEC = ConsumerSpec(
         columns=("article_id", "events", "last_event_id"),
         order=("-events", "article_id"),
         key="article_id",
-        article="article_id",
+        key_column="article_id",
         event="last_event_id",
         empty="nothing counted yet",
     ),

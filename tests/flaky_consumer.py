@@ -7,7 +7,9 @@ It records envelopes like ``audit`` (table ``flaky``) but looks at the title:
   event. Tries are counted in a file per eventId under ``$FLAKY_DIR``
   (outside the database, so a rollback cannot undo the count);
 * ``poison`` -- SIGKILL the process, every time (a message that crashes the
-  consumer before any code can count it).
+  consumer before any code can count it);
+* ``stall`` -- write ``$FLAKY_DIR/stalled`` and wait until ``$FLAKY_DIR/release``
+  exists (a worker stuck inside a batch).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import sqlite3
+import time
 from pathlib import Path
 
 from delivery_consumer.consumers import register
@@ -48,6 +51,12 @@ def apply(conn: sqlite3.Connection, env: Envelope) -> str:
     title = env.title
     if title == "poison":
         os.kill(os.getpid(), signal.SIGKILL)
+    if title == "stall":
+        directory = Path(os.environ.get("FLAKY_DIR", "."))
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "stalled").touch()
+        while not (directory / "release").exists():
+            time.sleep(0.05)
     if title.startswith("transient:"):
         failures = int(title.split(":", 1)[1])
         tries = _tries(env.event_id)

@@ -64,7 +64,7 @@ SPEC = ConsumerSpec(
     description="test-only: the latest revision of each order",
     tables=("orders",),
     view=View(table="orders", columns=("order_id", "revision", "status", "total_cents", "event_id"),
-              order=("order_id",), key="order_id", article="order_id", event="event_id"),
+              order=("order_id",), key="order_id", key_column="order_id", event="event_id"),
 )
 
 register(SPEC, replace=True)

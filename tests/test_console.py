@@ -148,7 +148,7 @@ def test_the_page_traces_and_requeues_with_actions_allowed(
 
     page.fill("#q", "a-2")
     page.click("#search")
-    assert "Article a-2" == page.inner_text("main h1")
+    assert "articleId a-2" == page.inner_text("main h1")
     row = page.locator("main tr", has_text=refused)
     assert 1 == row.count() and re.search(r"updated\s+notified", row.inner_text()), page.inner_text("main")
     assert fine not in page.inner_text("main")  # a-1's event is not a-2's

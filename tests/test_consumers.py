@@ -160,8 +160,8 @@ def test_plugin_consumer_views_through_the_cli(counter: ConsumerSpec, tmp_path: 
         assert [["article-42", "3"], ["article-7", "2"]] == [line.split()[:2] for line in listed[2:]]
         shown.pop("partition", None)
         assert {"articleId": "article-7", "events": 2, "lastEventId": events[4]["eventId"]} == shown
-        assert (2, True) == (traced["article"]["events"], traced["article"]["currentEvent"])
-        assert re.search(r"^article:\n  articleId:\s+article-7\n  events:\s+2\n", older, re.M)
+        assert (2, True) == (traced["key"]["row"]["events"], traced["key"]["row"]["currentEvent"])
+        assert re.search(r"^articleId article-7:\n  articleId:\s+article-7\n  events:\s+2\n", older, re.M)
         assert "articleId article-0 not found" in missing and "Traceback" not in missing
     assert (tmp_path / "state" / "counter" / "p1" / "inbox.db").is_file()
 

@@ -191,3 +191,23 @@ def test_a_partition_database_refuses_another_partitions_article(tmp_path: Path)
         assert "belongs to partition 1 of 2" in refused.value.reason
         assert db.conn.execute("SELECT article_id FROM catalog").fetchall() == [(ours,)]
         assert db.conn.execute("SELECT code FROM rejected").fetchall() == [("wrong-partition",)]
+
+
+def test_a_wrong_partition_reason_names_the_types_key_field(tmp_path: Path) -> None:
+    """An order of another partition is rejected wrong-partition with a reason naming orderId, not articleId."""
+    import orders_consumer
+    import orjson
+
+    from delivery_consumer.envelope import parse
+    from delivery_consumer.errors import Rejection
+    from delivery_consumer.inbox import apply_event
+
+    theirs = next(f"order-{i}" for i in range(100) if partition_of(f"order-{i}", 2) == 1)
+    body = orjson.dumps({"eventId": "00000000-0000-4000-8000-000000000001", "type": "order.placed",
+                         "orderId": theirs, "revision": 1, "occurredAt": "2026-12-01T10:00:00Z",
+                         "data": {"status": "placed", "totalCents": 1}})
+    with consumers.open_db(tmp_path / "p0.db", "orders", create=True, partition=Identity(0, 2)) as db, \
+            pytest.raises(Rejection) as refused:
+        apply_event(db, parse(body, types=orders_consumer.TYPES))
+    assert refused.value.code == "wrong-partition"
+    assert refused.value.reason.startswith("orderId belongs to partition 1 of 2"), refused.value.reason

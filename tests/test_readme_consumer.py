@@ -97,7 +97,8 @@ def test_the_installed_example_works_through_the_cli(installed: Path, tmp_path: 
             "traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"} == traced["receipt"]["meta"]
     current = orjson.loads(run(installed, tmp_path, f"delivery-consumer trace --consumer orders --json {PAID}"))
     assert {"orderId": "order-7", "revision": 2, "status": "paid", "totalCents": 1250, "eventId": PAID,
-            "currentEvent": True} == current["article"]
+            "currentEvent": True} == current["key"]["row"]
+    assert ("orderId", "order-7") == (current["key"]["field"], current["key"]["value"])
     missing = subprocess.run([str(installed), "-m", "delivery_consumer", "orders", "show", "order-0"],
                              cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=120)
     assert (1, "") == (missing.returncode, missing.stdout)

@@ -189,7 +189,7 @@ def test_a_partitioned_consumer_is_declared_from_the_file_and_shown_partition_by
         assert "dead-lettered revision-conflict" == verdict["catalog/p1"]
         assert verdict["catalog/p0"].startswith("not this partition's event") and "applied recorded" == verdict["audit"]
         text = dc(config, "trace", first[0]).stdout
-        assert f"consumer catalog/p1: not this partition's article (articleId {article[0]} lives in p0)" in text, text
+        assert f"consumer catalog/p1: not this partition's key (articleId {article[0]} lives in p0)" in text, text
         assert re.search(r"^  catalog/p0 +applied updated$", text, re.M), text
 
         console = ConsoleProcess(config, "--allow-actions")  # the partition's dead letter, purged from the page

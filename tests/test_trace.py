@@ -1,4 +1,4 @@
-"""``trace EVENT_ID``: receipt, deliveries, rejections and the article, from
+"""``trace EVENT_ID``: receipt, deliveries, rejections and the key's row, from
 databases filled by ``run`` against the real broker (the lesson's samples,
 through catalog and audit)."""
 
@@ -69,22 +69,37 @@ def test_catalog_trace_shows_the_current_row_of_the_article(samples_ns: Namespac
     assert 0 == done.returncode, done.stderr
     assert (1, 1, True) == (shown["deliveries"]["deliveries"], shown["deliveries"]["attempts"],
                             shown["deliveries"]["fromReceipt"])  # run keeps no row for a first, applied delivery
-    article = shown["article"]
+    assert ("articleId", "article-42") == (shown["key"]["field"], shown["key"]["value"])
+    article = shown["key"]["row"]
     assert ("article-42", 2, False, True) == (
         article["articleId"], article["revision"], article["published"], article["currentEvent"])
 
 
-def test_stale_event_article_needs_article_option(samples_ns: Namespace) -> None:
-    """A stale event is not its article's current revision: trace says why no article is
-    shown, and --article shows the row that made it stale."""
+def test_stale_event_shows_its_article_from_the_receipts_key(samples_ns: Namespace) -> None:
+    """A stale event is not its article's current revision: trace finds the row that made it
+    stale from the key its receipt holds, and says so in the text ("articleId article-42:")."""
     done, shown = traced(samples_ns, "catalog", STALE)
     assert 0 == done.returncode, done.stderr
-    assert "stale" == shown["receipt"]["result"]
-    assert shown["article"] is None
-    assert "--article" in shown["articleNote"]
-    done, shown = traced(samples_ns, "catalog", STALE, "--article", "article-42")
+    assert ("stale", "article-42") == (shown["receipt"]["result"], shown["receipt"]["key"])
+    assert ("articleId", "article-42") == (shown["key"]["field"], shown["key"]["value"])
+    assert (2, False) == (shown["key"]["row"]["revision"], shown["key"]["row"]["currentEvent"])
+    text = samples_ns.cli("trace", "--db", str(samples_ns.db("catalog")), STALE)
+    assert 0 == text.returncode, text.stderr
+    assert re.search(r"^articleId article-42:\n  articleId: +article-42\n", text.stdout, re.M), text.stdout
+
+
+def test_key_and_article_options_name_the_row_of_an_event_without_receipt(samples_ns: Namespace) -> None:
+    """A rejected event has no receipt to hold its key: trace says how to name it, and --key
+    (or its alias --article) shows that key's row."""
+    done, shown = traced(samples_ns, "catalog", CONFLICT)
     assert 0 == done.returncode, done.stderr
-    assert (2, False) == (shown["article"]["revision"], shown["article"]["currentEvent"])
+    assert (None, None) == (shown["key"]["value"], shown["key"]["row"])
+    assert "--key" in shown["key"]["note"] and "articleId" in shown["key"]["note"]
+    for option in ("--key", "--article"):
+        done, shown = traced(samples_ns, "catalog", CONFLICT, option, "article-7")
+        assert 0 == done.returncode, done.stderr
+        assert ("article-7", 2, False) == (shown["key"]["value"], shown["key"]["row"]["revision"],
+                                           shown["key"]["row"]["currentEvent"])
 
 
 def test_rejected_event_says_why_it_stopped_and_where_the_copy_went(samples_ns: Namespace) -> None:
@@ -112,7 +127,7 @@ def test_audit_trace_shows_its_row_without_the_payload(samples_ns: Namespace) ->
     (row,) = shown["effects"]["audit"]
     assert ("article-7", 2) == (row["articleId"], row["revision"])
     assert "envelope" not in row
-    assert "article" not in shown
+    assert "key" not in shown  # audit's view names no key column
 
 
 def test_unknown_event_id_exits_1(samples_ns: Namespace) -> None:

@@ -17,7 +17,7 @@ import pika
 import pika.exceptions as pex
 
 from ..topology import Route, Topology
-from .connection import classify, parameters
+from .connection import FAILURES, classify, parameters
 from .publisher import Publisher
 
 
@@ -42,7 +42,7 @@ def queue_counts(url: str, queues: Sequence[str], *, name: str = "delivery-consu
                  timeout_s: float = 10.0) -> dict[str, QueueCount | None]:
     """Ready messages and consumers of each queue; None for a queue that does not exist."""
     params = parameters(url, name=name)
-    params.socket_timeout = params.blocked_connection_timeout = timeout_s
+    params.socket_timeout = params.stack_timeout = params.blocked_connection_timeout = timeout_s
     out: dict[str, QueueCount | None] = {}
     conn: Any = None
     try:
@@ -58,11 +58,11 @@ def queue_counts(url: str, queues: Sequence[str], *, name: str = "delivery-consu
                 channel = conn.channel()  # a refused passive declare closes the channel
                 continue
             out[queue] = QueueCount(int(frame.method.message_count), int(frame.method.consumer_count))
-    except (pex.AMQPError, OSError) as exc:
+    except FAILURES as exc:
         raise classify(exc, url=url) from None
     finally:
         if conn is not None and conn.is_open:
-            with suppress(pex.AMQPError, OSError):
+            with suppress(*FAILURES):
                 conn.close()
     return out
 
@@ -89,6 +89,6 @@ def delete_unused_queues(url: str, queues: Sequence[str]) -> list[str]:
         finally:
             if conn.is_open:
                 conn.close()
-    except (pex.AMQPError, OSError) as exc:
+    except FAILURES as exc:
         raise classify(exc, url=url) from None
     return kept

@@ -12,6 +12,7 @@ docs/amqp.md).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ import pika.exceptions as pex
 from pika import spec
 from pika.adapters.select_connection import IOLoop, PollEvents
 
-from ..retry import reconnect_delay_s
+from ..retry import RECONNECT_CAP_S, reconnect_delay_s
 from ..topology import Topology
 from .connection import BrokerError, BrokerFatal, BrokerUnavailable, classify, parameters
 from .declare import Steps, declare_steps
@@ -72,7 +73,7 @@ class ConsumerIO:
         on_channel: Callable[[int], None] = lambda gen: None,
         on_lost: Callable[[int, str], None] = lambda gen, why: None,
         name: str = "delivery-consumer run",
-        retry_first_connect: bool = True,
+        first_connect_s: float | None = None,
     ) -> None:
         self.url = url
         self.topology = topology
@@ -92,10 +93,13 @@ class ConsumerIO:
         self._live_generation = 0  # 0 while no channel is consuming
         self._stopping = False
         self._failures = 0
-        #: False: a failure before the first successful consume is fatal (a
-        #: one-shot run with a wrong address must say so, not wait forever).
-        self._retry_first_connect = retry_first_connect
+        #: Seconds to keep trying when no connection ever consumed (None:
+        #: forever): a one-shot run with a wrong address must say so in time.
+        self._first_connect_s = first_connect_s
+        self._started = self._attempt_started = time.monotonic()
         self._ever_consumed = False
+        self._outage: str | None = None  # what the failing attempts say, logged once
+        self._outage_since = 0.0
         self.fatal: BrokerError | None = None
 
     # -- lifecycle (loop thread) --
@@ -111,6 +115,7 @@ class ConsumerIO:
         if self._stopping:
             self.ioloop.stop()
             return
+        self._attempt_started = time.monotonic()
         self._conn = pika.SelectConnection(
             self._params,
             on_open_callback=self._on_open,
@@ -120,17 +125,33 @@ class ConsumerIO:
         )
 
     def _retry_later(self, why: BrokerError) -> None:
-        if isinstance(why, BrokerFatal) or not (self._ever_consumed or self._retry_first_connect):
+        if self._stopping:
+            self.ioloop.stop()
+            return
+        waited = time.monotonic() - self._started
+        if isinstance(why, BrokerFatal) or (
+                not self._ever_consumed and self._first_connect_s is not None and waited >= self._first_connect_s):
+            if not isinstance(why, BrokerFatal):
+                why = BrokerUnavailable(f"the broker could not be reached in {self._first_connect_s:g}s: {why}")
             self.fatal = why
             self._stopping = True
             self.ioloop.stop()
             return
-        if self._stopping:
-            self.ioloop.stop()
-            return
         self._failures += 1
-        delay = reconnect_delay_s(self._failures)
-        log.warning("%s; reconnecting in %.1fs (attempt %d)", why, delay, self._failures)
+        # Attempts start at most every backoff: the time a failed attempt took
+        # (a handshake that timed out) counts towards the wait.
+        delay = max(0.0, reconnect_delay_s(self._failures) - (time.monotonic() - self._attempt_started))
+        if self._first_connect_s is not None and not self._ever_consumed:
+            delay = max(0.01, min(delay, self._first_connect_s - waited))
+        # Logged once per change of state, not once per attempt.
+        if str(why) != self._outage:
+            if self._outage is None:
+                self._outage_since = time.monotonic()
+            self._outage = str(why)
+            log.warning("%s; reconnecting in %.1fs, then every %.0fs at most until it answers",
+                        why, delay, RECONNECT_CAP_S)
+        else:
+            log.debug("%s; reconnecting in %.1fs (attempt %d)", why, delay, self._failures)
         self.ioloop.call_later(delay, self._connect)
 
     def _on_open_error(self, _conn: Any, exc: BaseException) -> None:
@@ -173,6 +194,10 @@ class ConsumerIO:
             lambda _ch, method, props, body: self._deliver(gen, method, props, body),
             auto_ack=False,
         )
+        if self._outage is not None:
+            log.warning("broker reachable again after %.0fs (%d attempts)",
+                        time.monotonic() - self._outage_since, self._failures)
+            self._outage = None
         self._failures = 0
         self._ever_consumed = True
         log.info("consuming %s (prefetch %d, channel generation %d)", self.topology.queue, self.prefetch, gen)
@@ -224,8 +249,14 @@ class ConsumerIO:
 
     def _close(self) -> None:
         conn = self._conn
-        if conn is not None and not (conn.is_closing or conn.is_closed):
+        if conn is not None and conn.is_open:
             conn.close()
+        elif conn is not None and not (conn.is_closing or conn.is_closed) and self._stopping:
+            # Still connecting (a broker slow to answer): pika cannot close a
+            # connection whose set-up is pending (its workflow asserts), so it
+            # is left behind; nothing was received on it, the process leaves.
+            self._conn = None
+            self.ioloop.stop()
         elif conn is None and self._stopping:
             self.ioloop.stop()
 

@@ -18,7 +18,7 @@ from typing import Any
 import pika
 import pika.exceptions as pex
 
-from .connection import BrokerError, BrokerFatal, BrokerUnavailable, classify, parameters, redact
+from .connection import FAILURES, BrokerError, BrokerFatal, BrokerUnavailable, classify, parameters, redact
 from .publisher import OutMessage, PublishResult
 
 
@@ -91,7 +91,7 @@ class DeadQueue:
             self.count_at_open = int(frame.method.message_count)
             self._channel.basic_qos(prefetch_count=min(max(prefetch, 0), 65535))
             self._channel.basic_consume(self.queue, self._on_message, auto_ack=False, exclusive=True)
-        except (pex.AMQPError, OSError) as exc:
+        except FAILURES as exc:
             error = self._error(exc)
             self.close()
             raise error from None
@@ -130,7 +130,7 @@ class DeadQueue:
                         break
                 if now - started > self._timeout_s:
                     raise BrokerUnavailable(f"timed out after {self._timeout_s:g}s reading {self.queue}")
-        except (pex.AMQPError, OSError) as exc:
+        except FAILURES as exc:
             raise self._error(exc) from None
         held = self._held if max_messages is None else self._held[:max_messages]
         # One consumer on a FIFO queue: the first count_at_open deliveries are
@@ -143,7 +143,7 @@ class DeadQueue:
         before = len(self._held)
         try:
             self._conn.process_data_events(time_limit=0)
-        except (pex.AMQPError, OSError) as exc:
+        except FAILURES as exc:
             raise self._error(exc) from None
         return self._held[before:]
 
@@ -163,7 +163,7 @@ class DeadQueue:
             return PublishResult("returned", f"unroutable: no queue {message.routing_key!r}")
         except pex.NackError:
             return PublishResult("nacked", "the broker could not store the message")
-        except (pex.AMQPError, OSError) as exc:
+        except FAILURES as exc:
             raise self._error(exc) from None
         return PublishResult("confirmed")
 
@@ -171,14 +171,14 @@ class DeadQueue:
         """Remove one held message from the queue."""
         try:
             self._channel.basic_ack(tag)
-        except (pex.AMQPError, OSError) as exc:
+        except FAILURES as exc:
             raise self._error(exc) from None
 
     def flush(self) -> None:
         """Make sure the acks so far were written to the broker."""
         try:
             self._conn.process_data_events(time_limit=0)
-        except (pex.AMQPError, OSError) as exc:
+        except FAILURES as exc:
             raise self._error(exc) from None
 
     def close(self) -> None:
@@ -187,7 +187,7 @@ class DeadQueue:
         self._channel = self._pub = None
         self._held = []
         if conn is not None and conn.is_open:
-            with suppress(pex.AMQPError, OSError):  # the broker requeues when the socket goes
+            with suppress(*FAILURES):  # the broker requeues when the socket goes
                 conn.close()
 
     def __enter__(self) -> DeadQueue:

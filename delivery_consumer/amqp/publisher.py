@@ -182,11 +182,23 @@ class Publisher:
 
     def _abort(self) -> None:
         conn = self._conn
-        if conn is not None and not (conn.is_closed or conn.is_closing):
+        if conn is not None and conn.is_open:
             conn.close()
             self._run_until(lambda: self._conn is None, "close the connection")
+        # A connection still being set up (interrupted) is left to the loop's
+        # close: pika cannot close one whose set-up is pending (its workflow asserts).
         self._conn = None
         self._ready = False
+
+    def interrupt(self) -> None:
+        """End a :meth:`connect` waiting for the broker now (BrokerUnavailable);
+        safe from a signal handler. Confirms already awaited are not cut short.
+        Close the publisher afterwards."""
+        self._ioloop.add_callback_threadsafe(self._on_interrupt)
+
+    def _on_interrupt(self) -> None:
+        if self._conn is not None and not self._ready and self._waiting is not None:
+            self._fail(BrokerUnavailable("stopped while waiting for the broker"))
 
     # confirms and returns
     def _on_confirm(self, frame: Any) -> None:

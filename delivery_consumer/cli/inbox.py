@@ -56,7 +56,7 @@ from ._partitions import one_partition, one_partition_option
 
 
 class Missing(Fatal):
-    """The eventId or articleId asked for is not in the database: exit 1."""
+    """The eventId or key asked for is not in the database: exit 1."""
 
     exit_code = EXIT_REJECTED
 

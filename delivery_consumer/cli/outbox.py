@@ -142,6 +142,7 @@ def dispatch(db_path: Path, amqp_url: str, exchange: str, queue_prefix: str, dec
                 raise KeyboardInterrupt
             log.info("%s received: settling the batches in flight", signal.Signals(signum).name)
             dispatcher.stop()
+            publisher.interrupt()  # a connect waiting for a silent broker ends now
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
@@ -242,7 +243,7 @@ def outbox_stats(db_path: Path, as_json: bool) -> None:
 @handle_errors
 def outbox_show(db_path: Path, as_json: bool, event_id: str) -> None:
     """Everything about the row of EVENT_ID, with its body (exit 1 if absent);
-    passedBy: the later rows of its article that were published before it."""
+    passedBy: the later rows of its key (articleId, orderId ...) that were published before it."""
     with reading(db_path) as conn:
         row = outbox_lib.show(conn, event_id)
     if as_json:
@@ -250,7 +251,7 @@ def outbox_show(db_path: Path, as_json: bool, event_id: str) -> None:
         return
     passed = row.pop("passedBy")
     echo_record([(key, value) for key, value in row.items()])
-    click.echo(f"passedBy: {len(passed)} later rows of its article published before it"
+    click.echo(f"passedBy: {len(passed)} later rows of its key published before it"
                + ("".join(f"\n  {e}" for e in passed) if passed else ""))
 
 

@@ -15,19 +15,15 @@ from typing import Any
 
 import click
 
-from .. import consumers
 from ..durations import Duration
 from ..envelope import MAX_BODY_BYTES
 from ..partition_store import partition_db
 from ..partitions import explain
+from ..service.launch import EXIT_TEMPFAIL, checked_spec
 from ..topology import DEFAULT_DELIVERY_LIMIT, Topology
 from ._broker import RETRY_DELAYS, amqp_options, topology_for
 from ._common import F, Fatal, consumer_option, db_option, deployment, from_deployment, handle_errors, setup_logging
 from ._partitions import partition_identity, partition_options
-
-#: run's exit status when the database stayed unusable past --store-outage-limit
-#: (sysexits' EX_TEMPFAIL): unlike 2, worth a restart by a supervisor.
-EXIT_TEMPFAIL = 75
 
 
 def external_options(fn: F) -> F:
@@ -68,29 +64,42 @@ def external_options(fn: F) -> F:
     return wrapped  # type: ignore[no-any-return]
 
 
-def _metrics_factory(consumer: str, port: int, host: str, queues: tuple[str, Topology] | None = None,
-                     partition: int | None = None) -> Callable[[], Any]:
-    """Metrics are kept where the work happens: in run's worker process.
-    *queues* (url, topology): also the queue depths, asked at scrape time.
-    *partition*: every series is labelled with it."""
+def _metrics_factory(consumer: str, partition: int | None = None) -> Callable[[], Any]:
+    """Metrics are kept where the work happens: in run's worker process (which
+    sends them to the connection process; see :func:`_metrics_server`)."""
 
     def make() -> Any:
-        from ..errors import ConfigError
         from ..metrics import Metrics
 
-        metrics = Metrics(consumer, partition=partition)
+        return Metrics(consumer, partition=partition, connection=False)
+
+    return make
+
+
+def _metrics_server(consumer: str, port: int, host: str, queues: tuple[str, Topology] | None = None,
+                    partition: int | None = None) -> Callable[[], Any]:
+    """``/metrics`` served by run's connection process, which answers while the
+    worker is busy or stuck. *queues* (url, topology): also the queue depths,
+    asked at scrape time. *partition*: every series is labelled with it."""
+
+    def serve() -> Any:
+        from ..errors import ConfigError
+        from ..metrics import RunExposition
+
+        collectors = []
         if queues is not None:
             from ..queue_metrics import QueueCollector
 
-            metrics.registry.register(QueueCollector(*queues))
+            collectors.append(QueueCollector(*queues))
+        exposition = RunExposition(consumer, partition, collectors)
         try:
-            metrics.serve(port, host)
+            exposition.serve(port, host)
         except OSError as exc:
             raise ConfigError(f"cannot listen for metrics on {host}:{port}: {exc.strerror}") from None
         logging.getLogger("delivery_consumer.run").info("metrics on http://%s:%d/metrics", host, port)
-        return metrics
+        return exposition
 
-    return make
+    return serve
 
 
 @click.command()
@@ -156,10 +165,8 @@ def run(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue
     from ..service.run import run as run_consumer
 
     setup_logging(log_level, log_format, consumer)
-    spec = consumers.get(consumer)  # unknown consumer: one line, exit 2
+    checked_spec(consumer, consumer_options)  # unknown consumer, no --webhook-url...: one line, exit 2
     db_path, partitions, metrics_port = _file_partition(consumer, db_path, partition, partitions, metrics_port)
-    if spec.external is not None:
-        spec.external(consumer_options)  # e.g. no --webhook-url: one line, exit 2
     if batch > prefetch:
         raise click.BadParameter(f"--batch {batch} cannot fill with --prefetch {prefetch}; raise --prefetch",
                                  param_hint="--batch")
@@ -173,12 +180,12 @@ def run(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue
         partition=partition_identity(consumer, partition, partitions, db_path,
                                      broker=(amqp_url, topology_for(consumer, exchange, queue_prefix))),
     )
-    observer_factory = None
+    observer_factory = serve = None
     if metrics_port is not None:
-        observer_factory = _metrics_factory(consumer, metrics_port, metrics_host, (amqp_url, config.topology()),
-                                            partition)
+        observer_factory = _metrics_factory(consumer, partition)
+        serve = _metrics_server(consumer, metrics_port, metrics_host, (amqp_url, config.topology()), partition)
     try:
-        code = run_consumer(config, observer_factory)
+        code = run_consumer(config, observer_factory, serve)
     except BrokerError as exc:
         raise Fatal(explain(str(exc), config.topology())) from None
     except StoreOutage as exc:  # not a configuration error: a supervisor may restart it

@@ -26,43 +26,64 @@ from .inbox import Missing, find_first, read_options, reading_all
 
 @click.command()
 @read_options()
-@click.option("--article", "article_id",
-              help="Without EVENT_ID: every event of this article across the deployment, by revision. "
-                   "With --consumer catalog: show this article beside the event.")
+@click.option("--key", "--article", "key",
+              help="Without EVENT_ID: every event of this key (articleId, orderId, ...) across the deployment, "
+                   "by revision. With --consumer: show this key's row beside the event. --article: the same.")
 @click.option("--offline", is_flag=True, help="Do not read the dead queues from the broker.")
-@click.argument("event_id", required=False, type=EVENT_ID)
+@click.option("--ce-source", metavar="SOURCE",
+              help="EVENT_ID is the id of a CloudEvent from SOURCE (its source attribute): trace the eventId it "
+                   "maps to.")
+@click.argument("event_id", required=False)
 @click.pass_context
 @handle_errors
-def trace(ctx: click.Context, consumer: str | None, db_path: Path | None, as_json: bool, article_id: str | None,
-          offline: bool, event_id: str | None) -> None:
+def trace(ctx: click.Context, consumer: str | None, db_path: Path | None, as_json: bool, key: str | None,
+          offline: bool, ce_source: str | None, event_id: str | None) -> None:
     """Everything known about EVENT_ID: the producer's outbox row, then each
     consumer's receipt, deliveries, rejections and dead letter, and a one-line
     verdict per consumer (needs a deployment file).
 
     With --consumer or --db: what that one database knows (the receipt,
     deliveries, rejections, effect rows). An id nobody knows: exit 1.
+
+    With --ce-source SOURCE: EVENT_ID is a CloudEvent's id, as its producer
+    sent it (README, "CloudEvents in").
     """
+    if event_id is not None:
+        event_id = _event_id(ctx, ce_source, event_id)
+    elif ce_source is not None:
+        raise click.UsageError("--ce-source needs the CloudEvent's id as EVENT_ID")
     if consumer is not None or db_path is not None:
         if event_id is None:
             raise click.UsageError("give the EVENT_ID to trace in this consumer's database")
-        ctx.invoke(consumer_trace, consumer=consumer, db_path=db_path, as_json=as_json, article_id=article_id,
+        ctx.invoke(consumer_trace, consumer=consumer, db_path=db_path, as_json=as_json, key=key,
                    event_id=event_id)
         return
     dep = checked_deployment()
     try:
         if event_id is None:
-            if article_id is None:
-                raise click.UsageError("give an EVENT_ID, or --article ID")
-            shown = system.trace_article(dep, article_id)
-            emit_json(shown) if as_json else _echo_article(shown)
+            if key is None:
+                raise click.UsageError("give an EVENT_ID, or --key KEY")
+            shown = system.trace_key(dep, key)
+            emit_json(shown) if as_json else _echo_key(shown)
             return
-        shown = system.trace_event(dep, event_id, article_id=article_id, broker=not offline)
+        shown = system.trace_event(dep, event_id, key=key, broker=not offline)
     except NotFound as exc:
         raise Missing(str(exc)) from None
     if as_json:
         emit_json(shown)
     else:
         _echo_event(shown)
+
+
+def _event_id(ctx: click.Context, ce_source: str | None, given: str) -> str:
+    """The eventId to trace: *given*, or the one a CloudEvent's source + id map to."""
+    if ce_source is None:
+        return EVENT_ID.convert(given, None, ctx)
+    from ..cloudevents import event_id_for
+
+    if not ce_source or not given:
+        raise click.UsageError("a CloudEvent's source and id are non-empty")
+    return event_id_for(ce_source, given)
 
 
 #: The outbox row's fields as the text trace names them (--json keeps the keys).
@@ -77,7 +98,8 @@ def _echo_event(shown: dict[str, Any]) -> None:
         if "error" in row:
             click.echo(f"  cannot read it: {row['error']}")
             continue
-        keys = ["state", "type", "articleId", "revision", "createdAt", "publishedAt", "attempts", "lastAttemptAt"]
+        keys = ["state", "type", row.get("keyField") or "articleId", "revision", "createdAt", "publishedAt",
+                "attempts", "lastAttemptAt"]
         if not row.get("publishedAt"):  # once published, an earlier error is history (below)
             keys.insert(7, "lastError")
         keys += [k for k in ("detail", "passedBy") if row.get(k)]
@@ -121,7 +143,7 @@ def _echo_event(shown: dict[str, Any]) -> None:
 
 
 def _elsewhere(item: dict[str, Any]) -> bool:
-    """A partition that is not the event's article's and knows nothing of the event."""
+    """A partition that is not the event's key's and knows nothing of the event."""
     return item.get("home") is False and item["trace"] is None and not (item.get("deadQueue") or {}).get("letters") \
         and "error" not in item
 
@@ -138,7 +160,7 @@ def _echo_consumer(shown: dict[str, Any]) -> None:
         click.echo(f"    copy: {rej['deadLetter'] or 'none'}; resolved: {rej['resolvedAt'] or 'no'}")
 
 
-def _echo_article(shown: dict[str, Any]) -> None:
+def _echo_key(shown: dict[str, Any]) -> None:
     labels = sorted({label for event in shown["events"] for label in event["consumers"]})
     rows = []
     for event in shown["events"]:
@@ -147,7 +169,7 @@ def _echo_article(shown: dict[str, Any]) -> None:
                                           else f"unpublished ({box['lastError'] or 'waiting'})")
         receipts = [(event["consumers"].get(label) or {}).get("result") for label in labels]
         rows.append([event["revision"], event["eventId"], event["type"], state, *receipts])
-    click.echo(f"articleId {shown['articleId']} in {shown['deployment']}")
+    click.echo(f"{shown['keyField']} {shown['key']} in {shown['deployment']}")
     echo_table(["revision", "eventId", "type", "outbox", *labels], rows)
 
 
@@ -156,24 +178,26 @@ def _echo_article(shown: dict[str, Any]) -> None:
 
 @click.command("trace")
 @read_options()
-@click.option("--article", "article_id",
-              help="A consumer whose view is keyed by article (catalog): show this article's row.")
+@click.option("--key", "--article", "key",
+              help="Show the row of this key (articleId, orderId, ...) rather than the event's own (a consumer "
+                   "whose view names a key column). --article: the same.")
 @click.argument("event_id", type=EVENT_ID)
 @handle_errors
-def consumer_trace(consumer: str | None, db_path: Path | None, as_json: bool, article_id: str | None,
+def consumer_trace(consumer: str | None, db_path: Path | None, as_json: bool, key: str | None,
                    event_id: str) -> None:
     """Everything the consumer's database knows about EVENT_ID.
 
     The receipt (result, fingerprint, first seen), the deliveries recorded
     (count, redeliveries, attempts, crashes, first and last time), every
     rejection (code, reason, when, where the copy went, resolved or not), the
-    consumer's rows the event wrote and, when its view is keyed by article
-    (catalog), the current row of its article. Unknown eventId: exit 1.
+    consumer's rows the event wrote and, when its view names a key column,
+    the current row of the event's key (orderId order-7: the receipt holds
+    it). Unknown eventId: exit 1.
     """
     from ..trace import trace as trace_event
 
     with reading_all(consumer, db_path) as dbs:  # a partitioned consumer: the partition that knows it
-        shown = find_first(dbs, lambda db: trace_event(db, event_id, article_id=article_id))
+        shown = find_first(dbs, lambda db: trace_event(db, event_id, key=key))
     if as_json:
         emit_json(shown)
         return
@@ -213,14 +237,15 @@ def _echo_trace(shown: dict[str, Any]) -> None:
             ("attempts", rej["attempts"]),
             ("resolved", rej["resolvedAt"] or "no"),
         ], indent="    ")
-    if "article" in shown:
-        article = shown["article"]
-        click.echo("article:" + ("" if article else f" unknown: {shown.get('articleNote')}"))
-        if article:
-            echo_record(list(article.items()), indent="  ")
+    keyed = shown.get("key")
+    if keyed is not None:
+        named = f"{keyed['field']} {keyed['value']}" if keyed["value"] is not None else keyed["field"]
+        click.echo(f"{named}:" + ("" if keyed["row"] else f" unknown: {keyed.get('note')}"))
+        if keyed["row"]:
+            echo_record(list(keyed["row"].items()), indent="  ")
     view = consumers.get(shown["consumer"]).view
     for table, rows in shown["effects"].items():
-        if "article" in shown and view is not None and table == view.table:
+        if keyed is not None and view is not None and table == view.table:
             continue
         click.echo(f"{table}: {len(rows) or 'no row'}")
         for row in rows:

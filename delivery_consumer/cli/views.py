@@ -56,7 +56,7 @@ def _show_command(consumer: str, view: View, key: str) -> click.Command:
     @handle_errors
     def show(consumer: str, db_path: Path | None, as_json: bool, value: str) -> None:
         paths = partition_paths(consumer, db_path)
-        if paths is not None and key == view.article:  # the article's own partition, by the routing function
+        if paths is not None and key == view.key_column:  # the key's own partition, by the routing function
             k = partition_of(value, len(paths))
             with reading(consumer, paths[k]) as db:
                 row = {**views.show(db, view, value), "partition": k}

@@ -178,7 +178,7 @@ class Console:
                 f'delivery-consumer</title><style>{CSS}</style></head><body><header>'
                 f'<a href="/">delivery-consumer</a>{mode}<span>{escape(str(self.dep.path))}</span>'
                 f'<form action="/trace" method="get"><input type="search" name="q" id="q" value="{escape(query)}" '
-                f'placeholder="eventId or articleId"> <button id="search">Trace</button></form></header>'
+                f'placeholder="eventId or key"> <button id="search">Trace</button></form></header>'
                 f"<main><h1>{escape(title)}</h1>{body}</main></body></html>")
 
     # -- the status page ------------------------------------------------------------------
@@ -291,19 +291,19 @@ class Console:
     def trace_page(self, query: str) -> tuple[HTTPStatus, str]:
         query = query.strip()
         if not query:
-            return HTTPStatus.OK, self.page("Trace", "<p>give an eventId or an articleId</p>")
+            return HTTPStatus.OK, self.page("Trace", "<p>give an eventId or a key (articleId, orderId ...)</p>")
         if is_event_id(query.lower()):  # a UUID, in any case: stored in lower case, as trace reads it
             query = query.lower()
         try:
             shown = system.trace_event(self.dep, query, shared=self.dead)
         except NotFound:
             try:
-                return HTTPStatus.OK, self.page(f"Article {query}", self._article(system.trace_article(self.dep,
-                                                                                                       query)), query)
+                keyed = system.trace_key(self.dep, query)
+                return HTTPStatus.OK, self.page(f"{keyed['keyField']} {query}", self._article(keyed), query)
             except NotFound:
                 return HTTPStatus.NOT_FOUND, self.page(
                     "Not found", f'<p class="bad" id="not-found">{_e(query)}: no producer and no consumer of this '
-                                 "deployment knows this eventId or articleId</p>", query)
+                                 "deployment knows this eventId or key</p>", query)
         return HTTPStatus.OK, self.page(f"Event {query}", self._event(shown), query)
 
     def _event(self, shown: dict[str, Any]) -> str:

@@ -362,7 +362,7 @@ class Transaction:
         if row is not None:
             return duplicate(row, env)
         part = self.db.partition
-        if part is not None and (why := misplaced(env.key, part)):
+        if part is not None and (why := misplaced(env.key, part, env.key_field)):
             raise Rejection(WRONG_PARTITION, why, event_id=env.event_id, fingerprint=env.fingerprint)
         result = self.effect(conn, env)
         conn.execute(_RECEIPT_INSERT, (env.event_id, env.fingerprint, result, env.type, self.now, env.key,

@@ -27,7 +27,7 @@ from ..errors import DeliveryError, TransientError, safe_reason
 from ..faults import crashpoint
 from ..partitions import slot_headers
 from ..plural import count
-from ..retry import reconnect_delay_s
+from ..retry import RECONNECT_CAP_S, reconnect_delay_s
 from ..sqlite import now_iso, path_of
 from ..topology import H_PRODUCED_MS
 from . import owners, wake
@@ -174,6 +174,8 @@ class DispatchStats:
     #: Whether the broker was reached at least once, and the last outage's reason.
     connected: bool = False
     last_outage: str = ""
+    #: Whether the broker answers now (the ``outbox_dispatch_connected`` gauge).
+    online: bool = False
     #: time.perf_counter() of the first claim and of the last mark.
     first_claim: float = 0.0
     last_mark: float = 0.0
@@ -241,6 +243,8 @@ class Dispatcher:
         self._failures = 0  # consecutive broker failures, for the backoff
         self._db_failures = 0  # consecutive database-busy failures
         self._connected = False
+        self._outage_why: str | None = None  # the outage being waited out, logged once
+        self._outage_since = 0.0
         self._inflight: deque[tuple[list[Claimed], Any]] = deque()  # sent, not yet collected
         self._reaped_at = float("-inf")
         self._good_keys: set[str] = set()  # routing keys already checked and found good
@@ -438,13 +442,18 @@ class Dispatcher:
             while self._inflight:
                 later, ticket = self._inflight.popleft()
                 self._settle(later, self.publisher.collect(ticket))
+            started = time.monotonic()
             try:
                 with _logged_if_slow("connecting"):
                     self.publisher.connect()
             except BrokerUnavailable as exc:
-                self._outage(str(exc))
+                if not self.stopping:  # else: interrupted by a stop, nothing to wait out
+                    self._outage(str(exc), spent=time.monotonic() - started)
                 return 0
-            self._connected = self.stats.connected = True
+            self._connected = self.stats.connected = self.stats.online = True
+            if self._outage_why is not None:
+                log.warning("broker reachable again after %.0fs", time.monotonic() - self._outage_since)
+                self._outage_why = None
         while len(self._inflight) < self.config.depth and not self.stopping:
             rows = self.claim()  # a busy database raises here; what is in flight stays in flight
             if not rows:
@@ -525,14 +534,25 @@ class Dispatcher:
             log.warning("%s not published: %s %s", row.event_id, r.status, r.reason)
         log.debug("batch of %d: %d confirmed", len(rows), len(rows) - len(bad))
 
-    def _outage(self, why: str) -> None:
+    def _outage(self, why: str, spent: float = 0.0) -> None:
+        """Wait before the next attempt; *spent*: what the failed one took
+        (a handshake that timed out), which counts towards the wait."""
         self._failures += 1
         self.stats.outages += 1
         self.stats.last_outage = why
-        delay = reconnect_delay_s(self._failures)
+        delay = max(0.0, reconnect_delay_s(self._failures) - spent)
         if self._idle_deadline is not None:  # never wait past the time --exit-when-idle allows
             delay = min(delay, max(0.01, self._idle_deadline - self.clock()))
-        log.warning("%s; retrying in %.1fs (attempt %d)", why, delay, self._failures)
+        self.stats.online = False
+        # Logged once per change of state, not once per attempt.
+        if why != self._outage_why:
+            if self._outage_why is None:
+                self._outage_since = time.monotonic()
+            self._outage_why = why
+            log.warning("%s; retrying in %.1fs, then every %.0fs at most until it answers", why, delay,
+                        RECONNECT_CAP_S)
+        else:
+            log.debug("%s; retrying in %.1fs (attempt %d)", why, delay, self._failures)
         self.sleep(delay)
 
     def _pause(self, seconds: float) -> None:

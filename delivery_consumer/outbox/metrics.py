@@ -5,7 +5,7 @@ dispatcher did the work): rows by state -- ``due``, ``leased``,
 ``retrying``, ``held``, ``quarantined``, ``published``, ``dropped`` -- and the
 age of the oldest pending row (quarantined rows wait for a person: their
 count is the ``quarantined`` state). Counters of this process: publication
-results by status, rows quarantined, broker outages.
+results by status, rows quarantined, broker outages; whether it is connected.
 """
 
 from __future__ import annotations
@@ -55,6 +55,8 @@ class OutboxCollector(Collector):
                                       value=self.dispatch.quarantined)
             yield CounterMetricFamily("outbox_dispatch_outages", "Broker outages this process waited out.",
                                       value=self.dispatch.outages)
+            yield GaugeMetricFamily("outbox_dispatch_connected", "1 while this process is connected to the "
+                                    "broker, 0 while it waits for it.", value=1 if self.dispatch.online else 0)
 
 
 def registry(path: Path | str, dispatch: DispatchStats | None = None) -> CollectorRegistry:

@@ -169,7 +169,7 @@ def waiting(conn: sqlite3.Connection, *, now: float | None = None) -> Counter[st
 def describe_waiting(counts: Counter[str]) -> str:
     """``3 rows left: 1 quarantined, 2 retrying`` (for exit messages; ``1 row left: ...``)."""
     words = {"pending": "due now", "leased": "leased by another dispatcher", "retrying": "waiting for their backoff",
-             "held": "held behind an earlier row of their article", "quarantined": "quarantined"}
+             "held": "held behind an earlier row of their key", "quarantined": "quarantined"}
     parts = ", ".join(f"{counts[k]} {words[k]}" for k in words if counts.get(k))
     return f"{count(sum(counts.values()), 'row')} left: {parts}"
 

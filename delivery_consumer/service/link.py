@@ -11,6 +11,7 @@ from contextlib import suppress
 from functools import partial
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING
 
 from ..amqp.consumer import ConsumerIO, Delivery
 from ..faults import crashpoint
@@ -29,8 +30,12 @@ from .messages import (
     Stop,
     ToConnection,
     ToWorker,
+    Vitals,
     pack,
 )
+
+if TYPE_CHECKING:
+    from ..metrics import RunExposition
 
 log = logging.getLogger("delivery_consumer.run")
 
@@ -38,9 +43,11 @@ log = logging.getLogger("delivery_consumer.run")
 class WorkerLink:
     """Sends the worker its deliveries and channel news; carries out what it asks."""
 
-    def __init__(self, conn: Connection, process: BaseProcess) -> None:
+    def __init__(self, conn: Connection, process: BaseProcess, exposition: RunExposition | None = None) -> None:
         self.conn = conn
         self.process = process
+        #: ``/metrics``, served here: the connection state, the worker's vitals.
+        self.exposition = exposition
         self.io: ConsumerIO | None = None
         self.failed: Failed | None = None
         self.closed = False
@@ -53,6 +60,7 @@ class WorkerLink:
             .on(Reconnect, lambda m: self._io().reconnect_now(m.why))
             .on(Shutdown, lambda _m: self._io().shutdown_now())
             .on(Failed, self.failure)
+            .on(Vitals, self.vitals)
         )
 
     def _io(self) -> ConsumerIO:
@@ -82,11 +90,19 @@ class WorkerLink:
             self._worker_gone()
 
     def channel(self, generation: int) -> None:
+        if self.exposition is not None:
+            self.exposition.connection_state(True)
         self._send(ChannelOpened(generation))
 
     def lost(self, generation: int, why: str) -> None:
+        if self.exposition is not None:
+            self.exposition.connection_state(False)
         self._flush()
         self._send(ChannelLost(generation, why))
+
+    def vitals(self, message: Vitals) -> None:
+        if self.exposition is not None:
+            self.exposition.worker_vitals(message.at, message.metrics)
 
     def stop(self) -> None:
         self._send(Stop())

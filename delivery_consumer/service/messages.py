@@ -117,7 +117,15 @@ class Shutdown:
     """Stop consuming and close the connection: the worker has exited its loop."""
 
 
-ToConnection = Ready | Failed | Ack | PublishCopies | Reconnect | Shutdown
+@dataclass(frozen=True, slots=True)
+class Vitals:
+    """The worker's metrics (exposition text) made at Unix time *at*, about once a second."""
+
+    at: float
+    metrics: bytes
+
+
+ToConnection = Ready | Failed | Ack | PublishCopies | Reconnect | Shutdown | Vitals
 
 # -- dispatching ----------------------------------------------------------------------
 

@@ -7,19 +7,24 @@ import multiprocessing
 import os
 import signal
 import socket
+from collections.abc import Callable
 from contextlib import suppress
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from ..amqp.connection import BrokerError
 from ..amqp.consumer import ConsumerIO
 from ..deliveries import ObserverFactory
-from ..errors import DatabaseError, StoreOutage
+from ..errors import DatabaseError, DeliveryError, StoreOutage
 from .config import RunConfig
 from .link import WorkerLink
-from .messages import Dispatch, Failed, ToConnection
+from .messages import Dispatch, Failed, Stop, ToConnection
 from .worker_process import worker_main
+
+if TYPE_CHECKING:
+    from ..metrics import RunExposition
 
 log = logging.getLogger("delivery_consumer.run")
 
@@ -61,13 +66,16 @@ def _started(parent_end: Connection, process: BaseProcess) -> bool:
     return True
 
 
-def run(config: RunConfig, observer_factory: ObserverFactory | None = None) -> int:
+def run(config: RunConfig, observer_factory: ObserverFactory | None = None,
+        serve: Callable[[], RunExposition] | None = None) -> int:
     """Run the consumer until SIGTERM/SIGINT or idle; returns the exit code.
 
     Starts the worker process (database) and runs the connection in this
     one. Raises DatabaseError or BrokerError (fatal) for the CLI to report,
     StoreOutage when the database stayed unusable past the outage limit.
-    *observer_factory* is called in the worker process (metrics live there).
+    *observer_factory* is called in the worker process (metrics are kept
+    there); *serve* in this one once the worker is up: it starts ``/metrics``
+    (raising DeliveryError when it cannot), which this process answers.
     """
     topology = config.topology()
     context = multiprocessing.get_context("fork")  # before any connection or thread exists
@@ -89,6 +97,13 @@ def run(config: RunConfig, observer_factory: ObserverFactory | None = None) -> i
     if isinstance(first, Failed):
         process.join()
         raise DatabaseError(first.message)
+    if serve is not None:
+        try:
+            link.exposition = serve()
+        except DeliveryError:
+            parent_end.send(Stop())
+            process.join(30)
+            raise
     io = ConsumerIO(
         config.url,
         topology,
@@ -98,7 +113,7 @@ def run(config: RunConfig, observer_factory: ObserverFactory | None = None) -> i
         on_lost=link.lost,
         name=f"delivery-consumer run {config.consumer}",
         # a one-shot run (--exit-when-idle) must not wait forever for a broker it never reached
-        retry_first_connect=config.exit_when_idle_s is None,
+        first_connect_s=config.exit_when_idle_s,
     )
     link.io = io
     io.watch(parent_end.fileno(), link.readable)

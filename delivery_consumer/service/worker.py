@@ -19,9 +19,10 @@ from typing import Any, Protocol, TypeVar
 from .. import tracing
 from ..amqp.consumer import Delivery
 from ..amqp.publisher import OutMessage
+from ..cloudevents import parse_message
 from ..contract import DeliveryMark, Outcome, WorkHooks
 from ..deliveries import Observer, delivery_key
-from ..envelope import KOMBU_COMPRESSION_HEADER, Envelope, body_digest, is_event_id, parse
+from ..envelope import KOMBU_COMPRESSION_HEADER, Envelope, body_digest, is_event_id
 from ..errors import DELIVERY_LIMIT, DatabaseLost, DeliveryError, Rejection, StoreOutage, StoreUnavailable
 from ..faults import crashpoint
 from ..inbox import ConsumerDB, InFlight, Transaction, apply_batch, has_receipt
@@ -283,8 +284,9 @@ class Worker(threading.Thread):
     def _parse(self, d: Delivery) -> Envelope | Rejection:
         try:
             types = None if self.db is None else self.db.spec.event_types
-            return parse(d.body, max_bytes=self.config.max_bytes, content_encoding=d.content_encoding,
-                         compression=d.headers.get(KOMBU_COMPRESSION_HEADER), types=types)
+            return parse_message(d.body, content_type=d.content_type, headers=d.headers,
+                                 max_bytes=self.config.max_bytes, content_encoding=d.content_encoding,
+                                 compression=d.headers.get(KOMBU_COMPRESSION_HEADER), types=types)
         except Rejection as rej:
             return rej
 

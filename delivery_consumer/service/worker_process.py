@@ -37,6 +37,7 @@ from .messages import (
     Stop,
     ToConnection,
     ToWorker,
+    Vitals,
 )
 from .worker import Worker
 
@@ -48,6 +49,8 @@ ORPHAN_GRACE_S = 2.0
 #: How often the worker process looks at its parent (besides PR_SET_PDEATHSIG).
 _PARENT_CHECK_S = 0.2
 _PR_SET_PDEATHSIG = 1
+#: How often the worker sends its metrics to the connection process, which serves them.
+VITALS_EVERY_S = 1.0
 
 
 class ConnectionProxy:
@@ -65,8 +68,16 @@ class ConnectionProxy:
         self.dispatch: Dispatch[ToWorker] = Dispatch()
         #: Called once the pipe says the connection process is gone.
         self.on_gone: Callable[[], None] = lambda: None
+        #: The worker's metrics as exposition text (None: metrics are off).
+        self.vitals: Callable[[], bytes] | None = None
+        self._vitals_due = 0.0
 
     def pump(self, timeout: float) -> None:
+        if self.vitals is not None and time.monotonic() >= self._vitals_due:
+            # Sent from the worker's own thread between batches: a worker stuck
+            # inside one leaves its heartbeat behind (docs/run.md, "Metrics").
+            self._vitals_due = time.monotonic() + VITALS_EVERY_S
+            self.send(Vitals(time.time(), self.vitals()))
         if self.gone:
             time.sleep(min(timeout, _PARENT_CHECK_S))  # nothing can come any more
             return
@@ -263,6 +274,9 @@ def worker_main(config: RunConfig, conn: Connection, parent_end: Connection,
         conn.send(Failed(str(worker.error)))
         return
     conn.send(Ready())
+    text = getattr(observer, "text", None)
+    if callable(text):  # only after Ready: the connection process reads Ready first
+        proxy.vitals = lambda: str(text()).encode("utf-8")
     deadline: float | None = None
     while worker.is_alive():
         worker.join(_PARENT_CHECK_S)

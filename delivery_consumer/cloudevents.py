@@ -1,0 +1,296 @@
+"""CloudEvents 1.0 in: a CloudEvent received over AMQP -> the envelope it maps to.
+
+Producers that are not ours speak CloudEvents (its SDKs, most event
+platforms). Both content modes of the AMQP protocol binding are read:
+
+* structured: ``content-type: application/cloudevents+json``, the whole
+  event in the body;
+* binary: the attributes in headers (``cloudEvents:`` as the binding
+  spells it, ``cloudEvents_`` as the SDKs write it for JMS, ``ce-`` as the
+  RabbitMQ binding of the SDK writes it), ``data`` in the body and
+  ``datacontenttype`` in the ``content-type`` property.
+
+The mapping (the contract; docs/cloudevents.md): ``type`` -> ``type``,
+``subject`` -> the type's key, ``time`` -> ``occurredAt``, the extension
+``revision`` -> ``revision``, ``data`` -> ``data``, the extensions
+``correlationid``, ``causationid``, ``traceparent`` -> ``meta``; ``id`` ->
+``eventId`` when it is a canonical UUID, else the UUID version 5 of
+``source + "\\n" + id`` in the URL namespace (:func:`event_id_for`). The
+event is then validated and fingerprinted as the envelope it maps to.
+
+Pure functions: no broker, no SDK; the type's shape comes from a lookup.
+:func:`parse_message` is the one parse path of a message (``run``, dead
+letters, ``reroute``, ``replay``): a CloudEvent is mapped, anything else is
+an envelope; both end in the declared types' ``from_mapping``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any, Final, Protocol
+
+import orjson
+
+from .envelope import MAX_BODY_BYTES, Envelope, decode_body, is_event_id, parse
+from .errors import INVALID_ENVELOPE, MALFORMED_JSON, UNKNOWN_TYPE, Rejection, safe_reason
+
+if TYPE_CHECKING:
+    from .event_types import EventTypes
+
+#: ``content-type`` of an event in structured mode (JSON event format).
+STRUCTURED_CONTENT_TYPE: Final = "application/cloudevents+json"
+_BATCH_CONTENT_TYPE: Final = "application/cloudevents-batch+json"
+#: Header prefixes of binary mode: the AMQP binding's, the SDKs' JMS spelling, the RabbitMQ binding's.
+HEADER_PREFIXES: Final = ("cloudEvents:", "cloudEvents_", "ce-")
+_JSON_MEDIA = re.compile(r"(application|text)/([a-z0-9.\-]+\+)?json", re.IGNORECASE)
+_REVISION_TEXT = re.compile(r"[1-9][0-9]{0,18}")
+#: Extension attributes kept in the envelope's ``meta`` (CloudEvents names are lowercase).
+META_EXTENSIONS: Final = {"correlationid": "correlationId", "causationid": "causationId", "traceparent": "traceparent"}
+_SPECVERSION: Final = "1.0"
+
+
+class TypeShape(Protocol):
+    """What the mapping needs to know of a declared event type (an
+    :class:`~delivery_consumer.event_types.EventType` is one)."""
+
+    @property
+    def key(self) -> str:
+        """The envelope field that names the entity (``orderId``)."""
+
+    @property
+    def revision(self) -> bool:
+        """Whether the type's envelopes carry a ``revision``."""
+
+
+#: Finds a declared type by name; None when no consumer declares it.
+TypeLookup = Callable[[str], TypeShape | None]
+
+
+def event_id_for(source: str, event_id: str) -> str:
+    """The eventId a CloudEvent's ``id`` maps to (stable, and distinct across sources)."""
+    if is_event_id(event_id):
+        return event_id
+    import uuid  # not at the top: start-up time counts (bench/bench_replay.py), and most ids are UUIDs
+
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, f"{source}\n{event_id}"))
+
+
+def media_type(content_type: str | None) -> str:
+    """``content_type`` without parameters, lowercase ('' when absent)."""
+    return (content_type or "").split(";", 1)[0].strip().lower()
+
+
+def binary_attributes(headers: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The CloudEvents attributes carried in *headers* (binary mode), by attribute name."""
+    found: dict[str, Any] = {}
+    for name, value in (headers or {}).items():
+        for prefix in HEADER_PREFIXES:
+            if name[: len(prefix)].lower() == prefix.lower():
+                found[name[len(prefix):].lower()] = value
+                break
+    return found
+
+
+_SPECVERSION_HEADERS: Final = frozenset(f"{prefix}specversion".lower() for prefix in HEADER_PREFIXES)
+
+
+def is_cloudevent(content_type: str | None, headers: Mapping[str, Any] | None) -> bool:
+    """Whether a message is a CloudEvent in either mode (cheap: looks at properties only)."""
+    # On every delivery: a substring test, then one lowercase per header (no loop over the prefixes).
+    if content_type and "cloudevents" in content_type.lower() \
+            and media_type(content_type) in (STRUCTURED_CONTENT_TYPE, _BATCH_CONTENT_TYPE):
+        return True
+    if headers:
+        for name in headers:
+            if len(name) <= 23 and name.lower() in _SPECVERSION_HEADERS:
+                return True
+    return False
+
+
+def looks_structured(obj: Mapping[str, Any]) -> bool:
+    """Whether a decoded JSON object is a structured CloudEvent (it has ``specversion``).
+
+    No envelope has that field, so for a body read without properties
+    (``replay`` of files) this tells the two apart unambiguously.
+    """
+    return "specversion" in obj
+
+
+def from_message(
+    body: bytes, content_type: str | None, headers: Mapping[str, Any] | None, types: TypeLookup,
+) -> dict[str, Any]:
+    """The envelope (a mapping, not yet validated) of a CloudEvent message, or raise Rejection.
+
+    *body* is already decoded (content-encoding undone). Validate the result
+    with :func:`delivery_consumer.envelope.from_mapping`.
+    """
+    media = media_type(content_type)
+    if media == _BATCH_CONTENT_TYPE:
+        raise Rejection(INVALID_ENVELOPE, "CloudEvents batches are not accepted: publish one event per message")
+    if media == STRUCTURED_CONTENT_TYPE:
+        return from_structured(_load(body, "the structured CloudEvent"), types)
+    attributes = binary_attributes(headers)
+    datacontenttype = content_type or "application/json"
+    _require_json(datacontenttype, attributes)
+    attributes["data"] = _load(body, "the CloudEvent's data")
+    return _map(attributes, types)
+
+
+def from_structured(event: Mapping[str, Any], types: TypeLookup) -> dict[str, Any]:
+    """The envelope of a structured CloudEvent already decoded from JSON."""
+    attributes = dict(event)
+    if "data_base64" in attributes:
+        raise Rejection(INVALID_ENVELOPE, "CloudEvent attribute data_base64: binary data is not accepted, only JSON",
+                        event_id=_event_id_or_none(attributes))
+    _require_json(attributes.get("datacontenttype") or "application/json", attributes)
+    return _map(attributes, types)
+
+
+def _map(attributes: Mapping[str, Any], types: TypeLookup) -> dict[str, Any]:
+    specversion = attributes.get("specversion")
+    event_id = _event_id_or_none(attributes)
+    if specversion != _SPECVERSION:
+        what = "is missing" if specversion is None else f"{_shown(specversion)} is not supported (only 1.0)"
+        raise Rejection(INVALID_ENVELOPE, f"CloudEvent attribute specversion {what}", event_id=event_id)
+    for required in ("id", "source", "type"):
+        value = attributes.get(required)
+        if not isinstance(value, str) or not value:
+            raise Rejection(INVALID_ENVELOPE, f"CloudEvent attribute {required} is missing or not a string",
+                            event_id=event_id)
+    assert event_id is not None  # id and source are strings
+    type_name = str(attributes["type"])
+    shape = types(type_name)
+    if shape is None:
+        raise Rejection(UNKNOWN_TYPE, safe_reason(f"type {type_name!r} is not declared by this consumer"),
+                        event_id=event_id)
+    subject = attributes.get("subject")
+    if not isinstance(subject, str) or not subject:
+        raise Rejection(INVALID_ENVELOPE,
+                        f"CloudEvent attribute subject is missing: it carries the {shape.key} of {type_name}",
+                        event_id=event_id)
+    envelope: dict[str, Any] = {
+        "eventId": event_id,
+        "type": type_name,
+        shape.key: subject,
+        "occurredAt": _occurred_at(attributes.get("time"), event_id),
+        "data": attributes.get("data"),
+    }
+    if shape.revision:
+        envelope["revision"] = _revision(attributes.get("revision"), type_name, event_id)
+    meta = {field: attributes[name] for name, field in META_EXTENSIONS.items() if attributes.get(name) is not None}
+    if meta:
+        envelope["meta"] = meta
+    return envelope
+
+
+_SPECVERSION_NAME: Final = b'"specversion"'
+
+
+def parse_message(
+    body: bytes,
+    *,
+    content_type: str | None = None,
+    headers: Mapping[str, Any] | None = None,
+    content_encoding: str | None = None,
+    compression: object = None,
+    max_bytes: int = MAX_BODY_BYTES,
+    types: EventTypes | None = None,
+) -> Envelope:
+    """A message's :class:`~delivery_consumer.envelope.Envelope`, or raise Rejection.
+
+    A CloudEvent (by its properties: :func:`is_cloudevent`; or, for a body
+    read without properties, a JSON object with ``specversion``) is mapped
+    with the declared *types* and validated and fingerprinted as the
+    envelope it maps to; any other body goes to
+    :func:`delivery_consumer.envelope.parse`. *content_encoding*,
+    *compression* and *max_bytes* apply to the body as there.
+    """
+    if types is None:
+        from .event_types import default_types  # event_types imports envelope, which this module imports
+
+        types = default_types()
+    if (content_type is not None or headers) and is_cloudevent(content_type, headers):
+        if content_encoding is not None or compression is not None:
+            body = decode_body(body, content_encoding, compression=compression, max_bytes=max_bytes)
+        elif len(body) > max_bytes:
+            raise Rejection(INVALID_ENVELOPE, f"body is {len(body)} bytes, over the limit of {max_bytes}")
+        return types.from_mapping(from_message(body, content_type, headers, types.get))
+    if content_encoding is None and compression is None and _SPECVERSION_NAME in body and len(body) <= max_bytes:
+        # No envelope has this field: a structured CloudEvent read without its properties (a file).
+        try:
+            obj = _load(body, "the body")
+        except Rejection:
+            obj = None  # envelope.parse names what is wrong with it
+        if isinstance(obj, dict) and looks_structured(obj):
+            return types.from_mapping(from_structured(obj, types.get))
+    return parse(body, max_bytes=max_bytes, content_encoding=content_encoding, compression=compression, types=types)
+
+
+def _event_id_or_none(attributes: Mapping[str, Any]) -> str | None:
+    event_id, source = attributes.get("id"), attributes.get("source")
+    if isinstance(event_id, str) and event_id and isinstance(source, str) and source:
+        return event_id_for(source, event_id)
+    return None
+
+
+def _require_json(datacontenttype: object, attributes: Mapping[str, Any]) -> None:
+    media = media_type(str(datacontenttype))
+    if not _JSON_MEDIA.fullmatch(media):
+        raise Rejection(INVALID_ENVELOPE,
+                        safe_reason(f"CloudEvent attribute datacontenttype {media!r} is not JSON"),
+                        event_id=_event_id_or_none(attributes))
+
+
+def _occurred_at(time: object, event_id: str) -> str:
+    if isinstance(time, str) and time:
+        return time  # validated as occurredAt is, verbatim: the fingerprint covers what was sent
+    if isinstance(time, datetime):  # an AMQP timestamp header (whole seconds)
+        instant = time if time.tzinfo is not None else time.replace(tzinfo=UTC)
+        return instant.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    if isinstance(time, int) and not isinstance(time, bool) and 0 <= time < 253402300800000:
+        # The AMQP 1.0 timestamp the SDKs write in binary mode: milliseconds since the epoch.
+        instant = datetime.fromtimestamp(time / 1000, tz=UTC)
+        return instant.strftime("%Y-%m-%dT%H:%M:%S.") + f"{time % 1000:03d}Z"
+    what = "is missing" if time is None else "is not a timestamp"
+    raise Rejection(INVALID_ENVELOPE, f"CloudEvent attribute time {what} (it becomes occurredAt)", event_id=event_id)
+
+
+def _revision(value: object, type_name: str, event_id: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and _REVISION_TEXT.fullmatch(value):
+        return int(value)
+    what = "is missing" if value is None else "is not an integer"
+    raise Rejection(INVALID_ENVELOPE, f"CloudEvent extension attribute revision {what} ({type_name} carries one)",
+                    event_id=event_id)
+
+
+def _load(body: bytes, what: str) -> Any:
+    """The one place the mapping decodes JSON (a stricter decoder goes here)."""
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise Rejection(MALFORMED_JSON, f"{what} is not valid JSON") from None
+
+
+def _shown(value: object) -> str:
+    return safe_reason(repr(value), 40)
+
+
+__all__ = [
+    "HEADER_PREFIXES",
+    "META_EXTENSIONS",
+    "STRUCTURED_CONTENT_TYPE",
+    "TypeLookup",
+    "TypeShape",
+    "binary_attributes",
+    "event_id_for",
+    "from_message",
+    "from_structured",
+    "is_cloudevent",
+    "looks_structured",
+    "media_type",
+    "parse_message",
+]
