@@ -26,4 +26,6 @@ def __getattr__(name: str) -> Any:
 
 __all__ = ["__version__", "run_consumer"]
 
-__version__ = "0.1.0"
+#: Raised on every release that changes the database schema or the wire
+#: contract (CHANGELOG.md); a database records the release that last migrated it.
+__version__ = "0.2.0"

@@ -35,6 +35,7 @@ from .sqlite import now_iso
 from .topology import (
     BROKER_HEADERS,
     H_ATTEMPTS,
+    H_ATTEMPTS_SEAL,
     H_CONSUMER,
     H_ERROR_CODE,
     H_ERROR_REASON,
@@ -51,7 +52,8 @@ H_REQUEUES = "x-requeues"
 #: Headers a requeued copy must not carry: its failure (a fresh attempt count)
 #: and what the broker owns (``x-death`` from a client is ignored from 4.0 on).
 DROPPED_HEADERS = frozenset({
-    H_ATTEMPTS, H_ERROR_CODE, H_ERROR_REASON, H_FAILED_AT, H_CONSUMER, H_LAST_ERROR, *BROKER_HEADERS,
+    H_ATTEMPTS, H_ATTEMPTS_SEAL, H_ERROR_CODE, H_ERROR_REASON, H_FAILED_AT, H_CONSUMER, H_LAST_ERROR,
+    *BROKER_HEADERS,
 })
 
 #: Code of a dead letter that carries neither our headers nor ``x-death``.

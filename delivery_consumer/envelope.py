@@ -339,6 +339,44 @@ def _refuse(body: bytes) -> NoReturn:
     raise Rejection(INVALID_ENVELOPE, "a value cannot be represented (lone surrogate, overflow or nesting)")
 
 
+def refuse_duplicate_keys(body: bytes, canonical: bytes | None, obj: Mapping[str, Any]) -> None:
+    """Raise ``malformed-json`` naming a key that appears twice in one object of *body*.
+
+    orjson keeps the last of two equal keys, so *obj* (what it parsed) and
+    *canonical* (that written back) may have lost pairs of *body*. A cheap
+    count proves the usual body free of duplicates: every ``:`` of *canonical*
+    is a key's or a string's, and each one stands for a ``:`` byte or a
+    ``\\u003a`` escape of *body*, which has one more of these for every pair
+    the parse dropped (and never fewer). Only when the counts differ (or no
+    *canonical*) is *body* parsed again, by the standard library, with every
+    pair kept (docs/failures.md, "Duplicate keys").
+    """
+    if canonical is not None:
+        colons = body.count(b":")
+        if b"\\" in body:  # no escape at all, the usual case: one memchr
+            colons += body.count(b"\\u003a") + body.count(b"\\u003A")
+        if colons == canonical.count(b":"):
+            return
+    import json  # not at the top: start-up time counts (bench/bench_replay.py)
+
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        kept = dict(pairs)
+        if len(kept) == len(pairs):
+            return kept
+        seen: set[str] = set()
+        for key, _value in pairs:
+            if key in seen:
+                raise Rejection(MALFORMED_JSON, f'duplicate key "{safe_reason(key, 40)}"',
+                                event_id=None if key == "eventId" else _event_id_of(obj))
+            seen.add(key)
+        raise AssertionError("unreachable")
+
+    try:
+        json.loads(body, object_pairs_hook=no_duplicates)
+    except (ValueError, RecursionError):  # what orjson parsed, but too deep for this parser
+        raise Rejection(MALFORMED_JSON, "body nested too deep to check it for duplicate keys") from None
+
+
 def parse(
     body: bytes,
     *,
@@ -363,7 +401,13 @@ def parse(
         _refuse(body)
     if not isinstance(obj, dict):
         raise Rejection(MALFORMED_JSON, f"body is JSON but not an object ({type(obj).__name__})")
-    return (_default_types() if types is None else types).from_mapping(obj)
+    try:
+        env = (_default_types() if types is None else types).from_mapping(obj)
+    except Rejection:
+        refuse_duplicate_keys(body, None, obj)  # a duplicate is the first thing wrong with a body
+        raise
+    refuse_duplicate_keys(body, env.canonical, obj)
+    return env
 
 
 def _default_types() -> EventTypes:
@@ -398,6 +442,7 @@ __all__ = [
     "known_types",
     "load_schema",
     "parse",
+    "refuse_duplicate_keys",
     "safe_reason",
     "schema_dir",
     "validator",

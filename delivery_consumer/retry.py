@@ -7,17 +7,25 @@ Attempts count *tries*: the first delivery is attempt 1. A transient failure
 of attempt ``n`` goes to retry tier ``n - 1`` (delays 1 s, 10 s, 60 s by
 default, the last one repeating) unless ``n`` reached ``max_attempts``, in
 which case the event is dead-lettered with ``retries-exhausted``.
+
+The count travels in the ``x-attempts`` header of the copies ``run`` makes,
+sealed (``x-attempts-seal``) with a key only the consumer's database holds:
+a count anyone else wrote -- a producer's own header, a copy of the
+previous release -- is not trusted and counts as 0 (docs/failures.md,
+"Attempts").
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from .errors import RETRIES_EXHAUSTED
-from .topology import DEFAULT_RETRY_DELAYS_MS, H_ATTEMPTS
+from .topology import DEFAULT_RETRY_DELAYS_MS, H_ATTEMPTS, H_ATTEMPTS_SEAL
 
 DEFAULT_MAX_ATTEMPTS = 3
 
@@ -88,6 +96,34 @@ def attempts_done(headers: Mapping[str, Any] | None) -> int:
         except ValueError:
             return 0
     return max(0, min(int(value), 1_000_000))
+
+
+#: The version prefix of a seal (a later scheme gets another one; an unknown one is not trusted).
+_SEAL_VERSION = "v1."
+
+
+def seal_attempts(key: bytes, body: bytes, attempts: int) -> str:
+    """The ``x-attempts-seal`` of a copy of *body* carrying *attempts*: an
+    HMAC-SHA-256 (128 bits of it) of the count and the body's digest, under
+    the consumer's *key*."""
+    message = b"%s%d:" % (_SEAL_VERSION.encode(), attempts) + hashlib.sha256(body).digest()
+    return _SEAL_VERSION + hmac.new(key, message, hashlib.sha256).hexdigest()[:32]
+
+
+def sealed_attempts(headers: Mapping[str, Any] | None, body: bytes, key: bytes | None) -> int:
+    """:func:`attempts_done` when the message's seal proves that a copy made
+    with *key* wrote the count for this very body; else 0 (a count nobody
+    can vouch for starts again, never goes up)."""
+    attempts = attempts_done(headers)
+    if attempts == 0 or key is None or headers is None:
+        return 0
+    seal = headers.get(H_ATTEMPTS_SEAL)
+    if isinstance(seal, bytes):
+        seal = seal.decode("ascii", "replace")
+    if not isinstance(seal, str) or not seal.isascii() \
+            or not hmac.compare_digest(seal, seal_attempts(key, body, attempts)):
+        return 0
+    return attempts
 
 
 #: The longest wait between two connection attempts: a broker that comes back

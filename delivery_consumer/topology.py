@@ -22,6 +22,8 @@ DEFAULT_DELIVERY_LIMIT = 20
 
 # Headers we set on copies (retry tiers, dead letters, requeues).
 H_ATTEMPTS = "x-attempts"
+#: The seal of H_ATTEMPTS on a copy we made (retry.seal_attempts): a count without it is not ours.
+H_ATTEMPTS_SEAL = "x-attempts-seal"
 H_ERROR_CODE = "x-error-code"
 H_ERROR_REASON = "x-error-reason"
 H_CONSUMER = "x-consumer"

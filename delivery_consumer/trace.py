@@ -76,6 +76,9 @@ def _deliveries_summary(records: list[Row], receipt: Row | None) -> Row:
             "lastAt": last["lastAt"],
             "lastOutcome": last["lastOutcome"],
         })
+    if receipt is not None and summary["firstAt"] is not None and receipt["receivedAt"] < summary["firstAt"]:
+        # A row a duplicate began (0.1.0 stamped it with the duplicate's time): the receipt is older.
+        summary["firstAt"] = receipt["receivedAt"]
     if receipt is not None and (summary["lastAt"] is None or receipt["receivedAt"] > summary["lastAt"]):
         summary.update({
             "deliveries": summary["deliveries"] + 1,

@@ -247,7 +247,7 @@ def test_a_transient_failure_is_retried_by_a_copy_confirmed_before_the_ack(
     assert worker.topology.retry_queue(0) == copy.routing_key
     assert copy.headers is not None and 1 == copy.headers[H_ATTEMPTS]
     assert set() == io.calls[1].receipts
-    again = delivery(2, first.body, message_id=first.message_id, headers={H_ATTEMPTS: 1})
+    again = delivery(2, first.body, message_id=first.message_id, headers=copy.headers)  # the copy, sealed
     worker.process([again])
     (dead,) = io.calls[2].messages
     assert worker.topology.dead_queue == dead.routing_key

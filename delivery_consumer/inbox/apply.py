@@ -418,10 +418,15 @@ class Transaction:
         *delivered_hint* is what the broker says (``x-delivery-count + 1``).
         ``count=False`` only updates the outcome of a delivery counted
         earlier. Crashes are not counted here: see :class:`InFlight`.
+        A first row that counts earlier deliveries (a hint above 1: ``run``
+        writes no row for a first delivery applied fresh) starts at the
+        receipt's time, that first delivery's, when there is one.
         """
         row = self.conn.execute(
             "INSERT INTO deliveries (key, event_id, deliveries, redeliveries, attempts, crashes,"
-            " first_at, last_at, last_outcome) VALUES (?1, ?2, max(1, ?3), ?4, ?5, 0, ?6, ?6, ?7)"
+            " first_at, last_at, last_outcome) VALUES (?1, ?2, max(1, ?3), ?4, ?5, 0,"
+            " CASE WHEN ?3 > 1 THEN coalesce((SELECT min(received_at, ?6) FROM inbox WHERE event_id = ?2), ?6)"
+            " ELSE ?6 END, ?6, ?7)"
             " ON CONFLICT (key) DO UPDATE SET"
             " deliveries = max(deliveries + ?8, ?3),"
             " redeliveries = redeliveries + ?4 * ?8,"

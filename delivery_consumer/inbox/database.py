@@ -9,6 +9,7 @@ older one up to date under one write lock. Transactions on it:
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import time
 from collections.abc import Callable
@@ -108,6 +109,10 @@ CORE_MIGRATIONS: tuple[str, ...] = (
     """,
 )
 STORE_VERSION = len(CORE_MIGRATIONS)
+#: The ``meta`` key of the consumer's seal key (hex), made by the first writable open.
+SEAL_KEY = "seal_key"
+#: The ``meta`` key naming the release that last migrated the database ("delivery-consumer X.Y.Z").
+SCHEMA_BY_KEY = "schema_by"
 _CONSUMER_VERSION_KEY = "consumer_schema_version"
 
 #: Resolves the consumer a database records to its spec (the registry's ``get``).
@@ -263,9 +268,12 @@ class ConsumerDB:
                     f"{path}: this is a producer's database (it holds an outbox), not a consumer's inbox")
             raise DatabaseError(f"{path}: not a delivery-consumer database")
         if version > STORE_VERSION:
+            row = conn.execute("SELECT value FROM meta WHERE key = ?", (SCHEMA_BY_KEY,)).fetchone()
+            by = f" by {row[0]}" if row else " by a later release"
             raise DatabaseError(
-                f"{path}: database schema version {version} is newer than this "
-                f"delivery-consumer ({__version__}) understands ({STORE_VERSION}); upgrade it"
+                f"{path}: database schema version {version} was written{by}; this delivery-consumer "
+                f"{__version__} knows versions up to {STORE_VERSION} and never downgrades a database: "
+                "open it with that release or a later one (pip install -U delivery-consumer)"
             )
         if version == 0:
             raise DatabaseError(f"{path}: not a delivery-consumer database")
@@ -339,6 +347,10 @@ class ConsumerDB:
                     ],
                 )
             conn.execute(f"PRAGMA user_version = {STORE_VERSION}")
+            # The key that seals the attempt counts of this consumer's copies (retry.py); a database
+            # of an older release gets one now.
+            conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES (?, ?)",
+                         (SEAL_KEY, os.urandom(32).hex()))  # not secrets: start-up time counts
             row = conn.execute(
                 "SELECT value FROM meta WHERE key = ?", (_CONSUMER_VERSION_KEY,)
             ).fetchone()
@@ -347,6 +359,9 @@ class ConsumerDB:
             conn.execute(
                 "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (_CONSUMER_VERSION_KEY, str(applied)),
             )
+            if version != STORE_VERSION or applied != (int(row[0]) if row else 0):  # it migrated: say who
+                conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
+                             (SCHEMA_BY_KEY, f"delivery-consumer {__version__}"))
             conn.execute("COMMIT")
             return stored
         except BaseException:
@@ -436,4 +451,5 @@ class ConsumerDB:
         return dict(self.conn.execute("SELECT key, value FROM meta").fetchall())
 
 
-__all__ = ["CORE_MIGRATIONS", "STORE_VERSION", "ConsumerDB", "SpecLookup", "default_db_path", "inbox_rowid_before"]
+__all__ = ["CORE_MIGRATIONS", "SEAL_KEY", "STORE_VERSION", "ConsumerDB", "SpecLookup", "default_db_path",
+           "inbox_rowid_before"]

@@ -1,5 +1,7 @@
 """The copies ``run`` publishes instead of losing a message: to a retry tier
-after a transient failure, to the dead queue after a rejection."""
+after a transient failure, to the dead queue after a rejection. Each carries
+its attempt count sealed with the consumer's key, and only a count so sealed
+is read back (retry.py)."""
 
 from __future__ import annotations
 
@@ -10,11 +12,14 @@ from ..amqp.consumer import Delivery
 from ..amqp.publisher import OutMessage
 from ..contract import Outcome
 from ..errors import RETRIES_EXHAUSTED, Rejection
-from ..retry import GiveUp, RetryPolicy, attempts_done, retry_after_tier
+from ..inbox import ConsumerDB
+from ..inbox.database import SEAL_KEY
+from ..retry import GiveUp, RetryPolicy, retry_after_tier, seal_attempts, sealed_attempts
 from ..sqlite import now_iso
 from ..topology import (
     BROKER_HEADERS,
     H_ATTEMPTS,
+    H_ATTEMPTS_SEAL,
     H_CONSUMER,
     H_ERROR_CODE,
     H_ERROR_REASON,
@@ -23,6 +28,13 @@ from ..topology import (
     H_ROUTING_KEY,
     Topology,
 )
+
+
+def seal_key(db: ConsumerDB) -> bytes | None:
+    """The key that seals the attempt counts of *db*'s consumer (None in a
+    database no writable open has given one yet)."""
+    value = db.meta().get(SEAL_KEY)
+    return bytes.fromhex(value) if value else None
 
 
 @dataclass(slots=True)
@@ -37,13 +49,19 @@ class Copy:
 class CopyMaker:
     """Makes the copy a delivery's outcome calls for, if any."""
 
-    def __init__(self, consumer: str, topology: Topology, policy: RetryPolicy) -> None:
+    def __init__(self, consumer: str, topology: Topology, policy: RetryPolicy, key: bytes | None = None) -> None:
         self.consumer = consumer
         self.topology = topology
         self.policy = policy
+        #: The consumer's seal key (:func:`seal_key`); None: no count is trusted.
+        self.key = key
+
+    def attempts(self, d: Delivery) -> int:
+        """Failed tries of *d* as this consumer's own copies counted them (0 for any other count)."""
+        return sealed_attempts(d.headers, d.body, self.key)
 
     def for_outcome(self, d: Delivery, outcome: Outcome) -> Copy | None:
-        attempt = attempts_done(d.headers) + 1
+        attempt = self.attempts(d) + 1
         if outcome.rejection is not None:
             return self.dead(d, outcome.rejection, attempt)
         if outcome.transient is None:
@@ -58,8 +76,7 @@ class CopyMaker:
             return self.dead(d, rejection, attempt)
         if outcome.transient.retry_after_s is not None:  # e.g. an HTTP 429's Retry-After (webhook)
             decision = retry_after_tier(decision, self.topology.retry_delays_ms, outcome.transient.retry_after_s)
-        headers = self._headers(d)
-        headers[H_ATTEMPTS] = decision.attempts
+        headers = self._headers(d, decision.attempts)
         headers[H_LAST_ERROR] = outcome.transient.reason
         message = OutMessage(
             routing_key=self.topology.retry_queue(decision.tier),
@@ -72,11 +89,10 @@ class CopyMaker:
         return Copy("retry", d, message, None, attempt)
 
     def dead(self, d: Delivery, rejection: Rejection, attempt: int) -> Copy:
-        headers = self._headers(d)
+        headers = self._headers(d, attempt)
         headers.update({
             H_ERROR_CODE: rejection.code,
             H_ERROR_REASON: rejection.reason,
-            H_ATTEMPTS: attempt,
             H_FAILED_AT: now_iso(),
         })
         message = OutMessage(
@@ -89,8 +105,12 @@ class CopyMaker:
         )
         return Copy("dead", d, message, rejection, attempt)
 
-    def _headers(self, d: Delivery) -> dict[str, Any]:
-        headers = {k: v for k, v in d.headers.items() if k not in BROKER_HEADERS}
+    def _headers(self, d: Delivery, attempts: int) -> dict[str, Any]:
+        """*d*'s headers for a copy carrying *attempts*, sealed (without a key: no seal)."""
+        headers = {k: v for k, v in d.headers.items() if k not in BROKER_HEADERS and k != H_ATTEMPTS_SEAL}
         headers.setdefault(H_ROUTING_KEY, d.routing_key)
         headers[H_CONSUMER] = self.consumer
+        headers[H_ATTEMPTS] = attempts
+        if self.key is not None:
+            headers[H_ATTEMPTS_SEAL] = seal_attempts(self.key, d.body, attempts)
         return headers

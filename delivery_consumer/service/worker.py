@@ -27,10 +27,10 @@ from ..errors import DELIVERY_LIMIT, DatabaseLost, DeliveryError, Rejection, Sto
 from ..faults import crashpoint
 from ..inbox import ConsumerDB, InFlight, Transaction, apply_batch, has_receipt
 from ..plural import count
-from ..retry import RetryPolicy, attempts_done, reconnect_delay_s
+from ..retry import RetryPolicy, reconnect_delay_s
 from ..topology import H_ATTEMPTS, H_DELIVERY_COUNT, H_PRODUCED_MS
 from .config import RunConfig
-from .copies import Copy, CopyMaker
+from .copies import Copy, CopyMaker, seal_key
 
 log = logging.getLogger("delivery_consumer.run")
 _T = TypeVar("_T")
@@ -191,6 +191,7 @@ class Worker(threading.Thread):
             self.ready.set()
             return False
         self.in_flight = InFlight(self.db)
+        self.copies.key = seal_key(self.db)
         self.ready.set()
         self.observer.store_health(True)
         return True
@@ -411,7 +412,7 @@ class Worker(threading.Thread):
         assert db is not None and in_flight is not None
         in_flight.mark([delivery_key(d) for d in items])
         if db.spec.external is not None:  # an effect outside the database: the fence protocol (fence.py)
-            marks = [DeliveryMark(delivery_key(d), d.redelivered, attempts_done(d.headers) + 1, True,
+            marks = [DeliveryMark(delivery_key(d), d.redelivered, self.copies.attempts(d) + 1, True,
                                   _int_header(d.headers, H_DELIVERY_COUNT) + 1) for d in items]
             return db.spec.external(self.config.consumer_options)(db, parsed, marks, self._hooks())
 
@@ -423,7 +424,7 @@ class Worker(threading.Thread):
                     delivery_key(d),
                     outcome.event_id,
                     redelivered=d.redelivered,
-                    attempt=attempts_done(d.headers) + 1,
+                    attempt=self.copies.attempts(d) + 1,
                     outcome=outcome.status,
                     # a duplicate was delivered at least once before (its receipt says so)
                     delivered_hint=max(_int_header(d.headers, H_DELIVERY_COUNT) + 1,
@@ -487,7 +488,7 @@ class Worker(threading.Thread):
             event_id=parsed.event_id,
             fingerprint=parsed.fingerprint,
         )
-        copy = self.copies.dead(d, rejection, attempts_done(d.headers) + 1)
+        copy = self.copies.dead(d, rejection, self.copies.attempts(d) + 1)
         if not self._publish_copies(d.generation, [copy]):
             return False
         self._settle(d.generation, [d], [Outcome(parsed.event_id, rejection=rejection)])
