@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import orjson
 
-from .envelope import MAX_BODY_BYTES, Envelope, decode_body, is_event_id, parse
+from .envelope import MAX_BODY_BYTES, Envelope, decode_body, is_event_id, parse, refuse_duplicate_keys
 from .errors import INVALID_ENVELOPE, MALFORMED_JSON, UNKNOWN_TYPE, Rejection, safe_reason
 
 if TYPE_CHECKING:
@@ -268,11 +268,16 @@ def _revision(value: object, type_name: str, event_id: str) -> int:
 
 
 def _load(body: bytes, what: str) -> Any:
-    """The one place the mapping decodes JSON (a stricter decoder goes here)."""
+    """The one place the mapping decodes JSON: orjson, then the envelope's duplicate-key refusal."""
     try:
-        return orjson.loads(body)
+        value = orjson.loads(body)
     except orjson.JSONDecodeError:
         raise Rejection(MALFORMED_JSON, f"{what} is not valid JSON") from None
+    if isinstance(value, dict):
+        refuse_duplicate_keys(body, orjson.dumps(value), value)
+    elif b":" in body:  # objects inside an array or under a scalar's siblings: the exact check
+        refuse_duplicate_keys(body, None, {})
+    return value
 
 
 def _shown(value: object) -> str:

@@ -166,3 +166,23 @@ def test_plain_messages_are_not_cloudevents() -> None:
     assert not cloudevents.is_cloudevent(None, None)
     assert cloudevents.looks_structured({"specversion": "1.0"})
     assert not cloudevents.looks_structured({"eventId": "x"})
+
+
+@pytest.mark.parametrize("mode", ["structured", "binary"])
+def test_a_duplicate_key_in_a_cloudevent_is_refused_by_name(mode: str) -> None:
+    """A CloudEvent whose JSON repeats a key (in the event or in its data) is malformed-json naming the key."""
+    if mode == "structured":
+        body = (b'{"specversion": "1.0", "id": "1", "source": "/s", "type": "order.placed", "subject": "o-1",'
+                b' "time": "2026-12-02T10:00:00Z", "revision": 1, "revision": 2, "data": {}}')
+        content_type, headers = cloudevents.STRUCTURED_CONTENT_TYPE, {}
+    else:
+        body = b'{"total": 1, "total": 2}'
+        content_type = "application/json"
+        headers = {"cloudEvents_specversion": "1.0", "cloudEvents_id": "1", "cloudEvents_source": "/s",
+                   "cloudEvents_type": "order.placed", "cloudEvents_subject": "o-1",
+                   "cloudEvents_time": "2026-12-02T10:00:00Z", "cloudEvents_revision": 1}
+    with pytest.raises(Rejection) as caught:
+        cloudevents.from_message(body, content_type, headers, lookup)
+    assert MALFORMED_JSON == caught.value.code
+    assert "duplicate key" in caught.value.reason
+    assert ("revision" if mode == "structured" else "total") in caught.value.reason

@@ -118,7 +118,9 @@ def test_run_against_a_refused_port_prints_the_error_alone(tmp_path: Path) -> No
                           timeout=120)
     assert 2 == done.returncode, done.stderr
     assert "exiting:" not in done.stderr and "deliveries acked" not in done.stderr, done.stderr
-    assert done.stderr.splitlines()[-1].startswith("delivery-consumer: broker unreachable"), done.stderr
+    last = done.stderr.splitlines()[-1]
+    assert last.startswith("delivery-consumer: the broker could not be reached in 1s: broker unreachable"), last
+    assert last.endswith("Connection refused"), last
 
 
 def test_counts_are_singular_for_one_and_plural_otherwise() -> None:
