@@ -57,9 +57,6 @@ class Observer:
     def store_health(self, healthy: bool) -> None:
         """The database as a whole stopped (False) or started again (True) working."""
 
-    def active(self, active: bool) -> None:
-        """This run holds its database (True) or is a partition's standby waiting for it."""
-
 
 #: Makes the observer in the worker process (where metrics live).
 ObserverFactory = Callable[[], Observer]

@@ -74,8 +74,6 @@ class Metrics(Observer):
         self.store_healthy = Gauge("delivery_store_healthy", "1 while the database works, 0 while it fails as "
                                    "a whole (disk full, I/O error, busy, read-only): deliveries are held.",
                                    base, registry=r)
-        self.active_run = Gauge("delivery_active", "1 while this run holds its database and consumes, 0 while it "
-                                "is a partition's standby waiting for it.", base, registry=r)
         self.connected.labels(*c).set(0)
         self.store_healthy.labels(*c).set(1)
         self.last_commit.labels(*c).set(0)
@@ -111,9 +109,6 @@ class Metrics(Observer):
     def store_health(self, healthy: bool) -> None:
         self.store_healthy.labels(*self._base).set(1 if healthy else 0)
 
-    def active(self, active: bool) -> None:
-        self.active_run.labels(*self._base).set(1 if active else 0)
-
     def serve(self, port: int, addr: str = "127.0.0.1") -> Any:
         """Expose ``/metrics`` on *addr*:*port* from a daemon thread."""
         return start_http_server(port, addr=addr, registry=self.registry)
@@ -127,9 +122,11 @@ class RunExposition:
     """``/metrics`` of ``run``, served by its connection process.
 
     Its own series -- ``delivery_connected`` (set by the connection process,
-    which knows), ``delivery_worker_heartbeat_timestamp_seconds`` and whatever
-    *collectors* add (queue depths) -- then the worker's latest exposition
-    text as the worker sent it (:meth:`worker_vitals`).
+    which knows), ``delivery_active`` (0 until the worker says it holds the
+    database: a partition's standby waits for it),
+    ``delivery_worker_heartbeat_timestamp_seconds`` and whatever *collectors*
+    add (queue depths) -- then the worker's latest exposition text as the
+    worker sent it (:meth:`worker_vitals`).
     """
 
     def __init__(self, consumer: str, partition: int | None = None,
@@ -143,8 +140,11 @@ class RunExposition:
                                "Unix time at which run's worker process last reported (about every second "
                                "while it is not inside a batch); behind: the worker is stuck.",
                                base, registry=self.registry)
+        self.active_run = Gauge("delivery_active", "1 while this run holds its database, 0 while it is a "
+                                "partition's standby waiting for it.", base, registry=self.registry)
         self.connected.labels(*self._labels).set(0)
         self.heartbeat.labels(*self._labels).set(0)
+        self.active_run.labels(*self._labels).set(0)
         for collector in collectors:
             self.registry.register(collector)
         self._worker_text = b""
@@ -152,6 +152,9 @@ class RunExposition:
 
     def connection_state(self, connected: bool) -> None:
         self.connected.labels(*self._labels).set(1 if connected else 0)
+
+    def active(self, active: bool) -> None:
+        self.active_run.labels(*self._labels).set(1 if active else 0)
 
     def worker_vitals(self, at: float, text: bytes) -> None:
         """The worker's exposition *text*, made at Unix time *at*."""
@@ -187,3 +190,10 @@ class RunExposition:
         server.daemon_threads = True
         self._server = server
         threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+
+    def close(self) -> None:
+        """Stop serving and free the port."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()

@@ -1,9 +1,10 @@
 """deploy/'s alert rules and dashboard queries, evaluated by ``promtool test rules``
 on series recorded from real scrapes of real processes: ``run`` (an active one
-and its standby), ``dispatch``, and RabbitMQ's own Prometheus endpoint (a
-private node: the shared broker has no plugin, and this test stops its broker).
-Each alert fires in its scenario, with the labels it must carry, and no alert
-fires in the healthy one."""
+and its standby, which waits for the partition's database and is not attached
+to the broker meanwhile), ``dispatch``, and RabbitMQ's own Prometheus endpoint
+(a private node: the shared broker has no plugin, and this test stops its
+broker). Each alert fires in its scenario, with the labels it must carry, and
+no alert fires in the healthy one (nor for the waiting standby in any)."""
 
 from __future__ import annotations
 
@@ -172,10 +173,12 @@ def expect(*alerts: tuple[str, dict[str, str]]) -> dict[str, list[dict[str, str]
 @pytest.mark.timeout(900)
 def test_every_alert_fires_in_its_scenario_and_stays_silent_in_the_healthy_one(system: System,
                                                                                tmp_path: Path) -> None:
-    """Healthy: no alert. A dead letter, a quarantined row: their alerts. Broker down: disconnected,
-    not answering, the pending row too old. Database locked: no commit while the backlog grows.
-    Runs and dispatcher killed: down, and the backlog without a consumer from the broker's own
-    figures. No target at all: down (absent). The dashboard counts a queue once, active and standby."""
+    """Healthy, the standby waiting: no alert. A dead letter, a quarantined row: their alerts.
+    Broker down: the active run disconnected and not answering (not the standby), the pending row
+    too old; afterwards the active run still holds the partition. Database locked: no commit while
+    the backlog grows. Runs and dispatcher killed: down, and the backlog without a consumer from the
+    broker's own figures. No target at all: down (absent). The dashboard counts a queue once,
+    active and standby."""
     needed(None if subprocess.run(["which", "promtool"], capture_output=True).returncode == 0 else
            "promtool is not installed (Debian package prometheus; .ci/run installs it)")
     s = system
@@ -189,12 +192,18 @@ def test_every_alert_fires_in_its_scenario_and_stays_silent_in_the_healthy_one(s
     scenarios: list[tuple[str, Timeline, dict[str, list[dict[str, str]]], list[tuple[str, list[dict[str, Any]]]]]] = []
     seen: list[Scrape] = []
 
-    # Healthy: every event published and applied; nothing waits, both runs attached.
-    healthy = s.settle("three events published and applied, both runs attached", lambda x: (
+    # Healthy: every event published and applied; nothing waits. The active run is attached;
+    # the standby waits for the partition's database, scraped but not attached.
+    healthy = s.settle("three events published and applied, the active run attached, the standby waiting",
+                       lambda x: (
         x.value("outbox_rows", state="published") == 3
         and x.value("delivery_events_total", outcome="updated", instance=a.instance) == 3
         and x.value("rabbitmq_detailed_queue_messages_ready", queue=MAIN) == 0
-        and x.value("rabbitmq_detailed_queue_consumers", queue=MAIN) == 2))
+        and x.value("rabbitmq_detailed_queue_consumers", queue=MAIN) == 1
+        and x.value("delivery_active", instance=a.instance) == 1
+        and x.value("delivery_connected", instance=a.instance) == 1
+        and x.value("delivery_active", instance=sb.instance) == 0
+        and x.value("delivery_connected", instance=sb.instance) == 0))
     seen.append(healthy)
     timeline = Timeline()
     timeline.add(healthy, 30)
@@ -220,7 +229,7 @@ def test_every_alert_fires_in_its_scenario_and_stays_silent_in_the_healthy_one(s
     dead_letters = alert("DeliveryDeadLetters", queue=DEAD)
     main_ready = problems.value("rabbitmq_detailed_queue_messages_ready", queue=MAIN)
     dead_ready = problems.value("rabbitmq_detailed_queue_messages_ready", queue=DEAD)
-    # A passive declare counts the single active consumer only (the broker's endpoint counts both).
+    # A passive declare counts the single active consumer (the standby is not attached at all).
     [attached_now] = set(problems.values("delivery_queue_consumers", kind="main"))
     exprs = panel_exprs()
     [dead_panel] = [e for e in exprs if e.startswith("sum by (consumer)") and 'kind="dead"' in e]
@@ -237,30 +246,34 @@ def test_every_alert_fires_in_its_scenario_and_stays_silent_in_the_healthy_one(s
     ]
     scenarios.append(("a dead letter and a quarantined row", timeline, expect(quarantined, dead_letters), panels))
 
-    # The broker down: the runs lose it, a new row waits in the outbox.
+    # The broker down: the active run loses it (the standby had none), both runs' queue checks
+    # fail, a new row waits in the outbox. Only the active run's alerts fire.
     s.broker.stop_app()
     s.produce("a4")
-    down = s.settle("both runs disconnected, the new row pending", lambda x: (
-        x.values("delivery_connected") == [0, 0] and x.values("delivery_queue_up") == [0, 0]
+    down = s.settle("the active run disconnected, the new row pending", lambda x: (
+        x.value("delivery_connected", instance=a.instance) == 0
+        and x.value("delivery_connected", instance=sb.instance) == 0
+        and x.values("delivery_queue_up") == [0, 0]
+        and x.value("delivery_active", instance=sb.instance) == 0
         and (x.value("outbox_rows", state="due") or 0) >= 1))
     seen.append(down)
     timeline = Timeline()
     timeline.add(down, 20)
-    firing = [alert(name, **s.labels(run)) for name in ("DeliveryDisconnected", "DeliveryBrokerNotAnswering")
-              for run in ("active", "standby")]
+    firing = [alert(name, **s.labels("active")) for name in ("DeliveryDisconnected", "DeliveryBrokerNotAnswering")]
     if down.values(PENDING_AGE):
         firing.append(alert("OutboxPendingTooOld", job=d.job, instance=d.instance))
     scenarios.append(("the broker down", timeline, expect(quarantined, *firing), []))
     s.broker.start_app()
-    back = s.settle("the broker back: both runs attached, the row published and applied", lambda x: (
-        x.values("delivery_connected") == [1, 1] and x.value("outbox_rows", state="due") == 0
-        and x.value("outbox_rows", state="published") == 4
-        and sum(x.values("delivery_events_total", outcome="updated")) == 4
-        and x.value("rabbitmq_detailed_queue_consumers", queue=MAIN) == 2))
-    # Whichever run attached first after the outage is the active one now: it applied a4.
-    [holder] = [name for name in ("active", "standby") if back.value(
-        "delivery_events_total", outcome="updated", instance=s.target(name).instance) != healthy.value(
-        "delivery_events_total", outcome="updated", instance=s.target(name).instance)]
+    # The active run still holds the database: it attaches again and applies a4; the standby waits on.
+    s.settle("the broker back: the active run attached again, the row published and applied by it", lambda x: (
+        x.value("delivery_connected", instance=a.instance) == 1
+        and x.value("delivery_connected", instance=sb.instance) == 0
+        and x.value("delivery_active", instance=a.instance) == 1
+        and x.value("delivery_active", instance=sb.instance) == 0
+        and x.value("outbox_rows", state="due") == 0 and x.value("outbox_rows", state="published") == 4
+        and x.value("delivery_events_total", outcome="updated", instance=a.instance) == 4
+        and x.value("rabbitmq_detailed_queue_consumers", queue=MAIN) == 1))
+    assert "taking over" not in standby.output()[1], standby.output()[1][-3000:]
 
     # The database locked: the active run cannot commit while the backlog grows past 10000.
     lock = sqlite3.connect(s.cluster.db(0), isolation_level=None)
@@ -276,18 +289,19 @@ def test_every_alert_fires_in_its_scenario_and_stays_silent_in_the_healthy_one(s
             # The active run holds one delivery (prefetch 1): the rest is ready.
             stuck = s.settle(f"{sent - 1} ready, the store unhealthy", lambda x, n=sent - 1: (
                 x.values("delivery_queue_ready", kind="main") == [n, n]
-                and x.value("delivery_store_healthy", instance=s.target(holder).instance) == 0))
+                and x.value("delivery_store_healthy", instance=a.instance) == 0))
             timeline.add(stuck)
         seen.append(stuck)
         scenarios.append(("no commit while the backlog grows", timeline, expect(
             quarantined, dead_letters,
             alert("DeliveryNoCommit", consumer="catalog", partition="0"),
-            alert("DeliveryStoreUnhealthy", **s.labels(holder)),
+            alert("DeliveryStoreUnhealthy", **s.labels("active")),
             alert("DeliveryBacklogGrowing", consumer="catalog", partition="0", queue=MAIN)), []))
 
         # Every process killed (kill -9 of the main PID): the broker still tells the backlog.
-        kill(active, main_only=True)
+        # The standby first: it would take the partition over from a dead active run.
         kill(standby, main_only=True)
+        kill(active, main_only=True)
         os.kill(dispatch.pid, signal.SIGKILL)
         dispatch.communicate()
     finally:

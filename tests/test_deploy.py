@@ -141,9 +141,10 @@ def test_the_alert_rules_are_well_formed() -> None:
             "OutboxDispatcherDown"} <= {rule["alert"] for rule in found}
     for rule in found:
         assert rule["expr"] and rule["for"] and rule["labels"]["severity"] and rule["annotations"]["summary"], rule
-        # A join of two series pairs one partition's with the same partition's (a queue is one partition's).
+        # A join of two series pairs one partition's with the same partition's (a queue is one partition's,
+        # a scrape target one run's).
         for on in re.findall(r"\bon \(([^)]*)\)", rule["expr"]):
-            assert {"partition", "queue"} & {label.strip() for label in on.split(",")}, rule
+            assert {"partition", "queue", "instance"} & {label.strip() for label in on.split(",")}, rule
     promtool = shutil.which("promtool")
     if promtool:
         done = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True, text=True)

@@ -144,15 +144,25 @@ def _free_port() -> int:
 
 def test_a_standby_waits_for_the_database_and_takes_over_after_kill_9(cluster: Cluster) -> None:
     """A second run of one partition waits for its database ("standby: waiting for <db> held by
-    pid N", once), serves no colliding metrics, and after kill -9 of the active's main PID
-    takes over (delivery_active 1 on the same port) and applies every event of the partition."""
-    port = _free_port()
+    pid N", once). On the active's port it serves nothing (the port is the active's, which says
+    delivery_active 1); on a port of its own it is scraped while it waits: delivery_active 0,
+    delivery_connected 0, and SIGTERM stops it (exit 0). After kill -9 of the active's main PID
+    the same-port standby takes over, binds the port (delivery_active 1) and applies every event
+    of the partition."""
+    port, own = _free_port(), _free_port()
+    series = '{consumer="catalog",partition="0"}'
     active = cluster.start(0, "--metrics-port", str(port))
     standby = cluster.start(0, "--metrics-port", str(port))
-    err = standby.output()[1]
+    err = standby.wait_for_log("metrics port busy: serving metrics once this run takes over")
     assert f"standby: waiting for state/catalog/p0/inbox.db held by pid {active.pid} (run)" in err, err
-    assert standby.poll() is None, err
-    assert "delivery_active{" in _scrape(port) and "consuming " not in err
+    assert standby.poll() is None and "consuming " not in err, err
+    assert f"delivery_active{series} 1.0" in _scrape(port)
+    other = cluster.start(0, "--metrics-port", str(own))
+    text = wait_until("the waiting standby's own metrics", lambda: _scrape(own), 30, [other], ignoring=(OSError,))
+    assert f"delivery_active{series} 0.0" in text and f"delivery_connected{series} 0.0" in text, text
+    other.send_signal(signal.SIGTERM)
+    other.communicate(timeout=60)
+    assert other.returncode == 0, other.output()[1]
     kill(active, main_only=True, within=10)
     standby.wait_for_log("taking over")
     events = make_events(400, 80)
@@ -160,8 +170,8 @@ def test_a_standby_waits_for_the_database_and_takes_over_after_kill_9(cluster: C
     mine = [e for e in events if partition_of(str(e["articleId"]), PARTITIONS) == 0]
     wait_until("the standby to apply partition 0", lambda: count_rows(cluster.db(0), "inbox") == len(mine), 120,
                [standby])
-    wait_until("the standby's metrics", lambda: 'delivery_active{consumer="catalog",partition="0"} 1.0'
-               in _scrape(port), 30, [standby])
+    wait_until("the standby's metrics", lambda: f"delivery_active{series} 1.0" in _scrape(port), 30, [standby],
+               ignoring=(OSError,))
     assert standby.output()[1].count("standby: waiting") == 1
 
 

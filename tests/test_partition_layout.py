@@ -90,8 +90,9 @@ def test_reading_the_unpartitioned_database_beside_partition_databases_says_so(t
 @pytest.mark.broker
 def test_the_readmes_partition_block_works_as_written(ns: Namespace) -> None:
     """The README's commands in order: declare 4 partitions, the first run with --partitions, a standby
-    right after it and the other partitions without it (first start: the count from the broker), publish,
-    then the catalog of every partition, trace and a partition's dead list."""
+    right after it (it waits for the partition's database) and the other partitions without it (first
+    start: the count from the broker), publish, then the catalog of every partition, trace and a
+    partition's dead list."""
     cluster = Cluster(ns, "catalog", 4)
     events = make_events(400, 40, seed=3)
     try:
@@ -107,7 +108,10 @@ def test_the_readmes_partition_block_works_as_written(ns: Namespace) -> None:
         runs = [run("--partition", "0", "--partitions", "4"), run("--partition", "0")]
         runs += [run("--partition", str(k)) for k in (1, 2, 3)]
         for proc in runs:
-            wait_until("every run consuming", lambda p=proc: "consuming " in p.output()[1], 60, runs)
+            wait_until("every run consuming or standing by", lambda p=proc: any(
+                text in p.output()[1] for text in ("consuming ", "standby: waiting")), 60, runs)
+        # Partition 0's two runs: one holds its database and consumes, the other waits for it.
+        assert sorted("consuming " in p.output()[1] for p in runs[:2]) == [False, True]
         path = ns.workdir / f"events-{uuid.uuid4().hex[:6]}.ndjson"
         path.write_bytes(b"".join(orjson.dumps(e) + b"\n" for e in events))
         published = ns.cli("publish", str(path))

@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import time
 from collections.abc import Callable
 from contextlib import suppress
 from multiprocessing.connection import Connection
@@ -20,7 +21,7 @@ from ..deliveries import ObserverFactory
 from ..errors import ConfigError, DatabaseError, DeliveryError, StoreOutage
 from .config import RunConfig
 from .link import WorkerLink
-from .messages import Dispatch, Failed, Stop, ToConnection
+from .messages import Dispatch, Failed, Ready, Stop, ToConnection
 from .worker_process import worker_main
 
 if TYPE_CHECKING:
@@ -32,6 +33,9 @@ log = logging.getLogger("delivery_consumer.run")
 #: What either process may write to the pipe before a write waits for the
 #: other to read (the kernel caps it at net.core.wmem_max).
 PIPE_BUFFER_BYTES = 4 << 20
+#: How long a run that took over its database waits for the previous holder's
+#: metrics port (freed when that run's process ends).
+PORT_WAIT_S = 5.0
 
 
 def _roomy(end: Connection) -> None:
@@ -84,6 +88,19 @@ def _refuse_a_second_layout(config: RunConfig, topology: Topology) -> None:
         raise ConfigError(conflict)
 
 
+def _serve_as_holder(serve: Callable[[], RunExposition]) -> RunExposition:
+    """*serve* once this run holds its database: the port may still be the previous
+    holder's for a moment (its process is ending); DeliveryError when it stays taken."""
+    deadline = time.monotonic() + PORT_WAIT_S
+    while True:
+        try:
+            return serve()
+        except DeliveryError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.2)
+
+
 def run(config: RunConfig, observer_factory: ObserverFactory | None = None,
         serve: Callable[[], RunExposition] | None = None) -> int:
     """Run the consumer until SIGTERM/SIGINT or idle; returns the exit code.
@@ -92,9 +109,23 @@ def run(config: RunConfig, observer_factory: ObserverFactory | None = None,
     one. Raises DatabaseError or BrokerError (fatal) for the CLI to report,
     StoreOutage when the database stayed unusable past the outage limit.
     *observer_factory* is called in the worker process (metrics are kept
-    there); *serve* in this one once the worker is up: it starts ``/metrics``
-    (raising DeliveryError when it cannot), which this process answers.
+    there); *serve* in this one at once: it starts ``/metrics`` (raising
+    DeliveryError when it cannot), which this process answers, a partition's
+    standby included while it waits (``delivery_active`` 0). A port taken
+    (the active run of the partition on this host) is tried again once this
+    run holds its database; then a failure is fatal. ``/metrics`` is closed
+    when run returns.
     """
+    served: list[RunExposition] = []
+    try:
+        return _run(config, observer_factory, serve, served)
+    finally:
+        for exposition in served:
+            exposition.close()
+
+
+def _run(config: RunConfig, observer_factory: ObserverFactory | None,
+         serve: Callable[[], RunExposition] | None, served: list[RunExposition]) -> int:
     topology = config.topology()
     _refuse_a_second_layout(config, topology)
     context = multiprocessing.get_context("fork")  # before any connection or thread exists
@@ -106,6 +137,15 @@ def run(config: RunConfig, observer_factory: ObserverFactory | None = None,
     process.start()
     child_end.close()
     link = WorkerLink(parent_end, process)
+    busy: DeliveryError | None = None
+    if serve is not None:
+        try:
+            link.exposition = serve()
+            served.append(link.exposition)
+        except DeliveryError as exc:
+            busy = exc
+            if config.partition is not None:
+                log.info("metrics port busy: serving metrics once this run takes over (%s)", exc)
     if not _started(parent_end, process):
         return 0
     try:
@@ -116,13 +156,18 @@ def run(config: RunConfig, observer_factory: ObserverFactory | None = None,
     if isinstance(first, Failed):
         process.join()
         raise DatabaseError(first.message)
-    if serve is not None:
+    if serve is not None and busy is not None:
         try:
-            link.exposition = serve()
+            if config.partition is None:
+                raise busy  # no standby waited for it: taken by something else
+            link.exposition = _serve_as_holder(serve)
+            served.append(link.exposition)
         except DeliveryError:
             parent_end.send(Stop())
             process.join(30)
             raise
+    if link.exposition is not None and isinstance(first, Ready):
+        link.exposition.active(True)
     io = ConsumerIO(
         config.url,
         topology,

@@ -18,8 +18,8 @@ from .. import faults, tracing
 from ..amqp.connection import BrokerUnavailable
 from ..amqp.publisher import OutMessage
 from ..dbfile import LOCK_POLL_S, WriterLock
-from ..deliveries import Observer, ObserverFactory
-from ..errors import ConfigError, DeliveryError, StoreOutage
+from ..deliveries import ObserverFactory
+from ..errors import DeliveryError, StoreOutage
 from ..inbox import forget_in_flight
 from .config import RunConfig
 from .messages import (
@@ -192,29 +192,6 @@ def _holder_gone(lock: WriterLock) -> bool:
     return False
 
 
-def _observer(factory: ObserverFactory | None, *, standby: bool, tries: int = 1) -> Observer | None:
-    """The run's observer (its metrics). A standby whose metrics port is taken (the
-    active run of its partition on the same host) serves none until it takes over:
-    None then, and the factory is called again (*tries* times, 0.2 s apart: the
-    previous holder's port is freed when its process ends)."""
-    if factory is None:
-        return None
-    for attempt in range(tries):
-        try:
-            observer = factory()
-        except ConfigError as exc:
-            if standby:
-                log.info("standby: %s; serving metrics once this run takes over", exc)
-                return None
-            if attempt + 1 >= tries:
-                raise
-            time.sleep(LOCK_POLL_S)
-            continue
-        observer.active(not standby)
-        return observer
-    return None
-
-
 def worker_main(config: RunConfig, conn: Connection, parent_end: Connection,
                 observer_factory: ObserverFactory | None) -> None:
     """The worker process: the database, batches, commits; asks the parent to ack."""
@@ -233,7 +210,6 @@ def worker_main(config: RunConfig, conn: Connection, parent_end: Connection,
     lock = WriterLock(config.database_path())
     try:
         active = _take_the_lock(config, lock, parent)
-        observer = _observer(observer_factory, standby=not active)
     except DeliveryError as exc:
         conn.send(Failed(str(exc)))
         return
@@ -242,13 +218,11 @@ def worker_main(config: RunConfig, conn: Connection, parent_end: Connection,
                 "standby: waiting for %s held by %s", config.database_path(), holder)):
             return  # stopped (the connection process is gone) before taking over
         log.warning("taking over: %s is ours now", config.database_path())
-        try:
-            observer = observer if observer is not None else _observer(observer_factory, standby=False, tries=25)
-        except DeliveryError as exc:
-            conn.send(Failed(str(exc)))
-            return
-    if observer is not None:
-        observer.active(True)
+    try:
+        observer = observer_factory() if observer_factory is not None else None
+    except DeliveryError as exc:
+        conn.send(Failed(str(exc)))
+        return
     worker = Worker(config, observer)
     worker.io = proxy
 
