@@ -98,12 +98,22 @@ def test_run_waits_out_a_broker_it_cannot_reach_and_consumes_when_it_answers(
     assert "not an AMQP" not in err
 
 
+def test_sigterm_while_run_checks_the_layout_exits_0(ns: Namespace, proxy: Proxy) -> None:
+    """SIGTERM while run asks a silent broker which layout the consumer has (before any worker): exit 0."""
+    proxy("blackhole")
+    proc = ns.start_run("audit", env=ns.env(DELIVERY_AMQP_URL=proxy.url))
+    wait_until("the layout check's connection accepted", lambda: proxy.accepted() >= 1, procs=[proc])
+    err = stop(proc)
+    assert "received before consuming: stopping" in err, err
+
+
 def test_sigterm_while_the_handshake_is_pending_exits_0(ns: Namespace, proxy: Proxy) -> None:
     """SIGTERM to a run whose connection was accepted and never answered: exit 0, no traceback."""
     proxy("blackhole")
     proc = ns.start_run("audit", env=ns.env(DELIVERY_AMQP_URL=proxy.url))
-    # accepted: the worker is up and the connection process waits for the handshake
-    wait_until("the connection accepted", lambda: proxy.accepted() >= 1, procs=[proc])
+    # the first connection is run's layout check (it times out on a silent broker and run goes on);
+    # the second is the consumer's: the worker is up and the connection process waits for the handshake
+    wait_until("the consumer's connection accepted", lambda: proxy.accepted() >= 2, procs=[proc])
     stop(proc)
 
 

@@ -71,21 +71,37 @@ def _started(parent_end: Connection, process: BaseProcess) -> bool:
     return True
 
 
-def _refuse_a_second_layout(config: RunConfig, topology: Topology) -> None:
+class _Stopped(Exception):
+    """SIGTERM/SIGINT before the run started."""
+
+
+def _refuse_a_second_layout(config: RunConfig, topology: Topology) -> bool:
     """An unpartitioned run of a consumer the broker holds partitioned would bind its own queue
     beside the partitions and apply every event twice: refuse it (ConfigError, exit 2). A broker
-    that does not answer now is not a reason to stop: the run reconnects as it always does."""
+    that does not answer now is not a reason to stop: the run reconnects as it always does.
+    False when SIGTERM/SIGINT came while asking (the run ends, exit 0)."""
     if config.partition is not None:
-        return
+        return True
     from ..partitions import layout_conflict
 
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        log.info("%s received before consuming: stopping", signal.Signals(signum).name)
+        raise _Stopped
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         conflict = layout_conflict(config.url, topology, None)
     except BrokerUnavailable as exc:
         log.debug("layout not checked, the broker does not answer: %s", exc)
-        return
+        return True
+    except _Stopped:
+        return False
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     if conflict is not None:
         raise ConfigError(conflict)
+    return True
 
 
 def _serve_as_holder(serve: Callable[[], RunExposition]) -> RunExposition:
@@ -127,7 +143,8 @@ def run(config: RunConfig, observer_factory: ObserverFactory | None = None,
 def _run(config: RunConfig, observer_factory: ObserverFactory | None,
          serve: Callable[[], RunExposition] | None, served: list[RunExposition]) -> int:
     topology = config.topology()
-    _refuse_a_second_layout(config, topology)
+    if not _refuse_a_second_layout(config, topology):
+        return 0
     context = multiprocessing.get_context("fork")  # before any connection or thread exists
     parent_end, child_end = context.Pipe(duplex=True)
     _roomy(parent_end)
