@@ -26,6 +26,7 @@ from delivery_consumer.cli import main
 from delivery_consumer.envelope import parse
 from delivery_consumer.errors import ConfigError, DatabaseError, Rejection, TransientError
 from delivery_consumer.queries import NotFound
+from delivery_consumer.retry import RECONNECT_CAP_S
 from delivery_consumer.sqlite import now_iso
 
 
@@ -275,7 +276,7 @@ def test_a_broker_outage_is_waited_out_with_backoff_and_touches_no_row(conn: sql
         assert all(row(conn, i)["attempts"] == 0 and row(conn, i)["leaseOwner"] is None for i in ids)
     assert 5 == len(clock.slept)
     for n, waited in enumerate(clock.slept, start=1):
-        ceiling = min(30.0, 0.5 * 2 ** (n - 1))
+        ceiling = min(RECONNECT_CAP_S, 0.5 * 2 ** (n - 1))
         assert ceiling / 2 <= waited <= ceiling
     assert 2 == d.step()
     assert 0 == outbox.unpublished(conn)
