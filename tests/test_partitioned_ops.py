@@ -92,21 +92,22 @@ def test_the_outbox_dispatcher_routes_to_partitions(cluster: Cluster) -> None:
 
 
 def test_consumers_with_different_counts_share_the_exchange(cluster: Cluster) -> None:
-    """catalog in 2 partitions, audit in 3 and the unpartitioned catalog all bind the same exchange:
+    """catalog in 2 partitions, audit in 3 and an unpartitioned consumer all bind the same exchange:
     each gets every event once, each partitioned one in the article's partition for its own count."""
     ns = cluster.ns
     audit = Cluster(ns, "audit", 3)
     audit.declare()
     try:
-        # an unpartitioned catalog beside its partitions: `topology declare` refuses that (test_partition_layout);
-        # here it stands for any unpartitioned consumer on the exchange, declared through the library
+        # an unpartitioned consumer on the same exchange (the test-only counter; an unpartitioned catalog
+        # beside its own partitions is refused: test_partition_layout)
+        import counter_consumer  # noqa: F401  (registers "counter" here, for its topology)
         from delivery_consumer.amqp.admin import declare
 
-        declare(ns.url, [ns.topology("catalog")])
+        declare(ns.url, [ns.topology("counter")])
         events = make_events(300, 30)
         runs = [cluster.start(k) for k in range(PARTITIONS)] + [audit.start(k) for k in range(3)]
         cluster.publish(events)
-        plain = ns.run_until_idle("catalog", idle=2)
+        plain = ns.run_until_idle("counter", idle=2, env=ns.env(DELIVERY_PLUGINS="counter_consumer"))
         assert plain.returncode == 0, plain.stderr
         wait_until("every receipt", lambda: cluster.receipts() >= len(events) and audit.receipts() >= len(events),
                    120, runs)
@@ -115,7 +116,7 @@ def test_consumers_with_different_counts_share_the_exchange(cluster: Cluster) ->
             keys = read_rows(audit.db(k), "inbox", "partition_key")
             assert keys and all(partition_of(key, 3) == k for (key,) in keys)
         assert audit.receipts() == len(events)
-        assert count_rows(ns.db("catalog"), "inbox") == len(events)
+        assert count_rows(ns.db("counter"), "inbox") == len(events)
     finally:
         audit.stop()
         audit.delete()
