@@ -101,6 +101,7 @@ def test_consumers_with_different_counts_share_the_exchange(cluster: Cluster) ->
         # an unpartitioned consumer on the same exchange (the test-only counter; an unpartitioned catalog
         # beside its own partitions is refused: test_partition_layout)
         import counter_consumer  # noqa: F401  (registers "counter" here, for its topology)
+
         from delivery_consumer.amqp.admin import declare
 
         declare(ns.url, [ns.topology("counter")])
