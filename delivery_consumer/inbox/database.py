@@ -104,6 +104,33 @@ CORE_MIGRATIONS: tuple[str, ...] = (
     """
     ALTER TABLE inbox ADD COLUMN meta TEXT;
     """,
+    # Receipt counters (inbox/counters.py): per (minute, result), kept by the
+    # writers a batch at a time, and per result, kept equal to their sums by
+    # triggers. Backfilled from the receipts already there.
+    """
+    CREATE TABLE inbox_minutes (
+        minute TEXT NOT NULL,
+        result TEXT NOT NULL,
+        n      INTEGER NOT NULL,
+        PRIMARY KEY (minute, result)
+    ) STRICT, WITHOUT ROWID;
+    CREATE TABLE inbox_totals (
+        result TEXT PRIMARY KEY,
+        n      INTEGER NOT NULL
+    ) STRICT, WITHOUT ROWID;
+    CREATE TRIGGER inbox_minutes_added AFTER INSERT ON inbox_minutes BEGIN
+        INSERT INTO inbox_totals (result, n) VALUES (new.result, new.n)
+            ON CONFLICT (result) DO UPDATE SET n = n + excluded.n;
+    END;
+    CREATE TRIGGER inbox_minutes_changed AFTER UPDATE OF n ON inbox_minutes BEGIN
+        UPDATE inbox_totals SET n = n + new.n - old.n WHERE result = new.result;
+    END;
+    CREATE TRIGGER inbox_minutes_removed AFTER DELETE ON inbox_minutes BEGIN
+        UPDATE inbox_totals SET n = n - old.n WHERE result = old.result;
+    END;
+    INSERT INTO inbox_minutes (minute, result, n)
+        SELECT substr(received_at, 1, 16), result, count(*) FROM inbox GROUP BY 1, 2;
+    """,
 )
 STORE_VERSION = len(CORE_MIGRATIONS)
 _CONSUMER_VERSION_KEY = "consumer_schema_version"
