@@ -30,7 +30,7 @@ RESULTS = st.sampled_from(["updated", "stale", "same-state", "created", "fail"])
 
 
 def recount(conn: sqlite3.Connection) -> None:
-    """The counters equal a full recount from the inbox: per (minute, result) and per result."""
+    """The counters equal a full recount from the inbox: per (minute, result), (hour, result) and result."""
     minutes = {(m, r): n for m, r, n in conn.execute("SELECT minute, result, n FROM inbox_minutes") if n}
     expected = {(m, r): n for m, r, n in conn.execute(counters.RECOUNT)}
     assert expected == minutes
@@ -39,6 +39,10 @@ def recount(conn: sqlite3.Connection) -> None:
     for (_minute, result), n in expected.items():
         by_result[result] += n
     assert dict(sorted(by_result.items())) == counters.totals(conn)
+    by_hour: Counter[tuple[str, str]] = Counter()
+    for (minute, result), n in expected.items():
+        by_hour[minute[:13], result] += n
+    assert by_hour == {(h, r): n for h, r, n in conn.execute("SELECT hour, result, n FROM inbox_hours") if n}
 
 
 def event(i: int, partition_count: int = 1, partition: int = 0) -> Envelope:
@@ -147,6 +151,7 @@ def test_an_upgraded_database_shows_the_same_stats(tmp_path: Path, receipts: int
         for name in ("inbox_minutes_added", "inbox_minutes_changed", "inbox_minutes_removed"):
             conn.execute(f"DROP TRIGGER {name}")
         conn.execute("DROP TABLE inbox_minutes")
+        conn.execute("DROP TABLE inbox_hours")
         conn.execute("DROP TABLE inbox_totals")
         conn.execute(f"PRAGMA user_version = {database.STORE_VERSION - 1}")
         results = ["updated", "stale", "same-state"]

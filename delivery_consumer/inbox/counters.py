@@ -1,13 +1,13 @@
-"""Receipt counters: receipts per (minute, result) and per result, kept by the writers.
+"""Receipt counters: receipts per (minute, result), (hour, result) and result, kept by the writers.
 
 ``inbox_minutes`` holds one row per minute and result that has receipts;
-triggers on it keep ``inbox_totals`` (per result) equal to its sums. The
+triggers on it keep ``inbox_hours`` and ``inbox_totals`` equal to its sums. The
 writers of ``inbox`` change the minutes, a batch at a time: the apply
 transaction adds its receipts before COMMIT (all stamped with one time, so
 one row per result), prune subtracts what it deleted, repartition rebuilds
 the counters of the databases it writes. Reads (status, ``inbox stats``, the
-console's chart) then cost the number of minutes in a window, not the number
-of receipts. Why and at what cost: docs/system-view.md.
+console's chart) then cost the number of minutes and hours in a window, not
+the number of receipts. Why and at what cost: docs/system-view.md.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ def subtract(conn: sqlite3.Connection, deleted: Iterable[tuple[str, str]]) -> No
 def rebuild(conn: sqlite3.Connection) -> None:
     """Recount everything from the receipts (inside the caller's transaction)."""
     conn.execute("DELETE FROM inbox_minutes")
+    conn.execute("DELETE FROM inbox_hours")
     conn.execute("DELETE FROM inbox_totals")
     conn.execute(f"INSERT INTO inbox_minutes (minute, result, n) {RECOUNT}")
 
@@ -65,16 +66,21 @@ def totals(conn: sqlite3.Connection) -> dict[str, int]:
 def since(conn: sqlite3.Connection, cutoff: str) -> dict[str, int]:
     """Receipts per result received at or after *cutoff* (a stored time), exactly.
 
-    The minutes after *cutoff*'s own come from the counters; the receipts of
-    that minute itself from the inbox, found by the rowid (receipts are
+    The hours after *cutoff*'s own and the minutes after *cutoff*'s own in its
+    hour come from the counters; the receipts of that minute itself from the inbox, found by the rowid (receipts are
     appended in time order: :func:`inbox_rowid_before`).
     """
     from .database import inbox_rowid_before  # database imports apply, which imports this module
 
     minute = minute_of(cutoff)
+    hour = minute[:13]
     out: Counter[str] = Counter()
     for result, n in conn.execute(
-            "SELECT result, sum(n) FROM inbox_minutes WHERE minute > ? GROUP BY result", (minute,)):
+            "SELECT result, sum(n) FROM inbox_hours WHERE hour > ? GROUP BY result", (hour,)):
+        out[result] += n
+    for result, n in conn.execute(
+            "SELECT result, sum(n) FROM inbox_minutes WHERE minute > ? AND minute < ? GROUP BY result",
+            (minute, hour + "~")):
         out[result] += n
     after = minute + "~"  # sorts after every time within the minute
     low, high = inbox_rowid_before(conn, cutoff), inbox_rowid_before(conn, after)
