@@ -66,9 +66,10 @@ def totals(conn: sqlite3.Connection) -> dict[str, int]:
 def since(conn: sqlite3.Connection, cutoff: str) -> dict[str, int]:
     """Receipts per result received at or after *cutoff* (a stored time), exactly.
 
-    The hours after *cutoff*'s own and the minutes after *cutoff*'s own in its
-    hour come from the counters; the receipts of that minute itself from the inbox, found by the rowid (receipts are
-    appended in time order: :func:`inbox_rowid_before`).
+    The hours after *cutoff*'s own and the minutes after *cutoff*'s own in
+    its hour come from the counters; the receipts of that minute itself from
+    the inbox, found by the rowid (receipts are appended in time order:
+    :func:`inbox_rowid_before`).
     """
     from .database import inbox_rowid_before  # database imports apply, which imports this module
 
