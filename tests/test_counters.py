@@ -42,7 +42,8 @@ def recount(conn: sqlite3.Connection) -> None:
     by_hour: Counter[tuple[str, str]] = Counter()
     for (minute, result), n in expected.items():
         by_hour[minute[:13], result] += n
-    assert by_hour == {(h, r): n for h, r, n in conn.execute("SELECT hour, result, n FROM inbox_hours") if n}
+    hours = conn.execute("SELECT hour, result, n FROM inbox_hours WHERE hour != ?", (counters.TOTAL,))
+    assert by_hour == {(h, r): n for h, r, n in hours if n}
 
 
 def event(i: int, partition_count: int = 1, partition: int = 0) -> Envelope:
@@ -152,7 +153,6 @@ def test_an_upgraded_database_shows_the_same_stats(tmp_path: Path, receipts: int
             conn.execute(f"DROP TRIGGER {name}")
         conn.execute("DROP TABLE inbox_minutes")
         conn.execute("DROP TABLE inbox_hours")
-        conn.execute("DROP TABLE inbox_totals")
         conn.execute(f"PRAGMA user_version = {database.STORE_VERSION - 1}")
         results = ["updated", "stale", "same-state"]
         conn.executemany(

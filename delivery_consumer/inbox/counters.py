@@ -1,7 +1,8 @@
 """Receipt counters: receipts per (minute, result), (hour, result) and result, kept by the writers.
 
 ``inbox_minutes`` holds one row per minute and result that has receipts;
-triggers on it keep ``inbox_hours`` and ``inbox_totals`` equal to its sums. The
+triggers on it keep ``inbox_hours`` equal to its sums per hour and, under the
+hour ``~`` (after every hour), per result. The
 writers of ``inbox`` change the minutes, a batch at a time: the apply
 transaction adds its receipts before COMMIT (all stamped with one time, so
 one row per result), prune subtracts what it deleted, repartition rebuilds
@@ -22,6 +23,8 @@ _ADD = (
 )
 _SUBTRACT = "UPDATE inbox_minutes SET n = n - ? WHERE minute = ? AND result = ?"
 _EMPTY = "DELETE FROM inbox_minutes WHERE minute = ? AND result = ? AND n <= 0"
+#: The hour of the totals per result in ``inbox_hours``: it sorts after every hour.
+TOTAL = "~"
 #: A full recount from the receipts (the migration's backfill, repartition).
 RECOUNT = "SELECT substr(received_at, 1, 16), result, count(*) FROM inbox GROUP BY 1, 2"
 
@@ -54,13 +57,13 @@ def rebuild(conn: sqlite3.Connection) -> None:
     """Recount everything from the receipts (inside the caller's transaction)."""
     conn.execute("DELETE FROM inbox_minutes")
     conn.execute("DELETE FROM inbox_hours")
-    conn.execute("DELETE FROM inbox_totals")
     conn.execute(f"INSERT INTO inbox_minutes (minute, result, n) {RECOUNT}")
 
 
 def totals(conn: sqlite3.Connection) -> dict[str, int]:
     """Receipts per result, in result order."""
-    return dict(conn.execute("SELECT result, n FROM inbox_totals WHERE n > 0 ORDER BY result").fetchall())
+    return dict(conn.execute(
+        "SELECT result, n FROM inbox_hours WHERE hour = ? AND n > 0 ORDER BY result", (TOTAL,)).fetchall())
 
 
 def since(conn: sqlite3.Connection, cutoff: str) -> dict[str, int]:
@@ -77,7 +80,7 @@ def since(conn: sqlite3.Connection, cutoff: str) -> dict[str, int]:
     hour = minute[:13]
     out: Counter[str] = Counter()
     for result, n in conn.execute(
-            "SELECT result, sum(n) FROM inbox_hours WHERE hour > ? GROUP BY result", (hour,)):
+            "SELECT result, sum(n) FROM inbox_hours WHERE hour > ? AND hour < ? GROUP BY result", (hour, TOTAL)):
         out[result] += n
     for result, n in conn.execute(
             "SELECT result, sum(n) FROM inbox_minutes WHERE minute > ? AND minute < ? GROUP BY result",
@@ -100,4 +103,4 @@ def per_minute(conn: sqlite3.Connection, first: str, until: str | None = None) -
         (minute_of(first), minute_of(until) if until else "9999")).fetchall()
 
 
-__all__ = ["RECOUNT", "add", "minute_of", "per_minute", "rebuild", "since", "subtract", "totals"]
+__all__ = ["RECOUNT", "TOTAL", "add", "minute_of", "per_minute", "rebuild", "since", "subtract", "totals"]

@@ -105,8 +105,10 @@ CORE_MIGRATIONS: tuple[str, ...] = (
     ALTER TABLE inbox ADD COLUMN meta TEXT;
     """,
     # Receipt counters (inbox/counters.py): per (minute, result), kept by the
-    # writers a batch at a time; per (hour, result) and per result, kept equal
-    # to their sums by triggers. Backfilled from the receipts already there.
+    # writers a batch at a time; per (hour, result) and per result (the hour
+    # '~', after every hour: the current hour's rows and the totals share the
+    # last page), kept equal to their sums by triggers. Backfilled from the
+    # receipts already there.
     """
     CREATE TABLE inbox_minutes (
         minute TEXT NOT NULL,
@@ -120,23 +122,19 @@ CORE_MIGRATIONS: tuple[str, ...] = (
         n      INTEGER NOT NULL,
         PRIMARY KEY (hour, result)
     ) STRICT, WITHOUT ROWID;
-    CREATE TABLE inbox_totals (
-        result TEXT PRIMARY KEY,
-        n      INTEGER NOT NULL
-    ) STRICT, WITHOUT ROWID;
     CREATE TRIGGER inbox_minutes_added AFTER INSERT ON inbox_minutes BEGIN
         INSERT INTO inbox_hours (hour, result, n) VALUES (substr(new.minute, 1, 13), new.result, new.n)
             ON CONFLICT (hour, result) DO UPDATE SET n = n + excluded.n;
-        INSERT INTO inbox_totals (result, n) VALUES (new.result, new.n)
-            ON CONFLICT (result) DO UPDATE SET n = n + excluded.n;
+        INSERT INTO inbox_hours (hour, result, n) VALUES ('~', new.result, new.n)
+            ON CONFLICT (hour, result) DO UPDATE SET n = n + excluded.n;
     END;
     CREATE TRIGGER inbox_minutes_changed AFTER UPDATE OF n ON inbox_minutes BEGIN
         UPDATE inbox_hours SET n = n + new.n - old.n WHERE hour = substr(new.minute, 1, 13) AND result = new.result;
-        UPDATE inbox_totals SET n = n + new.n - old.n WHERE result = new.result;
+        UPDATE inbox_hours SET n = n + new.n - old.n WHERE hour = '~' AND result = new.result;
     END;
     CREATE TRIGGER inbox_minutes_removed AFTER DELETE ON inbox_minutes BEGIN
         UPDATE inbox_hours SET n = n - old.n WHERE hour = substr(old.minute, 1, 13) AND result = old.result;
-        UPDATE inbox_totals SET n = n - old.n WHERE result = old.result;
+        UPDATE inbox_hours SET n = n - old.n WHERE hour = '~' AND result = old.result;
     END;
     INSERT INTO inbox_minutes (minute, result, n)
         SELECT substr(received_at, 1, 16), result, count(*) FROM inbox GROUP BY 1, 2;
