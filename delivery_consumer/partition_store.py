@@ -151,6 +151,7 @@ def split_merge(consumer: str, new_count: int, root: Path | None = None) -> Move
     nothing runs on them (the queues are drained and unconsumed).
     """
     from .consumers import open_db  # the store imports this package's partitions module
+    from .inbox import counters
 
     check_count(new_count)
     base = (root if root is not None else Path("state")) / consumer
@@ -179,7 +180,7 @@ def split_merge(consumer: str, new_count: int, root: Path | None = None) -> Move
                 conn.execute("BEGIN IMMEDIATE")
                 tables = [r[0] for r in conn.execute(
                     "SELECT name FROM old.sqlite_schema WHERE type = 'table' AND name NOT LIKE 'sqlite_%'"
-                    " AND name != 'meta'")]
+                    " AND name NOT IN ('meta', 'inbox_minutes', 'inbox_hours')")]
                 for table in tables:
                     columns, key = _table_plan(conn, table)
                     cols = ", ".join(f'"{c}"' for c in columns)
@@ -193,6 +194,9 @@ def split_merge(consumer: str, new_count: int, root: Path | None = None) -> Move
                     counts[table] = counts.get(table, 0) + max(cur.rowcount, 0)
                 conn.execute("COMMIT")
                 conn.execute("DETACH DATABASE old")
+            conn.execute("BEGIN IMMEDIATE")  # the receipt counters of the receipts moved here
+            counters.rebuild(conn)
+            conn.execute("COMMIT")
             conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('repartitioned_from', ?)",
                          ("unpartitioned" if moved.from_unpartitioned else str(old_count),))
         except sqlite3.Error as exc:

@@ -30,7 +30,7 @@ import orjson
 
 from .durations import format as format_duration
 from .errors import DeliveryError
-from .inbox import ConsumerDB
+from .inbox import ConsumerDB, counters
 from .sqlite import now_iso, translate
 
 P = ParamSpec("P")
@@ -214,12 +214,15 @@ def inbox_stats(db: ConsumerDB, *, now: float | None = None) -> Row:
     now = time.time() if now is None else now
     conn = db.conn
     with read_snapshot(conn):
-        by_result = conn.execute(
-            "SELECT result, count(*), sum(received_at >= ?), sum(received_at >= ?)"
-            " FROM inbox GROUP BY result ORDER BY result",
-            (now_iso(now - HOUR_S), now_iso(now - DAY_S)),
-        ).fetchall()
-        ((oldest, newest),) = conn.execute("SELECT min(received_at), max(received_at) FROM inbox").fetchall()
+        # The counters kept by the writers (inbox/counters.py), not a scan of the receipts.
+        totals = counters.totals(conn)
+        hour, day = counters.since(conn, now_iso(now - HOUR_S)), counters.since(conn, now_iso(now - DAY_S))
+        by_result = [(result, n, hour.get(result, 0), day.get(result, 0)) for result, n in totals.items()]
+        # Receipts are appended in time order: the oldest and newest are at the ends of the rowid.
+        (oldest,) = conn.execute(
+            "SELECT min(received_at) FROM (SELECT received_at FROM inbox ORDER BY rowid LIMIT 1000)").fetchone()
+        (newest,) = conn.execute(
+            "SELECT max(received_at) FROM (SELECT received_at FROM inbox ORDER BY rowid DESC LIMIT 1000)").fetchone()
         by_code = conn.execute(
             "SELECT code, count(*), count(*) - count(resolved_at) FROM rejected GROUP BY code ORDER BY code"
         ).fetchall()

@@ -25,7 +25,7 @@ from .config import ConsumerEntry, Deployment
 from .durations import age as age_text
 from .durations import format as format_duration
 from .errors import DeliveryError
-from .inbox import ConsumerDB, inbox_rowid_before
+from .inbox import ConsumerDB, counters
 from .partitions import partition_of, partition_topology, unrouted_name
 from .plural import count as _count
 from .queries import NotFound, dict_rows, read_snapshot
@@ -379,11 +379,9 @@ def trace_key(dep: Deployment, key: str) -> Row:
 def _consumer_db_status(db: ConsumerDB, now: float) -> Row:
     conn = db.conn
     with read_snapshot(conn):
-        hour_ago = now_iso(now - HOUR_S)
-        last_minute, last_hour = conn.execute(
-            "SELECT count(*) FILTER (WHERE received_at >= ?), count(*) FROM inbox"
-            " WHERE rowid > ? AND received_at >= ?",
-            (now_iso(now - MINUTE_S), inbox_rowid_before(conn, hour_ago), hour_ago)).fetchone()
+        # The counters kept by the writers (inbox/counters.py), not a scan of the receipts.
+        last_minute = sum(counters.since(conn, now_iso(now - MINUTE_S)).values())
+        last_hour = sum(counters.since(conn, now_iso(now - HOUR_S)).values())
         # The newest receipt is among the last written (appended in time order).
         (newest,) = conn.execute(
             "SELECT max(received_at) FROM (SELECT received_at FROM inbox ORDER BY rowid DESC LIMIT 1000)").fetchone()

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from support import OpenDB
 
 from delivery_consumer.console import chart
-from delivery_consumer.inbox import ConsumerDB
+from delivery_consumer.inbox import ConsumerDB, counters
 from delivery_consumer.sqlite import now_iso
 
 RESULTS = st.sampled_from(["updated", "duplicate:updated", "stale", "same-state"])
@@ -25,6 +25,7 @@ def add(db: ConsumerDB, stamps: list[tuple[float, str]]) -> None:
             key = f"{when:.6f}-{i}-{result}"
             tx.conn.execute("INSERT OR IGNORE INTO inbox (event_id, fingerprint, result, event_type, received_at)"
                             " VALUES (?, 'f', ?, 'material.published', ?)", (key, result, now_iso(when)))
+        counters.rebuild(tx.conn)  # what the store's writers keep (stamped otherwise: now)
 
 
 def window(db: ConsumerDB, window_s: float, now: float) -> chart.Minutes:

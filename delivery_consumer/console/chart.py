@@ -1,10 +1,9 @@
 """Outcomes per minute from the receipts' times, and their chart as inline SVG.
 
-The minutes come from the end of the inbox (receipts are appended in time
-order: :func:`inbox.inbox_rowid_before`) and the ``rejected_at`` index, over
-a bounded window. Minutes that can no longer change are kept in memory
-(:class:`MinuteCache`), so a page load reads only the last few minutes of a
-busy database, not the whole window again.
+The minutes come from the receipt counters the writers keep per minute
+(:mod:`inbox.counters`) and the ``rejected_at`` index, over a bounded window.
+Minutes that can no longer change are kept in memory (:class:`MinuteCache`),
+so a page load reads only the last few minutes, not the whole window again.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from collections import Counter
 from html import escape
 from typing import Any
 
-from ..inbox import ConsumerDB, inbox_rowid_before
+from ..inbox import ConsumerDB, counters
 from ..sqlite import now_iso
 
 #: Outcome categories, in drawing order, with their colour.
@@ -36,14 +35,14 @@ def category(result: str) -> str:
 
 
 def read_minutes(db: ConsumerDB, since: str, until: str | None = None) -> Minutes:
-    """``{"YYYY-MM-DDTHH:MM": Counter(category -> n)}`` of receipts and rejections in [since, until)."""
+    """``{"YYYY-MM-DDTHH:MM": Counter(category -> n)}`` of receipts and rejections in [since, until).
+
+    *since* and *until* are minutes (``YYYY-MM-DDTHH:MM``): the receipts come
+    from the per-minute counters (inbox/counters.py).
+    """
     upper = until or "9999"
     out: Minutes = {}
-    rows = db.conn.execute(
-        "SELECT substr(received_at, 1, 16), result, count(*) FROM inbox"
-        " WHERE rowid > ? AND received_at >= ? AND received_at < ? GROUP BY 1, 2",
-        (inbox_rowid_before(db.conn, since), since, upper)).fetchall()
-    for minute, result, n in rows:
+    for minute, result, n in counters.per_minute(db.conn, since, until):
         out.setdefault(minute, Counter())[category(result)] += n
     rows = db.conn.execute(
         "SELECT substr(rejected_at, 1, 16), count(*) FROM rejected"

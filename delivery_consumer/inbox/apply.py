@@ -24,6 +24,7 @@ from ..envelope import Envelope
 from ..errors import EVENT_ID_REUSED, WRONG_PARTITION, DatabaseError, Rejection, TransientError, safe_reason
 from ..partitions import misplaced
 from ..sqlite import now_iso
+from . import counters
 
 if TYPE_CHECKING:
     from .database import ConsumerDB
@@ -139,7 +140,7 @@ class Transaction:
     showed in the profile (bench/bench_replay.py).
     """
 
-    __slots__ = ("_known", "apply_many_fn", "conn", "db", "effect", "now", "spec")
+    __slots__ = ("_known", "_written", "apply_many_fn", "conn", "db", "effect", "now", "spec")
     #: Whether a commit checks that the file is still the database (ConsumerDB.check_file).
     CHECKS_FILE: ClassVar[bool] = True
 
@@ -154,6 +155,8 @@ class Transaction:
         self.apply_many_fn = db.spec.apply_many
         #: Receipts read ahead by :meth:`prefetch` (eventId -> (fingerprint, result)).
         self._known: dict[str, tuple[str, str]] | None = None
+        #: Results of the receipts written, counted before COMMIT (counters.py).
+        self._written: list[str] = []
 
     def __enter__(self) -> Transaction:
         try:
@@ -170,6 +173,8 @@ class Transaction:
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         if exc is None:
             try:
+                if self._written:
+                    counters.add(self.conn, counters.minute_of(self.now), self._written)
                 self.conn.execute("COMMIT")
             except sqlite3.Error as error:
                 exc = error
@@ -316,6 +321,7 @@ class Transaction:
                 (env.event_id, env.fingerprint, result, env.type, now, env.key, _meta_column(env))
                 for env, result in zip(fresh, results, strict=True)
             ])
+            self._written += results
         except _Fallback:
             raise
         except Exception as exc:
@@ -337,6 +343,7 @@ class Transaction:
         except sqlite3.Error as exc:
             raise sqlite.translate(exc, self.db.path) from None
         self._known = None
+        self._written = []
 
     def prefetch(self, envs: Sequence[Envelope]) -> None:
         """Read the receipts of a whole batch in one statement.
@@ -367,6 +374,7 @@ class Transaction:
         result = self.effect(conn, env)
         conn.execute(_RECEIPT_INSERT, (env.event_id, env.fingerprint, result, env.type, self.now, env.key,
                                        _meta_column(env)))
+        self._written.append(result)
         if known is not None:
             known[env.event_id] = (env.fingerprint, result)
         return result

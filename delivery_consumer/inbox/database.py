@@ -107,6 +107,41 @@ CORE_MIGRATIONS: tuple[str, ...] = (
     """
     ALTER TABLE inbox ADD COLUMN meta TEXT;
     """,
+    # Receipt counters (inbox/counters.py): per (minute, result), kept by the
+    # writers a batch at a time; per (hour, result) and per result (the hour
+    # '~', after every hour: the current hour's rows and the totals share the
+    # last page), kept equal to their sums by triggers. Backfilled from the
+    # receipts already there.
+    """
+    CREATE TABLE inbox_minutes (
+        minute TEXT NOT NULL,
+        result TEXT NOT NULL,
+        n      INTEGER NOT NULL,
+        PRIMARY KEY (minute, result)
+    ) STRICT, WITHOUT ROWID;
+    CREATE TABLE inbox_hours (
+        hour   TEXT NOT NULL,
+        result TEXT NOT NULL,
+        n      INTEGER NOT NULL,
+        PRIMARY KEY (hour, result)
+    ) STRICT, WITHOUT ROWID;
+    CREATE TRIGGER inbox_minutes_added AFTER INSERT ON inbox_minutes BEGIN
+        INSERT INTO inbox_hours (hour, result, n) VALUES (substr(new.minute, 1, 13), new.result, new.n)
+            ON CONFLICT (hour, result) DO UPDATE SET n = n + excluded.n;
+        INSERT INTO inbox_hours (hour, result, n) VALUES ('~', new.result, new.n)
+            ON CONFLICT (hour, result) DO UPDATE SET n = n + excluded.n;
+    END;
+    CREATE TRIGGER inbox_minutes_changed AFTER UPDATE OF n ON inbox_minutes BEGIN
+        UPDATE inbox_hours SET n = n + new.n - old.n WHERE hour = substr(new.minute, 1, 13) AND result = new.result;
+        UPDATE inbox_hours SET n = n + new.n - old.n WHERE hour = '~' AND result = new.result;
+    END;
+    CREATE TRIGGER inbox_minutes_removed AFTER DELETE ON inbox_minutes BEGIN
+        UPDATE inbox_hours SET n = n - old.n WHERE hour = substr(old.minute, 1, 13) AND result = old.result;
+        UPDATE inbox_hours SET n = n - old.n WHERE hour = '~' AND result = old.result;
+    END;
+    INSERT INTO inbox_minutes (minute, result, n)
+        SELECT substr(received_at, 1, 16), result, count(*) FROM inbox GROUP BY 1, 2;
+    """,
 )
 STORE_VERSION = len(CORE_MIGRATIONS)
 #: The ``meta`` key of the consumer's seal key (hex), made by the first writable open.
@@ -135,7 +170,8 @@ def inbox_rowid_before(conn: sqlite3.Connection, cutoff: str) -> int:
     old receipts longer and never deletes a younger one; a count of recent
     receipts may miss some written while the clock was behind).
     """
-    ((low, high),) = conn.execute("SELECT min(rowid), max(rowid) FROM inbox").fetchall()
+    # Two subqueries: SQLite reads one end of the b-tree for a lone min() or max(), all of it for both.
+    ((low, high),) = conn.execute("SELECT (SELECT min(rowid) FROM inbox), (SELECT max(rowid) FROM inbox)").fetchall()
     if low is None:
         return 0
     high += 1  # the first rowid whose next receipt is not older than cutoff
