@@ -297,6 +297,24 @@ def session_processes(sid: int) -> list[int]:
     return found
 
 
+def freeze_session(sid: int, timeout: float = 30.0) -> None:
+    """SIGSTOP every process of session *sid* and return once each one is stopped
+    (state ``T`` in ``/proc``): the signal is only queued when ``killpg`` returns,
+    and a process running on the other core goes on until it takes it."""
+    os.killpg(sid, signal.SIGSTOP)
+
+    def stopped() -> bool:
+        states = []
+        for pid in session_processes(sid):
+            try:
+                states.append(Path(f"/proc/{pid}/stat").read_bytes().rpartition(b")")[2].split()[0])
+            except OSError:
+                continue
+        return all(state in (b"T", b"t") for state in states)
+
+    wait_until(f"session {sid} stopped", stopped, timeout=timeout)
+
+
 def wait_session_gone(sid: int, timeout: float) -> list[int]:
     """Wait until no process of session *sid* lives; what is still alive after *timeout*."""
     try:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import orjson
 import pytest
-from brokerkit import Namespace, RunProcess, kill
+from brokerkit import Namespace, RunProcess, freeze_session, kill
 from partitionkit import Cluster, make_events
 from support import count_rows, wait_until
 
@@ -44,7 +44,7 @@ def _files(db: Path) -> list[Path]:
 def _frozen_snapshot(proc: RunProcess, db: Path, snap: Path) -> int:
     """Stop every process of the run, copy its database as it is (what was committed
     before the mistake), and return the number of receipts in it."""
-    os.killpg(proc.pid, signal.SIGSTOP)
+    freeze_session(proc.pid)
     snap.mkdir()
     for f in _files(db)[:2]:
         if f.exists():

@@ -8,6 +8,7 @@ from partitionkit import Cluster, make_events, wait_until
 from support import count_rows, json_lines, read_rows
 from test_broker_metrics import free_port, scrape
 
+from delivery_consumer.contract import ConsumerSpec
 from delivery_consumer.partitions import partition_of
 
 pytestmark = pytest.mark.broker
@@ -91,20 +92,18 @@ def test_the_outbox_dispatcher_routes_to_partitions(cluster: Cluster) -> None:
 
 
 
-def test_consumers_with_different_counts_share_the_exchange(cluster: Cluster) -> None:
+def test_consumers_with_different_counts_share_the_exchange(cluster: Cluster, counter: ConsumerSpec) -> None:
     """catalog in 2 partitions, audit in 3 and an unpartitioned consumer all bind the same exchange:
     each gets every event once, each partitioned one in the article's partition for its own count."""
     ns = cluster.ns
     audit = Cluster(ns, "audit", 3)
     audit.declare()
     try:
-        # an unpartitioned consumer on the same exchange (the test-only counter; an unpartitioned catalog
-        # beside its own partitions is refused: test_partition_layout)
-        import counter_consumer  # noqa: F401  (registers "counter" here, for its topology)
-
+        # an unpartitioned consumer on the same exchange (the test-only counter, registered here by its
+        # fixture; an unpartitioned catalog beside its own partitions is refused: test_partition_layout)
         from delivery_consumer.amqp.admin import declare
 
-        declare(ns.url, [ns.topology("counter")])
+        declare(ns.url, [ns.topology(counter.name)])
         events = make_events(300, 30)
         runs = [cluster.start(k) for k in range(PARTITIONS)] + [audit.start(k) for k in range(3)]
         cluster.publish(events)
