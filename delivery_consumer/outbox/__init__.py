@@ -1,5 +1,6 @@
-"""The producer side: a transactional outbox in the producer's own SQLite
-database, and the dispatcher that moves its rows to RabbitMQ.
+"""The producer side: a transactional outbox in the producer's own database
+(SQLite, or PostgreSQL through psycopg 3), and the dispatcher that moves its
+rows to RabbitMQ.
 
 The producer writes its own change and the event in **one** transaction::
 
@@ -12,6 +13,8 @@ so the change and the event commit together or not at all.
 
 * :mod:`.table` -- the schema (versioned, forward-only), ``connect``,
   ``transaction``, ``enqueue``, ``notify`` and the routing-key check;
+* :mod:`.db` -- the storage seam: the shared code's connection, on SQLite
+  or PostgreSQL (:mod:`.pg`: install, enqueue, claims, LISTEN/NOTIFY);
 * :mod:`.wake` -- a commit wakes the dispatchers on its host at once;
 * :mod:`.dispatcher` -- ``delivery-consumer dispatch``: leases, batches in
   flight, order per article, quarantine, exit when idle;
@@ -19,11 +22,12 @@ so the change and the event commit together or not at all.
 * :mod:`.queries` -- ``outbox list | stats | show | prune | requeue | drop``
   and the read functions other views call.
 
-Design notes: docs/outbox.md.
+Design notes: docs/outbox.md, docs/outbox-postgres.md.
 """
 
 from __future__ import annotations
 
+from .db import OutboxDb, SqliteDb, as_db, is_pg_url, open_db
 from .dispatcher import PERMANENT, Claimed, DispatchConfig, Dispatcher, DispatchStats, PublisherLike, default_owner
 from .queries import (
     STATES,
@@ -66,9 +70,12 @@ __all__ = [
     "DispatchConfig",
     "DispatchStats",
     "Dispatcher",
+    "OutboxDb",
     "OutboxError",
     "PublisherLike",
     "Row",
+    "SqliteDb",
+    "as_db",
     "connect",
     "default_owner",
     "describe_waiting",
@@ -76,8 +83,10 @@ __all__ = [
     "enqueue",
     "install",
     "installed_version",
+    "is_pg_url",
     "list_rows",
     "notify",
+    "open_db",
     "pending_states",
     "prune",
     "quarantined_ids",

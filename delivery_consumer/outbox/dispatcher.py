@@ -1,9 +1,10 @@
 """The dispatcher: moves the outbox's pending rows to RabbitMQ, at least once.
 
-Each round claims a batch under a lease (``BEGIN IMMEDIATE``), publishes it
+Each round claims a batch under a lease (one write transaction), publishes it
 persistent and mandatory (``message_id`` = eventId, pipelined confirms) and
 marks ``published_at`` only for confirmed rows; the inbox absorbs duplicates.
-Rounds, leases, order per article, failures and crash points: docs/outbox.md.
+Rounds, leases, order per article, failures and crash points: docs/outbox.md;
+the same logic on SQLite and on PostgreSQL (:mod:`.db`): docs/outbox-postgres.md.
 """
 
 from __future__ import annotations
@@ -12,26 +13,25 @@ import logging
 import os
 import secrets
 import socket
-import sqlite3
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, Protocol
 
 from .. import tracing
-from ..dbfile import FileGuard
 from ..errors import DeliveryError, TransientError, safe_reason
 from ..faults import crashpoint
 from ..partitions import slot_headers
 from ..plural import count
 from ..retry import RECONNECT_CAP_S, reconnect_delay_s
-from ..sqlite import now_iso, path_of
+from ..sqlite import now_iso
 from ..topology import H_PRODUCED_MS
 from . import owners, wake
-from .table import MAX_ERROR_CHARS, routing_key_problem, transaction
+from .db import OutboxDb, WakeListener, as_db
+from .table import MAX_ERROR_CHARS, routing_key_problem
 
 if TYPE_CHECKING:
     from ..amqp.publisher import OutMessage, PublishResult
@@ -198,34 +198,24 @@ class DispatchStats:
                 f"{span:.3f}s{rate}")
 
 
-#: One UPDATE for a whole batch: the seqs travel as one JSON array, which
-#: costs a fraction of an ``executemany`` with a statement per row.
-_SEQS: Final = "(SELECT value FROM json_each(?))"
-
-
-#: ``created_at`` in milliseconds since the epoch, computed by the claim's
-#: SELECT (SQLite keeps a julian day as integer milliseconds, so this is
-#: exact); NULL when it is not a time.
-CREATED_MS: Final = "CAST(round((julianday(created_at) - 2440587.5) * 86400000.0) AS INTEGER)"
-
-
-def _seqs(seqs: Iterable[int]) -> str:
-    return "[" + ",".join(map(str, seqs)) + "]"
+#: How often (seconds) a dispatcher whose wake-up source broke tries to listen again.
+RELISTEN_S: Final = 5.0
 
 
 class Dispatcher:
     """Moves outbox rows to the broker; one per process, single-threaded
     (plus the heartbeat thread of :meth:`run`).
 
-    *conn* must be this thread's own writable connection
-    (:func:`~delivery_consumer.outbox.connect`); *publisher* is a
+    *conn* must be this thread's own writable connection: a sqlite3 one
+    (:func:`~delivery_consumer.outbox.connect`) or an :class:`.db.OutboxDb`
+    (:func:`.db.open_db`: SQLite or PostgreSQL); *publisher* is a
     :class:`delivery_consumer.amqp.publisher.StreamPublisher` (or a fake in tests);
     *clock* (seconds since the epoch) and *sleep* are replaceable for tests.
     """
 
     def __init__(
         self,
-        conn: sqlite3.Connection,
+        conn: Any,
         publisher: PublisherLike,
         config: DispatchConfig,
         *,
@@ -233,6 +223,7 @@ class Dispatcher:
         sleep: Callable[[float], None] | None = None,
     ) -> None:
         self.conn = conn
+        self.db: OutboxDb = as_db(conn)
         self.publisher = publisher
         self.config = config
         self.clock = clock
@@ -249,10 +240,10 @@ class Dispatcher:
         self._reaped_at = float("-inf")
         self._good_keys: set[str] = set()  # routing keys already checked and found good
         self._idle_deadline: float | None = None  # when run() gives up for want of progress
-        self._listener: wake.Listener | None = None  # producers' commits wake run() (see run)
-        # The file as opened: a claim first checks that the path still names it.
-        path = path_of(conn)
-        self._file = FileGuard(path) if os.path.isfile(path) else None
+        self._listener: WakeListener | None = None  # producers' commits wake run() (see run)
+        self._listen_at = float("inf")  # when to try listening again after the wake-up source broke
+        # Batches published whose mark failed (the database went away): marked first when it is back.
+        self._unmarked: deque[tuple[list[Claimed], list[PublishResult]]] = deque()
 
     def stop(self) -> None:
         """Claim no more; :meth:`run` settles the batches in flight and returns (signal-safe)."""
@@ -281,31 +272,32 @@ class Dispatcher:
         DatabaseLost, claiming nothing, once the database file was deleted or
         replaced: nothing more is published from a file nobody else will read.
         """
-        if self._file is not None:
-            self._file.check()
+        db = self.db
+        db.check_alive()
         now = self.clock()
         if now - self._reaped_at >= REAP_EVERY_S:
             self._reaped_at = now
-            owners.reap(self.conn, self.identity, now)
+            owners.reap(db, self.identity, now)
         now_s, until = now_iso(now), now_iso(now + self.config.lease_s)
         taken: list[Claimed] = []
         expired: list[tuple[str, int]] = []
         invalid: list[tuple[str, str, int]] = []
         # An idle poll only reads: the write lock (which the producer needs
         # for its own transactions) is taken only when some row is due.
-        due = self.conn.execute(
+        due = db.execute(
             "SELECT 1 FROM outbox WHERE status = 'pending' AND coalesce(next_attempt_at, '') <= ?1"
             " AND coalesce(lease_until, '') <= ?1 LIMIT 1", (now_s,)).fetchone()
         if due is None:
             return taken
         good = self._good_keys
-        with transaction(self.conn) as conn:
+        with db.transaction() as conn:
+            conn.lock_claims()
             blocked: set[str] = set()
             size = 0
-            cur = conn.execute(
+            cur = conn.scan(
                 "SELECT seq, event_id, routing_key, ordering_key, body, attempts, next_attempt_at,"
-                f" lease_owner, lease_until, {CREATED_MS} FROM outbox WHERE status = 'pending' ORDER BY seq"
-            )
+                f" lease_owner, lease_until, {conn.created_ms_sql} FROM outbox WHERE status = 'pending' ORDER BY seq",
+                (), self.config.batch * 2)
             try:
                 for seq, event_id, routing_key, key, body, attempts, next_at, owner, lease_until, created in cur:
                     if key in blocked:
@@ -320,7 +312,7 @@ class Dispatcher:
                     if taken and size + len(body) > self.config.batch_bytes:
                         break
                     size += len(body)
-                    taken.append(Claimed(seq, event_id, routing_key, body, attempts, key, created))
+                    taken.append(Claimed(seq, event_id, routing_key, bytes(body), attempts, key, created))
                     if next_at is not None:  # a retry goes out alone for its article
                         blocked.add(key)
                     if owner is not None:
@@ -330,10 +322,11 @@ class Dispatcher:
                         break
             finally:
                 cur.close()
-            conn.execute(
-                f"UPDATE outbox SET lease_owner = ?, lease_until = ? WHERE seq IN {_SEQS}",
-                (self.config.owner, until, _seqs(row.seq for row in taken)),
-            )
+            if taken:
+                conn.execute(
+                    f"UPDATE outbox SET lease_owner = ?, lease_until = ? WHERE seq IN {conn.seqs_sql}",
+                    (self.config.owner, until, conn.seqs(row.seq for row in taken)),
+                )
             conn.executemany("UPDATE outbox SET last_error = ? WHERE seq = ?", expired)
             conn.executemany(
                 "UPDATE outbox SET status = 'quarantined', quarantined_at = ?2, quarantine_reason = ?1,"
@@ -376,11 +369,11 @@ class Dispatcher:
             else:
                 nacked.append((row.seq, error))
         half = len(published) // 2
-        with transaction(self.conn) as conn:
+        with self.db.transaction() as conn:
             # The failure count is read only for the rows that need it (rare),
             # so the claim of every row does not carry it.
-            failures = dict(conn.execute(f"SELECT seq, failures FROM outbox WHERE seq IN {_SEQS}",
-                                         (_seqs(seq for seq, _ in nacked),)).fetchall()) if nacked else {}
+            failures = dict(conn.execute(f"SELECT seq, failures FROM outbox WHERE seq IN {conn.seqs_sql}",
+                                         (conn.seqs(seq for seq, _ in nacked),)).fetchall()) if nacked else {}
             for seq, error in nacked:
                 n = failures.get(seq, 0) + 1
                 if n >= cfg.max_attempts:
@@ -392,10 +385,12 @@ class Dispatcher:
                     failed.append((error, now_iso(now + delay), seq, cfg.owner, 1))
             sql = ("UPDATE outbox SET published_at = coalesce(published_at, ?1), status = 'published',"
                    " attempts = attempts + 1, last_attempt_at = ?1, next_attempt_at = NULL, lease_owner = NULL,"
-                   f" lease_until = NULL WHERE seq IN {_SEQS.replace('?', '?2')}")
-            conn.execute(sql, (now_s, _seqs(published[:half])))
+                   f" lease_until = NULL WHERE seq IN {conn.seqs_sql.replace('?', '?2')}")
+            if half:
+                conn.execute(sql, (now_s, conn.seqs(published[:half])))
             crashpoint("dispatch-mid-batch")
-            conn.execute(sql, (now_s, _seqs(published[half:])))
+            if published[half:]:
+                conn.execute(sql, (now_s, conn.seqs(published[half:])))
             conn.executemany(
                 # An unconfirmed row keeps its next_attempt_at: a retry stays a
                 # retry (alone for its article) through an outage.
@@ -417,7 +412,7 @@ class Dispatcher:
 
     def release(self, rows: Sequence[Claimed]) -> None:
         """Give up the leases of *rows* without publishing them."""
-        with transaction(self.conn) as conn:
+        with self.db.transaction() as conn:
             conn.executemany(
                 "UPDATE outbox SET lease_owner = NULL, lease_until = NULL WHERE seq = ? AND lease_owner = ?",
                 [(row.seq, self.config.owner) for row in rows],
@@ -436,6 +431,12 @@ class Dispatcher:
         from ..amqp.connection import BrokerUnavailable
         from ..amqp.publisher import OutMessage
 
+        while self._unmarked:  # published before the database went away: their marks come first
+            rows, results = self._unmarked[0]
+            self._settle(rows, results, retry=False)
+            self._unmarked.popleft()
+        if self.config.wake and self._listener is None and time.monotonic() >= self._listen_at:
+            self._listen()
         if not self._connected:
             # Batches left by a lost connection come back at once (unconfirmed
             # or not sent); they must be settled before connecting again.
@@ -468,7 +469,9 @@ class Dispatcher:
         while listener is not None and len(self._inflight) < self.config.depth and not self.stopping:
             if self.publisher.wait(ticket, listener.fileno()):
                 break
-            listener.drain()
+            self._woken(listener)
+            if self._listener is None:
+                break
             more = self.claim()
             if more:
                 self._send(more, OutMessage)
@@ -524,8 +527,16 @@ class Dispatcher:
             self.release([*rows, *(row for batch, _ in self._inflight for row in batch)])
         self._inflight.clear()
 
-    def _settle(self, rows: list[Claimed], results: list[PublishResult]) -> None:
-        self.mark(rows, results)
+    def _settle(self, rows: list[Claimed], results: list[PublishResult], *, retry: bool = True) -> None:
+        """Mark a collected batch. When the database fails (an outage, a timeout)
+        the batch is kept and marked first at the next step: no row spends an
+        attempt, and none waits for its lease to expire."""
+        try:
+            self.mark(rows, results)
+        except TransientError:
+            if retry:
+                self._unmarked.append((rows, results))
+            raise
         self.stats.last_mark = time.perf_counter()
         self.stats.batches += 1
         self.stats.results.update(r.status for r in results)
@@ -568,7 +579,7 @@ class Dispatcher:
                 self.publisher.idle(seconds)
             else:
                 self.publisher.idle(seconds, listener.fileno())
-                if listener.drain():  # a producer committed: claim now (drained before that claim's read)
+                if self._woken(listener):  # a producer committed: claim now (drained before that claim's read)
                     return
             left = seconds - (time.monotonic() - started)
             if left <= seconds / 10:
@@ -589,17 +600,37 @@ class Dispatcher:
 
     def _register(self) -> owners.Heartbeat | None:
         """Make this dispatcher's leases reclaimable at once if it dies:
-        register it and start its heartbeat (skipped for a database without
-        a file). A busy database only delays the registration: the first
-        heartbeat makes it."""
-        path = path_of(self.conn)
-        if not os.path.isfile(path):
+        register it and start its heartbeat (skipped for a SQLite database
+        without a file). A busy database only delays the registration: the
+        first heartbeat makes it."""
+        if self.db.kind == "sqlite" and not os.path.isfile(self.db.label):
             return None
         with suppress(DeliveryError):
-            owners.register(self.conn, self.identity, self.config.heartbeat_s, self.clock())
-        beat = owners.Heartbeat(path, self.identity, self.config.heartbeat_s, self.clock)
+            owners.register(self.db, self.identity, self.config.heartbeat_s, self.clock())
+        beat = owners.Heartbeat(self.db.reopen, self.identity, self.config.heartbeat_s, self.clock)
         beat.start()
         return beat
+
+    def _listen(self) -> None:
+        """Bind the wake-up source (LISTEN on PostgreSQL, a socket slot on SQLite)."""
+        self._listen_at = float("inf")
+        self._listener = self.db.listener()
+        if self._listener is None:
+            log.info("no wake-up source for this outbox (%s); polling every %gs",
+                     f"{wake.SLOTS} dispatchers listen already" if self.db.kind == "sqlite" else "LISTEN failed",
+                     self.config.poll_s)
+            if self.db.kind != "sqlite":
+                self._listen_at = time.monotonic() + RELISTEN_S
+
+    def _woken(self, listener: WakeListener) -> int:
+        """Drain *listener*; when it broke, fall back to polling and listen again later."""
+        n = listener.drain()
+        if listener.broken:
+            log.warning("the wake-up source was lost; polling every %gs until it is back", self.config.poll_s)
+            listener.close()
+            self._listener = None
+            self._listen_at = time.monotonic() + RELISTEN_S
+        return n
 
     def run(self) -> DispatchStats:
         """Dispatch until :meth:`stop`, or ``exit_when_idle_s`` without
@@ -610,12 +641,8 @@ class Dispatcher:
         dispatcher gives back any lease it still holds and unregisters.
         """
         beat = self._register()
-        path = path_of(self.conn)
-        if self.config.wake and os.path.isfile(path):
-            self._listener = wake.Listener.bind(path)
-            if self._listener is None:
-                log.info("no wake-up slot free for this outbox (%d dispatchers listen already); polling every %gs",
-                         wake.SLOTS, self.config.poll_s)
+        if self.config.wake:
+            self._listen()
         try:
             self._loop()
         finally:
@@ -624,15 +651,15 @@ class Dispatcher:
                 self._listener = None
             if beat is not None:
                 beat.stop()
-                with suppress(DeliveryError, sqlite3.Error):
-                    owners.unregister(self.conn, self.config.owner)
+                with suppress(DeliveryError):
+                    owners.unregister(self.db, self.config.owner)
         return self.stats
 
     def _loop(self) -> None:
         limit = self.config.exit_when_idle_s
         seen = self.stats.progress
         idle_since = self.clock()
-        while not self.stopping or self._inflight:  # a stop still settles what is in flight
+        while not self.stopping or self._inflight or self._unmarked:  # a stop still settles what is in flight
             self._idle_deadline = None if limit is None else idle_since + limit
             try:
                 settled = self.step()

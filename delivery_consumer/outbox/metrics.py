@@ -20,9 +20,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
+from .db import open_db
 from .dispatcher import DispatchStats
 from .queries import stats
-from .table import connect
 
 ROW_STATES = ("due", "leased", "retrying", "held", "quarantined", "published", "dropped")
 
@@ -35,7 +35,7 @@ class OutboxCollector(Collector):
         self.dispatch = dispatch
 
     def collect(self) -> Iterator[Any]:
-        with closing(connect(self.path, readonly=True)) as conn:
+        with closing(open_db(self.path, readonly=True)) as conn:
             now = stats(conn)
         rows = GaugeMetricFamily("outbox_rows", "Rows of the outbox by state (quarantined: a person must act).",
                                  labels=["state"])

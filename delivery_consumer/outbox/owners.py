@@ -27,15 +27,14 @@ import socket
 import sqlite3
 import threading
 from collections.abc import Callable
-from contextlib import suppress
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 from ..errors import DeliveryError, safe_reason
 from ..sqlite import now_iso
-from .table import MAX_ERROR_CHARS, connect, transaction
+from .db import OutboxDb, as_db
+from .table import MAX_ERROR_CHARS
 
 log = logging.getLogger("delivery_consumer.dispatch")
 
@@ -133,27 +132,31 @@ def death(me: Identity, host: str, boot: str | None, pid: int, started: str | No
     return None
 
 
-def register(conn: sqlite3.Connection, me: Identity, heartbeat_s: float, now: float) -> None:
+def register(conn: Any, me: Identity, heartbeat_s: float, now: float) -> None:
     """Record this dispatcher (and forget owners that are dead and hold nothing)."""
     stamp = now_iso(now)
-    with transaction(conn):
-        conn.execute(
-            "INSERT OR REPLACE INTO outbox_owners (owner, host, boot_id, pid, proc_start, heartbeat_s, started_at,"
-            " heartbeat_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+    with as_db(conn).transaction() as db:
+        db.execute(
+            "INSERT INTO outbox_owners (owner, host, boot_id, pid, proc_start, heartbeat_s, started_at,"
+            " heartbeat_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (owner) DO UPDATE SET host = excluded.host,"
+            " boot_id = excluded.boot_id, pid = excluded.pid, proc_start = excluded.proc_start,"
+            " heartbeat_s = excluded.heartbeat_s, started_at = excluded.started_at,"
+            " heartbeat_at = excluded.heartbeat_at",
             (me.owner, me.host, me.boot_id, me.pid, me.proc_start, heartbeat_s, stamp, stamp))
 
 
-def unregister(conn: sqlite3.Connection, owner: str) -> None:
+def unregister(conn: Any, owner: str) -> None:
     """A clean exit: give back every lease still held and leave the table."""
-    with transaction(conn):
+    with as_db(conn).transaction() as conn:
         conn.execute("UPDATE outbox SET lease_owner = NULL, lease_until = NULL WHERE lease_owner = ?"
                      " AND status = 'pending'", (owner,))
         conn.execute("DELETE FROM outbox_owners WHERE owner = ?", (owner,))
 
 
-def reap(conn: sqlite3.Connection, me: Identity, now: float) -> int:
+def reap(conn: Any, me: Identity, now: float) -> int:
     """Take back the leases of every registered owner known dead; returns
     how many rows were freed. Each freed row records why in ``last_error``."""
+    conn = as_db(conn)
     others = conn.execute(
         "SELECT owner, host, boot_id, pid, proc_start, heartbeat_s, heartbeat_at FROM outbox_owners"
         " WHERE owner != ?", (me.owner,)).fetchall()
@@ -162,7 +165,7 @@ def reap(conn: sqlite3.Connection, me: Identity, now: float) -> int:
     if not dead:
         return 0
     freed = 0
-    with transaction(conn):
+    with conn.transaction():
         for owner, why in dead:
             reason = safe_reason(f"lease of {owner} taken back: {why}", MAX_ERROR_CHARS)
             cur = conn.execute(
@@ -177,12 +180,13 @@ def reap(conn: sqlite3.Connection, me: Identity, now: float) -> int:
 
 class Heartbeat:
     """A thread that refreshes the owner's heartbeat every ``interval_s``
-    on its own connection, whatever the dispatcher is waiting for (a broker
-    confirm, a busy database). Re-registers if someone removed the row."""
+    on its own connection (*open* makes it), whatever the dispatcher is
+    waiting for (a broker confirm, a busy database). Re-registers if someone
+    removed the row."""
 
-    def __init__(self, path: Path | str, me: Identity, interval_s: float,
+    def __init__(self, open: Callable[[], OutboxDb], me: Identity, interval_s: float,
                  clock: Callable[[], float]) -> None:
-        self.path, self.me, self.interval_s, self.clock = path, me, interval_s, clock
+        self.open, self.me, self.interval_s, self.clock = open, me, interval_s, clock
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="outbox-heartbeat", daemon=True)
 
@@ -194,22 +198,21 @@ class Heartbeat:
         self._thread.join()
 
     def _run(self) -> None:
-        conn: sqlite3.Connection | None = None
+        conn: OutboxDb | None = None
         try:
             while not self._stop.wait(self.interval_s):
                 try:
                     if conn is None:
-                        conn = connect(self.path, install_tables=False)
+                        conn = self.open()
                     cur = conn.execute("UPDATE outbox_owners SET heartbeat_at = ? WHERE owner = ?",
                                        (now_iso(self.clock()), self.me.owner))
                     if cur.rowcount == 0:
                         register(conn, self.me, self.interval_s, self.clock())
-                except (sqlite3.Error, DeliveryError) as exc:  # busy or full: the next beat tries again
+                except (sqlite3.Error, DeliveryError) as exc:  # busy, full or away: the next beat tries again
                     log.debug("heartbeat not written: %s", exc)
         finally:
             if conn is not None:
-                with suppress(sqlite3.Error):
-                    conn.close()
+                conn.close()
 
 
 __all__ = ["STALE_BEATS", "Heartbeat", "Identity", "boot_id", "death", "proc_start", "reap", "register",

@@ -14,11 +14,9 @@ why it was quarantined, who dropped it when and why. In plain SQL the lasting pa
 
 from __future__ import annotations
 
-import sqlite3
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any, Final
 
@@ -27,8 +25,8 @@ import orjson
 from ..errors import safe_reason
 from ..plural import count
 from ..queries import NotFound
-from ..sqlite import now_iso, path_of, rollback
-from .table import transaction
+from ..sqlite import now_iso
+from .db import as_db
 
 Row = dict[str, Any]
 STATES: Final = ("all", "unpublished", "pending", "due", "leased", "retrying", "held", "failed", "quarantined",
@@ -46,22 +44,10 @@ _FIELDS: Final = (
 _COLUMNS: Final = ", ".join(column for _, column in _FIELDS)
 
 
-@contextmanager
-def _snapshot(conn: sqlite3.Connection) -> Iterator[None]:
-    """Several reads from one snapshot (inside the caller's transaction if one is open)."""
-    if conn.in_transaction:
-        yield
-        return
-    conn.execute("BEGIN DEFERRED")
-    try:
-        yield
-    finally:
-        rollback(conn)
-
-
-def pending_states(conn: sqlite3.Connection, now_s: str) -> dict[int, tuple[str, str | None]]:
+def pending_states(conn: Any, now_s: str) -> dict[int, tuple[str, str | None]]:
     """seq -> (state, detail) of every pending row, in one pass in creation
     order: the dispatcher's own rule for what may be claimed."""
+    conn = as_db(conn)
     out: dict[int, tuple[str, str | None]] = {}
     holder: dict[str, str] = {}  # ordering key -> eventId of the earliest row holding it back
     rows = conn.execute("SELECT seq, event_id, ordering_key, next_attempt_at, lease_owner, lease_until FROM outbox"
@@ -96,12 +82,13 @@ def _row(values: Sequence[Any], states: dict[int, tuple[str, str | None]]) -> Ro
 
 
 def list_rows(
-    conn: sqlite3.Connection, *, state: str = "all", limit: int | None = 50, now: float | None = None
+    conn: Any, *, state: str = "all", limit: int | None = 50, now: float | None = None
 ) -> list[Row]:
     """Rows of the outbox. Rows that wait (``unpublished``, ``pending``,
     ``due``, ``leased``, ``retrying``, ``held``, ``failed``, ``quarantined``)
     oldest first, the order they go out; ``published``, ``dropped`` and
     ``all`` newest first."""
+    conn = as_db(conn)
     if state not in STATES:
         raise ValueError(f"unknown state {state!r}: one of {', '.join(STATES)}")
     now_s = now_iso(now)
@@ -113,24 +100,25 @@ def list_rows(
         "dropped": ("status = 'dropped'", "seq DESC"),
         "published": ("status = 'published'", "seq DESC"),
     }.get(state, ("status = 'pending'", "seq"))
-    with _snapshot(conn):  # the states and the rows from one snapshot
+    with conn.snapshot():  # the states and the rows from one snapshot
         states = pending_states(conn, now_s) if state not in ("quarantined", "dropped", "published") else {}
         # The pending rows of one kind ("due": what the next claim may take, shown as pending).
         wanted = {"due": "pending", "leased": "leased", "retrying": "retrying", "held": "held"}.get(state)
-        sql_limit = limit if limit and wanted is None else -1
-        rows = conn.execute(f"SELECT {_COLUMNS} FROM outbox WHERE {where} ORDER BY {order} LIMIT ?",
-                            (sql_limit,)).fetchall()
+        bounded = bool(limit) and wanted is None
+        rows = conn.execute(f"SELECT {_COLUMNS} FROM outbox WHERE {where} ORDER BY {order}"
+                            + (" LIMIT ?" if bounded else ""), (limit,) if bounded else ()).fetchall()
     out = [_row(r, states) for r in rows]
     if wanted is not None:
         out = [r for r in out if r["state"] == wanted][:limit or None]
     return out
 
 
-def show(conn: sqlite3.Connection, event_id: str, *, now: float | None = None, body: bool = True) -> Row:
+def show(conn: Any, event_id: str, *, now: float | None = None, body: bool = True) -> Row:
     """One row with its fingerprint and (unless ``body=False``) its body;
     ``passedBy``: the later rows of its article published before it (all of
     them while it is unpublished). :class:`NotFound` otherwise."""
-    with _snapshot(conn):
+    conn = as_db(conn)
+    with conn.snapshot():
         row = conn.execute(f"SELECT {_COLUMNS}, fingerprint, body FROM outbox WHERE event_id = ?",
                            (event_id,)).fetchone()
         if row is None:
@@ -153,12 +141,13 @@ def _age_s(stamp: str | None, now: float) -> float | None:
     return round(now - datetime.fromisoformat(stamp).timestamp(), 3)
 
 
-def waiting(conn: sqlite3.Connection, *, now: float | None = None) -> Counter[str]:
+def waiting(conn: Any, *, now: float | None = None) -> Counter[str]:
     """How many rows are not published, by what they wait for: ``pending``
     (due), ``leased``, ``retrying`` (backoff), ``held`` (behind an earlier row
     of their article), ``quarantined`` (a person must act). Empty: every row
     is published (or dropped)."""
-    with _snapshot(conn):
+    conn = as_db(conn)
+    with conn.snapshot():
         counts = Counter(state for state, _ in pending_states(conn, now_iso(now)).values())
         quarantined = conn.execute("SELECT count(*) FROM outbox WHERE status = 'quarantined'").fetchone()[0]
     if quarantined:
@@ -174,16 +163,17 @@ def describe_waiting(counts: Counter[str]) -> str:
     return f"{count(sum(counts.values()), 'row')} left: {parts}"
 
 
-def stats(conn: sqlite3.Connection, *, now: float | None = None) -> Row:
+def stats(conn: Any, *, now: float | None = None) -> Row:
     """Counts by status and state, the oldest pending row (a quarantined row
     waits for a person, not for dispatch: it has its own count and oldest),
     the commonest errors of pending rows and reasons of quarantined ones."""
+    conn = as_db(conn)
     now = time.time() if now is None else now
     now_s = now_iso(now)
-    with _snapshot(conn):  # one snapshot for every read
+    with conn.snapshot():  # one snapshot for every read
         total, published, quarantined, dropped, oldest, oldest_quarantined, max_attempts, last_published = conn.execute(
-            "SELECT count(*), coalesce(sum(status = 'published'), 0), coalesce(sum(status = 'quarantined'), 0),"
-            " coalesce(sum(status = 'dropped'), 0),"
+            "SELECT count(*), count(*) FILTER (WHERE status = 'published'),"
+            " count(*) FILTER (WHERE status = 'quarantined'), count(*) FILTER (WHERE status = 'dropped'),"
             " min(CASE WHEN status = 'pending' THEN created_at END),"
             " min(CASE WHEN status = 'quarantined' THEN quarantined_at END),"
             " coalesce(max(CASE WHEN status IN ('pending', 'quarantined') THEN attempts END), 0),"
@@ -200,7 +190,7 @@ def stats(conn: sqlite3.Connection, *, now: float | None = None) -> Row:
             " GROUP BY quarantine_reason ORDER BY count(*) DESC, quarantine_reason LIMIT 5"
         ).fetchall()
     return {
-        "database": path_of(conn),
+        "database": conn.label,
         "rows": total,
         "published": published,
         "unpublished": total - published - dropped,
@@ -222,36 +212,39 @@ def stats(conn: sqlite3.Connection, *, now: float | None = None) -> Row:
     }
 
 
-def unpublished(conn: sqlite3.Connection) -> int:
+def unpublished(conn: Any) -> int:
     """How many rows are neither published nor dropped (pending or quarantined)."""
+    conn = as_db(conn)
     return int(conn.execute("SELECT count(*) FROM outbox WHERE status IN ('pending', 'quarantined')").fetchone()[0])
 
 
-def prune(conn: sqlite3.Connection, *, older_than_s: float, now: float | None = None) -> int:
+def prune(conn: Any, *, older_than_s: float, now: float | None = None) -> int:
     """Delete rows published (or dropped) more than *older_than_s* ago;
     returns how many. Pending and quarantined rows are never deleted."""
+    conn = as_db(conn)
     if older_than_s < 0:
         raise ValueError("older_than_s must be >= 0")
     cutoff = now_iso((time.time() if now is None else now) - older_than_s)
-    with transaction(conn):
+    with conn.transaction():
         cur = conn.execute(
             "DELETE FROM outbox WHERE (status = 'published' AND published_at < ?1)"
             " OR (status = 'dropped' AND dropped_at < ?1)", (cutoff,)
         )
-    return cur.rowcount
+    return int(cur.rowcount)
 
 
 # -- the operator's actions -----------------------------------------------------------
 
 
-def _act(conn: sqlite3.Connection, event_ids: Iterable[str], allowed: tuple[str, ...], done: str, sql: str,
+def _act(conn: Any, event_ids: Iterable[str], allowed: tuple[str, ...], done: str, sql: str,
          params: dict[str, Any], dry_run: bool) -> list[Row]:
     """For each eventId: apply *sql* (``:seq`` and *params*) when its status is
     in *allowed*; one result row each: eventId, outcome (*done*,
     ``would-be-<done>``, ``not-quarantined`` or ``not-found``) and the status
     it had."""
+    conn = as_db(conn)
     results: list[Row] = []
-    with transaction(conn):
+    with conn.transaction():
         for event_id in dict.fromkeys(event_ids):
             found = conn.execute("SELECT seq, status FROM outbox WHERE event_id = ?", (event_id,)).fetchone()
             if found is None:
@@ -268,12 +261,13 @@ def _act(conn: sqlite3.Connection, event_ids: Iterable[str], allowed: tuple[str,
     return results
 
 
-def quarantined_ids(conn: sqlite3.Connection) -> list[str]:
+def quarantined_ids(conn: Any) -> list[str]:
     """eventIds of every quarantined row, in creation order."""
+    conn = as_db(conn)
     return [r[0] for r in conn.execute("SELECT event_id FROM outbox WHERE status = 'quarantined' ORDER BY seq")]
 
 
-def requeue(conn: sqlite3.Connection, event_ids: Iterable[str], *, by: str, dry_run: bool = False,
+def requeue(conn: Any, event_ids: Iterable[str], *, by: str, dry_run: bool = False,
             now: float | None = None) -> list[Row]:
     """Put quarantined (or dropped) rows back in the stream after a fix: the
     row becomes pending with its failures reset and goes out as a retry
@@ -285,7 +279,7 @@ def requeue(conn: sqlite3.Connection, event_ids: Iterable[str], *, by: str, dry_
                 {"now": now_iso(now), "by": safe_reason(by, 100)}, dry_run)
 
 
-def drop(conn: sqlite3.Connection, event_ids: Iterable[str], *, by: str, reason: str | None = None,
+def drop(conn: Any, event_ids: Iterable[str], *, by: str, reason: str | None = None,
          dry_run: bool = False, now: float | None = None) -> list[Row]:
     """Give up quarantined rows on purpose, recording who, when and why; a
     dropped row is never published (``requeue`` undoes it)."""

@@ -284,13 +284,18 @@ def installed_version(conn: sqlite3.Connection) -> int:
     return int(row[0]) if row else 0
 
 
-def install(conn: sqlite3.Connection) -> int:
+def install(conn: Any) -> int:
     """Create or upgrade the outbox tables; returns the version now installed.
 
     Runs inside the caller's open transaction if there is one (the caller
     commits), otherwise in its own ``BEGIN IMMEDIATE`` transaction.
     Idempotent. Refuses a database whose outbox is newer than this code.
+    *conn* may also be a psycopg 3 connection (:func:`.pg.install`).
     """
+    if not isinstance(conn, sqlite3.Connection):
+        from . import pg
+
+        return pg.install(conn)
     with nullcontext(conn) if conn.in_transaction else sqlite.transaction(conn):
         version = installed_version(conn)
         sqlite.migrate(conn, MIGRATIONS, version, what="outbox schema")
@@ -305,7 +310,7 @@ def install(conn: sqlite3.Connection) -> int:
 
 
 def enqueue(
-    conn: sqlite3.Connection, envelope: Envelope | Mapping[str, Any] | bytes, *, routing_key: str | None = None,
+    conn: Any, envelope: Envelope | Mapping[str, Any] | bytes, *, routing_key: str | None = None,
     types: EventTypes | None = None,
 ) -> bool:
     """Add *envelope* to the outbox inside the caller's open transaction.
@@ -326,26 +331,26 @@ def enqueue(
     body raises :class:`Rejection` ``event-id-reused``; the caller's
     transaction is left open for it to roll back.
 
+    *conn*: the sqlite3 connection of the producer's open transaction, or a
+    psycopg 3 connection (or a SQLAlchemy ``Session`` / ``Connection`` on
+    psycopg) inside the application's transaction (docs/outbox-postgres.md).
+
     Raises :class:`OutboxError` outside a transaction (the row would commit
     on its own, apart from the producer's change it must go with), on a
     database without the outbox installed, and for an envelope that is not an
     Envelope, a mapping or bytes.
     """
+    if not isinstance(conn, sqlite3.Connection):  # psycopg, or SQLAlchemy on psycopg
+        from . import pg
+
+        env, key = _prepared(envelope, routing_key, types)
+        stored_pg = pg.enqueue_row(conn, env.event_id, key, env.key, env.canonical, env.fingerprint)
+        if stored_pg is None:
+            return True
+        return _reused(env, stored_pg)
     if not conn.in_transaction:
         raise OutboxError("enqueue needs the caller's open transaction (BEGIN IMMEDIATE first)")
-    if isinstance(envelope, Envelope):
-        env = envelope
-    elif isinstance(envelope, bytes | bytearray | memoryview):
-        env = parse(bytes(envelope), types=types)
-    elif isinstance(envelope, Mapping):
-        env = from_mapping(envelope, types)
-    else:
-        raise OutboxError(f"enqueue takes an Envelope, a dict or JSON bytes, not {type(envelope).__name__}")
-    env = tracing.stamp(env)  # the current trace context into meta.traceparent (outside the fingerprint)
-    key = env.type if routing_key is None or routing_key == "" else routing_key
-    problem = routing_key_problem(key)
-    if problem is not None:
-        raise OutboxError(f"cannot enqueue {env.event_id}: {problem}")
+    env, key = _prepared(envelope, routing_key, types)
     try:
         cur = conn.execute(
             "INSERT INTO outbox (event_id, routing_key, ordering_key, body, fingerprint, created_at)"
@@ -363,9 +368,33 @@ def enqueue(
         _owed.add(id(conn))
         return True
     row = conn.execute("SELECT fingerprint FROM outbox WHERE event_id = ?", (env.event_id,)).fetchone()
-    if row is not None and row[0] == env.fingerprint:
+    return _reused(env, row[0] if row else "?")
+
+
+def _prepared(envelope: Envelope | Mapping[str, Any] | bytes, routing_key: str | None,
+              types: EventTypes | None) -> tuple[Envelope, str]:
+    """The validated envelope (with the current trace context) and its routing key, whichever database."""
+    if isinstance(envelope, Envelope):
+        env = envelope
+    elif isinstance(envelope, bytes | bytearray | memoryview):
+        env = parse(bytes(envelope), types=types)
+    elif isinstance(envelope, Mapping):
+        env = from_mapping(envelope, types)
+    else:
+        raise OutboxError(f"enqueue takes an Envelope, a dict or JSON bytes, not {type(envelope).__name__}")
+    env = tracing.stamp(env)  # the current trace context into meta.traceparent (outside the fingerprint)
+    key = env.type if routing_key is None or routing_key == "" else routing_key
+    problem = routing_key_problem(key)
+    if problem is not None:
+        raise OutboxError(f"cannot enqueue {env.event_id}: {problem}")
+    return env, key
+
+
+def _reused(env: Envelope, stored_fingerprint: str) -> bool:
+    """False (a no-op) when the stored row has *env*'s fingerprint; else ``event-id-reused``."""
+    if stored_fingerprint == env.fingerprint:
         return False
-    stored = row[0][:12] if row else "?"
+    stored = stored_fingerprint[:12]
     raise Rejection(
         EVENT_ID_REUSED,
         f"eventId is already in the outbox with fingerprint {stored}…, this body differs",

@@ -84,6 +84,9 @@ class Listener:
     """One dispatcher's wake-up socket (non-blocking); :meth:`fileno` is
     readable when a producer committed rows since the last :meth:`drain`."""
 
+    #: A socket of this host does not break (PostgreSQL's LISTEN connection can).
+    broken = False
+
     def __init__(self, sock: socket.socket, slot: int) -> None:
         self._sock = sock
         self.slot = slot
