@@ -13,11 +13,13 @@ from delivery_consumer.contract import ConsumerSpec
 from delivery_consumer.inbox import ConsumerDB
 
 # Broker fixtures (amqp_url, ns) for the tests that need RabbitMQ; cluster for partitioned ones.
-pytest_plugins = ["brokerkit", "partitionkit"]
+pytest_plugins = ["brokerkit", "partitionkit", "pgkit"]
 
 #: Fixtures that reach RabbitMQ: a test using any of them (directly or through
 #: another fixture) needs the broker.
 BROKER_FIXTURES = frozenset({"amqp_url", "ns", "private_broker", "private_ns"})
+#: Fixtures that reach PostgreSQL (tests/pgkit.py).
+POSTGRES_FIXTURES = frozenset({"pg_server", "pg_url"})
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -26,6 +28,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if BROKER_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.broker)
+        if POSTGRES_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.postgres)
 
 
 @pytest.fixture

@@ -32,7 +32,7 @@ from ..durations import Duration
 from ..errors import ConfigError
 from ..queries import NotFound
 from ._broker import amqp_options, topology_for
-from ._common import F, Fatal, db_option, emit_json, from_deployment, handle_errors, json_option, setup_logging
+from ._common import F, Fatal, emit_json, from_deployment, handle_errors, json_option, setup_logging
 from ._output import count, echo_record, echo_table
 from .inbox import Missing, limit_option
 
@@ -40,22 +40,24 @@ log = logging.getLogger("delivery_consumer.dispatch")
 
 
 def producer_db_option(fn: F) -> F:
-    return db_option(fn, envvar="DELIVERY_PRODUCER_DB", callback=_producer_db,
-                     help="The producer's SQLite database (holds the outbox table); required unless the deployment "
-                          "file names exactly one producer.")
+    # A string, not a click.Path: a path would fold the URL's "//".
+    return click.option(
+        "--db", "db_path", envvar="DELIVERY_PRODUCER_DB", show_envvar=True, callback=_producer_db,
+        help="The producer's database (holds the outbox table): a SQLite file, or a PostgreSQL URL"
+             " (postgresql://user@host/db); required unless the deployment file names exactly one producer.")(fn)
 
 
-def _producer_db(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path:
+def _producer_db(ctx: click.Context, param: click.Parameter, value: str | None) -> Path | str:
     value = from_deployment("producer_db")(ctx, param, value)
     if value is None:
         raise click.MissingParameter(ctx=ctx, param=param)
-    return Path(value)
+    return value if outbox_lib.is_pg_url(value) else Path(value)
 
 
 @contextmanager
-def reading(db_path: Path) -> Iterator[sqlite3.Connection]:
-    """The producer database opened read-only (``mode=ro``) for the block."""
-    with closing(outbox_lib.connect(db_path, readonly=True)) as conn:
+def reading(db_path: Path | str) -> Iterator[outbox_lib.OutboxDb]:
+    """The producer database opened read-only (``mode=ro``; a read-only session on PostgreSQL) for the block."""
+    with closing(outbox_lib.open_db(db_path, readonly=True)) as conn:
         try:
             yield conn
         except NotFound as exc:
@@ -97,7 +99,7 @@ def reading(db_path: Path) -> Iterator[sqlite3.Connection]:
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 @handle_errors
-def dispatch(db_path: Path, amqp_url: str, exchange: str, queue_prefix: str, declare_for: tuple[str, ...],
+def dispatch(db_path: Path | str, amqp_url: str, exchange: str, queue_prefix: str, declare_for: tuple[str, ...],
              batch: int, depth: int, lease_s: float, poll_s: float, retry_base_s: float, retry_cap_s: float,
              max_attempts: int, exit_when_idle_s: float | None, metrics_port: int | None, metrics_host: str,
              log_level: str) -> None:
@@ -127,7 +129,7 @@ def dispatch(db_path: Path, amqp_url: str, exchange: str, queue_prefix: str, dec
             retry_cap_s=retry_cap_s, max_attempts=max_attempts, exit_when_idle_s=exit_when_idle_s)
     except (ConfigError, ValueError) as exc:
         raise click.BadParameter(str(exc)) from None
-    with closing(outbox_lib.connect(db_path)) as conn:
+    with closing(outbox_lib.open_db(db_path)) as conn:
         publisher = StreamPublisher(amqp_url, topologies=topologies, exchanges=[exchange],
                               name=f"delivery-consumer dispatch {config.owner}",
                               timeout_s=config.publish_timeout_s, window=min(1000, batch))
@@ -185,7 +187,7 @@ def _cells(rows: list[dict[str, Any]], keys: list[str]) -> list[list[Any]]:
                    " dropped, published, or all.")
 @limit_option
 @handle_errors
-def outbox_list(db_path: Path, as_json: bool, state: str, limit: int) -> None:
+def outbox_list(db_path: Path | str, as_json: bool, state: str, limit: int) -> None:
     """Rows: those that wait (every state but published, dropped and all)
     oldest first, the order they go out; published, dropped and all newest first.
     DETAIL says why a row waits: leased by <owner> until <time>, held behind
@@ -203,7 +205,7 @@ def outbox_list(db_path: Path, as_json: bool, state: str, limit: int) -> None:
 @producer_db_option
 @json_option
 @handle_errors
-def outbox_stats(db_path: Path, as_json: bool) -> None:
+def outbox_stats(db_path: Path | str, as_json: bool) -> None:
     """Counts by state, the oldest pending row, the commonest errors."""
     with reading(db_path) as conn:
         stats = outbox_lib.stats(conn)
@@ -241,7 +243,7 @@ def outbox_stats(db_path: Path, as_json: bool) -> None:
 @json_option
 @click.argument("event_id")
 @handle_errors
-def outbox_show(db_path: Path, as_json: bool, event_id: str) -> None:
+def outbox_show(db_path: Path | str, as_json: bool, event_id: str) -> None:
     """Everything about the row of EVENT_ID, with its body (exit 1 if absent);
     passedBy: the later rows of its key (articleId, orderId ...) that were published before it."""
     with reading(db_path) as conn:
@@ -261,9 +263,9 @@ def outbox_show(db_path: Path, as_json: bool, event_id: str) -> None:
 @click.option("--older-than", "older_than_s", required=True, type=Duration(),
               help="Delete rows published (or dropped) longer ago than this (e.g. 7d, 12h); unpublished rows stay.")
 @handle_errors
-def outbox_prune(db_path: Path, as_json: bool, older_than_s: float) -> None:
+def outbox_prune(db_path: Path | str, as_json: bool, older_than_s: float) -> None:
     """Delete published and dropped rows older than --older-than."""
-    with closing(outbox_lib.connect(db_path)) as conn:
+    with closing(outbox_lib.open_db(db_path)) as conn:
         deleted = outbox_lib.prune(conn, older_than_s=older_than_s)
         left = outbox_lib.unpublished(conn)
     if as_json:
@@ -301,7 +303,7 @@ def _acted(results: list[dict[str, Any]], as_json: bool) -> None:
 @click.option("--dry-run", is_flag=True, help="Say what would be requeued; change nothing.")
 @click.option("--by", default=None, help="Who requeues (recorded; default: the OS user).")
 @handle_errors
-def outbox_requeue(db_path: Path, as_json: bool, event_ids: tuple[str, ...], every: bool, dry_run: bool,
+def outbox_requeue(db_path: Path | str, as_json: bool, event_ids: tuple[str, ...], every: bool, dry_run: bool,
                    by: str | None) -> None:
     """Put quarantined (or dropped) rows back in the stream after a fix.
 
@@ -310,7 +312,7 @@ def outbox_requeue(db_path: Path, as_json: bool, event_ids: tuple[str, ...], eve
     some EVENT_ID is unknown or not quarantined."""
     if bool(event_ids) == every:
         raise click.UsageError("give EVENT_ID... or --all")
-    with closing(outbox_lib.connect(db_path)) as conn:
+    with closing(outbox_lib.open_db(db_path)) as conn:
         ids = list(event_ids) or outbox_lib.quarantined_ids(conn)
         results = outbox_lib.requeue(conn, ids, by=by or _who(), dry_run=dry_run)
     _acted(results, as_json)
@@ -324,12 +326,12 @@ def outbox_requeue(db_path: Path, as_json: bool, event_ids: tuple[str, ...], eve
 @click.option("--dry-run", is_flag=True, help="Say what would be dropped; change nothing.")
 @click.option("--by", default=None, help="Who drops (recorded; default: the OS user).")
 @handle_errors
-def outbox_drop(db_path: Path, as_json: bool, event_ids: tuple[str, ...], reason: str | None, dry_run: bool,
+def outbox_drop(db_path: Path | str, as_json: bool, event_ids: tuple[str, ...], reason: str | None, dry_run: bool,
                 by: str | None) -> None:
     """Give up quarantined rows on purpose: never published, kept with who,
     when and why (requeue undoes it). Exit 1 if some EVENT_ID is unknown or
     not quarantined."""
-    with closing(outbox_lib.connect(db_path)) as conn:
+    with closing(outbox_lib.open_db(db_path)) as conn:
         results = outbox_lib.drop(conn, event_ids, by=by or _who(), reason=reason, dry_run=dry_run)
     _acted(results, as_json)
 
@@ -345,10 +347,13 @@ def outbox_drop(db_path: Path, as_json: bool, event_ids: tuple[str, ...], reason
 @click.option("--withdraw", is_flag=True, help="Withdraw the material (keeps its title and url unless given).")
 @json_option
 @handle_errors
-def produce(db_path: Path, article_id: str, title: str | None, url: str | None, withdraw: bool,
+def produce(db_path: Path | str, article_id: str, title: str | None, url: str | None, withdraw: bool,
             as_json: bool) -> None:
     """Demo producer: write the next revision of a material and its event in
     one transaction (the material table and the outbox of --db)."""
+    if not isinstance(db_path, Path):
+        raise click.BadParameter("the demo producer writes a SQLite file; on PostgreSQL the application enqueues"
+                                 " through psycopg (docs/outbox-postgres.md)", param_hint="--db")
     try:
         with closing(producer_lib.open_db(db_path)) as conn:
             done = producer_lib.produce(conn, article_id, title=title, url=url, withdraw=withdraw)

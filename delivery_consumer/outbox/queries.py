@@ -93,7 +93,7 @@ def list_rows(
         raise ValueError(f"unknown state {state!r}: one of {', '.join(STATES)}")
     now_s = now_iso(now)
     where, order = {
-        "all": ("1", "seq DESC"),
+        "all": ("1 = 1", "seq DESC"),
         "unpublished": ("status IN ('pending', 'quarantined')", "seq"),
         "failed": ("status IN ('pending', 'quarantined') AND attempts > 0", "seq"),
         "quarantined": ("status = 'quarantined'", "seq"),
@@ -126,7 +126,7 @@ def show(conn: Any, event_id: str, *, now: float | None = None, body: bool = Tru
         out = _row(row[:-2], pending_states(conn, now_iso(now)) if row[2] == "pending" else {})
         passed = conn.execute(
             "SELECT event_id FROM outbox WHERE ordering_key = ?1 AND seq > ?2 AND status = 'published'"
-            " AND (?3 IS NULL OR published_at < ?3) ORDER BY seq LIMIT 100",
+            " AND (CAST(?3 AS TEXT) IS NULL OR published_at < ?3) ORDER BY seq LIMIT 100",
             (out["orderingKey"], out["seq"], out["publishedAt"])).fetchall()
     out["passedBy"] = [r[0] for r in passed]
     out["fingerprint"] = row[-2]
