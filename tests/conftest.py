@@ -19,7 +19,7 @@ pytest_plugins = ["brokerkit", "partitionkit", "pgkit"]
 #: another fixture) needs the broker.
 BROKER_FIXTURES = frozenset({"amqp_url", "ns", "private_broker", "private_ns"})
 #: Fixtures that reach PostgreSQL (tests/pgkit.py).
-POSTGRES_FIXTURES = frozenset({"pg_server", "pg_url"})
+POSTGRES_FIXTURES = frozenset({"pg_server", "pg_url", "private_pg"})
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
