@@ -64,8 +64,8 @@ class OutboxDb(Protocol):
         """The database for messages: a file path, or a URL without its password."""
 
     @property
-    def seqs_sql(self) -> str:
-        """A subquery of the seqs given as one parameter (:meth:`seqs`)."""
+    def seq_in_sql(self) -> str:
+        """``seq`` is one of the seqs given as one parameter (:meth:`seqs`)."""
 
     @property
     def created_ms_sql(self) -> str:
@@ -105,7 +105,7 @@ class SqliteDb:
     """:class:`OutboxDb` on an :mod:`sqlite3` connection opened by :func:`.table.connect`."""
 
     kind: Final = "sqlite"
-    seqs_sql: Final = "(SELECT value FROM json_each(?))"
+    seq_in_sql: Final = "seq IN (SELECT value FROM json_each(?))"
     #: SQLite keeps a julian day as integer milliseconds, so this is exact; NULL when not a time.
     created_ms_sql: Final = "CAST(round((julianday(created_at) - 2440587.5) * 86400000.0) AS INTEGER)"
 

@@ -324,7 +324,7 @@ class Dispatcher:
                 cur.close()
             if taken:
                 conn.execute(
-                    f"UPDATE outbox SET lease_owner = ?, lease_until = ? WHERE seq IN {conn.seqs_sql}",
+                    f"UPDATE outbox SET lease_owner = ?, lease_until = ? WHERE {conn.seq_in_sql}",
                     (self.config.owner, until, conn.seqs(row.seq for row in taken)),
                 )
             conn.executemany("UPDATE outbox SET last_error = ? WHERE seq = ?", expired)
@@ -372,7 +372,7 @@ class Dispatcher:
         with self.db.transaction() as conn:
             # The failure count is read only for the rows that need it (rare),
             # so the claim of every row does not carry it.
-            failures = dict(conn.execute(f"SELECT seq, failures FROM outbox WHERE seq IN {conn.seqs_sql}",
+            failures = dict(conn.execute(f"SELECT seq, failures FROM outbox WHERE {conn.seq_in_sql}",
                                          (conn.seqs(seq for seq, _ in nacked),)).fetchall()) if nacked else {}
             for seq, error in nacked:
                 n = failures.get(seq, 0) + 1
@@ -385,7 +385,7 @@ class Dispatcher:
                     failed.append((error, now_iso(now + delay), seq, cfg.owner, 1))
             sql = ("UPDATE outbox SET published_at = coalesce(published_at, ?1), status = 'published',"
                    " attempts = attempts + 1, last_attempt_at = ?1, next_attempt_at = NULL, lease_owner = NULL,"
-                   f" lease_until = NULL WHERE seq IN {conn.seqs_sql.replace('?', '?2')}")
+                   f" lease_until = NULL WHERE {conn.seq_in_sql.replace('?', '?2')}")
             if half:
                 conn.execute(sql, (now_s, conn.seqs(published[:half])))
             crashpoint("dispatch-mid-batch")

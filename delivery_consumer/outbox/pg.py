@@ -312,7 +312,7 @@ class PgDb:
     connection is reopened at the next statement."""
 
     kind: Final = "postgres"
-    seqs_sql: Final = "(SELECT unnest(CAST(? AS bigint[])))"
+    seq_in_sql: Final = "seq = ANY(CAST(? AS bigint[]))"
     created_ms_sql: Final = "CAST(round(extract(epoch FROM CAST(created_at AS timestamptz)) * 1000) AS bigint)"
 
     def __init__(self, url: str, *, readonly: bool = False) -> None:
