@@ -15,7 +15,7 @@ its database and broker without flags::
     db = "state/audit"                  # a partitioned consumer: its directory,
     partitions = 4                      # and its partition count
     [producers.material]
-    db = "producer.db"                  # a database holding an outbox
+    db = "producer.db"                  # a database holding an outbox (or postgresql://user@host/db)
     [status]
     outbox_max_age = "5m"               # an unpublished row older than this needs a person
 
@@ -85,10 +85,10 @@ class ConsumerEntry:
 
 @dataclass(frozen=True)
 class ProducerEntry:
-    """``[producers.NAME]``: a database holding an outbox."""
+    """``[producers.NAME]``: a database holding an outbox: a SQLite file, or a PostgreSQL URL (a str)."""
 
     name: str
-    db: Path
+    db: Path | str
 
 
 @dataclass(frozen=True)
@@ -226,7 +226,11 @@ def parse(raw: Mapping[str, Any], path: Path) -> Deployment:
         where = f"producers.{name}"
         table = _table(table, path, where)
         _known(table, _PRODUCER_KEYS, path, where)
-        producers[name] = ProducerEntry(name, _db(table, base, path, where))
+        url = table.get("db")
+        if isinstance(url, str) and url.startswith(("postgresql://", "postgres://")):
+            producers[name] = ProducerEntry(name, url)
+        else:
+            producers[name] = ProducerEntry(name, _db(table, base, path, where))
     status = _table(raw.get("status", {}), path, "status")
     _known(status, _STATUS_KEYS, path, "status")
     max_age = DEFAULT_OUTBOX_MAX_AGE_S
@@ -243,10 +247,10 @@ def parse(raw: Mapping[str, Any], path: Path) -> Deployment:
     backlog = status.get("backlog_max", 0)
     if not isinstance(backlog, int) or isinstance(backlog, bool) or backlog < 0:
         raise ConfigError(f"{path}: status.backlog_max: must be a whole number >= 0")
-    seen: dict[Path, str] = {}
+    seen: dict[Path | str, str] = {}
     for where, db in [*((f"consumers.{n}.db", c.db) for n, c in found.items()),
                       *((f"producers.{n}.db", p.db) for n, p in producers.items())]:
-        resolved = db.resolve()
+        resolved = db.resolve() if isinstance(db, Path) else db
         if resolved in seen:
             raise ConfigError(f"{path}: {where}: the same database as {seen[resolved]}")
         seen[resolved] = where
@@ -308,7 +312,7 @@ def foreign_databases(deployment: Deployment) -> list[str]:
             elif owner is None and (foreign := producer_database(db_path)):
                 problems.append(f"{where}: {foreign}")
     for name, producer in deployment.producers.items():
-        if producer.db.is_file() and stored_owner(producer.db) is not None:
+        if isinstance(producer.db, Path) and producer.db.is_file() and stored_owner(producer.db) is not None:
             problems.append(f"{deployment.key(f'producers.{name}.db')}: {producer.db}: this is a consumer's inbox "
                             "database, not a producer's")
     return problems

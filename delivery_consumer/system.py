@@ -156,25 +156,31 @@ def _key_fields(dep: Deployment) -> set[str]:
     return {t.key for name in dep.consumers for t in registry.get(name).event_types}
 
 
+def _producer_exists(db: Path | str) -> bool:
+    from . import outbox
+
+    return outbox.exists(db)
+
+
 def _outbox_rows(dep: Deployment, event_id: str) -> list[Row]:
     from . import outbox
 
     rows = []
     for name, producer in dep.producers.items():
         try:
-            with closing(outbox.connect(producer.db, readonly=True)) as conn:
+            with closing(outbox.open_db(producer.db, readonly=True)) as conn:
                 row = outbox.show(conn, event_id)
         except NotFound:
             continue
         except (DeliveryError, sqlite3.Error) as exc:
-            rows.append({"producer": name, "database": str(producer.db), "error": str(exc)})
+            rows.append({"producer": name, "database": outbox.display(producer.db), "error": str(exc)})
             continue
         body = row.pop("body", None)
         if isinstance(body, dict):
             field = key_field(dep, body.get("type")) or "articleId"
             row.update({k: body.get(k) for k in ("type", field, "revision")})
             row["keyField"] = field
-        rows.append({"producer": name, "database": str(producer.db), **row})
+        rows.append({"producer": name, "database": outbox.display(producer.db), **row})
     return rows
 
 
@@ -284,7 +290,7 @@ def trace_event(dep: Deployment, event_id: str, *, key: str | None = None,
     if not found:
         unread = [f"{i['consumer']}: {i['error']}" for i in result["consumers"] if "error" in i]
         unread += [f"producer {r['producer']}: {r['error']}" for r in outbox_rows
-                   if "error" in r and dep.producers[r["producer"]].db.exists()]  # not created yet: no news
+                   if "error" in r and _producer_exists(dep.producers[r["producer"]].db)]  # not created yet: no news
         raise NotFound(f"eventId {event_id} is known to no producer and no consumer of {dep.path}"
                        + (f"; not read: {'; '.join(unread)}" if unread else ""))
     return result
@@ -328,7 +334,7 @@ def trace_key(dep: Deployment, key: str) -> Row:
     events: dict[str, Row] = {}
     for name, producer in dep.producers.items():
         try:
-            with closing(outbox.connect(producer.db, readonly=True)) as conn:
+            with closing(outbox.open_db(producer.db, readonly=True)) as conn:
                 rows = conn.execute(
                     "SELECT event_id, routing_key, body, created_at, published_at, attempts, last_error"
                     " FROM outbox WHERE ordering_key = ?", (key,)).fetchall()
@@ -549,13 +555,13 @@ def status(dep: Deployment, *, now: float | None = None, broker: bool = True, sh
         out_consumers.append(item)
     out_producers = []
     for name, producer in dep.producers.items():
-        p_item: Row = {"producer": name, "database": str(producer.db)}
-        if not producer.db.exists():
+        p_item: Row = {"producer": name, "database": outbox.display(producer.db)}
+        if not outbox.exists(producer.db):
             p_item["note"] = "no database yet"
             out_producers.append(p_item)
             continue
         try:
-            with closing(outbox.connect(producer.db, readonly=True)) as conn:
+            with closing(outbox.open_db(producer.db, readonly=True)) as conn:
                 stats = outbox.stats(conn, now=now)
         except (DeliveryError, sqlite3.Error) as exc:
             p_item["error"] = str(exc)

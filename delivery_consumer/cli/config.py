@@ -74,12 +74,12 @@ def config_check(as_json: bool) -> None:
                           **({"partitionRuns": runs} if count is not None else {})})
     producers = []
     for name, producer in dep.producers.items():
-        if producer.db.exists():
+        if outbox.exists(producer.db):
             try:
-                outbox.connect(producer.db, readonly=True).close()
+                outbox.open_db(producer.db, readonly=True).close()
             except Exception as exc:  # DatabaseError, or sqlite3's own for a damaged file
                 problems.append(f"{dep.key(f'producers.{name}.db')}: {exc}")
-        producers.append({"producer": name, "db": str(producer.db), "exists": producer.db.exists()})
+        producers.append({"producer": name, "db": outbox.display(producer.db), "exists": outbox.exists(producer.db)})
     single = dep.single_producer()
     shown = {"file": str(dep.path), "amqpUrl": redact(dep.amqp_url), "exchange": dep.exchange,
              "queuePrefix": dep.queue_prefix, "managementUrl": dep.management_url,

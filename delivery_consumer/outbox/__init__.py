@@ -27,7 +27,7 @@ Design notes: docs/outbox.md, docs/outbox-postgres.md.
 
 from __future__ import annotations
 
-from .db import OutboxDb, SqliteDb, as_db, is_pg_url, open_db
+from .db import OutboxDb, SqliteDb, as_db, display, exists, is_pg_url, open_db
 from .dispatcher import PERMANENT, Claimed, DispatchConfig, Dispatcher, DispatchStats, PublisherLike, default_owner
 from .queries import (
     STATES,
@@ -79,8 +79,10 @@ __all__ = [
     "connect",
     "default_owner",
     "describe_waiting",
+    "display",
     "drop",
     "enqueue",
+    "exists",
     "install",
     "installed_version",
     "is_pg_url",

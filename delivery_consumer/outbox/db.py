@@ -68,6 +68,11 @@ class OutboxDb(Protocol):
         """``seq`` is one of the seqs given as one parameter (:meth:`seqs`)."""
 
     @property
+    def body_sql(self) -> str:
+        """What the claim's scan reads of the body: ``body``, or its size (the claim then reads the bodies
+        of the rows it took apart)."""
+
+    @property
     def created_ms_sql(self) -> str:
         """``created_at`` as milliseconds since the epoch (an SQL expression)."""
 
@@ -106,6 +111,7 @@ class SqliteDb:
 
     kind: Final = "sqlite"
     seq_in_sql: Final = "seq IN (SELECT value FROM json_each(?))"
+    body_sql: Final = "body"
     #: SQLite keeps a julian day as integer milliseconds, so this is exact; NULL when not a time.
     created_ms_sql: Final = "CAST(round((julianday(created_at) - 2440587.5) * 86400000.0) AS INTEGER)"
 
@@ -176,6 +182,20 @@ def is_pg_url(target: object) -> bool:
     return isinstance(target, str) and target.startswith(PG_SCHEMES)
 
 
+def exists(target: Path | str) -> bool:
+    """Whether the producer database *target* exists (a server's database is assumed to: connecting tells)."""
+    return True if is_pg_url(target) else Path(target).exists()
+
+
+def display(target: Path | str) -> str:
+    """*target* for messages and views: a path, or a URL without its password."""
+    if is_pg_url(target):
+        from .pg import redact
+
+        return redact(str(target))
+    return str(target)
+
+
 def as_db(conn: Any) -> OutboxDb:
     """*conn* as an :class:`OutboxDb`: a sqlite3 connection is wrapped, an OutboxDb is itself."""
     if isinstance(conn, sqlite3.Connection):
@@ -194,4 +214,5 @@ def open_db(target: Path | str, *, readonly: bool = False, install_tables: bool 
     return SqliteDb(connect(target, readonly=readonly, install_tables=install_tables))
 
 
-__all__ = ["PG_SCHEMES", "Cursor", "OutboxDb", "SqliteDb", "WakeListener", "as_db", "is_pg_url", "open_db"]
+__all__ = ["PG_SCHEMES", "Cursor", "OutboxDb", "SqliteDb", "WakeListener", "as_db", "display", "exists", "is_pg_url",
+           "open_db"]

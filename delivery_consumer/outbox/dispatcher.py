@@ -294,8 +294,11 @@ class Dispatcher:
             conn.lock_claims()
             blocked: set[str] = set()
             size = 0
+            # The body itself, or its size when the backend fetches the bodies of the rows taken apart
+            # (a server would otherwise send the bodies of every leased row the scan passes).
+            apart = conn.body_sql != "body"
             cur = conn.scan(
-                "SELECT seq, event_id, routing_key, ordering_key, body, attempts, next_attempt_at,"
+                f"SELECT seq, event_id, routing_key, ordering_key, {conn.body_sql}, attempts, next_attempt_at,"
                 f" lease_owner, lease_until, {conn.created_ms_sql} FROM outbox WHERE status = 'pending' ORDER BY seq",
                 (), self.config.batch * 2)
             try:
@@ -309,10 +312,11 @@ class Dispatcher:
                         reason = safe_reason(f"invalid: {problem}", MAX_ERROR_CHARS)
                         invalid.append((reason, now_s, seq))
                         continue
-                    if taken and size + len(body) > self.config.batch_bytes:
+                    length = body if apart else len(body)
+                    if taken and size + length > self.config.batch_bytes:
                         break
-                    size += len(body)
-                    taken.append(Claimed(seq, event_id, routing_key, bytes(body), attempts, key, created))
+                    size += length
+                    taken.append(Claimed(seq, event_id, routing_key, b"" if apart else body, attempts, key, created))
                     if next_at is not None:  # a retry goes out alone for its article
                         blocked.add(key)
                     if owner is not None:
@@ -323,10 +327,13 @@ class Dispatcher:
             finally:
                 cur.close()
             if taken:
-                conn.execute(
-                    f"UPDATE outbox SET lease_owner = ?, lease_until = ? WHERE {conn.seq_in_sql}",
-                    (self.config.owner, until, conn.seqs(row.seq for row in taken)),
-                )
+                seqs = conn.seqs(row.seq for row in taken)
+                conn.execute(f"UPDATE outbox SET lease_owner = ?, lease_until = ? WHERE {conn.seq_in_sql}",
+                             (self.config.owner, until, seqs))
+                if apart:
+                    bodies = dict(conn.execute(f"SELECT seq, body FROM outbox WHERE {conn.seq_in_sql}",
+                                               (seqs,)).fetchall())
+                    taken = [row._replace(body=bytes(bodies[row.seq])) for row in taken]
             conn.executemany("UPDATE outbox SET last_error = ? WHERE seq = ?", expired)
             conn.executemany(
                 "UPDATE outbox SET status = 'quarantined', quarantined_at = ?2, quarantine_reason = ?1,"

@@ -313,6 +313,7 @@ class PgDb:
 
     kind: Final = "postgres"
     seq_in_sql: Final = "seq = ANY(CAST(? AS bigint[]))"
+    body_sql: Final = "octet_length(body)"
     created_ms_sql: Final = "CAST(round(extract(epoch FROM CAST(created_at AS timestamptz)) * 1000) AS bigint)"
 
     def __init__(self, url: str, *, readonly: bool = False) -> None:
