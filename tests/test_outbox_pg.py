@@ -14,6 +14,7 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any
 
+import orjson
 import psycopg
 import pytest
 from brokerkit import Namespace, RunProcess, kill
@@ -22,7 +23,9 @@ from pgkit import admin, with_database
 from support import read_rows, wait_until
 from test_outbox_broker import queued_ids
 
+from delivery_consumer import config as config_lib
 from delivery_consumer import outbox
+from delivery_consumer.console.server import Console
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -240,3 +243,32 @@ def test_outbox_commands_work_on_postgresql(ns: Namespace, pg_url: str) -> None:
     assert Counter({bad: 1, good: 1}) == queued_ids(ns)
     pruned = ns.cli("outbox", "prune", "--db", pg_url, "--older-than", "0s")
     assert "2 published or dropped rows deleted" in pruned.stdout
+
+
+def test_a_postgresql_producer_in_the_deployment_file_is_dispatched_traced_and_shown(
+    ns: Namespace, pg_url: str, tmp_path: Path,
+) -> None:
+    """[producers.orders] db = a PostgreSQL URL: dispatch takes it from the file, trace finds its row, status
+    and the console's producer table show its counts; the password never appears."""
+    from deploykit import dc, write_deployment
+
+    config = write_deployment(tmp_path, ns=ns, consumers=("catalog",))
+    secret_url = pg_url.replace("postgresql://postgres@", "postgresql://postgres:hunter2@")
+    config.write_text(config.read_text().replace('[producers.material]\ndb = "producer.db"',
+                                                 f'[producers.orders]\ndb = "{secret_url}"'))
+    (event_id,) = produce(pg_url, [envelope("a")])
+    assert 0 == dc(config, "topology", "declare", "--consumer", "catalog").returncode
+    done = dc(config, "dispatch", "--exit-when-idle", "1s", "--poll", "50ms")
+    assert 0 == done.returncode, done.stderr[-2000:]
+    traced = dc(config, "trace", event_id, "--json")
+    assert 0 == traced.returncode, traced.stderr
+    assert '"published"' in traced.stdout and "hunter2" not in traced.stdout
+    status = dc(config, "status", "--json")
+    shown = orjson.loads(status.stdout)
+    (producer,) = shown["producers"]
+    assert (1, 0) == (producer["published"], producer["unpublished"]), producer
+    assert "hunter2" not in status.stdout
+    dep = config_lib.load(config)
+    assert dep is not None
+    page = Console(dep).build_status_page()
+    assert "orders" in page and "hunter2" not in page
