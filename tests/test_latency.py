@@ -27,7 +27,7 @@ from delivery_consumer.deliveries import Observer
 from delivery_consumer.errors import StoreUnavailable
 from delivery_consumer.metrics import Metrics
 from delivery_consumer.outbox import wake
-from delivery_consumer.outbox.dispatcher import CREATED_MS
+from delivery_consumer.outbox.db import SqliteDb
 from delivery_consumer.service.config import RunConfig
 from delivery_consumer.service.worker import Worker
 from delivery_consumer.sqlite import now_iso
@@ -173,7 +173,7 @@ def test_the_write_lock_is_waited_for_within_the_busy_timeout(tmp_path: Path) ->
 def created_ms(stamp: str) -> int | None:
     conn = sqlite3.connect(":memory:")
     try:
-        row = conn.execute(f"SELECT {CREATED_MS} FROM (SELECT ? AS created_at)", (stamp,)).fetchone()
+        row = conn.execute(f"SELECT {SqliteDb.created_ms_sql} FROM (SELECT ? AS created_at)", (stamp,)).fetchone()
         return None if row[0] is None else int(row[0])
     finally:
         conn.close()
