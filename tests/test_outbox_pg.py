@@ -272,3 +272,14 @@ def test_a_postgresql_producer_in_the_deployment_file_is_dispatched_traced_and_s
     assert dep is not None
     page = Console(dep).build_status_page()
     assert "orders" in page and "hunter2" not in page
+
+
+def test_metrics_read_a_postgresql_outbox(pg_url: str) -> None:
+    """The dispatcher's Prometheus collector reads rows by state from a PostgreSQL outbox at each scrape."""
+    from delivery_consumer.outbox import metrics
+
+    produce(pg_url, [envelope("a"), envelope("b")])
+    families = {f.name: f for f in metrics.OutboxCollector(pg_url).collect()}
+    due = {s.labels["state"]: s.value for s in families["outbox_rows"].samples}
+    assert 2 == due["due"] and 0 == due["published"]
+    assert families["outbox_oldest_pending_age_seconds"].samples[0].value >= 0
