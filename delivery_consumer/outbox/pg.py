@@ -137,8 +137,6 @@ def translate(exc: Exception, label: str) -> DeliveryError:
         if any(word in lowered for word in _CONFIG_WORDS) and "the database system" not in lowered:
             return DatabaseError(f"{label}: {text}")
         return StoreUnavailable(f"{label}: {text}", code="database-unavailable")
-    if isinstance(exc, psycopg.ProgrammingError) and not state:
-        return DatabaseError(f"{label}: {text}")
     return DatabaseError(f"{label}: {text}")
 
 
