@@ -83,8 +83,9 @@ def reading(db_path: Path | str) -> Iterator[outbox_lib.OutboxDb]:
                    " host, after 10s without heartbeat elsewhere.")
 @click.option("--poll", "poll_s", default="500ms", show_default=True, type=Duration(positive=True),
               help="Pause between looks at the outbox when there is nothing to publish. A commit through"
-                   " outbox.transaction on this host wakes the dispatcher at once; the poll is the fallback"
-                   " (another host, a producer committing by itself).")
+                   " outbox.transaction on this host (on PostgreSQL: any commit that adds rows, NOTIFY) wakes the"
+                   " dispatcher at once; the poll is the fallback (another host, a producer committing by itself,"
+                   " a lost LISTEN connection).")
 @click.option("--retry-base", "retry_base_s", default="1s", show_default=True, type=Duration(positive=True),
               help="First backoff of a nacked row (doubles per failure, jittered).")
 @click.option("--retry-cap", "retry_cap_s", default="5m", show_default=True, type=Duration(positive=True),
@@ -116,7 +117,9 @@ def dispatch(db_path: Path | str, amqp_url: str, exchange: str, queue_prefix: st
     --exit-when-idle: exit 0 when every row is published, 1 when rows are
     left (it says how many wait for what), 2 when the broker was never
     reached. Bad credentials, a missing vhost or an unusable database: one
-    line on stderr, exit 2.
+    line on stderr, exit 2. --db may be a PostgreSQL URL (the producer's
+    own database; a read-only standby or bad credentials: exit 2; an outage
+    or a statement timeout is waited out).
     """
     from ..amqp.connection import BrokerFatal
     from ..amqp.publisher import StreamPublisher
