@@ -283,3 +283,19 @@ def test_metrics_read_a_postgresql_outbox(pg_url: str) -> None:
     due = {s.labels["state"]: s.value for s in families["outbox_rows"].samples}
     assert 2 == due["due"] and 0 == due["published"]
     assert families["outbox_oldest_pending_age_seconds"].samples[0].value >= 0
+
+
+def test_two_dispatchers_on_one_database_publish_each_row_exactly_once(ns: Namespace, pg_url: str) -> None:
+    """Two dispatchers drain one PostgreSQL outbox at once with small batches: no crash, so any copy beyond
+    one would be a double claim -- the broker has every row exactly once, and both took a share."""
+    produce(pg_url, [])
+    procs = [start_dispatch(ns, pg_url, "--batch", "25", "--poll", "20ms", "--exit-when-idle", "5s")
+             for _ in range(2)]
+    wait_until("both dispatchers registered", lambda: 2 == len(pg_rows(pg_url, "SELECT 1 FROM outbox_owners")),
+               procs=procs)
+    ids = produce(pg_url, [envelope(f"article-{i % 40}", i // 40 + 1) for i in range(3000)])
+    results = [proc.until_idle(240) for proc in procs]
+    assert [0, 0] == [r.returncode for r in results], [r.stderr[-1500:] for r in results]
+    assert Counter(dict.fromkeys(ids, 1)) == queued_ids(ns)
+    shares = [int(re.search(r"exiting: (\d+) published", r.stderr).group(1)) for r in results]  # type: ignore[union-attr]
+    assert len(ids) == sum(shares) and min(shares) > 0, shares
