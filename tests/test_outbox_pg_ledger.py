@@ -19,7 +19,7 @@ import pytest
 from brokerkit import Namespace, kill
 from outboxkit import envelope
 from pgkit import PrivatePostgres, admin, with_database
-from support import read_rows, wait_until
+from support import freeze_session, read_rows, wait_until
 from test_outbox_broker import queued_ids
 from test_outbox_pg import pg_rows, produce, published, start_dispatch
 
@@ -48,7 +48,7 @@ def test_a_server_restart_while_dispatching_is_waited_out_without_spending_an_at
                           "--exit-when-idle", "30s")
 
     def frozen_mid_dispatch() -> bool:
-        os.kill(proc.pid, signal.SIGSTOP)
+        freeze_session(proc.pid)
         done = published(private_url)
         assert done < len(ids), "everything was published before the restart"
         if done == 0:
