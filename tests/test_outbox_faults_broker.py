@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 import pytest
-from brokerkit import Namespace, kill
+from brokerkit import Namespace, freeze_session, kill
 from outboxkit import envelope
 from support import count_rows, read_rows, wait_until
 from test_outbox_broker import PUBLISHED, make_events, queued_ids, start_dispatch
@@ -223,7 +223,7 @@ def test_two_dispatchers_one_killed_the_other_takes_its_leases_and_finishes(ns: 
             """Freeze the victim (SIGSTOP); the rows it holds, or thaw it and try again."""
             assert count_rows(db, "outbox", PUBLISHED) < len(ids), \
                 "everything was published before the victim held a row"
-            os.kill(victim.pid, signal.SIGSTOP)
+            freeze_session(victim.pid)  # stopped for sure: a mark cannot land after the read below
             held = held_by_victim()
             if not held:
                 os.kill(victim.pid, signal.SIGCONT)

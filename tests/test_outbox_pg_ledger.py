@@ -16,10 +16,10 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from brokerkit import Namespace, kill
+from brokerkit import Namespace, freeze_session, kill
 from outboxkit import envelope
 from pgkit import PrivatePostgres, admin, with_database
-from support import freeze_session, read_rows, wait_until
+from support import read_rows, wait_until
 from test_outbox_broker import queued_ids
 from test_outbox_pg import pg_rows, produce, published, start_dispatch
 
