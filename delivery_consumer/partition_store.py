@@ -180,7 +180,7 @@ def split_merge(consumer: str, new_count: int, root: Path | None = None) -> Move
                 conn.execute("BEGIN IMMEDIATE")
                 tables = [r[0] for r in conn.execute(
                     "SELECT name FROM old.sqlite_schema WHERE type = 'table' AND name NOT LIKE 'sqlite_%'"
-                    " AND name NOT IN ('meta', 'inbox_minutes', 'inbox_hours')")]
+                    f" AND name NOT IN ('meta', {', '.join(repr(t) for t in counters.TABLES)})")]
                 for table in tables:
                     columns, key = _table_plan(conn, table)
                     cols = ", ".join(f'"{c}"' for c in columns)

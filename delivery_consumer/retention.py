@@ -178,6 +178,7 @@ def prune(
                 began = time.monotonic()
                 with db.transaction() as tx:
                     if name == "receipts":  # the counters lose what is deleted (inbox/counters.py)
+                        counters.catch_up(tx.conn)  # first: every receipt deleted is then a counted one
                         gone = tx.conn.execute(statement, params).fetchall()
                         counters.subtract(tx.conn, gone)
                         deleted = len(gone)
