@@ -36,14 +36,13 @@ from typing import Any
 
 from .errors import ConfigError, DeliveryError
 from .partitions import SLOT_COUNT
+from .placement import Placement, resolve
 from .topology import DEFAULT_EXCHANGE, DEFAULT_PREFIX, DEFAULT_URL
 
 DEFAULT_NAME = "delivery.toml"
 ENV = "DELIVERY_CONFIG"
 #: An unpublished outbox row older than this makes ``status`` ask for a person.
 DEFAULT_OUTBOX_MAX_AGE_S = 300.0
-#: The database file inside each partition directory ``p<k>/``.
-PARTITION_DB = "inbox.db"
 
 _TOP_KEYS = ("amqp_url", "exchange", "queue_prefix", "management_url", "consumers", "producers", "status")
 #: Keys of ``[consumers.NAME]``, with the CLI option each one stands for.
@@ -63,24 +62,6 @@ class ConsumerEntry:
     #: The partition count the file gives (``partitions = N``): *db* is then the
     #: directory of ``p<k>/inbox.db``, whether they exist yet or not.
     partitions: int | None = None
-
-    def database(self, partition: int) -> Path:
-        """The database of one partition: ``<db>/p<k>/inbox.db``."""
-        return self.db / f"p{partition}" / PARTITION_DB
-
-    def databases(self) -> list[tuple[str | None, Path]]:
-        """``(partition, path)`` of every database: ``[(None, db)]`` for a file,
-        ``[("p0", db/p0/inbox.db), ...]`` for a partition directory (every
-        partition of the file's count, else those found in the directory)."""
-        if self.partitions is not None:
-            return [(f"p{k}", self.database(k)) for k in range(self.partitions)]
-        if self.db.is_dir():
-            parts = [p for p in self.db.iterdir() if p.is_dir() and p.name[:1] == "p" and p.name[1:].isdigit()]
-            if parts or not (self.db / PARTITION_DB).is_file():
-                return [(p.name, p / PARTITION_DB) for p in sorted(parts, key=lambda p: int(p.name[1:]))]
-            # the directory of an unpartitioned consumer (its inbox.db was meant): keep it, so
-            # that opening it says so, rather than a consumer that silently has no database
-        return [(None, self.db)]
 
 
 @dataclass(frozen=True)
@@ -112,6 +93,11 @@ class Deployment:
 
     def consumer(self, name: str) -> ConsumerEntry | None:
         return self.consumers.get(name)
+
+    def placement(self, name: str) -> Placement:
+        """Where ``[consumers.<name>]`` lives: its databases by partition and its queues."""
+        entry = self.consumers[name]
+        return resolve(name, entry.db, declared=entry.partitions, exchange=self.exchange, prefix=self.queue_prefix)
 
     def single_producer(self) -> ProducerEntry | None:
         """The producer, when the file names exactly one (the producer commands' default)."""
@@ -297,7 +283,7 @@ def foreign_databases(deployment: Deployment) -> list[str]:
     one line naming the file and the key: a mistake in the file, not a state of the system."""
     problems = []
     for entry in deployment.consumers.values():
-        for partition, db_path in entry.databases():
+        for partition, db_path in deployment.placement(entry.name).databases:
             if not db_path.is_file():
                 continue
             where = deployment.key(f"consumers.{entry.name}.db" + (f" ({partition})" if partition else ""))
@@ -323,7 +309,7 @@ def check_database(deployment: Deployment, entry: ConsumerEntry) -> list[str]:
     from .consumers import open_db
 
     problems = []
-    for partition, db_path in entry.databases():
+    for partition, db_path in deployment.placement(entry.name).databases:
         if not db_path.exists():
             continue
         where = f"consumers.{entry.name}.db" + (f" ({partition})" if partition else "")

@@ -7,7 +7,6 @@ another). Changing the count (:func:`repartition`) is in this module too.
 
 from __future__ import annotations
 
-import re
 import sqlite3
 import time
 from dataclasses import dataclass, field
@@ -16,9 +15,7 @@ from pathlib import Path
 from . import sqlite
 from .errors import ConfigError, DatabaseError
 from .partitions import SLOT_COUNT, Identity, check_count, identity_from_meta, partition_of, partition_of_slot
-from .partitions import db_path as partition_db_path
-
-_PARTITION_DIR = re.compile(r"p(\d+)")
+from .placement import STATE, resolve
 
 
 def stored_identity(path: Path) -> Identity | None:
@@ -38,58 +35,6 @@ def repartitioned_from(path: Path) -> str | None:
     with sqlite.reading(path, what="read its former partition count") as conn:
         row = conn.execute("SELECT value FROM meta WHERE key = 'repartitioned_from'").fetchone()
     return str(row[0]) if row else None
-
-
-def _directory_paths(directory: Path) -> list[Path]:
-    """The ``p<k>/inbox.db`` files in *directory*, by partition."""
-    if not directory.is_dir():
-        return []
-    found = sorted((int(m.group(1)), d / "inbox.db") for d in directory.iterdir()
-                   if (m := _PARTITION_DIR.fullmatch(d.name)) and (d / "inbox.db").is_file())
-    return [path for _k, path in found]
-
-
-def partitions_beside(path: Path) -> list[Path]:
-    """The partition databases (``p<k>/inbox.db``) in the directory of the unpartitioned database *path*:
-    a consumer partitioned beside its old database, read by mistake through the old one."""
-    return _directory_paths(path.parent) if path.name == "inbox.db" else []
-
-
-def partition_db(consumer: str, partition: int, db_path: Path | None) -> Path:
-    """The database of *partition*: ``--db`` as given when it is a file,
-    ``p<k>/inbox.db`` inside it when it is a directory (a deployment file's
-    partition directory), else ``state/<consumer>/p<k>/inbox.db``."""
-    if db_path is None:
-        return partition_db_path(consumer, partition)
-    return db_path / f"p{partition}" / "inbox.db" if db_path.is_dir() else db_path
-
-
-def partitioned_paths(consumer: str | None, db_path: Path | None, root: Path | None = None) -> list[Path] | None:
-    """The partition databases a command reads as one consumer: those in
-    ``--db`` when it is a directory, or, given only ``--consumer``, those of
-    ``state/<consumer>/`` when it has ``p<k>/inbox.db`` and no ``inbox.db``;
-    else None. Checks that they agree on the count."""
-    if db_path is not None:
-        if not db_path.is_dir():
-            return None
-        directory = db_path
-    elif consumer is None:
-        return None
-    else:
-        directory = (root if root is not None else Path("state")) / consumer
-        if (directory / "inbox.db").exists():
-            return None
-    paths = _directory_paths(directory)
-    if not paths:
-        return None
-    identities = [stored_identity(p) for p in paths]
-    counts = {i.count for i in identities if i is not None}
-    if len(counts) != 1 or len(paths) != counts.pop() or any(i is None for i in identities):
-        found = ", ".join(f"{p}: {i.describe() if i else 'no partition'}"
-                          for p, i in zip(paths, identities, strict=True))
-        raise DatabaseError(f"the partition databases in {directory} do not agree ({found}); "
-                            "a repartition may have been interrupted: run it again")
-    return [directory / f"p{k}" / "inbox.db" for k in range(len(paths))]
 
 
 # -- changing the partition count ---------------------------------------------------------
@@ -154,8 +99,8 @@ def split_merge(consumer: str, new_count: int, root: Path | None = None) -> Move
     from .inbox import counters
 
     check_count(new_count)
-    base = (root if root is not None else Path("state")) / consumer
-    paths = partitioned_paths(consumer, None, root)
+    base = (root if root is not None else STATE) / consumer
+    paths = resolve(consumer, root=root).checked()
     plain = base / "inbox.db"
     if paths is None and plain.is_file():
         paths = [plain]

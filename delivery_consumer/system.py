@@ -41,12 +41,6 @@ DEAD_SCAN_LIMIT = 10_000
 MINUTE_S, HOUR_S = 60, 3600
 
 
-def topology(dep: Deployment, consumer: str) -> Topology:
-    spec = registry.get(consumer)
-    return Topology(consumer=consumer, binding_keys=tuple(spec.binding_keys), exchange=dep.exchange,
-                    prefix=dep.queue_prefix)
-
-
 def topic_matches(pattern: str, key: str) -> bool:
     """AMQP topic matching: ``*`` one word, ``#`` zero or more."""
 
@@ -70,32 +64,6 @@ def _label(entry: ConsumerEntry, partition: str | None) -> str:
     return f"{entry.name}/{partition}" if partition else entry.name
 
 
-def places(dep: Deployment, entry: ConsumerEntry) -> list[tuple[str | None, Path, Topology]]:
-    """``(partition, database, queues)`` of each of the consumer's databases: the
-    consumer's own queues, or for a partition ``p<k>`` the queues ``<consumer>.p<k>``."""
-    base = topology(dep, entry.name)
-    return [(partition, path, base if partition is None else partition_topology(base, int(partition[1:])))
-            for partition, path in entry.databases()]
-
-
-def partition_count(entry: ConsumerEntry) -> int | None:
-    """The consumer's partition count: the file's, else the one its partition databases record."""
-    from .partition_store import stored_identity
-
-    if entry.partitions is not None:
-        return entry.partitions
-    for partition, path in entry.databases():
-        if partition is None:
-            return None
-        try:
-            identity = stored_identity(path)
-        except DeliveryError:
-            continue
-        if identity is not None:
-            return identity.count
-    return None
-
-
 # -- dead letters ------------------------------------------------------------------------
 
 
@@ -106,7 +74,7 @@ def dead_letters(dep: Deployment, consumer: str, topo: Topology | None = None, *
     from .amqp.connection import BrokerError
     from .deadletters import list_dead
 
-    topo = topo or topology(dep, consumer)
+    topo = topo or dep.placement(consumer).topology()
     try:
         snapshot = (shared.list if shared is not None else list_dead)(dep.amqp_url, topo,
                                                                        max_messages=DEAD_SCAN_LIMIT)
@@ -235,13 +203,14 @@ def trace_event(dep: Deployment, event_id: str, *, key: str | None = None,
     keyed = next((r for r in known if r.get(r.get("keyField") or "articleId")), None)
     field = (keyed or {}).get("keyField") or "articleId"
     article = None if keyed is None else str(keyed[field])
-    for name, entry in dep.consumers.items():
+    for name in dep.consumers:
         spec = registry.get(name)
         routed = routing_key is None or any(topic_matches(k, routing_key) for k in spec.binding_keys)
-        count = partition_count(entry) if entry.partitions or entry.db.is_dir() else None
+        where = dep.placement(name)
+        count = where.count()
         home = f"p{partition_of(article, count)}" if article is not None and count else None
         items: list[Row] = []
-        for partition, path, topo in places(dep, entry):
+        for partition, path, topo in where.topologies():
             item: Row = {"consumer": name, "partition": partition, "database": str(path), "trace": None}
             letters: list[Row] = []
             if broker:
@@ -341,7 +310,7 @@ def trace_key(dep: Deployment, key: str) -> Row:
                 "producer": name, "createdAt": created, "publishedAt": published, "attempts": attempts,
                 "lastError": error}
     dbs = [(_label(entry, partition), name, path) for name, entry in dep.consumers.items()
-           for partition, path in entry.databases() if path.exists()]
+           for partition, path in dep.placement(name).databases if path.exists()]
     for _, name, path in dbs:  # first every eventId of the key, from every database
         try:
             with _consumer_db(path, name) as db, read_snapshot(db.conn):
@@ -447,7 +416,7 @@ def _former_queues(dep: Deployment, name: str, found: list[tuple[str | None, Pat
     queues, and those of partitions its databases' former count had beyond the current one."""
     from .partition_store import repartitioned_from
 
-    base = topology(dep, name)
+    base = dep.placement(name).topology()
     out = {q: "the unpartitioned consumer" for q, _ in base.queues()}
     try:
         former = next((repartitioned_from(path) for _, path, _ in found if path.exists()), None)
@@ -483,12 +452,12 @@ def status(dep: Deployment, *, now: float | None = None, broker: bool = True, sh
     problems: list[str] = []
     counts: dict[str, Any] = {}
     broker_error = None
-    layout = {name: places(dep, entry) for name, entry in dep.consumers.items()}
+    layout = {name: dep.placement(name).topologies() for name in dep.consumers}
     partitioned = {name for name, found in layout.items() if any(partition for partition, _, _ in found)}
     former = {name: _former_queues(dep, name, layout[name]) for name in partitioned}
     if broker and dep.consumers:
         queues = [q for found in layout.values() for _, _, topo in found for q in (topo.queue, topo.dead_queue)]
-        queues += [unrouted_name(topology(dep, name)) for name in partitioned]
+        queues += [unrouted_name(dep.placement(name).topology()) for name in partitioned]
         queues += [q for found in former.values() for q in found]
         try:
             counts = queue_counts(dep.amqp_url, queues)
@@ -533,7 +502,7 @@ def status(dep: Deployment, *, now: float | None = None, broker: bool = True, sh
         item["deadByCode"] = None if any(row["deadByCode"] is None for row in rows) else by_code
         item["unrouted"] = None
         if name in partitioned:
-            queue = unrouted_name(topology(dep, name))
+            queue = unrouted_name(dep.placement(name).topology())
             waiting = counts.get(queue)
             item["unrouted"] = {"queue": queue, "ready": waiting.ready if waiting else None}
             if waiting is not None and waiting.ready:
@@ -583,5 +552,5 @@ def _redacted(url: str) -> str:
     return redact(url)
 
 
-__all__ = ["dead_letters", "group_dead_letters", "notes", "outbox_history", "partition_count", "places", "status",
-           "topic_matches", "topology", "trace_event", "trace_key", "unacknowledged"]
+__all__ = ["dead_letters", "group_dead_letters", "notes", "outbox_history", "status", "topic_matches", "trace_event",
+           "trace_key", "unacknowledged"]

@@ -7,8 +7,9 @@ from pathlib import Path
 import click
 
 from ..errors import ConfigError, DeliveryError
-from ..partition_store import partition_db, partitioned_paths, stored_identity
+from ..partition_store import stored_identity
 from ..partitions import SLOT_COUNT, Identity, check_partition
+from ..placement import database, resolve
 from ..topology import Topology
 from ._common import F, Fatal, deployment
 
@@ -33,7 +34,7 @@ def partition_identity(consumer: str, partition: int | None, count: int | None, 
         if count is not None:
             raise Fatal("--partitions needs --partition K (the partition this command serves)")
         return None
-    path = partition_db(consumer, partition, db)
+    path = database(consumer, partition, db)
     try:
         stored = stored_identity(path)
         if count is None:
@@ -85,7 +86,7 @@ def one_partition(consumer: str | None, db_path: Path | None, partition: int | N
     """The database a one-partition command uses; a partitioned consumer
     without --partition (or --db) is refused in one line."""
     if partition is not None:
-        return partition_db(consumer or "", partition, db_path)
+        return database(consumer or "", partition, db_path)
     if consumer is None:
         return db_path
     found = deployment()
@@ -96,7 +97,7 @@ def one_partition(consumer: str | None, db_path: Path | None, partition: int | N
     if db_path is not None and not db_path.is_dir():
         return db_path
     try:  # the deployment file's directory, else --db's, else state/<consumer>/ of the working directory
-        paths = partitioned_paths(consumer, db_path if db_path is not None else entry.db if entry else None)
+        paths = resolve(consumer, db_path if db_path is not None else entry.db if entry else None).checked()
     except DeliveryError as exc:
         raise Fatal(str(exc)) from None
     if paths is not None:

@@ -34,9 +34,9 @@ from .. import queries
 from ..durations import Duration
 from ..durations import age as _age
 from ..errors import DeliveryError
-from ..inbox import ConsumerDB, default_db_path
-from ..partition_store import partition_db, partitioned_paths, partitions_beside
+from ..inbox import ConsumerDB
 from ..partitions import SLOT_COUNT
+from ..placement import beside, database, default_db, resolve
 from . import LazyGroup
 from ._broker import amqp_options, broker_call, topology_for
 from ._common import (
@@ -73,7 +73,7 @@ def _partition_option(fn: F) -> F:
         if partition is not None:
             if kwargs.get("consumer") is None and kwargs.get("db_path") is None:
                 raise Fatal("--partition needs --consumer NAME")
-            kwargs["db_path"] = partition_db(kwargs.get("consumer") or "", partition, kwargs.get("db_path"))
+            kwargs["db_path"] = database(kwargs.get("consumer") or "", partition, kwargs.get("db_path"))
         return fn(*args, **kwargs)
 
     option = click.option("--partition", type=click.IntRange(0, SLOT_COUNT - 1), envvar="DELIVERY_PARTITION",
@@ -91,8 +91,11 @@ def read_options(consumer: str | None = None) -> Callable[[F], F]:
 
 
 def partition_paths(consumer: str | None, db_path: Path | None) -> list[Path] | None:
+    """The partition databases read as one consumer (they agree on their count), or None."""
+    if consumer is None and db_path is None:
+        return None  # opening the database says what to give
     try:
-        return partitioned_paths(consumer, db_path)
+        return resolve(consumer, db_path).checked()
     except DeliveryError as exc:
         raise Fatal(str(exc)) from None
 
@@ -112,7 +115,7 @@ def _open_readonly(consumer: str | None, db_path: Path | None) -> ConsumerDB:
     try:
         return open_db(consumer, db_path, readonly=True)
     except Fatal as exc:
-        path = db_path if db_path is not None else default_db_path(consumer) if consumer else None
+        path = db_path if db_path is not None else default_db(consumer) if consumer else None
         if "readonly" not in exc.message or path is None or not path.is_file():
             raise
         directory = path.resolve().parent
@@ -144,9 +147,9 @@ def reading_all(consumer: str | None, db_path: Path | None) -> Iterator[list[tup
     or the one database as [(None, db)]; a NotFound exits 1."""
     paths = partition_paths(consumer, db_path)
     if paths is None:
-        if consumer is not None and db_path is None and (beside := partitions_beside(default_db_path(consumer))):
-            click.echo(f"note: {beside[0].parent.parent} also holds {len(beside)} partition databases "
-                       f"(p<k>/inbox.db), not read here; --db {beside[0].parent.parent} reads them", err=True)
+        if consumer is not None and db_path is None and (found := beside(default_db(consumer))):
+            click.echo(f"note: {found[0].parent.parent} also holds {len(found)} partition databases "
+                       f"(p<k>/inbox.db), not read here; --db {found[0].parent.parent} reads them", err=True)
         with reading(consumer, db_path) as db:
             yield [(None, db)]
         return

@@ -17,8 +17,8 @@ import click
 
 from ..durations import Duration
 from ..envelope import MAX_BODY_BYTES
-from ..partition_store import partition_db
 from ..partitions import explain
+from ..placement import database, in_directory
 from ..service.launch import EXIT_TEMPFAIL, checked_spec
 from ..topology import DEFAULT_DELIVERY_LIMIT, Topology
 from ._broker import RETRY_DELAYS, amqp_options, topology_for
@@ -172,7 +172,7 @@ def run(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue
                                  param_hint="--batch")
     config = RunConfig(
         consumer=consumer, url=amqp_url, exchange=exchange, prefix=queue_prefix,
-        db_path=partition_db(consumer, partition, db_path) if partition is not None else db_path,
+        db_path=database(consumer, partition, db_path) if partition is not None else db_path,
         prefetch=prefetch, batch=batch, batch_wait_ms=batch_wait_ms, max_attempts=max_attempts,
         retry_delays_ms=retry_delays, delivery_limit=delivery_limit, max_crashes=max_crashes,
         exit_when_idle_s=exit_when_idle, max_bytes=max_bytes, log_each_event=log_format == "json",
@@ -200,13 +200,11 @@ def _file_partition(consumer: str, db_path: Path | None, partition: int | None, 
     *consumer* partitioned (``db`` its directory, ``partitions = N``): partition K's
     ``<db>/p<K>/inbox.db`` even before the directory exists, the file's count, and
     the file's ``metrics_port`` + K (one port per partition on one host)."""
-    from ..system import partition_count
-
     found = deployment()
     entry = found.consumer(consumer) if found is not None else None
     if found is None or entry is None or db_path != entry.db:
         return db_path, partitions, metrics_port  # not the file's database: nothing to add
-    count = partition_count(entry) if entry.partitions or entry.db.is_dir() else None
+    count = found.placement(consumer).count()
     if count is None and entry.partitions is None:
         return db_path, partitions, metrics_port
     if partition is None:
@@ -214,7 +212,7 @@ def _file_partition(consumer: str, db_path: Path | None, partition: int | None, 
                     + (f" ({count} partitions)" if count else "") + ": give --partition K (one run per partition)")
     if metrics_port is not None and metrics_port == entry.options.get("metrics_port"):
         metrics_port += partition
-    return entry.database(partition), partitions if partitions is not None else count, metrics_port
+    return in_directory(entry.db, partition), partitions if partitions is not None else count, metrics_port
 
 
 __all__ = ["run"]

@@ -20,6 +20,7 @@ from ..contract import ConsumerSpec
 from ..dbfile import FileGuard, SerialLock
 from ..errors import DatabaseError, StoreUnavailable, WrongDatabase, safe_reason
 from ..partitions import Identity, identity_from_meta
+from ..placement import default_db
 from ..sqlite import DEFAULT_BUSY_TIMEOUT_MS, now_iso
 from .apply import Transaction
 
@@ -164,11 +165,6 @@ _CONSUMER_VERSION_KEY = "consumer_schema_version"
 SpecLookup = Callable[[str], ConsumerSpec]
 
 
-def default_db_path(consumer: str) -> Path:
-    """Where a consumer's database lives unless told otherwise."""
-    return Path("state") / consumer / "inbox.db"
-
-
 def inbox_rowid_before(conn: sqlite3.Connection, cutoff: str) -> int:
     """A rowid bound: the receipts at or below it are those received before *cutoff*.
 
@@ -250,7 +246,7 @@ class ConsumerDB:
         if path is None:
             if consumer is None:
                 raise DatabaseError("give a consumer name or a database path")
-            path = default_db_path(consumer)
+            path = default_db(consumer)
         path = Path(path)
         if path.is_dir():
             raise DatabaseError(f"{path}: is a directory, not a database file")
@@ -499,5 +495,5 @@ class ConsumerDB:
         return dict(self.conn.execute("SELECT key, value FROM meta").fetchall())
 
 
-__all__ = ["CORE_MIGRATIONS", "SEAL_KEY", "STORE_VERSION", "ConsumerDB", "SpecLookup", "default_db_path",
+__all__ = ["CORE_MIGRATIONS", "SEAL_KEY", "STORE_VERSION", "ConsumerDB", "SpecLookup",
            "inbox_rowid_before"]

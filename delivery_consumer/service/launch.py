@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Any, Final
 
 from .. import consumers
 from ..errors import ConfigError, DeliveryError, StoreOutage
-from ..partition_store import partition_db, stored_identity
+from ..partition_store import stored_identity
 from ..partitions import Identity, check_partition
+from ..placement import database
 from ..topology import DEFAULT_URL, Topology
 
 if TYPE_CHECKING:
@@ -53,7 +54,7 @@ def partition_identity(consumer: str, partition: int | None, count: int | None, 
         if count is not None:
             raise ConfigError("partitions needs partition (the partition this run serves)")
         return None
-    path = partition_db(consumer, partition, db)
+    path = database(consumer, partition, db)
     stored = stored_identity(path)
     if count is None:
         count = stored.count if stored is not None else _broker_count(path, broker)
@@ -109,7 +110,7 @@ def run_consumer(consumer: str, url: str = DEFAULT_URL, db: str | Path | None = 
         db_path = Path(db) if db is not None else None
         config = RunConfig(
             consumer=consumer, url=url,
-            db_path=partition_db(consumer, partition, db_path) if partition is not None else db_path, **options,
+            db_path=database(consumer, partition, db_path) if partition is not None else db_path, **options,
         )
         config.partition = partition_identity(consumer, partition, partitions, db_path,
                                               broker=(url, config.topology()))
