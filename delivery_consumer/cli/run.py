@@ -16,11 +16,12 @@ from typing import Any
 import click
 
 from ..durations import Duration
-from ..envelope import MAX_BODY_BYTES
+from ..durations import format as spelled
 from ..partitions import explain
 from ..placement import database, in_directory
+from ..service.config import RunConfig
 from ..service.launch import EXIT_TEMPFAIL, checked_spec
-from ..topology import DEFAULT_DELIVERY_LIMIT, Topology
+from ..topology import Topology
 from ._broker import RETRY_DELAYS, amqp_options, topology_for
 from ._common import F, Fatal, consumer_option, db_option, deployment, from_deployment, handle_errors, setup_logging
 from ._partitions import partition_identity, partition_options
@@ -106,31 +107,32 @@ def _metrics_server(consumer: str, port: int, host: str, queues: tuple[str, Topo
 @consumer_option(required=True)
 @db_option
 @amqp_options
-@click.option("--prefetch", default=500, show_default=True, type=click.IntRange(1, 65535),
+@click.option("--prefetch", default=RunConfig.prefetch, show_default=True, type=click.IntRange(1, 65535),
               help="Unacknowledged deliveries the broker may send ahead (memory: up to prefetch x max-bytes).")
-@click.option("--batch", default=250, show_default=True, type=click.IntRange(1, 10_000),
+@click.option("--batch", default=RunConfig.batch, show_default=True, type=click.IntRange(1, 10_000),
               help="Deliveries per transaction (1 = one commit per delivery).")
-@click.option("--batch-wait", "batch_wait_ms", default="10ms", show_default=True,
+@click.option("--batch-wait", "batch_wait_ms", default=spelled(RunConfig.batch_wait_ms / 1000), show_default=True,
               type=Duration(maximum=60, milliseconds=True),
               help="The longest a batch keeps taking deliveries that are still arriving; a lone delivery"
                    " never waits.")
-@click.option("--max-attempts", default=3, show_default=True, type=click.IntRange(1, 1000),
+@click.option("--max-attempts", default=RunConfig.max_attempts, show_default=True, type=click.IntRange(1, 1000),
               help="Tries of an event that fails transiently before it is dead-lettered retries-exhausted.")
-@click.option("--retry-delays", default="1s,10s,60s", show_default=True, type=RETRY_DELAYS,
+@click.option("--retry-delays", default=",".join(f"{ms / 1000:g}s" for ms in RunConfig.retry_delays_ms),
+              show_default=True, type=RETRY_DELAYS,
               help="Delays of the retry tiers (the last repeats), e.g. 500ms,5s,1m.")
-@click.option("--delivery-limit", default=DEFAULT_DELIVERY_LIMIT, show_default=True, type=click.IntRange(1),
+@click.option("--delivery-limit", default=RunConfig.delivery_limit, show_default=True, type=click.IntRange(1),
               help="Broker-side x-delivery-limit of the queue (the backstop for poison messages).")
-@click.option("--max-crashes", default=3, show_default=True, type=click.IntRange(1),
+@click.option("--max-crashes", default=RunConfig.max_crashes, show_default=True, type=click.IntRange(1),
               help="Dead-letter a message (delivery-limit) after it killed the process this many times.")
 @click.option("--exit-when-idle", "exit_when_idle", type=Duration(positive=True),
               help="Exit 0 after no delivery arrived for this long (e.g. 2s); exit 2 if the broker cannot be "
                    "reached at start.")
-@click.option("--store-outage-limit", "store_outage_limit_s", default="10m", show_default=True,
-              type=Duration(positive=True),
+@click.option("--store-outage-limit", "store_outage_limit_s", default=spelled(RunConfig.store_outage_limit_s),
+              show_default=True, type=Duration(positive=True),
               help="How long the database may fail as a whole (disk full, I/O error, busy, read-only) before run "
                    "exits 75 (for a supervisor to restart it); meanwhile deliveries are held unacked and retried, "
                    "no attempt spent.")
-@click.option("--max-bytes", default=MAX_BODY_BYTES, show_default=True, type=click.IntRange(1),
+@click.option("--max-bytes", default=RunConfig.max_bytes, show_default=True, type=click.IntRange(1),
               help="Largest body accepted; larger ones are dead-lettered invalid-envelope.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
@@ -161,7 +163,6 @@ def run(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue
     """
     from ..amqp.connection import BrokerError
     from ..errors import StoreOutage
-    from ..service.config import RunConfig
     from ..service.run import run as run_consumer
 
     setup_logging(log_level, log_format, consumer)
