@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import heapq
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -162,11 +162,14 @@ def reading_all(consumer: str | None, db_path: Path | None) -> Iterator[list[tup
             raise Missing(str(exc)) from None
 
 
-def _merged(parts: Sequence[tuple[int | None, list[dict[str, Any]]]]) -> Iterator[dict[str, Any]]:
-    """Rows of every partition, each tagged with its partition when there are several."""
-    for k, rows in parts:
-        for row in rows:
-            yield row if k is None else {**row, "partition": k}
+def newest(consumer: str | None, db_path: Path | None, read: Callable[[ConsumerDB], list[dict[str, Any]]],
+           order: Callable[[dict[str, Any]], Any], limit: int) -> list[dict[str, Any]]:
+    """What *read* finds in every partition's database (each row tagged with its partition when there
+    are several), newest first by *order*, at most *limit* (0: all)."""
+    with reading_all(consumer, db_path) as dbs:
+        parts = [[row if k is None else {**row, "partition": k} for row in read(db)] for k, db in dbs]
+    rows = list(heapq.merge(*parts, key=order, reverse=True))
+    return rows[:limit] if limit else rows
 
 
 def find_first(dbs: list[tuple[int | None, ConsumerDB]],
@@ -214,11 +217,8 @@ inbox = LazyGroup(
 @handle_errors
 def inbox_list(consumer: str | None, db_path: Path | None, as_json: bool, result: str | None, limit: int) -> None:
     """Receipts, newest first."""
-    with reading_all(consumer, db_path) as dbs:
-        parts = [(k, queries.inbox_list(db, result=result, limit=limit)) for k, db in dbs]
-    rows = list(heapq.merge(*(list(_merged([part])) for part in parts),
-                            key=lambda r: (r["receivedAt"], r["eventId"]), reverse=True))
-    rows = rows[:limit] if limit else rows
+    rows = newest(consumer, db_path, lambda db: queries.inbox_list(db, result=result, limit=limit),
+                  lambda r: (r["receivedAt"], r["eventId"]), limit)
     if as_json:
         emit_json(rows)
         return
@@ -414,11 +414,8 @@ def rejected() -> None:
 @handle_errors
 def rejected_list(consumer: str | None, db_path: Path | None, as_json: bool, code: str | None, limit: int) -> None:
     """Rejections, newest first."""
-    with reading_all(consumer, db_path) as dbs:
-        parts = [(k, queries.rejected_list(db, code=code, limit=limit)) for k, db in dbs]
-    rows = list(heapq.merge(*(list(_merged([part])) for part in parts),
-                            key=lambda r: (r["rejectedAt"], r["id"]), reverse=True))
-    rows = rows[:limit] if limit else rows
+    rows = newest(consumer, db_path, lambda db: queries.rejected_list(db, code=code, limit=limit),
+                  lambda r: (r["rejectedAt"], r["id"]), limit)
     if as_json:
         emit_json(rows)
         return
