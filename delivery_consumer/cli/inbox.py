@@ -162,14 +162,19 @@ def reading_all(consumer: str | None, db_path: Path | None) -> Iterator[list[tup
             raise Missing(str(exc)) from None
 
 
-def newest(consumer: str | None, db_path: Path | None, read: Callable[[ConsumerDB], list[dict[str, Any]]],
-           order: Callable[[dict[str, Any]], Any], limit: int) -> list[dict[str, Any]]:
-    """What *read* finds in every partition's database (each row tagged with its partition when there
-    are several), newest first by *order*, at most *limit* (0: all)."""
+def list_newest(consumer: str | None, db_path: Path | None, as_json: bool, limit: int,
+                read: Callable[[ConsumerDB], list[dict[str, Any]]], order: Callable[[dict[str, Any]], Any],
+                keys: list[str], empty: str) -> None:
+    """Print what *read* finds in every partition's database (each row tagged with its partition when
+    there are several), newest first by *order*, at most *limit* (0: all)."""
     with reading_all(consumer, db_path) as dbs:
         parts = [[row if k is None else {**row, "partition": k} for row in read(db)] for k, db in dbs]
     rows = list(heapq.merge(*parts, key=order, reverse=True))
-    return rows[:limit] if limit else rows
+    rows = rows[:limit] if limit else rows
+    if as_json:
+        emit_json(rows)
+    else:
+        echo_table(keys, _columns(rows, keys), empty=empty)
 
 
 def find_first(dbs: list[tuple[int | None, ConsumerDB]],
@@ -217,13 +222,8 @@ inbox = LazyGroup(
 @handle_errors
 def inbox_list(consumer: str | None, db_path: Path | None, as_json: bool, result: str | None, limit: int) -> None:
     """Receipts, newest first."""
-    rows = newest(consumer, db_path, lambda db: queries.inbox_list(db, result=result, limit=limit),
-                  lambda r: (r["receivedAt"], r["eventId"]), limit)
-    if as_json:
-        emit_json(rows)
-        return
-    keys = ["receivedAt", "eventId", "type", "result"]
-    echo_table(keys, _columns(rows, keys), empty="no receipts")
+    list_newest(consumer, db_path, as_json, limit, lambda db: queries.inbox_list(db, result=result, limit=limit),
+                lambda r: (r["receivedAt"], r["eventId"]), ["receivedAt", "eventId", "type", "result"], "no receipts")
 
 
 @click.command("show")
@@ -414,13 +414,9 @@ def rejected() -> None:
 @handle_errors
 def rejected_list(consumer: str | None, db_path: Path | None, as_json: bool, code: str | None, limit: int) -> None:
     """Rejections, newest first."""
-    rows = newest(consumer, db_path, lambda db: queries.rejected_list(db, code=code, limit=limit),
-                  lambda r: (r["rejectedAt"], r["id"]), limit)
-    if as_json:
-        emit_json(rows)
-        return
-    keys = ["id", "rejectedAt", "code", "eventId", "source", "reason"]
-    echo_table(keys, _columns(rows, keys), empty="no rejections")
+    list_newest(consumer, db_path, as_json, limit, lambda db: queries.rejected_list(db, code=code, limit=limit),
+                lambda r: (r["rejectedAt"], r["id"]), ["id", "rejectedAt", "code", "eventId", "source", "reason"],
+                "no rejections")
 
 
 @rejected.command("resolve")
