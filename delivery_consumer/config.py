@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,10 @@ from .topology import DEFAULT_EXCHANGE, DEFAULT_PREFIX, DEFAULT_URL
 
 DEFAULT_NAME = "delivery.toml"
 ENV = "DELIVERY_CONFIG"
+#: Environment variables that override the file's broker settings, as they do
+#: for the broker commands' options: ``status``, ``trace`` and the console must
+#: look at the broker and queues that ``run`` and ``dispatch`` use.
+BROKER_ENV = {"amqp_url": "DELIVERY_AMQP_URL", "exchange": "DELIVERY_EXCHANGE", "queue_prefix": "DELIVERY_QUEUE_PREFIX"}
 #: An unpublished outbox row older than this makes ``status`` ask for a person.
 DEFAULT_OUTBOX_MAX_AGE_S = 300.0
 
@@ -116,14 +120,17 @@ def locate(explicit: str | Path | None = None, *, cwd: Path | None = None) -> tu
 
 
 def load(explicit: str | Path | None = None) -> Deployment | None:
-    """The deployment named by ``--config`` / ``$DELIVERY_CONFIG`` / ``./delivery.toml``, or None."""
+    """The deployment named by ``--config`` / ``$DELIVERY_CONFIG`` / ``./delivery.toml``, or None;
+    its broker settings overridden by those of the environment (:data:`BROKER_ENV`)."""
     path, required = locate(explicit)
     if path is None:
         return None
     if not path.is_file():
         how = "--config" if explicit else f"${ENV}" if required else "the default"
         raise ConfigError(f"{path}: no such deployment file (named by {how})")
-    return parse_file(path)
+    found = parse_file(path)
+    given = {key: os.environ.get(var) or getattr(found, key) for key, var in BROKER_ENV.items()}
+    return replace(found, amqp_url=given["amqp_url"], exchange=given["exchange"], queue_prefix=given["queue_prefix"])
 
 
 def parse_file(path: Path) -> Deployment:

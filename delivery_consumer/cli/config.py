@@ -13,8 +13,9 @@ from typing import Any
 import click
 
 from .. import durations
+from ..config import BROKER_ENV
 from ..topology import DEFAULT_EXCHANGE, DEFAULT_PREFIX
-from ._common import BROKER_ENV, EXIT_ERROR, EXIT_OK, checked_deployment, emit_json, handle_errors
+from ._common import EXIT_ERROR, EXIT_OK, checked_deployment, emit_json, handle_errors
 from ._output import echo_record
 
 
