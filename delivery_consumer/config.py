@@ -100,8 +100,10 @@ class Deployment:
 
     def placement(self, name: str) -> Placement:
         """Where ``[consumers.<name>]`` lives: its databases by partition and its queues."""
+        from .consumers import topology  # the registry imports the store, which imports the config's placement
+
         entry = self.consumers[name]
-        return resolve(name, entry.db, declared=entry.partitions, exchange=self.exchange, prefix=self.queue_prefix)
+        return resolve(name, entry.db, declared=entry.partitions, base=topology(name, self.exchange, self.queue_prefix))
 
     def single_producer(self) -> ProducerEntry | None:
         """The producer, when the file names exactly one (the producer commands' default)."""
@@ -332,7 +334,7 @@ def check_database(deployment: Deployment, entry: ConsumerEntry) -> list[str]:
 
 def _partition_mismatch(deployment: Deployment, entry: ConsumerEntry, partition: int, db_path: Path) -> list[str]:
     """A partition database that records another place than the one the file gives it."""
-    from .partition_store import stored_identity
+    from .placement import stored_identity
 
     where = f"consumers.{entry.name}.partitions" if entry.partitions else f"consumers.{entry.name}.db"
     try:

@@ -14,17 +14,8 @@ from pathlib import Path
 
 from . import sqlite
 from .errors import ConfigError, DatabaseError
-from .partitions import SLOT_COUNT, Identity, check_count, identity_from_meta, partition_of, partition_of_slot
+from .partitions import SLOT_COUNT, Identity, check_count, partition_of, partition_of_slot
 from .placement import STATE, resolve
-
-
-def stored_identity(path: Path) -> Identity | None:
-    """The partition identity *path* records; None when it records none or does not exist."""
-    if not path.is_file():
-        return None
-    with sqlite.reading(path, what="read its partition") as conn:
-        rows = conn.execute("SELECT key, value FROM meta WHERE key IN ('partition', 'partition_count')")
-        return identity_from_meta(dict(rows.fetchall()))
 
 
 def repartitioned_from(path: Path) -> str | None:

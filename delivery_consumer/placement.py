@@ -18,13 +18,11 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
+from . import sqlite
 from .errors import ConfigError, DatabaseError, DeliveryError
-from .topology import DEFAULT_EXCHANGE, DEFAULT_PREFIX, Topology
-
-if TYPE_CHECKING:
-    from .partitions import Identity
+from .partitions import Identity, identity_from_meta, partition_topology
+from .topology import Topology
 
 #: Where the consumers' databases live unless told otherwise (relative to the working directory).
 STATE = Path("state")
@@ -58,14 +56,13 @@ def partition_dirs(directory: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def topology(consumer: str, exchange: str = DEFAULT_EXCHANGE, prefix: str = DEFAULT_PREFIX,
-             **extra: Any) -> Topology:
-    """The queues of *consumer* (a registered one: its binding keys) under *exchange* and *prefix*."""
-    from . import consumers  # the registry imports the store, which imports this module
-
-    spec = consumers.get(consumer)
-    return Topology(consumer=consumer, binding_keys=tuple(spec.binding_keys), exchange=exchange,
-                    prefix=prefix, **extra)
+def stored_identity(path: Path) -> Identity | None:
+    """The partition identity the database *path* records; None when it records none or does not exist."""
+    if not path.is_file():
+        return None
+    with sqlite.reading(path, what="read its partition") as conn:
+        rows = conn.execute("SELECT key, value FROM meta WHERE key IN ('partition', 'partition_count')")
+        return identity_from_meta(dict(rows.fetchall()))
 
 
 def database(consumer: str, partition: int | None, db: Path | None) -> Path:
@@ -92,8 +89,8 @@ class Placement:
     declared: int | None = None
     #: The directory the partitions were looked for in (None: a database file was named).
     directory: Path | None = None
-    exchange: str = DEFAULT_EXCHANGE
-    prefix: str = DEFAULT_PREFIX
+    #: The consumer's own queues, when they were asked for (``consumers.topology``).
+    base: Topology | None = None
 
     @property
     def partitioned(self) -> bool:
@@ -103,16 +100,14 @@ class Placement:
         return [path for _partition, path in self.databases]
 
     def topology(self) -> Topology:
-        """The consumer's own queues (a registered consumer's)."""
-        if self.consumer is None:
-            raise ConfigError("give --consumer NAME: the queues are the consumer's")
-        return topology(self.consumer, self.exchange, self.prefix)
+        """The consumer's own queues."""
+        if self.base is None:
+            raise ConfigError(f"the queues of {self.consumer or 'this database'} were not asked for")
+        return self.base
 
     def topologies(self) -> list[tuple[str | None, Path, Topology]]:
         """``(partition, database, queues)`` of each database: the consumer's own queues,
         or for a partition ``p<k>`` the queues ``<consumer>.p<k>``."""
-        from .partitions import partition_topology
-
         base = self.topology()
         return [(partition, path, base if partition is None else partition_topology(base, int(partition[1:])))
                 for partition, path in self.databases]
@@ -148,8 +143,6 @@ class Placement:
         return [in_directory(self.directory, k) for k in range(len(paths))]
 
     def _identities(self, *, strict: bool, paths: list[Path] | None = None) -> list[Identity | None]:
-        from .partition_store import stored_identity
-
         found: list[Identity | None] = []
         for path in paths if paths is not None else self.paths():
             try:
@@ -161,18 +154,19 @@ class Placement:
 
 
 def resolve(consumer: str | None, db: Path | None = None, *, declared: int | None = None,
-            exchange: str = DEFAULT_EXCHANGE, prefix: str = DEFAULT_PREFIX, root: Path | None = None) -> Placement:
+            base: Topology | None = None, root: Path | None = None) -> Placement:
     """The placement of *consumer*.
 
     *db*: the database named (a file, or a consumer's directory of partitions); *declared*:
     the partition count the deployment file gives (*db* is then the directory, whether its
-    partitions exist yet or not). Without *db*, ``<root>/<consumer>/`` (root ``state``):
-    its ``inbox.db`` when it has one, else its partition databases, else the ``inbox.db`` to
-    create. A directory named as *db* holds partitions unless it holds only an ``inbox.db``
-    (kept as named, so that opening it says what is wrong rather than finding no database).
+    partitions exist yet or not); *base*: the consumer's queues (``consumers.topology``).
+    Without *db*, ``<root>/<consumer>/`` (root ``state``): its ``inbox.db`` when it has one,
+    else its partition databases, else the ``inbox.db`` to create. A directory named as *db*
+    holds partitions unless it holds only an ``inbox.db`` (kept as named, so that opening it
+    says what is wrong rather than finding no database).
     """
     def placed(databases: Sequence[tuple[str | None, Path]], directory: Path | None = None) -> Placement:
-        return Placement(consumer, tuple(databases), declared, directory, exchange, prefix)
+        return Placement(consumer, tuple(databases), declared, directory, base)
 
     if db is None:
         if consumer is None:
@@ -204,4 +198,4 @@ def beside(path: Path) -> list[Path]:
 
 
 __all__ = ["DB_NAME", "STATE", "Placement", "beside", "database", "default_db", "in_directory",
-           "partition_db", "partition_dirs", "resolve", "topology"]
+           "partition_db", "partition_dirs", "resolve", "stored_identity"]

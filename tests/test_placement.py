@@ -37,7 +37,7 @@ def test_a_copy_named_p01_beside_the_partitions_is_not_a_partition(tmp_path: Pat
     shutil.copytree(directory / "p1", directory / "p01")
     shutil.copytree(directory / "p1", directory / "p²")
 
-    found = resolve("audit", directory)
+    found = resolve("audit", directory, base=consumers.topology("audit"))
     assert found.databases == (("p0", directory / "p0" / "inbox.db"), ("p1", directory / "p1" / "inbox.db"))
     assert found.checked() == [directory / "p0" / "inbox.db", directory / "p1" / "inbox.db"]
     assert found.count() == 2
@@ -65,7 +65,7 @@ def test_a_partition_directory_is_p_and_its_number_in_canonical_ascii(names: set
 
 def test_the_declared_count_names_every_partition_before_it_exists(tmp_path: Path) -> None:
     """With the file's count, the databases are p0 .. p<N-1> of the directory, none of them on disk yet."""
-    found = resolve("audit", tmp_path / "audit", declared=3, prefix="x")
+    found = resolve("audit", tmp_path / "audit", declared=3, base=consumers.topology("audit", prefix="x"))
     assert found.paths() == [tmp_path / "audit" / f"p{k}" / "inbox.db" for k in range(3)]
     assert found.count() == 3 and found.partitioned
     assert [t.queue for _p, _d, t in found.topologies()] == ["x.audit.p0", "x.audit.p1", "x.audit.p2"]

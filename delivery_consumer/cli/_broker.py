@@ -10,8 +10,8 @@ from typing import Any
 
 import click
 
+from ..consumers import topology as topology_for
 from ..durations import Duration
-from ..placement import topology as topology_for
 from ..topology import DEFAULT_EXCHANGE, DEFAULT_PREFIX, DEFAULT_URL
 from ._common import F, Fatal, from_deployment
 

@@ -11,7 +11,7 @@ from .. import consumers
 from ..envelope import MAX_BODY_BYTES
 from ..inbox import ConsumerDB
 from ..partitions import Identity
-from ..placement import database, topology
+from ..placement import database
 from ..topology import DEFAULT_DELIVERY_LIMIT, DEFAULT_EXCHANGE, DEFAULT_PREFIX, DEFAULT_RETRY_DELAYS_MS, Topology
 
 
@@ -49,7 +49,7 @@ class RunConfig:
     integrity_check_s: float = 10.0
 
     def topology(self) -> Topology:
-        return topology(
+        return consumers.topology(
             self.consumer, self.exchange, self.prefix,
             retry_delays_ms=self.retry_delays_ms,
             delivery_limit=self.delivery_limit,

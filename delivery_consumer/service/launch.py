@@ -19,9 +19,8 @@ from typing import TYPE_CHECKING, Any, Final
 
 from .. import consumers
 from ..errors import ConfigError, DeliveryError, StoreOutage
-from ..partition_store import stored_identity
 from ..partitions import Identity, check_partition
-from ..placement import database
+from ..placement import database, stored_identity
 from ..topology import DEFAULT_URL, Topology
 
 if TYPE_CHECKING:
