@@ -74,7 +74,7 @@ def dead_letters(dep: Deployment, consumer: str, topo: Topology | None = None, *
     from .amqp.connection import BrokerError
     from .deadletters import list_dead
 
-    topo = topo or dep.placement(consumer).topology()
+    topo = topo or registry.topology(consumer, dep.exchange, dep.queue_prefix)
     try:
         snapshot = (shared.list if shared is not None else list_dead)(dep.amqp_url, topo,
                                                                        max_messages=DEAD_SCAN_LIMIT)
