@@ -40,7 +40,7 @@ and then. Meanwhile ``console`` (through the proxy too) is hammered by a few
 clients asking for its page, and a handful of bad bodies are published beside
 the good ones. At the end both processes must still be running, every row
 published, every event applied exactly once, nothing dead-lettered but the bad
-bodies (each with its own reason), every page answered, both must stop with
+bodies (each at least once), every page answered, both must stop with
 exit 0 on SIGTERM, and once the bad bodies are purged ``status`` must be green
 (exit 0).
 """
@@ -48,6 +48,7 @@ exit 0 on SIGTERM, and once the bad bodies are purged ``status`` must be green
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import random
 import shutil
@@ -357,7 +358,9 @@ def proxy_chaos(seconds: float, rng: random.Random) -> bool:
                 [sys.executable, "-m", "delivery_consumer", "dead", "list", "--consumer", "audit", "--json"],
                 cwd=ns.workdir, env=ns.env(DELIVERY_CONFIG=str(config)), capture_output=True, text=True,
                 timeout=120, check=False)
-            dead_codes: dict[str, int] = orjson.loads(listed.stdout)["byCode"] if listed.returncode == 0 else {}
+            letters = orjson.loads(listed.stdout)["messages"] if listed.returncode == 0 else []
+            dead_bodies = Counter(str(letter["bodySha256"]) for letter in letters)
+            bad = {hashlib.sha256(body).hexdigest() for body in BAD_BODIES}
             dead = ns.count(ns.topology("audit").dead_queue)
             purged = subprocess.run(
                 [sys.executable, "-m", "delivery_consumer", "dead", "purge", "--consumer", "audit", "--all", "--yes"],
@@ -386,8 +389,11 @@ def proxy_chaos(seconds: float, rng: random.Random) -> bool:
                 ("receipts", len(receipts), total, sorted(receipts) == sorted(ids)),
                 ("most audit rows for one event", max(effects.values(), default=0), 1,
                  max(effects.values(), default=0) == 1 and set(effects) == ids),
-                ("dead letters (the bad bodies)", dead, len(BAD_BODIES), dead == len(BAD_BODIES)),
-                ("their codes", dead_codes, "one each", sum(dead_codes.values()) == len(BAD_BODIES)),
+                # A dead copy is published at least once: when the connection drops after its confirm and
+                # before the original's ack, the redelivered original is dead-lettered again (docs/failures.md).
+                ("dead letters (only the bad bodies)", dead, f">= {len(BAD_BODIES)}",
+                 set(dead_bodies) == bad and sum(dead_bodies.values()) == dead),
+                ("copies of one bad body at most", max(dead_bodies.values(), default=0), "-", True),
                 ("status once purged (exit)", status.returncode, 0, status.returncode == 0),
             ]
             print(f"\n== proxy chaos for {seconds:g}s: {', '.join(f'{k}: {v}' for k, v in actions.items())}")
