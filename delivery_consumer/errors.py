@@ -11,6 +11,24 @@ broker loop and the ``rejected`` table speak the same vocabulary:
 * :class:`DatabaseError` -- the consumer's database cannot be used at all
   (missing, corrupt, of another consumer, newer schema). Not about one event:
   the command stops with one clear line.
+
+The whole tree (every class derives from :class:`DeliveryError`)::
+
+    DeliveryError
+    ├── Rejection                 permanent refusal of one event (a code below)
+    ├── TransientError            retry later
+    │   └── StoreUnavailable      the database as a whole failed
+    ├── DatabaseError             the database cannot be used (exit 2)
+    │   ├── WrongDatabase, DatabaseLost, DatabaseInUse
+    │   └── StoreOutage           unusable past run's outage limit (exit 75)
+    ├── ConfigError               configuration or usage (exit 2)
+    ├── NotFound                  no record with that key (exit 1)
+    ├── QueryError                ad-hoc SQL refused or failed
+    ├── OutboxError               the outbox API used the wrong way
+    ├── FenceError                a fence cannot be changed as asked
+    └── PruneRefused              a prune would remove receipts still needed
+
+The broker's errors (``amqp.connection``) derive from DeliveryError too.
 """
 
 from __future__ import annotations
@@ -136,3 +154,25 @@ class StoreOutage(DatabaseError):
 
 class ConfigError(DeliveryError):
     """A configuration or usage error (unknown consumer, bad option value)."""
+
+
+class NotFound(DeliveryError):
+    """No record with the key asked for (the CLI exits 1, not 2)."""
+
+
+class QueryError(DeliveryError):
+    """Ad-hoc SQL was refused (a write, several statements) or failed."""
+
+
+class OutboxError(DeliveryError):
+    """The outbox was used the wrong way (enqueue outside a transaction,
+    nested transactions, no outbox installed, an envelope of the wrong type,
+    a routing key AMQP cannot carry)."""
+
+
+class FenceError(DeliveryError):
+    """A fence cannot be changed as asked (unknown key, already done)."""
+
+
+class PruneRefused(DeliveryError):
+    """The prune would remove receipts that may still be needed."""

@@ -29,7 +29,7 @@ from typing import Any, Final, ParamSpec, TypeVar
 import orjson
 
 from .durations import format as format_duration
-from .errors import DeliveryError
+from .errors import NotFound, QueryError
 from .inbox import ConsumerDB, counters
 from .sqlite import now_iso, translate
 
@@ -72,14 +72,6 @@ READ_PRAGMAS_WITH_ARGUMENT = frozenset(
 WRITING_PRAGMAS = frozenset({"wal_checkpoint", "optimize", "incremental_vacuum"})
 
 Row = dict[str, Any]
-
-
-class NotFound(DeliveryError):
-    """No record with the key asked for (the CLI exits 1, not 2)."""
-
-
-class QueryError(DeliveryError):
-    """Ad-hoc SQL was refused (a write, several statements) or failed."""
 
 
 def reads(fn: Callable[P, T]) -> Callable[P, T]:
@@ -393,8 +385,6 @@ __all__ = [
     "DENIED_FUNCTIONS",
     "QUERY_MAX_BYTES",
     "QUERY_TIMEOUT_S",
-    "NotFound",
-    "QueryError",
     "camel",
     "dict_rows",
     "inbox_list",

@@ -24,11 +24,11 @@ from . import consumers as registry
 from .config import ConsumerEntry, Deployment
 from .durations import age as age_text
 from .durations import format as format_duration
-from .errors import DeliveryError
+from .errors import DeliveryError, NotFound
 from .inbox import ConsumerDB, counters
 from .partitions import partition_of, partition_topology, unrouted_name
 from .plural import count as _count
-from .queries import NotFound, dict_rows, read_snapshot
+from .queries import dict_rows, read_snapshot
 from .sqlite import now_iso
 from .topology import Topology
 from .trace import trace as trace_one

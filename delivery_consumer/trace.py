@@ -26,10 +26,11 @@ from .errors import (
     REJECTION_CODES,
     RETRIES_EXHAUSTED,
     WRONG_PARTITION,
+    NotFound,
 )
 from .inbox import ConsumerDB
 from .plural import count
-from .queries import NotFound, dict_rows, read_snapshot, reads
+from .queries import dict_rows, read_snapshot, reads
 from .views import key_row
 
 Row = dict[str, Any]

@@ -24,9 +24,8 @@ from typing import Any, Final
 
 import orjson
 
-from ..errors import safe_reason
+from ..errors import NotFound, safe_reason
 from ..plural import count
-from ..queries import NotFound
 from ..sqlite import now_iso, path_of, rollback
 from .table import transaction
 
