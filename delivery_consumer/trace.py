@@ -22,7 +22,8 @@ from .contract import ConsumerSpec
 from .errors import REJECTIONS, NotFound
 from .inbox import ConsumerDB
 from .plural import count
-from .queries import dict_rows, read_snapshot, reads
+from .queries import dict_rows, reads
+from .sqlite import read_snapshot
 from .views import key_row
 
 Row = dict[str, Any]

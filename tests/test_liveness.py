@@ -61,7 +61,7 @@ def test_a_process_is_running_stopped_or_gone_as_its_proc_entry_says() -> None:
 def test_an_owner_name_carries_the_pid_namespace_and_only_this_namespace_is_judged() -> None:
     """An owner name is <boot>/<namespace>:<pid>:<start>. A gone pid named in this namespace, or in a name of
     older releases (no namespace), is dead; the same pid named in another namespace is not judged dead."""
-    boot_part, pid, start = process_owner().split(":")
+    boot_part, _, start = process_owner().split(":")
     boot, _, namespace = boot_part.partition("/")
     assert namespace.isdigit()
     assert f"pid:[{namespace}]" == os.readlink("/proc/self/ns/pid")

@@ -29,13 +29,12 @@ import threading
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Final
 
 from ..errors import DeliveryError, safe_reason
 from ..liveness import GONE, RUNNING, boot_id, proc_start, process_state
-from ..sqlite import now_iso
+from ..sqlite import age_s, now_iso
 from .table import MAX_ERROR_CHARS, connect, transaction
 
 log = logging.getLogger("delivery_consumer.dispatch")
@@ -77,7 +76,7 @@ def death(me: Identity, host: str, boot: str | None, pid: int, started: str | No
             return None
     elif host == me.host and boot is not None and me.boot_id is not None and not same_boot:
         return f"{host} was restarted since it registered"
-    silent = now - datetime.fromisoformat(heartbeat_at).timestamp()
+    silent = age_s(heartbeat_at, now)
     if silent > STALE_BEATS * heartbeat_s:
         return f"no heartbeat for {silent:.0f}s"
     return None
