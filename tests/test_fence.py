@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 import pytest
-from support import cli, env, json_lines, read_rows
+from support import OpenDB, cli, env, json_lines, read_rows
 from webhook_server import WebhookServer, free_port
 
 from delivery_consumer import consumers
@@ -32,11 +32,9 @@ class Killed(BaseException):
 
 
 @pytest.fixture
-def db(tmp_path: Path) -> Iterator[ConsumerDB]:
+def db(open_db: OpenDB) -> ConsumerDB:
     """A fresh webhook database."""
-    opened = consumers.open_db(tmp_path / "webhook.db", "webhook", create=True)
-    yield opened
-    opened.close()
+    return open_db("webhook")
 
 
 @pytest.fixture

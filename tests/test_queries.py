@@ -38,11 +38,9 @@ def envelope(*, event_id: str | None = None, revision: int = 1, article: str = "
 
 
 @pytest.fixture
-def writer(tmp_path: Path) -> Iterator[ConsumerDB]:
+def writer(catalog_db: ConsumerDB) -> ConsumerDB:
     """A writable catalog database in tmp_path."""
-    db = consumers.open_db(tmp_path / "catalog.db", "catalog", create=True)
-    yield db
-    db.close()
+    return catalog_db
 
 
 @pytest.fixture
