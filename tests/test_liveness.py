@@ -35,9 +35,9 @@ def sleeper() -> Iterator[subprocess.Popen[bytes]]:
 
 
 def gone_pid() -> int:
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    child.wait()
-    return child.pid
+    """The pid of a child that ran and was reaped."""
+    with sleeper() as child:
+        return child.pid
 
 
 def test_a_process_is_running_stopped_or_gone_as_its_proc_entry_says() -> None:
