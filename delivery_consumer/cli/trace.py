@@ -16,7 +16,7 @@ from typing import Any
 import click
 
 from .. import consumers, system
-from ..queries import NotFound
+from ..errors import NotFound
 from ._common import EVENT_ID, checked_deployment, emit_json, handle_errors
 from ._output import cell, echo_record, echo_table
 from .inbox import Missing, find_first, read_options, reading_all
