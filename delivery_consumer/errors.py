@@ -51,7 +51,7 @@ ENDPOINT_REJECTED: Final = "endpoint-rejected"
 OUTCOME_UNKNOWN: Final = "outcome-unknown"
 WRONG_PARTITION: Final = "wrong-partition"
 
-#: Every rejection code, with its meaning in one line (the README's table of
+#: Every rejection code, with its meaning in one line (docs/envelope.md's table of
 #: codes lists exactly these; ``trace`` counts exactly these as rejections).
 REJECTIONS: Final[Mapping[str, str]] = MappingProxyType({
     MALFORMED_JSON: "the body is not UTF-8, not JSON, not a JSON object, or names a key twice",

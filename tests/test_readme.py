@@ -1,4 +1,4 @@
-"""The README's two commands and .ci/run stay in step; its table of rejection codes is the registry's."""
+"""The README's two commands and .ci/run stay in step; the manual's table of rejection codes is the registry's."""
 
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ def test_ci_runs_exactly_the_readme_test_command() -> None:
 
 
 def readme_rejection_codes() -> list[str]:
-    """The codes of the README's table headed ``| rejection code | when |``, in its order."""
-    lines = (REPO / "README.md").read_text("utf-8").splitlines()
+    """The codes of docs/envelope.md's table headed ``| rejection code | when |``, in its order."""
+    lines = (REPO / "docs" / "envelope.md").read_text("utf-8").splitlines()
     start = lines.index("| rejection code | when |") + 2  # past the header and its rule
     codes: list[str] = []
     for line in lines[start:]:
@@ -44,7 +44,8 @@ def readme_rejection_codes() -> list[str]:
 
 
 def test_the_readme_lists_every_rejection_code_once_and_no_other() -> None:
-    """The README's table of rejection codes names each code of errors.REJECTIONS exactly once, and nothing else."""
+    """The manual's table of rejection codes (docs/envelope.md) names each code of errors.REJECTIONS
+    exactly once, and nothing else."""
     codes = readme_rejection_codes()
     assert len(codes) == len(set(codes))
     assert set(REJECTIONS) == set(codes)

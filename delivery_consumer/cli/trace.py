@@ -46,7 +46,7 @@ def trace(ctx: click.Context, consumer: str | None, db_path: Path | None, as_jso
     deliveries, rejections, effect rows). An id nobody knows: exit 1.
 
     With --ce-source SOURCE: EVENT_ID is a CloudEvent's id, as its producer
-    sent it (README, "CloudEvents in").
+    sent it (docs/envelope.md, "CloudEvents in").
     """
     if event_id is not None:
         event_id = _event_id(ctx, ce_source, event_id)
