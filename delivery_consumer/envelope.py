@@ -9,7 +9,7 @@ headers.
 
 Schema validator: ``fastjsonschema`` (the schema compiled to Python code once
 per process). ``bench/bench_validate.py`` compares it with ``jsonschema``
-on the same envelopes; see the README for the figures.
+on the same envelopes; see docs/performance.md for the figures.
 """
 
 from __future__ import annotations

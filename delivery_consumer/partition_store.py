@@ -113,26 +113,24 @@ def split_merge(consumer: str, new_count: int, root: Path | None = None) -> Move
             for old, path in enumerate(paths):
                 keyless = _candidates(old, old_count, new_count)
                 conn.execute("ATTACH DATABASE ? AS old", (str(path),))  # not inside a transaction
-                conn.execute("BEGIN IMMEDIATE")
-                tables = [r[0] for r in conn.execute(
-                    "SELECT name FROM old.sqlite_schema WHERE type = 'table' AND name NOT LIKE 'sqlite_%'"
-                    f" AND name NOT IN ('meta', {', '.join(repr(t) for t in counters.TABLES)})")]
-                for table in tables:
-                    columns, key = _table_plan(conn, table)
-                    cols = ", ".join(f'"{c}"' for c in columns)
-                    picked = ", ".join(f't."{c}"' for c in columns)
-                    # a keyless receipt: a copy in every candidate; any other keyless row: the first one
-                    stays = k in keyless if table == "inbox" else k == keyless[0]
-                    where = f"coalesce(dc_partition({key}) = {k}, {1 if stays else 0})"
-                    verb = "INSERT OR IGNORE" if table == "deliveries" else "INSERT"
-                    cur = conn.execute(f'{verb} INTO main."{table}" ({cols}) SELECT {picked} FROM old."{table}" t'
-                                       f" WHERE {where}")
-                    counts[table] = counts.get(table, 0) + max(cur.rowcount, 0)
-                conn.execute("COMMIT")
+                with sqlite.transaction(conn, translated=False):  # worded below
+                    tables = [r[0] for r in conn.execute(
+                        "SELECT name FROM old.sqlite_schema WHERE type = 'table' AND name NOT LIKE 'sqlite_%'"
+                        f" AND name NOT IN ('meta', {', '.join(repr(t) for t in counters.TABLES)})")]
+                    for table in tables:
+                        columns, key = _table_plan(conn, table)
+                        cols = ", ".join(f'"{c}"' for c in columns)
+                        picked = ", ".join(f't."{c}"' for c in columns)
+                        # a keyless receipt: a copy in every candidate; any other keyless row: the first one
+                        stays = k in keyless if table == "inbox" else k == keyless[0]
+                        where = f"coalesce(dc_partition({key}) = {k}, {1 if stays else 0})"
+                        verb = "INSERT OR IGNORE" if table == "deliveries" else "INSERT"
+                        cur = conn.execute(f'{verb} INTO main."{table}" ({cols}) SELECT {picked} FROM old."{table}" t'
+                                           f" WHERE {where}")
+                        counts[table] = counts.get(table, 0) + max(cur.rowcount, 0)
                 conn.execute("DETACH DATABASE old")
-            conn.execute("BEGIN IMMEDIATE")  # the receipt counters of the receipts moved here
-            counters.rebuild(conn)
-            conn.execute("COMMIT")
+            with sqlite.transaction(conn, translated=False):  # the receipt counters of the receipts moved here
+                counters.rebuild(conn)
             conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('repartitioned_from', ?)",
                          ("unpartitioned" if moved.from_unpartitioned else str(old_count),))
         except sqlite3.Error as exc:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .durations import format as format_duration
-from .errors import DeliveryError
+from .errors import PruneRefused
 from .inbox import ConsumerDB, counters, inbox_rowid_before
 from .sqlite import now_iso
 
@@ -42,10 +42,6 @@ DAY_S = 86400
 DEFAULT_HORIZON_S = 7 * DAY_S
 #: Rows per delete transaction.
 DEFAULT_BATCH = 500
-
-
-class PruneRefused(DeliveryError):
-    """The prune would remove receipts that may still be needed."""
 
 
 def check_older_than(older_than_s: float, horizon_s: float) -> None:
@@ -199,7 +195,6 @@ def prune(
 __all__ = [
     "DEFAULT_BATCH",
     "DEFAULT_HORIZON_S",
-    "PruneRefused",
     "PruneReport",
     "check_older_than",
     "format_duration",

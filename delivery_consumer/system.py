@@ -24,12 +24,12 @@ from . import consumers as registry
 from .config import ConsumerEntry, Deployment
 from .durations import age as age_text
 from .durations import format as format_duration
-from .errors import DeliveryError
+from .errors import DeliveryError, NotFound
 from .inbox import ConsumerDB, counters
 from .partitions import partition_of, partition_topology, unrouted_name
 from .plural import count as _count
-from .queries import NotFound, dict_rows, read_snapshot
-from .sqlite import now_iso
+from .queries import dict_rows
+from .sqlite import age_s, now_iso, read_snapshot
 from .topology import Topology
 from .trace import trace as trace_one
 
@@ -356,11 +356,8 @@ def _consumer_db_status(db: ConsumerDB, now: float) -> Row:
             "SELECT max(received_at) FROM (SELECT received_at FROM inbox ORDER BY rowid DESC LIMIT 1000)").fetchone()
         unresolved = dict_rows(conn.execute(
             "SELECT code, count(*) AS n FROM rejected WHERE resolved_at IS NULL GROUP BY code ORDER BY code"))
-    from datetime import datetime
-
-    age = None if newest is None else round(now - datetime.fromisoformat(newest).timestamp(), 3)
     return {"receiptsLastMinute": last_minute, "receiptsLastHour": last_hour, "newestReceivedAt": newest,
-            "newestAgeSeconds": age, "unresolvedRejections": {r["code"]: r["n"] for r in unresolved}}
+            "newestAgeSeconds": age_s(newest, now), "unresolvedRejections": {r["code"]: r["n"] for r in unresolved}}
 
 
 def unacknowledged(dep: Deployment, queue: str) -> int | None:

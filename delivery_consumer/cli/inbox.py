@@ -33,7 +33,7 @@ import click
 from .. import queries
 from ..durations import Duration
 from ..durations import age as _age
-from ..errors import DeliveryError
+from ..errors import DeliveryError, NotFound, PruneRefused
 from ..inbox import ConsumerDB
 from ..partitions import SLOT_COUNT
 from ..placement import beside, database, default_db, resolve
@@ -137,7 +137,7 @@ def reading(consumer: str | None, db_path: Path | None) -> Iterator[ConsumerDB]:
     with _open_readonly(consumer, db_path) as db:
         try:
             yield db
-        except queries.NotFound as exc:
+        except NotFound as exc:
             raise Missing(str(exc)) from None
 
 
@@ -158,7 +158,7 @@ def reading_all(consumer: str | None, db_path: Path | None) -> Iterator[list[tup
                                                     for k, path in enumerate(paths)]
         try:
             yield dbs
-        except queries.NotFound as exc:
+        except NotFound as exc:
             raise Missing(str(exc)) from None
 
 
@@ -180,17 +180,17 @@ def list_newest(consumer: str | None, db_path: Path | None, as_json: bool, limit
 def find_first(dbs: list[tuple[int | None, ConsumerDB]],
                look: Callable[[ConsumerDB], dict[str, Any]]) -> dict[str, Any]:
     """The first partition's answer to *look* (NotFound in all of them: NotFound)."""
-    missing: queries.NotFound | None = None
+    missing: NotFound | None = None
     for k, db in dbs:
         try:
             found = look(db)
-        except queries.NotFound as exc:
+        except NotFound as exc:
             missing = exc
             continue
         return found if k is None else {**found, "partition": k}
     assert missing is not None
     consumer = dbs[0][1].consumer
-    raise queries.NotFound(str(missing) if len(dbs) == 1 else
+    raise NotFound(str(missing) if len(dbs) == 1 else
                            f"{str(missing).rsplit(' in ', 1)[0]} in any of the {len(dbs)} partitions of {consumer}")
 
 
@@ -329,7 +329,7 @@ def inbox_prune(consumer: str | None, db_path: Path | None, amqp_url: str, excha
 
     try:
         retention.check_older_than(older_than, horizon)
-    except retention.PruneRefused as exc:
+    except PruneRefused as exc:
         raise Fatal(f"refused: {exc}") from None
     db_path = one_partition(consumer, db_path, partition, "prune it")
     with ExitStack() as stack:
@@ -359,7 +359,7 @@ def inbox_prune(consumer: str | None, db_path: Path | None, amqp_url: str, excha
                                   keep_event_ids=keep, refresh_keep=refresh,
                                   dead_queue=topology.dead_queue if keep is not None else None,
                                   batch=batch, dry_run=dry_run)
-        except retention.PruneRefused as exc:  # pragma: no cover - checked above
+        except PruneRefused as exc:  # pragma: no cover - checked above
             raise Fatal(f"refused: {exc}") from None
         if keep is not None:
             report.dead_letters = len(snapshot.letters)

@@ -37,9 +37,8 @@ from ..config import Deployment
 from ..consumers import open_db
 from ..deadletters import SharedReads
 from ..envelope import is_event_id
-from ..errors import DeliveryError
+from ..errors import DeliveryError, NotFound
 from ..plural import count
-from ..queries import NotFound
 from ..topology import Topology
 from . import chart
 

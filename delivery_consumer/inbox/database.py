@@ -364,8 +364,8 @@ class ConsumerDB:
         partition: Identity | None = None,
     ) -> str:
         """Check identity and run pending migrations, all under one write lock."""
-        conn.execute("BEGIN IMMEDIATE")
-        try:
+        # sqlite3 errors leave as they are: open() words them (cannot use this database)
+        with sqlite.transaction(conn, translated=False):
             stored = cls._recorded_consumer(conn, path)
             if stored is None:
                 if spec is None:
@@ -406,11 +406,7 @@ class ConsumerDB:
             if version != STORE_VERSION or applied != (int(row[0]) if row else 0):  # it migrated: say who
                 conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
                              (SCHEMA_BY_KEY, f"delivery-consumer {__version__}"))
-            conn.execute("COMMIT")
-            return stored
-        except BaseException:
-            sqlite.rollback(conn)
-            raise
+        return stored
 
     # -- use -------------------------------------------------------------------
 
