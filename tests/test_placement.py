@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from delivery_consumer import consumers
 from delivery_consumer.config import parse
-from delivery_consumer.errors import DatabaseError
+from delivery_consumer.errors import ConfigError, DatabaseError
 from delivery_consumer.partitions import Identity
 from delivery_consumer.placement import beside, database, partition_dirs, resolve
 
@@ -104,3 +104,11 @@ def test_one_partition_database_is_inside_a_directory_or_the_file_given(tmp_path
     assert database("audit", 2, tmp_path / "f.db") == tmp_path / "f.db"
     assert database("audit", 2, None) == Path("state") / "audit" / "p2" / "inbox.db"
     assert database("audit", None, None) == Path("state") / "audit" / "inbox.db"
+
+
+def test_the_queues_are_known_only_when_asked_for(tmp_path: Path) -> None:
+    """A placement resolved from a database alone (no registered consumer's queues given) refuses to guess them."""
+    found = resolve(None, tmp_path / "x.db")
+    assert found.databases == ((None, tmp_path / "x.db"),) and not found.partitioned
+    with pytest.raises(ConfigError, match="the queues of this database were not asked for"):
+        found.topologies()
