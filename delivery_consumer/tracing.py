@@ -13,12 +13,15 @@ tracing pays one dict lookup per hook. What is traced (docs/tracing.md):
 * :func:`batch` -- ``run``: one span per batch with its phases (consume,
   apply, commit, ack) as children, and, when a tracer provider is active,
   one span per event, a child of its producer's context and linked to the
-  batch, with the result, consumer, partition and attempt as attributes;
+  batch, with the result, consumer, partition and attempt as attributes,
+  all built when the batch ends (:class:`Batch`);
 * :func:`external_call` and :func:`http_headers` -- the fenced external call
   is a child span of its event's span and sends ``traceparent`` to the endpoint.
 
 :func:`configure` sets up the SDK for ``run`` and ``dispatch`` from the
-standard ``OTEL_*`` variables when ``OTEL_TRACES_EXPORTER`` names exporters.
+standard ``OTEL_*`` variables when ``OTEL_TRACES_EXPORTER`` names exporters,
+with :func:`build_provider`, whose exporters build a batch's spans in the
+export thread.
 """
 
 from __future__ import annotations
@@ -939,6 +942,7 @@ __all__ = [
     "Batch",
     "NoBatch",
     "batch",
+    "build_provider",
     "configure",
     "events_as_links",
     "external_call",
