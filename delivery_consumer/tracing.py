@@ -335,18 +335,19 @@ class _Sdk:
 
     def __init__(self, api: Any, tracer: Any, deferred: bool) -> None:
         from opentelemetry.sdk.trace import ReadableSpan
+        from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
         from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
         self.api = api
         self.readable = ReadableSpan
         self.carrier = _sdk_types()[0]
-        #: The provider's exporters build a batch's spans in their thread (:func:`provider`).
+        #: The provider's exporters build a batch's spans in their thread (:func:`build_provider`).
         self.deferred = deferred
         self.on_end = tracer.span_processor.on_end
         self.resource = tracer.resource
         self.ids = tracer.id_generator
         #: The SDK's random ids: its generator calls ``random.getrandbits``, less a Python frame here.
-        self.random_ids = type(self.ids).__name__ == "RandomIdGenerator"
+        self.random_ids = type(self.ids) is RandomIdGenerator
         self.make_context = _context_maker(api)
         self.sampler = tracer.sampler
         self.scope = InstrumentationScope(_SCOPE)
@@ -397,7 +398,7 @@ def _context_maker(api: Any) -> Callable[[tuple[int, int, bool, Any, Any, bool]]
     return lambda fields: context(*fields[:5])
 
 
-#: Providers whose every exporter builds the batches' spans itself (:func:`provider`).
+#: Providers whose every exporter builds the batches' spans itself (:func:`build_provider`).
 _deferring: Any = None
 
 
@@ -491,8 +492,8 @@ class _Record:
     built: per event its headers, redelivered flag, eventId, type and
     ``meta`` (not its body), and its outcome."""
 
-    __slots__ = ("abandoned", "attributes", "batch", "consumer", "end", "events", "links_only", "opened",
-                 "outcomes", "partition", "phases", "sdk", "start", "status")
+    __slots__ = ("attributes", "batch", "consumer", "end", "events", "links_only", "opened", "outcomes",
+                 "partition", "phases", "sdk", "start", "status")
 
     def __init__(self, sdk: _Sdk, batch: Any, consumer: str, partition: int | None, start: int, end: int) -> None:
         self.sdk, self.batch, self.consumer, self.partition = sdk, batch, consumer, partition
@@ -792,8 +793,11 @@ class Batch(NoBatch):
         if sdk.deferred and self._context.trace_flags.sampled:
             sdk.on_end(carrier)  # its exporters build the other spans in their thread
             return
-        for span in carrier.spans():
-            sdk.on_end(span)
+        try:
+            for span in carrier.spans():
+                sdk.on_end(span)
+        except Exception:  # tracing never stops a batch; the batch processor's thread logs the same way
+            log.exception("tracing: the spans of a batch of %s could not be built", self._consumer)
 
     def _end_through_api(self, phases: list[tuple[str, int, int]], status: Any, now: int) -> None:
         """The spans of a batch traced by another implementation of the API."""
