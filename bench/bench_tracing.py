@@ -28,6 +28,12 @@ over the ``off`` figure of the same round (paired), and the median and the
 range of the rounds' ratios are printed (goal >= 0.9). Three figures: events
 per second (wall clock), the CPU time of the worker's thread, and the CPU
 time of the whole process (the export thread included) per event.
+
+On a loaded machine, count instructions instead (load-independent; both
+threads; the difference of two sizes leaves out start-up)::
+
+    for n in 1000 3000; do valgrind --tool=callgrind --callgrind-out-file=/dev/null \
+        python bench/bench_tracing.py --only on --events $n 2>&1 | grep Collected; done
 """
 
 from __future__ import annotations
@@ -135,6 +141,27 @@ MODES = {
 }
 
 
+def only(mode: str, sampled_every: int, events: int, batch: int) -> None:
+    """One pass of *mode* over *events* (after a warm-up of two batches), the
+    data made beforehand from a fixed number of events: under
+    ``valgrind --tool=callgrind``, the difference between two counts of
+    *events* is the instructions those events cost, both threads included."""
+    data = deliveries(max(events, 3_000) + 2 * batch, batch, sampled_every)
+    exporter = Drop()
+    if mode == "on-own":
+        provider = TracerProvider()
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+    else:
+        provider = tracing.build_provider([exporter])
+    tracing.set_provider(None if mode == "off" else provider)
+    tracing.events_as_links(mode == "links")
+    with tempfile.TemporaryDirectory(prefix="bench-tracing-") as tmp:
+        one_run(data[:2], Path(tmp))
+        one_run(data[2:2 + events // batch], Path(tmp))
+    tracing.set_provider(None)
+    provider.shutdown()
+
+
 def spread(values: list[float]) -> str:
     return f"{statistics.median(values):.2f}x [{min(values):.2f}-{max(values):.2f}]"
 
@@ -144,8 +171,13 @@ def main() -> None:
     parser.add_argument("--events", type=int, default=20_000)
     parser.add_argument("--batch", type=int, default=250)
     parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--only", choices=["off", *MODES],
+                        help="one pass of this mode over --events, nothing printed: for a count of instructions")
     args = parser.parse_args()
     every = {"off": 1, "on": 1, "on-own": 1, "on-10%": 10, "links": 1}
+    if args.only:
+        only(args.only, every[args.only], args.events, args.batch)
+        return
     data = {mode: deliveries(args.events, args.batch, n) for mode, n in every.items()}
     exporter = Drop()
     ours = tracing.build_provider([exporter])
