@@ -1,4 +1,4 @@
-"""The outbox in PostgreSQL with the real server, broker and processes: the README's producers (psycopg and
+"""The outbox in PostgreSQL with the real server, broker and processes: the documented producers (psycopg and
 SQLAlchemy) end to end, wake-ups by LISTEN/NOTIFY, and the faults -- a dispatcher SIGKILLed mid-batch, its
 connections terminated, a statement timeout, a read-only database, bad credentials."""
 
@@ -31,11 +31,11 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def readme_block(marker: str) -> str:
-    """The README's python block whose first line is *marker*."""
-    text = (REPO / "README.md").read_text("utf-8")
+    """The python block of the producer's page (docs/producer.md) whose first line is *marker*."""
+    text = (REPO / "docs" / "producer.md").read_text("utf-8")
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
     found = [b for b in blocks if b.startswith(marker)]
-    assert 1 == len(found), f"README has no python block starting with {marker!r}"
+    assert 1 == len(found), f"docs/producer.md has no python block starting with {marker!r}"
     return found[0]
 
 
@@ -82,9 +82,9 @@ def stopped() -> Iterator[list[subprocess.Popen[str]]]:
             kill(proc)  # type: ignore[arg-type]
 
 
-def test_the_readme_producers_reach_the_consumer_exactly_once(ns: Namespace, pg_url: str) -> None:
-    """The README's psycopg and SQLAlchemy producers save their rows and events in PostgreSQL; dispatch publishes
-    them; the catalog consumer ends up with the producer's articles, each event applied once."""
+def test_the_documented_producers_reach_the_consumer_exactly_once(ns: Namespace, pg_url: str) -> None:
+    """The psycopg and SQLAlchemy producers of docs/producer.md save their rows and events in PostgreSQL;
+    dispatch publishes them; the catalog consumer ends up with the producer's articles, each event applied once."""
     run_python(readme_block("# producer_pg.py"), pg_url)
     run_python(readme_block("# producer_sqlalchemy.py"), pg_url)
     done = ns.cli("dispatch", "--db", pg_url, "--consumer", "catalog", "--exit-when-idle", "1s", "--poll", "50ms")

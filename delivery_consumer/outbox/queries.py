@@ -17,15 +17,13 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from datetime import datetime
 from typing import Any, Final
 
 import orjson
 
-from ..errors import safe_reason
+from ..errors import NotFound, safe_reason
 from ..plural import count
-from ..queries import NotFound
-from ..sqlite import now_iso
+from ..sqlite import age_s, now_iso
 from .db import as_db
 
 Row = dict[str, Any]
@@ -135,12 +133,6 @@ def show(conn: Any, event_id: str, *, now: float | None = None, body: bool = Tru
     return out
 
 
-def _age_s(stamp: str | None, now: float) -> float | None:
-    if stamp is None:
-        return None
-    return round(now - datetime.fromisoformat(stamp).timestamp(), 3)
-
-
 def waiting(conn: Any, *, now: float | None = None) -> Counter[str]:
     """How many rows are not published, by what they wait for: ``pending``
     (due), ``leased``, ``retrying`` (backoff), ``held`` (behind an earlier row
@@ -203,7 +195,7 @@ def stats(conn: Any, *, now: float | None = None) -> Row:
         "quarantined": quarantined,
         "dropped": dropped,
         "oldestPendingAt": oldest,
-        "oldestPendingAgeSeconds": _age_s(oldest, now),
+        "oldestPendingAgeSeconds": age_s(oldest, now),
         "oldestQuarantinedAt": oldest_quarantined,
         "maxAttemptsUnpublished": max_attempts,
         "lastPublishedAt": last_published,
