@@ -136,3 +136,17 @@ class StoreOutage(DatabaseError):
 
 class ConfigError(DeliveryError):
     """A configuration or usage error (unknown consumer, bad option value)."""
+
+
+# -- the broker's failures (raised by delivery_consumer.amqp; caught without importing pika) --
+
+class BrokerError(DeliveryError):
+    """Something went wrong talking to RabbitMQ."""
+
+
+class BrokerUnavailable(BrokerError):
+    """The broker cannot be reached or dropped us; retrying later may work."""
+
+
+class BrokerFatal(BrokerError):
+    """Retrying cannot help: credentials, vhost, permissions, queue arguments."""

@@ -103,8 +103,8 @@ def dead_letters(dep: Deployment, consumer: str, topo: Topology | None = None, *
     """The dead queue of *consumer* (of the partition *topo* names) as read now (or as
     *shared*, a :class:`deadletters.SharedReads`, read it lately):
     ``{"queue", "letters", "complete"}`` or ``{"error"}``."""
-    from .amqp.connection import BrokerError
     from .deadletters import list_dead
+    from .errors import BrokerError
 
     topo = topo or topology(dep, consumer)
     try:
@@ -477,7 +477,7 @@ def status(dep: Deployment, *, now: float | None = None, broker: bool = True, sh
     (dead queues read through *shared*, a :class:`deadletters.SharedReads`, when given)."""
     from . import outbox
     from .amqp.admin import queue_counts
-    from .amqp.connection import BrokerError
+    from .errors import BrokerError
 
     now = time.time() if now is None else now
     problems: list[str] = []

@@ -40,8 +40,8 @@ from .envelope import Envelope, canonical_bytes
 from .errors import Rejection
 
 if TYPE_CHECKING:
-    from .amqp.consumer import Delivery
     from .contract import Outcome
+    from .deliveries import Delivery
     from .inbox.fence import CallResult
     from .partitions import Identity
 

@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 from support import body, new_event, read_rows
 from test_worker import FakeIO, delivery, flaky_spec
 
-from delivery_consumer.amqp.publisher import OutMessage, Publisher
+from delivery_consumer.amqp.publisher import Publisher
 from delivery_consumer.contract import ConsumerSpec
+from delivery_consumer.deliveries import OutMessage
 from delivery_consumer.errors import RETRIES_EXHAUSTED
 from delivery_consumer.inbox.database import SEAL_KEY
 from delivery_consumer.retry import seal_attempts, sealed_attempts

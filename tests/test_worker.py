@@ -21,13 +21,16 @@ from typing import Any
 import pytest
 from support import body, new_event, read_rows
 
-from delivery_consumer.amqp.connection import BrokerUnavailable
-from delivery_consumer.amqp.consumer import Delivery
-from delivery_consumer.amqp.publisher import OutMessage
 from delivery_consumer.contract import ConsumerSpec
-from delivery_consumer.deliveries import delivery_key
+from delivery_consumer.deliveries import Delivery, OutMessage, delivery_key
 from delivery_consumer.envelope import Envelope
-from delivery_consumer.errors import DELIVERY_LIMIT, MALFORMED_JSON, RETRIES_EXHAUSTED, TransientError
+from delivery_consumer.errors import (
+    DELIVERY_LIMIT,
+    MALFORMED_JSON,
+    RETRIES_EXHAUSTED,
+    BrokerUnavailable,
+    TransientError,
+)
 from delivery_consumer.inbox import InFlight
 from delivery_consumer.service.config import RunConfig
 from delivery_consumer.service.messages import Ack, Deliveries, Dispatch, ProtocolError, Stop, pack

@@ -23,29 +23,15 @@ import pika.exceptions as pex
 from pika import spec
 from pika.adapters.select_connection import IOLoop, PollEvents
 
+from ..deliveries import Delivery, OutMessage
+from ..errors import BrokerError, BrokerFatal, BrokerUnavailable
 from ..retry import RECONNECT_CAP_S, reconnect_delay_s
 from ..topology import Topology
-from .connection import BrokerError, BrokerFatal, BrokerUnavailable, classify, parameters
+from .connection import classify, parameters
 from .declare import Steps, declare_steps
-from .publisher import OutMessage
+from .publisher import properties
 
 log = logging.getLogger("delivery_consumer.broker")
-
-
-@dataclass(slots=True)
-class Delivery:
-    """One message received by ``run``, with its channel generation."""
-
-    generation: int
-    tag: int
-    body: bytes
-    routing_key: str
-    redelivered: bool
-    message_id: str | None
-    headers: dict[str, Any]
-    content_type: str | None = None
-    exchange: str = ""
-    content_encoding: str | None = None
 
 
 @dataclass
@@ -300,7 +286,7 @@ class ConsumerIO:
             return future
         pending = _PendingCopies(future)
         for msg in messages:
-            pub.basic_publish(msg.exchange, msg.routing_key, msg.body, msg.properties(), mandatory=True)
+            pub.basic_publish(msg.exchange, msg.routing_key, msg.body, properties(msg), mandatory=True)
             self._pub_seq += 1
             pending.remaining.add(self._pub_seq)
             self._pub_pending[self._pub_seq] = pending

@@ -19,46 +19,24 @@ import pika.exceptions as pex
 from pika import spec
 from pika.adapters.select_connection import IOLoop, PollEvents
 
-from ..errors import safe_reason
+from ..deliveries import OutMessage, PublishResult
+from ..errors import BrokerError, BrokerFatal, BrokerUnavailable, safe_reason
 from ..topology import DEFAULT_URL, Route, Topology
-from .connection import BrokerError, BrokerFatal, BrokerUnavailable, classify, parameters
+from .connection import classify, parameters
 from .declare import Steps, declare_steps
 
 PERSISTENT = 2
 
 
-@dataclass(slots=True)
-class OutMessage:
-    """A message to publish: persistent, mandatory, with a message_id."""
-
-    routing_key: str
-    body: bytes
-    exchange: str = ""
-    message_id: str | None = None
-    headers: dict[str, Any] | None = None
-    content_type: str = "application/json"
-    content_encoding: str | None = None
-
-    def properties(self) -> pika.BasicProperties:
-        return pika.BasicProperties(
-            delivery_mode=PERSISTENT,
-            content_type=self.content_type,
-            content_encoding=self.content_encoding,
-            message_id=self.message_id,
-            headers=self.headers or None,
-        )
-
-
-@dataclass(slots=True)
-class PublishResult:
-    """The fate of one published message."""
-
-    status: str  # "confirmed" | "returned" | "nacked" | "unconfirmed" | "unencodable"
-    reason: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "confirmed"
+def properties(msg: OutMessage) -> pika.BasicProperties:
+    """*msg*'s AMQP properties: persistent, with its content type, encoding, message_id and headers."""
+    return pika.BasicProperties(
+        delivery_mode=PERSISTENT,
+        content_type=msg.content_type,
+        content_encoding=msg.content_encoding,
+        message_id=msg.message_id,
+        headers=msg.headers or None,
+    )
 
 
 class Publisher:
@@ -232,7 +210,7 @@ class Publisher:
         channel = self._channel
         while self._next < len(self._batch) and len(self._pending) < self.window and self._ready:
             msg = self._batch[self._next]
-            channel.basic_publish(msg.exchange, msg.routing_key, msg.body, msg.properties(), mandatory=True)
+            channel.basic_publish(msg.exchange, msg.routing_key, msg.body, properties(msg), mandatory=True)
             self._seq += 1
             self._pending[self._seq] = self._next
             self._next += 1
@@ -426,7 +404,7 @@ class StreamPublisher(Publisher):
         while self._next < len(self._batch) and len(self._pending) < self.window and self._ready:
             msg = self._batch[self._next]
             try:
-                channel.basic_publish(msg.exchange, msg.routing_key, msg.body, msg.properties(), mandatory=True)
+                channel.basic_publish(msg.exchange, msg.routing_key, msg.body, properties(msg), mandatory=True)
             except _UNENCODABLE as exc:  # a closed channel raises other errors: those propagate
                 self._results[self._next] = PublishResult(
                     "unencodable", safe_reason(f"{type(exc).__name__}: {exc}", 120))

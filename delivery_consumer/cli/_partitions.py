@@ -55,8 +55,8 @@ class _Unavailable(Fatal):
 
 def _broker_count(path: Path, broker: tuple[str, Topology] | None) -> int:
     """The count the broker records, for a partition that has no database yet."""
-    from ..amqp.connection import BrokerError, BrokerUnavailable
-    from ..partitions import recorded_count
+    from ..errors import BrokerError, BrokerUnavailable
+    from ..partition_queues import recorded_count
 
     if broker is None:
         raise Fatal(f"{path}: no partition database yet; give --partitions N to create it")

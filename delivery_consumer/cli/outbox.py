@@ -28,12 +28,12 @@ import click
 
 from .. import outbox as outbox_lib
 from .. import producer as producer_lib
-from ..durations import Duration
 from ..errors import ConfigError
 from ..queries import NotFound
 from ._broker import amqp_options, topology_for
 from ._common import F, Fatal, db_option, emit_json, from_deployment, handle_errors, json_option, setup_logging
 from ._output import count, echo_record, echo_table
+from .duration_type import Duration
 from .inbox import Missing, limit_option
 
 log = logging.getLogger("delivery_consumer.dispatch")
@@ -116,8 +116,8 @@ def dispatch(db_path: Path, amqp_url: str, exchange: str, queue_prefix: str, dec
     reached. Bad credentials, a missing vhost or an unusable database: one
     line on stderr, exit 2.
     """
-    from ..amqp.connection import BrokerFatal
     from ..amqp.publisher import StreamPublisher
+    from ..errors import BrokerFatal
 
     setup_logging(log_level)
     try:

@@ -15,7 +15,6 @@ from typing import Any
 
 import click
 
-from ..durations import Duration
 from ..envelope import MAX_BODY_BYTES
 from ..partition_store import partition_db
 from ..partitions import explain
@@ -24,6 +23,7 @@ from ..topology import DEFAULT_DELIVERY_LIMIT, Topology
 from ._broker import RETRY_DELAYS, amqp_options, topology_for
 from ._common import F, Fatal, consumer_option, db_option, deployment, from_deployment, handle_errors, setup_logging
 from ._partitions import partition_identity, partition_options
+from .duration_type import Duration
 
 
 def external_options(fn: F) -> F:
@@ -159,8 +159,7 @@ def run(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue
     queue allows one active consumer: a second run of the same partition is
     a standby that takes over when the first dies).
     """
-    from ..amqp.connection import BrokerError
-    from ..errors import StoreOutage
+    from ..errors import BrokerError, StoreOutage
     from ..service.config import RunConfig
     from ..service.run import run as run_consumer
 

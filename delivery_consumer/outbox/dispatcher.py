@@ -34,7 +34,7 @@ from . import owners, wake
 from .table import MAX_ERROR_CHARS, routing_key_problem, transaction
 
 if TYPE_CHECKING:
-    from ..amqp.publisher import OutMessage, PublishResult
+    from ..deliveries import OutMessage, PublishResult
 
 log = logging.getLogger("delivery_consumer.dispatch")
 
@@ -433,8 +433,8 @@ class Dispatcher:
         broker is unreachable and the backoff was waited). Raises BrokerFatal
         (every lease in flight released).
         """
-        from ..amqp.connection import BrokerUnavailable
-        from ..amqp.publisher import OutMessage
+        from ..deliveries import OutMessage
+        from ..errors import BrokerUnavailable
 
         if not self._connected:
             # Batches left by a lost connection come back at once (unconfirmed

@@ -62,8 +62,8 @@ def partition_identity(consumer: str, partition: int | None, count: int | None, 
 
 
 def _broker_count(path: Path, broker: tuple[str, Topology] | None) -> int:
-    from ..amqp.connection import BrokerError  # (amqp imports pika)
-    from ..partitions import recorded_count
+    from ..errors import BrokerError  # (amqp imports pika)
+    from ..partition_queues import recorded_count
 
     count = None
     if broker is not None:
@@ -95,7 +95,7 @@ def run_consumer(consumer: str, url: str = DEFAULT_URL, db: str | Path | None = 
     """
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("run_consumer handles SIGTERM/SIGINT: call it from the main thread")
-    from ..amqp.connection import BrokerError  # (amqp imports pika)
+    from ..errors import BrokerError  # (amqp imports pika)
     from ..partitions import explain
     from .config import RunConfig
     from .run import run

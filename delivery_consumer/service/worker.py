@@ -17,11 +17,9 @@ from datetime import datetime
 from typing import Any, Protocol, TypeVar
 
 from .. import tracing
-from ..amqp.consumer import Delivery
-from ..amqp.publisher import OutMessage
 from ..cloudevents import parse_message
 from ..contract import DeliveryMark, Outcome, WorkHooks
-from ..deliveries import Observer, delivery_key
+from ..deliveries import Delivery, Observer, OutMessage, delivery_key
 from ..envelope import KOMBU_COMPRESSION_HEADER, Envelope, body_digest, is_event_id
 from ..errors import DELIVERY_LIMIT, DatabaseLost, DeliveryError, Rejection, StoreOutage, StoreUnavailable
 from ..faults import crashpoint
