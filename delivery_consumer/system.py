@@ -30,7 +30,7 @@ from .partitions import partition_of, partition_topology, unrouted_name
 from .plural import count as _count
 from .queries import NotFound, dict_rows, read_snapshot
 from .sqlite import now_iso
-from .topology import Topology
+from .topology import Topology, topic_matches
 from .trace import trace as trace_one
 
 Row = dict[str, Any]
@@ -45,19 +45,6 @@ def topology(dep: Deployment, consumer: str) -> Topology:
     spec = registry.get(consumer)
     return Topology(consumer=consumer, binding_keys=tuple(spec.binding_keys), exchange=dep.exchange,
                     prefix=dep.queue_prefix)
-
-
-def topic_matches(pattern: str, key: str) -> bool:
-    """AMQP topic matching: ``*`` one word, ``#`` zero or more."""
-
-    def match(p: list[str], k: list[str]) -> bool:
-        if not p:
-            return not k
-        if p[0] == "#":
-            return any(match(p[1:], k[i:]) for i in range(len(k) + 1))
-        return bool(k) and (p[0] == "*" or p[0] == k[0]) and match(p[1:], k[1:])
-
-    return match(pattern.split("."), key.split("."))
 
 
 @contextmanager
