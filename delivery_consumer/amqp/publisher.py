@@ -12,7 +12,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import pika
 import pika.exceptions as pex
@@ -26,6 +26,7 @@ from .connection import classify, parameters
 from .declare import Steps, declare_steps
 
 PERSISTENT = 2
+_V = TypeVar("_V")
 
 
 def properties(msg: OutMessage) -> pika.BasicProperties:
@@ -37,6 +38,24 @@ def properties(msg: OutMessage) -> pika.BasicProperties:
         message_id=msg.message_id,
         headers=msg.headers or None,
     )
+
+
+def confirm_mode(channel: Any, *, on_close: Callable[[Any, BaseException], None],
+                 on_return: Callable[[Any, Any, Any, bytes], None], on_confirm: Callable[[Any], None],
+                 then: Callable[[], None]) -> None:
+    """Put *channel* in confirm mode, its closing, returns and confirms going to the given
+    callbacks; *then* once the broker has agreed (delivery tags start at 1 from there)."""
+    channel.add_on_close_callback(on_close)
+    channel.add_on_return_callback(on_return)
+    channel.confirm_delivery(ack_nack_callback=on_confirm, callback=lambda _frame: then())
+
+
+def take_confirmed(frame: Any, pending: dict[int, _V]) -> tuple[bool, list[tuple[int, _V]]]:
+    """What a confirm *frame* says (True: ack, False: nack), and the entries of *pending*
+    (delivery tag -> what was published) it settles, taken out of it."""
+    method = frame.method
+    tags = [tag for tag in pending if tag <= method.delivery_tag] if method.multiple else [method.delivery_tag]
+    return isinstance(method, spec.Basic.Ack), [(tag, pending.pop(tag)) for tag in tags if tag in pending]
 
 
 class Publisher:
@@ -123,14 +142,13 @@ class Publisher:
 
     def _on_channel(self, channel: Any) -> None:
         self._channel = channel
-        channel.add_on_close_callback(self._on_channel_closed)
-        channel.add_on_return_callback(self._on_return)
 
-        def confirmed(_frame: Any) -> None:
+        def confirming() -> None:
             self._seq = 0
             Steps(declare_steps(channel, self._topologies, self._exchanges, self._routes), self._on_ready).start()
 
-        channel.confirm_delivery(ack_nack_callback=self._on_confirm, callback=confirmed)
+        confirm_mode(channel, on_close=self._on_channel_closed, on_return=self._on_return,
+                     on_confirm=self._on_confirm, then=confirming)
 
     def _on_ready(self) -> None:
         self._ready = True
@@ -180,15 +198,9 @@ class Publisher:
 
     # confirms and returns
     def _on_confirm(self, frame: Any) -> None:
-        method = frame.method
-        ack = isinstance(method, spec.Basic.Ack)
-        tags = [t for t in self._pending if t <= method.delivery_tag] if method.multiple else [method.delivery_tag]
-        for tag in tags:
-            index = self._pending.pop(tag, None)
-            if index is None:
-                continue
-            previous = self._results[index]
-            if previous is None:  # not returned before its ack
+        ack, settled = take_confirmed(frame, self._pending)
+        for _tag, index in settled:
+            if self._results[index] is None:  # not returned before its ack
                 self._results[index] = PublishResult("confirmed") if ack else PublishResult(
                     "nacked", "the broker could not store the message")
         self._pump()
