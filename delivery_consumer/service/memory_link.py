@@ -42,7 +42,11 @@ class Held:
 
 
 class MemoryQueues:
-    """A consumer's queues (:class:`~delivery_consumer.topology.Topology`) held in memory."""
+    """A consumer's queues (:class:`~delivery_consumer.topology.Topology`) held in memory.
+
+    Any thread may publish; :meth:`take`, :meth:`give_back` and :meth:`drained` are
+    for a link, which holds :attr:`changed` (a reentrant lock) while it calls them.
+    """
 
     def __init__(self, topology: Topology) -> None:
         self.topology = topology
