@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from .. import consumers
-from ..errors import ConfigError, DeliveryError, StoreOutage
+from ..errors import BrokerError, ConfigError, DeliveryError, StoreOutage
 from ..partition_store import partition_db, stored_identity
 from ..partitions import Identity, check_partition
 from ..topology import DEFAULT_URL, Topology
@@ -62,7 +62,6 @@ def partition_identity(consumer: str, partition: int | None, count: int | None, 
 
 
 def _broker_count(path: Path, broker: tuple[str, Topology] | None) -> int:
-    from ..errors import BrokerError  # (amqp imports pika)
     from ..partition_queues import recorded_count
 
     count = None
@@ -95,7 +94,6 @@ def run_consumer(consumer: str, url: str = DEFAULT_URL, db: str | Path | None = 
     """
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("run_consumer handles SIGTERM/SIGINT: call it from the main thread")
-    from ..errors import BrokerError  # (amqp imports pika)
     from ..partitions import explain
     from .config import RunConfig
     from .run import run

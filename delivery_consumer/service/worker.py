@@ -1,7 +1,7 @@
 """The worker: owns the database; turns deliveries into commits, copies and acks.
 
 It runs in the worker process and talks to the connection only through
-:class:`WorkerIO`, so it can be driven in memory (tests/test_worker.py).
+:class:`WorkerIO`, so it can be driven in memory (:mod:`.memory_link`).
 """
 
 from __future__ import annotations
