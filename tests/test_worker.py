@@ -100,6 +100,15 @@ class Recorder:
             assert self.changed.wait_for(done, timeout), f"not reached; calls so far: {self.kinds()}"
 
 
+def on_memory_link(worker: Worker) -> Recorder:
+    """Give an opened *worker* a MemoryLink on channel generation 1, its requests kept by a Recorder."""
+    io = Recorder(worker.config.database_path())
+    io.link = MemoryLink(MemoryQueues(worker.topology), worker, on_request=io)
+    worker.io = io.link
+    io.link.pump(0)  # the first channel
+    return io
+
+
 @pytest.fixture
 def make_worker(tmp_path: Path) -> Iterator[Callable[..., tuple[Worker, Recorder]]]:
     """An opened worker on channel generation 1 of a fresh database, on a MemoryLink."""
@@ -108,11 +117,8 @@ def make_worker(tmp_path: Path) -> Iterator[Callable[..., tuple[Worker, Recorder
     def make(consumer: str = "catalog", **options: Any) -> tuple[Worker, Recorder]:
         config = RunConfig(consumer=consumer, url="memory:", db_path=tmp_path / f"{consumer}.db", **options)
         worker = Worker(config)
-        io = Recorder(config.database_path())
-        io.link = MemoryLink(MemoryQueues(worker.topology), worker, on_request=io)
-        worker.io = io.link
         assert worker.open(), worker.error
-        io.link.pump(0)  # the first channel: generation 1
+        io = on_memory_link(worker)
         made.append(worker)
         return worker, io
 
