@@ -30,20 +30,23 @@ from __future__ import annotations
 import os
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError, DeliveryError
 from .partitions import SLOT_COUNT
+from .placement import Placement, resolve
 from .topology import DEFAULT_EXCHANGE, DEFAULT_PREFIX, DEFAULT_URL
 
 DEFAULT_NAME = "delivery.toml"
 ENV = "DELIVERY_CONFIG"
+#: Environment variables that override the file's broker settings, as they do
+#: for the broker commands' options: ``status``, ``trace`` and the console must
+#: look at the broker and queues that ``run`` and ``dispatch`` use.
+BROKER_ENV = {"amqp_url": "DELIVERY_AMQP_URL", "exchange": "DELIVERY_EXCHANGE", "queue_prefix": "DELIVERY_QUEUE_PREFIX"}
 #: An unpublished outbox row older than this makes ``status`` ask for a person.
 DEFAULT_OUTBOX_MAX_AGE_S = 300.0
-#: The database file inside each partition directory ``p<k>/``.
-PARTITION_DB = "inbox.db"
 
 _TOP_KEYS = ("amqp_url", "exchange", "queue_prefix", "management_url", "consumers", "producers", "status")
 #: Keys of ``[consumers.NAME]``, with the CLI option each one stands for.
@@ -63,24 +66,6 @@ class ConsumerEntry:
     #: The partition count the file gives (``partitions = N``): *db* is then the
     #: directory of ``p<k>/inbox.db``, whether they exist yet or not.
     partitions: int | None = None
-
-    def database(self, partition: int) -> Path:
-        """The database of one partition: ``<db>/p<k>/inbox.db``."""
-        return self.db / f"p{partition}" / PARTITION_DB
-
-    def databases(self) -> list[tuple[str | None, Path]]:
-        """``(partition, path)`` of every database: ``[(None, db)]`` for a file,
-        ``[("p0", db/p0/inbox.db), ...]`` for a partition directory (every
-        partition of the file's count, else those found in the directory)."""
-        if self.partitions is not None:
-            return [(f"p{k}", self.database(k)) for k in range(self.partitions)]
-        if self.db.is_dir():
-            parts = [p for p in self.db.iterdir() if p.is_dir() and p.name[:1] == "p" and p.name[1:].isdigit()]
-            if parts or not (self.db / PARTITION_DB).is_file():
-                return [(p.name, p / PARTITION_DB) for p in sorted(parts, key=lambda p: int(p.name[1:]))]
-            # the directory of an unpartitioned consumer (its inbox.db was meant): keep it, so
-            # that opening it says so, rather than a consumer that silently has no database
-        return [(None, self.db)]
 
 
 @dataclass(frozen=True)
@@ -113,6 +98,13 @@ class Deployment:
     def consumer(self, name: str) -> ConsumerEntry | None:
         return self.consumers.get(name)
 
+    def placement(self, name: str) -> Placement:
+        """Where ``[consumers.<name>]`` lives: its databases by partition and its queues."""
+        from .consumers import topology  # the registry imports the store, which imports the config's placement
+
+        entry = self.consumers[name]
+        return resolve(name, entry.db, declared=entry.partitions, base=topology(name, self.exchange, self.queue_prefix))
+
     def single_producer(self) -> ProducerEntry | None:
         """The producer, when the file names exactly one (the producer commands' default)."""
         return next(iter(self.producers.values())) if len(self.producers) == 1 else None
@@ -130,14 +122,17 @@ def locate(explicit: str | Path | None = None, *, cwd: Path | None = None) -> tu
 
 
 def load(explicit: str | Path | None = None) -> Deployment | None:
-    """The deployment named by ``--config`` / ``$DELIVERY_CONFIG`` / ``./delivery.toml``, or None."""
+    """The deployment named by ``--config`` / ``$DELIVERY_CONFIG`` / ``./delivery.toml``, or None;
+    its broker settings overridden by those of the environment (:data:`BROKER_ENV`)."""
     path, required = locate(explicit)
     if path is None:
         return None
     if not path.is_file():
         how = "--config" if explicit else f"${ENV}" if required else "the default"
         raise ConfigError(f"{path}: no such deployment file (named by {how})")
-    return parse_file(path)
+    found = parse_file(path)
+    given = {key: os.environ.get(var) or getattr(found, key) for key, var in BROKER_ENV.items()}
+    return replace(found, amqp_url=given["amqp_url"], exchange=given["exchange"], queue_prefix=given["queue_prefix"])
 
 
 def parse_file(path: Path) -> Deployment:
@@ -297,7 +292,7 @@ def foreign_databases(deployment: Deployment) -> list[str]:
     one line naming the file and the key: a mistake in the file, not a state of the system."""
     problems = []
     for entry in deployment.consumers.values():
-        for partition, db_path in entry.databases():
+        for partition, db_path in deployment.placement(entry.name).databases:
             if not db_path.is_file():
                 continue
             where = deployment.key(f"consumers.{entry.name}.db" + (f" ({partition})" if partition else ""))
@@ -323,7 +318,7 @@ def check_database(deployment: Deployment, entry: ConsumerEntry) -> list[str]:
     from .consumers import open_db
 
     problems = []
-    for partition, db_path in entry.databases():
+    for partition, db_path in deployment.placement(entry.name).databases:
         if not db_path.exists():
             continue
         where = f"consumers.{entry.name}.db" + (f" ({partition})" if partition else "")
@@ -339,7 +334,7 @@ def check_database(deployment: Deployment, entry: ConsumerEntry) -> list[str]:
 
 def _partition_mismatch(deployment: Deployment, entry: ConsumerEntry, partition: int, db_path: Path) -> list[str]:
     """A partition database that records another place than the one the file gives it."""
-    from .partition_store import stored_identity
+    from .placement import stored_identity
 
     where = f"consumers.{entry.name}.partitions" if entry.partitions else f"consumers.{entry.name}.db"
     try:

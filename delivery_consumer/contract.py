@@ -4,7 +4,7 @@ A leaf module: it imports no other part of the package at run time, so the
 store, the registry, the worker and the metrics can all import it. A
 consumer is a :class:`ConsumerSpec`; the store applies it and answers one
 :class:`Outcome` per event; ``run`` counts each broker delivery with its
-:class:`DeliveryMark`. How a consumer is written: README, "Adding a consumer".
+:class:`DeliveryMark`. How a consumer is written: docs/adding-a-consumer.md.
 """
 
 from __future__ import annotations

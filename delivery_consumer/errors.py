@@ -11,40 +11,70 @@ broker loop and the ``rejected`` table speak the same vocabulary:
 * :class:`DatabaseError` -- the consumer's database cannot be used at all
   (missing, corrupt, of another consumer, newer schema). Not about one event:
   the command stops with one clear line.
+
+The whole tree (every class derives from :class:`DeliveryError`)::
+
+    DeliveryError
+    ├── Rejection                 permanent refusal of one event (a code below)
+    ├── TransientError            retry later
+    │   └── StoreUnavailable      the database as a whole failed
+    ├── DatabaseError             the database cannot be used (exit 2)
+    │   ├── WrongDatabase, DatabaseLost, DatabaseInUse
+    │   └── StoreOutage           unusable past run's outage limit (exit 75)
+    ├── ConfigError               configuration or usage (exit 2)
+    ├── NotFound                  no record with that key (exit 1)
+    ├── QueryError                ad-hoc SQL refused or failed
+    ├── OutboxError               the outbox API used the wrong way
+    ├── FenceError                a fence cannot be changed as asked
+    └── PruneRefused              a prune would remove receipts still needed
+
+The broker's errors (``amqp.connection``) derive from DeliveryError too.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Final
 
-# Rejection codes (exact strings; part of the public contract).
+# Rejection codes (exact strings; part of the public contract). REJECTIONS
+# below is their one registry: every code with its meaning.
 MALFORMED_JSON: Final = "malformed-json"
 INVALID_ENVELOPE: Final = "invalid-envelope"
 UNKNOWN_TYPE: Final = "unknown-type"
 EVENT_ID_REUSED: Final = "event-id-reused"
 REVISION_CONFLICT: Final = "revision-conflict"
 RETRIES_EXHAUSTED: Final = "retries-exhausted"
-#: ``run``: the message killed the process ``max_crashes`` times while it was
-#: handled alone (poison); its copy went to the dead queue unapplied.
 DELIVERY_LIMIT: Final = "delivery-limit"
-#: Effects outside the database (the webhook consumer, inbox/fence.py): the endpoint
-#: refused the request for good (a 4xx), or a call to an endpoint that is not
-#: idempotent may have had its effect and must not be repeated on a guess.
 ENDPOINT_REJECTED: Final = "endpoint-rejected"
 OUTCOME_UNKNOWN: Final = "outcome-unknown"
-#: A partition's database refuses an article of another partition (a producer
-#: that computes the slot differently, bindings that disagree with the
-#: databases): applied here, the article's state would be split in two files.
 WRONG_PARTITION: Final = "wrong-partition"
 
-REJECTION_CODES: Final = (
-    MALFORMED_JSON,
-    INVALID_ENVELOPE,
-    UNKNOWN_TYPE,
-    EVENT_ID_REUSED,
-    REVISION_CONFLICT,
-)
+#: Every rejection code, with its meaning in one line (docs/envelope.md's table of
+#: codes lists exactly these; ``trace`` counts exactly these as rejections).
+REJECTIONS: Final[Mapping[str, str]] = MappingProxyType({
+    MALFORMED_JSON: "the body is not UTF-8, not JSON, not a JSON object, or names a key twice",
+    INVALID_ENVELOPE: "a schema violation, an out-of-range value, or a body over the size limit",
+    UNKNOWN_TYPE: "the event's type is one the contract does not know",
+    EVENT_ID_REUSED: "the eventId was first received with another fingerprint",
+    REVISION_CONFLICT: "the same revision is stored with another domain state",
+    RETRIES_EXHAUSTED: "run: a transient failure outlived the attempts allowed",
+    # The message killed the process max_crashes times while it was handled
+    # alone (poison); its copy went to the dead queue unapplied.
+    DELIVERY_LIMIT: "run: the message killed the process too many times while it was handled alone (poison)",
+    # Effects outside the database (the webhook consumer, inbox/fence.py).
+    ENDPOINT_REJECTED: "an endpoint refused the request for good (a 4xx)",
+    OUTCOME_UNKNOWN: "a call to an endpoint that is not idempotent may have had its effect: not repeated on a guess",
+    # Applied here, the article's state would be split in two files (a producer
+    # that computes the slot differently, bindings that disagree with the databases).
+    WRONG_PARTITION: "a partition's database refuses an article of another partition",
+})
+#: Every rejection code, in the registry's order.
+REJECTION_CODES: Final = tuple(REJECTIONS)
+#: The codes an event's bytes and the stored state decide, whatever the
+#: consumer, broker or endpoint: those a replay of files can answer.
+CONTENT_CODES: Final = (MALFORMED_JSON, INVALID_ENVELOPE, UNKNOWN_TYPE, EVENT_ID_REUSED, REVISION_CONFLICT)
 
 #: Reasons end up in logs, AMQP headers and the ``rejected`` table: keep them
 #: short and free of control characters, whatever the payload contained.
@@ -136,6 +166,28 @@ class StoreOutage(DatabaseError):
 
 class ConfigError(DeliveryError):
     """A configuration or usage error (unknown consumer, bad option value)."""
+
+
+class NotFound(DeliveryError):
+    """No record with the key asked for (the CLI exits 1, not 2)."""
+
+
+class QueryError(DeliveryError):
+    """Ad-hoc SQL was refused (a write, several statements) or failed."""
+
+
+class OutboxError(DeliveryError):
+    """The outbox was used the wrong way (enqueue outside a transaction,
+    nested transactions, no outbox installed, an envelope of the wrong type,
+    a routing key AMQP cannot carry)."""
+
+
+class FenceError(DeliveryError):
+    """A fence cannot be changed as asked (unknown key, already done)."""
+
+
+class PruneRefused(DeliveryError):
+    """The prune would remove receipts that may still be needed."""
 
 
 # -- the broker's failures (raised by delivery_consumer.amqp; caught without importing pika) --

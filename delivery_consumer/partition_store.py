@@ -7,7 +7,6 @@ another). Changing the count (:func:`repartition`) is in this module too.
 
 from __future__ import annotations
 
-import re
 import sqlite3
 import time
 from dataclasses import dataclass, field
@@ -15,19 +14,8 @@ from pathlib import Path
 
 from . import sqlite
 from .errors import ConfigError, DatabaseError
-from .partitions import SLOT_COUNT, Identity, check_count, identity_from_meta, partition_of, partition_of_slot
-from .partitions import db_path as partition_db_path
-
-_PARTITION_DIR = re.compile(r"p(\d+)")
-
-
-def stored_identity(path: Path) -> Identity | None:
-    """The partition identity *path* records; None when it records none or does not exist."""
-    if not path.is_file():
-        return None
-    with sqlite.reading(path, what="read its partition") as conn:
-        rows = conn.execute("SELECT key, value FROM meta WHERE key IN ('partition', 'partition_count')")
-        return identity_from_meta(dict(rows.fetchall()))
+from .partitions import SLOT_COUNT, Identity, check_count, partition_of, partition_of_slot
+from .placement import STATE, resolve
 
 
 def repartitioned_from(path: Path) -> str | None:
@@ -38,58 +26,6 @@ def repartitioned_from(path: Path) -> str | None:
     with sqlite.reading(path, what="read its former partition count") as conn:
         row = conn.execute("SELECT value FROM meta WHERE key = 'repartitioned_from'").fetchone()
     return str(row[0]) if row else None
-
-
-def _directory_paths(directory: Path) -> list[Path]:
-    """The ``p<k>/inbox.db`` files in *directory*, by partition."""
-    if not directory.is_dir():
-        return []
-    found = sorted((int(m.group(1)), d / "inbox.db") for d in directory.iterdir()
-                   if (m := _PARTITION_DIR.fullmatch(d.name)) and (d / "inbox.db").is_file())
-    return [path for _k, path in found]
-
-
-def partitions_beside(path: Path) -> list[Path]:
-    """The partition databases (``p<k>/inbox.db``) in the directory of the unpartitioned database *path*:
-    a consumer partitioned beside its old database, read by mistake through the old one."""
-    return _directory_paths(path.parent) if path.name == "inbox.db" else []
-
-
-def partition_db(consumer: str, partition: int, db_path: Path | None) -> Path:
-    """The database of *partition*: ``--db`` as given when it is a file,
-    ``p<k>/inbox.db`` inside it when it is a directory (a deployment file's
-    partition directory), else ``state/<consumer>/p<k>/inbox.db``."""
-    if db_path is None:
-        return partition_db_path(consumer, partition)
-    return db_path / f"p{partition}" / "inbox.db" if db_path.is_dir() else db_path
-
-
-def partitioned_paths(consumer: str | None, db_path: Path | None, root: Path | None = None) -> list[Path] | None:
-    """The partition databases a command reads as one consumer: those in
-    ``--db`` when it is a directory, or, given only ``--consumer``, those of
-    ``state/<consumer>/`` when it has ``p<k>/inbox.db`` and no ``inbox.db``;
-    else None. Checks that they agree on the count."""
-    if db_path is not None:
-        if not db_path.is_dir():
-            return None
-        directory = db_path
-    elif consumer is None:
-        return None
-    else:
-        directory = (root if root is not None else Path("state")) / consumer
-        if (directory / "inbox.db").exists():
-            return None
-    paths = _directory_paths(directory)
-    if not paths:
-        return None
-    identities = [stored_identity(p) for p in paths]
-    counts = {i.count for i in identities if i is not None}
-    if len(counts) != 1 or len(paths) != counts.pop() or any(i is None for i in identities):
-        found = ", ".join(f"{p}: {i.describe() if i else 'no partition'}"
-                          for p, i in zip(paths, identities, strict=True))
-        raise DatabaseError(f"the partition databases in {directory} do not agree ({found}); "
-                            "a repartition may have been interrupted: run it again")
-    return [directory / f"p{k}" / "inbox.db" for k in range(len(paths))]
 
 
 # -- changing the partition count ---------------------------------------------------------
@@ -154,8 +90,8 @@ def split_merge(consumer: str, new_count: int, root: Path | None = None) -> Move
     from .inbox import counters
 
     check_count(new_count)
-    base = (root if root is not None else Path("state")) / consumer
-    paths = partitioned_paths(consumer, None, root)
+    base = (root if root is not None else STATE) / consumer
+    paths = resolve(consumer, root=root).checked()
     plain = base / "inbox.db"
     if paths is None and plain.is_file():
         paths = [plain]
@@ -177,26 +113,24 @@ def split_merge(consumer: str, new_count: int, root: Path | None = None) -> Move
             for old, path in enumerate(paths):
                 keyless = _candidates(old, old_count, new_count)
                 conn.execute("ATTACH DATABASE ? AS old", (str(path),))  # not inside a transaction
-                conn.execute("BEGIN IMMEDIATE")
-                tables = [r[0] for r in conn.execute(
-                    "SELECT name FROM old.sqlite_schema WHERE type = 'table' AND name NOT LIKE 'sqlite_%'"
-                    " AND name NOT IN ('meta', 'inbox_minutes', 'inbox_hours')")]
-                for table in tables:
-                    columns, key = _table_plan(conn, table)
-                    cols = ", ".join(f'"{c}"' for c in columns)
-                    picked = ", ".join(f't."{c}"' for c in columns)
-                    # a keyless receipt: a copy in every candidate; any other keyless row: the first one
-                    stays = k in keyless if table == "inbox" else k == keyless[0]
-                    where = f"coalesce(dc_partition({key}) = {k}, {1 if stays else 0})"
-                    verb = "INSERT OR IGNORE" if table == "deliveries" else "INSERT"
-                    cur = conn.execute(f'{verb} INTO main."{table}" ({cols}) SELECT {picked} FROM old."{table}" t'
-                                       f" WHERE {where}")
-                    counts[table] = counts.get(table, 0) + max(cur.rowcount, 0)
-                conn.execute("COMMIT")
+                with sqlite.transaction(conn, translated=False):  # worded below
+                    tables = [r[0] for r in conn.execute(
+                        "SELECT name FROM old.sqlite_schema WHERE type = 'table' AND name NOT LIKE 'sqlite_%'"
+                        f" AND name NOT IN ('meta', {', '.join(repr(t) for t in counters.TABLES)})")]
+                    for table in tables:
+                        columns, key = _table_plan(conn, table)
+                        cols = ", ".join(f'"{c}"' for c in columns)
+                        picked = ", ".join(f't."{c}"' for c in columns)
+                        # a keyless receipt: a copy in every candidate; any other keyless row: the first one
+                        stays = k in keyless if table == "inbox" else k == keyless[0]
+                        where = f"coalesce(dc_partition({key}) = {k}, {1 if stays else 0})"
+                        verb = "INSERT OR IGNORE" if table == "deliveries" else "INSERT"
+                        cur = conn.execute(f'{verb} INTO main."{table}" ({cols}) SELECT {picked} FROM old."{table}" t'
+                                           f" WHERE {where}")
+                        counts[table] = counts.get(table, 0) + max(cur.rowcount, 0)
                 conn.execute("DETACH DATABASE old")
-            conn.execute("BEGIN IMMEDIATE")  # the receipt counters of the receipts moved here
-            counters.rebuild(conn)
-            conn.execute("COMMIT")
+            with sqlite.transaction(conn, translated=False):  # the receipt counters of the receipts moved here
+                counters.rebuild(conn)
             conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('repartitioned_from', ?)",
                          ("unpartitioned" if moved.from_unpartitioned else str(old_count),))
         except sqlite3.Error as exc:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
@@ -89,12 +88,7 @@ def check_partition(partition: int, count: int) -> int:
     return partition
 
 
-# -- names and places -----------------------------------------------------------------
-
-
-def db_path(consumer: str, partition: int, root: Path | None = None) -> Path:
-    """``state/<consumer>/p<k>/inbox.db`` (or under *root* instead of ``state``)."""
-    return (root if root is not None else Path("state")) / consumer / f"p{partition}" / "inbox.db"
+# -- names -----------------------------------------------------------------------------
 
 
 def slots_exchange(topology: Topology) -> str:
@@ -190,7 +184,6 @@ __all__ = [
     "Identity",
     "check_count",
     "check_partition",
-    "db_path",
     "explain",
     "identity_from_meta",
     "misplaced",

@@ -21,17 +21,15 @@ from __future__ import annotations
 import functools
 import sqlite3
 import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
-from datetime import datetime
+from collections.abc import Callable, Mapping
 from typing import Any, Final, ParamSpec, TypeVar
 
 import orjson
 
 from .durations import format as format_duration
-from .errors import DeliveryError
+from .errors import NotFound, QueryError
 from .inbox import ConsumerDB, counters
-from .sqlite import now_iso, translate
+from .sqlite import age_s, now_iso, read_snapshot, translate
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -74,14 +72,6 @@ WRITING_PRAGMAS = frozenset({"wal_checkpoint", "optimize", "incremental_vacuum"}
 Row = dict[str, Any]
 
 
-class NotFound(DeliveryError):
-    """No record with the key asked for (the CLI exits 1, not 2)."""
-
-
-class QueryError(DeliveryError):
-    """Ad-hoc SQL was refused (a write, several statements) or failed."""
-
-
 def reads(fn: Callable[P, T]) -> Callable[P, T]:
     """Map sqlite3 errors met while reading to the project's own errors.
 
@@ -99,17 +89,6 @@ def reads(fn: Callable[P, T]) -> Callable[P, T]:
             raise translate(exc, path) from None
 
     return wrapper
-
-
-@contextmanager
-def read_snapshot(conn: sqlite3.Connection) -> Iterator[None]:
-    """One short read transaction, so that several SELECTs see one state."""
-    conn.execute("BEGIN DEFERRED")
-    try:
-        yield
-    finally:
-        if conn.in_transaction:  # SQLite may have ended it after an error
-            conn.execute("ROLLBACK")  # nothing was written; ends the snapshot
 
 
 def sql_limit(limit: int | None) -> int:
@@ -199,12 +178,6 @@ def inbox_show(db: ConsumerDB, event_id: str) -> Row:
     }
 
 
-def _age_seconds(stamp: str | None, now: float) -> float | None:
-    if stamp is None:
-        return None
-    return round(now - datetime.fromisoformat(stamp).timestamp(), 3)
-
-
 @reads
 def inbox_stats(db: ConsumerDB, *, now: float | None = None) -> Row:
     """Receipts by result (overall, last hour, last day), their age, rejections by code.
@@ -235,7 +208,7 @@ def inbox_stats(db: ConsumerDB, *, now: float | None = None) -> Row:
         "lastHour": {row[0]: row[2] for row in by_result},
         "lastDay": {row[0]: row[3] for row in by_result},
         "oldestReceivedAt": oldest,
-        "oldestAgeSeconds": _age_seconds(oldest, now),
+        "oldestAgeSeconds": age_s(oldest, now),
         "newestReceivedAt": newest,
         "rejected": sum(row[1] for row in by_code),
         "rejectedByCode": {row[0]: row[1] for row in by_code},
@@ -393,15 +366,12 @@ __all__ = [
     "DENIED_FUNCTIONS",
     "QUERY_MAX_BYTES",
     "QUERY_TIMEOUT_S",
-    "NotFound",
-    "QueryError",
     "camel",
     "dict_rows",
     "inbox_list",
     "inbox_show",
     "inbox_stats",
     "query",
-    "read_snapshot",
     "reads",
     "receipt_row",
     "rejected_list",

@@ -2,8 +2,9 @@
 
 The consumer's inbox (``inbox/``), the producer's outbox (``outbox/``) and the
 demo producer (``producer.py``) connect, migrate, roll back and translate
-errors through this module. Why autocommit with explicit ``BEGIN IMMEDIATE``
-and why ``synchronous=FULL``: docs/architecture.md, "SQLite".
+errors through this module, and take their transactions, read snapshots
+and the ages of stored timestamps from it. Why autocommit with explicit
+``BEGIN IMMEDIATE`` and why ``synchronous=FULL``: docs/architecture.md, "SQLite".
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import sqlite3
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
+from datetime import datetime
 from pathlib import Path
+from typing import overload
 from urllib.parse import quote
 
 from .errors import DatabaseError, StoreUnavailable
@@ -49,6 +52,22 @@ def now_iso(when: float | None = None) -> str:
 
 
 _last_second: tuple[int, str] = (-1, "")
+
+
+@overload
+def age_s(stamp: str, now: float) -> float: ...
+
+
+@overload
+def age_s(stamp: str | None, now: float) -> float | None: ...
+
+
+def age_s(stamp: str | None, now: float) -> float | None:
+    """Seconds from a stored timestamp (:func:`now_iso`'s format) to the Unix
+    time *now*, to the millisecond; None for None (no such row)."""
+    if stamp is None:
+        return None
+    return round(now - datetime.fromisoformat(stamp).timestamp(), 3)
 
 
 def translate(exc: sqlite3.Error, path: Path | str) -> DatabaseError | StoreUnavailable:
@@ -184,9 +203,11 @@ def migrate(conn: sqlite3.Connection, scripts: Sequence[str], applied: int, *, w
 
 
 @contextmanager
-def transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+def transaction(conn: sqlite3.Connection, *, translated: bool = True) -> Iterator[sqlite3.Connection]:
     """``BEGIN IMMEDIATE`` ... ``COMMIT``, or ROLLBACK when the block raises;
-    sqlite3 errors leave translated (:func:`translate`).
+    sqlite3 errors leave translated (:func:`translate`), or as they are with
+    ``translated=False`` (a caller that words them itself: opening a
+    database, moving rows between partitions).
 
     IMMEDIATE takes the write lock at once, so a read-then-write never hits
     the deferred upgrade that fails without waiting in WAL mode
@@ -195,26 +216,48 @@ def transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
     try:
         conn.execute("BEGIN IMMEDIATE")
     except sqlite3.Error as exc:  # nothing was begun: nothing to roll back
+        if not translated:
+            raise
         raise translate(exc, path_of(conn)) from None
     try:
         yield conn
         conn.execute("COMMIT")
     except sqlite3.Error as exc:
         rollback(conn)
+        if not translated:
+            raise
         raise translate(exc, path_of(conn)) from None
     except BaseException:
         rollback(conn)
         raise
 
 
+@contextmanager
+def read_snapshot(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    """One short read transaction, so that several SELECTs see one state
+    (inside the caller's transaction when one is open: it is that state).
+    Nothing is written, so it ends with a ROLLBACK; sqlite3 errors leave as
+    they are (the reader words them)."""
+    if conn.in_transaction:
+        yield conn
+        return
+    conn.execute("BEGIN DEFERRED")
+    try:
+        yield conn
+    finally:
+        rollback(conn)  # SQLite may have ended it already after an error
+
+
 __all__ = [
     "DATABASE_BUSY",
     "DEFAULT_BUSY_TIMEOUT_MS",
+    "age_s",
     "closed_on_failure",
     "connect",
     "migrate",
     "now_iso",
     "path_of",
+    "read_snapshot",
     "reading",
     "rollback",
     "statements",

@@ -24,12 +24,12 @@ from . import consumers as registry
 from .config import ConsumerEntry, Deployment
 from .durations import age as age_text
 from .durations import format as format_duration
-from .errors import DeliveryError
+from .errors import DeliveryError, NotFound
 from .inbox import ConsumerDB, counters
 from .partitions import partition_of, partition_topology, unrouted_name
 from .plural import count as _count
-from .queries import NotFound, dict_rows, read_snapshot
-from .sqlite import now_iso
+from .queries import dict_rows
+from .sqlite import age_s, now_iso, read_snapshot
 from .topology import Topology, topic_matches
 from .trace import trace as trace_one
 
@@ -41,10 +41,6 @@ DEAD_SCAN_LIMIT = 10_000
 MINUTE_S, HOUR_S = 60, 3600
 
 
-def topology(dep: Deployment, consumer: str) -> Topology:
-    spec = registry.get(consumer)
-    return Topology(consumer=consumer, binding_keys=tuple(spec.binding_keys), exchange=dep.exchange,
-                    prefix=dep.queue_prefix)
 
 
 @contextmanager
@@ -57,32 +53,6 @@ def _label(entry: ConsumerEntry, partition: str | None) -> str:
     return f"{entry.name}/{partition}" if partition else entry.name
 
 
-def places(dep: Deployment, entry: ConsumerEntry) -> list[tuple[str | None, Path, Topology]]:
-    """``(partition, database, queues)`` of each of the consumer's databases: the
-    consumer's own queues, or for a partition ``p<k>`` the queues ``<consumer>.p<k>``."""
-    base = topology(dep, entry.name)
-    return [(partition, path, base if partition is None else partition_topology(base, int(partition[1:])))
-            for partition, path in entry.databases()]
-
-
-def partition_count(entry: ConsumerEntry) -> int | None:
-    """The consumer's partition count: the file's, else the one its partition databases record."""
-    from .partition_store import stored_identity
-
-    if entry.partitions is not None:
-        return entry.partitions
-    for partition, path in entry.databases():
-        if partition is None:
-            return None
-        try:
-            identity = stored_identity(path)
-        except DeliveryError:
-            continue
-        if identity is not None:
-            return identity.count
-    return None
-
-
 # -- dead letters ------------------------------------------------------------------------
 
 
@@ -93,7 +63,7 @@ def dead_letters(dep: Deployment, consumer: str, topo: Topology | None = None, *
     from .deadletters import list_dead
     from .errors import BrokerError
 
-    topo = topo or topology(dep, consumer)
+    topo = topo or registry.topology(consumer, dep.exchange, dep.queue_prefix)
     try:
         snapshot = (shared.list if shared is not None else list_dead)(dep.amqp_url, topo,
                                                                        max_messages=DEAD_SCAN_LIMIT)
@@ -222,13 +192,14 @@ def trace_event(dep: Deployment, event_id: str, *, key: str | None = None,
     keyed = next((r for r in known if r.get(r.get("keyField") or "articleId")), None)
     field = (keyed or {}).get("keyField") or "articleId"
     article = None if keyed is None else str(keyed[field])
-    for name, entry in dep.consumers.items():
+    for name in dep.consumers:
         spec = registry.get(name)
         routed = routing_key is None or any(topic_matches(k, routing_key) for k in spec.binding_keys)
-        count = partition_count(entry) if entry.partitions or entry.db.is_dir() else None
+        where = dep.placement(name)
+        count = where.count()
         home = f"p{partition_of(article, count)}" if article is not None and count else None
         items: list[Row] = []
-        for partition, path, topo in places(dep, entry):
+        for partition, path, topo in where.topologies():
             item: Row = {"consumer": name, "partition": partition, "database": str(path), "trace": None}
             letters: list[Row] = []
             if broker:
@@ -328,7 +299,7 @@ def trace_key(dep: Deployment, key: str) -> Row:
                 "producer": name, "createdAt": created, "publishedAt": published, "attempts": attempts,
                 "lastError": error}
     dbs = [(_label(entry, partition), name, path) for name, entry in dep.consumers.items()
-           for partition, path in entry.databases() if path.exists()]
+           for partition, path in dep.placement(name).databases if path.exists()]
     for _, name, path in dbs:  # first every eventId of the key, from every database
         try:
             with _consumer_db(path, name) as db, read_snapshot(db.conn):
@@ -374,11 +345,8 @@ def _consumer_db_status(db: ConsumerDB, now: float) -> Row:
             "SELECT max(received_at) FROM (SELECT received_at FROM inbox ORDER BY rowid DESC LIMIT 1000)").fetchone()
         unresolved = dict_rows(conn.execute(
             "SELECT code, count(*) AS n FROM rejected WHERE resolved_at IS NULL GROUP BY code ORDER BY code"))
-    from datetime import datetime
-
-    age = None if newest is None else round(now - datetime.fromisoformat(newest).timestamp(), 3)
     return {"receiptsLastMinute": last_minute, "receiptsLastHour": last_hour, "newestReceivedAt": newest,
-            "newestAgeSeconds": age, "unresolvedRejections": {r["code"]: r["n"] for r in unresolved}}
+            "newestAgeSeconds": age_s(newest, now), "unresolvedRejections": {r["code"]: r["n"] for r in unresolved}}
 
 
 def unacknowledged(dep: Deployment, queue: str) -> int | None:
@@ -434,7 +402,7 @@ def _former_queues(dep: Deployment, name: str, found: list[tuple[str | None, Pat
     queues, and those of partitions its databases' former count had beyond the current one."""
     from .partition_store import repartitioned_from
 
-    base = topology(dep, name)
+    base = dep.placement(name).topology()
     out = {q: "the unpartitioned consumer" for q, _ in base.queues()}
     try:
         former = next((repartitioned_from(path) for _, path, _ in found if path.exists()), None)
@@ -470,12 +438,12 @@ def status(dep: Deployment, *, now: float | None = None, broker: bool = True, sh
     problems: list[str] = []
     counts: dict[str, Any] = {}
     broker_error = None
-    layout = {name: places(dep, entry) for name, entry in dep.consumers.items()}
+    layout = {name: dep.placement(name).topologies() for name in dep.consumers}
     partitioned = {name for name, found in layout.items() if any(partition for partition, _, _ in found)}
     former = {name: _former_queues(dep, name, layout[name]) for name in partitioned}
     if broker and dep.consumers:
         queues = [q for found in layout.values() for _, _, topo in found for q in (topo.queue, topo.dead_queue)]
-        queues += [unrouted_name(topology(dep, name)) for name in partitioned]
+        queues += [unrouted_name(dep.placement(name).topology()) for name in partitioned]
         queues += [q for found in former.values() for q in found]
         try:
             counts = queue_counts(dep.amqp_url, queues)
@@ -520,7 +488,7 @@ def status(dep: Deployment, *, now: float | None = None, broker: bool = True, sh
         item["deadByCode"] = None if any(row["deadByCode"] is None for row in rows) else by_code
         item["unrouted"] = None
         if name in partitioned:
-            queue = unrouted_name(topology(dep, name))
+            queue = unrouted_name(dep.placement(name).topology())
             waiting = counts.get(queue)
             item["unrouted"] = {"queue": queue, "ready": waiting.ready if waiting else None}
             if waiting is not None and waiting.ready:
@@ -570,5 +538,5 @@ def _redacted(url: str) -> str:
     return redact(url)
 
 
-__all__ = ["dead_letters", "group_dead_letters", "notes", "outbox_history", "partition_count", "places", "status",
-           "topic_matches", "topology", "trace_event", "trace_key", "unacknowledged"]
+__all__ = ["dead_letters", "group_dead_letters", "notes", "outbox_history", "status", "topic_matches", "trace_event",
+           "trace_key", "unacknowledged"]

@@ -19,24 +19,14 @@ from __future__ import annotations
 from typing import Any
 
 from .contract import ConsumerSpec
-from .errors import (
-    DELIVERY_LIMIT,
-    ENDPOINT_REJECTED,
-    OUTCOME_UNKNOWN,
-    REJECTION_CODES,
-    RETRIES_EXHAUSTED,
-    WRONG_PARTITION,
-)
+from .errors import REJECTIONS, NotFound
 from .inbox import ConsumerDB
 from .plural import count
-from .queries import NotFound, dict_rows, read_snapshot, reads
+from .queries import dict_rows, reads
+from .sqlite import read_snapshot
 from .views import key_row
 
 Row = dict[str, Any]
-
-#: Outcomes of a delivery that are rejections, not results.
-_REJECTION_CODES = frozenset({*REJECTION_CODES, RETRIES_EXHAUSTED, DELIVERY_LIMIT, ENDPOINT_REJECTED,
-                              OUTCOME_UNKNOWN, WRONG_PARTITION})
 
 #: Summary statuses.
 APPLIED, REJECTED, RESOLVED, PENDING = "applied", "rejected", "resolved", "pending"
@@ -111,7 +101,7 @@ def _status(receipt: Row | None, rejections: list[Row], deliveries: Row) -> tupl
         return RESOLVED, (f"rejected {last['code']} at {last['rejectedAt']}, resolved at {last['resolvedAt']} "
                           "(requeued or purged); not applied since")
     outcome = deliveries["lastOutcome"]
-    if outcome in _REJECTION_CODES:
+    if outcome in REJECTIONS:  # a rejection, not a result
         # Refused before its eventId was read (e.g. a body over --max-bytes): the
         # rejection row has no eventId, only the body's digest (see dead list).
         return REJECTED, (f"rejected {outcome} at {deliveries['lastAt']} (its rejection row carries no eventId: "

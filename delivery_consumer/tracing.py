@@ -13,24 +13,31 @@ tracing pays one dict lookup per hook. What is traced (docs/tracing.md):
 * :func:`batch` -- ``run``: one span per batch with its phases (consume,
   apply, commit, ack) as children, and, when a tracer provider is active,
   one span per event, a child of its producer's context and linked to the
-  batch, with the result, consumer, partition and attempt as attributes;
+  batch, with the result, consumer, partition and attempt as attributes,
+  all built when the batch ends (:class:`Batch`);
 * :func:`external_call` and :func:`http_headers` -- the fenced external call
   is a child span of its event's span and sends ``traceparent`` to the endpoint.
 
 :func:`configure` sets up the SDK for ``run`` and ``dispatch`` from the
-standard ``OTEL_*`` variables when ``OTEL_TRACES_EXPORTER`` names exporters.
+standard ``OTEL_*`` variables when ``OTEL_TRACES_EXPORTER`` names exporters,
+with :func:`build_provider`, whose exporters build a batch's spans in the
+export thread.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import importlib.util
 import logging
 import os
+import random
 import re
 import sys
 import threading
 import time
+import weakref
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
@@ -38,6 +45,7 @@ import orjson
 
 from .envelope import Envelope, canonical_bytes
 from .errors import Rejection
+from .retry import attempts_done
 
 if TYPE_CHECKING:
     from .contract import Outcome
@@ -102,7 +110,7 @@ def _active_tracer() -> Any:
     tracer = getattr(_local, "tracer", None)
     if tracer is None or _local.provider is not provider:
         tracer = provider.get_tracer(_SCOPE)
-        _local.tracer, _local.provider = tracer, provider
+        _local.tracer, _local.provider, _local.sdk = tracer, provider, _sdk_of(api, provider, tracer)
     return tracer
 
 
@@ -125,8 +133,7 @@ def configure() -> bool:
     try:
         from opentelemetry import trace
         from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import SpanLimits, TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
+        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
     except ImportError:
         log.warning("OTEL_TRACES_EXPORTER is set but opentelemetry-sdk is not installed: tracing is off")
         return False
@@ -134,10 +141,8 @@ def configure() -> bool:
         return True  # the host process set its own
     links = os.environ.get(EVENTS_ENV, "spans").strip().lower() == "links"
     events_as_links(links)
-    # a batch span links each of its events (run's --batch is at most 10k); an explicit limit wins
-    limits = SpanLimits(max_links=None if "OTEL_SPAN_LINK_COUNT_LIMIT" in os.environ or not links else 10_000)
-    provider = TracerProvider(resource=Resource.create({"service.name": os.environ.get(
-        "OTEL_SERVICE_NAME", "delivery-consumer")}), span_limits=limits)
+    batched: list[Any] = []
+    immediate: list[Any] = []
     for name in names:
         if name == JSONL_EXPORTER:
             path = os.environ.get(FILE_ENV)
@@ -145,9 +150,8 @@ def configure() -> bool:
                 log.warning("OTEL_TRACES_EXPORTER=jsonl needs %s (the file to append spans to)", FILE_ENV)
                 continue
             out = open(path, "a", encoding="utf-8")  # noqa: SIM115 -- open for the process's life
-            lines = ConsoleSpanExporter(out=out, formatter=lambda span: span.to_json(indent=None) + "\n")
-            provider.add_span_processor(SimpleSpanProcessor(lines))  # written at once: survives a kill -9
-            continue
+            immediate.append(ConsoleSpanExporter(out=out, formatter=lambda span: span.to_json(indent=None) + "\n"))
+            continue  # written at once: survives a kill -9
         try:
             factory = _exporter_factory(name)
             exporter = None if factory is None else factory()
@@ -158,10 +162,43 @@ def configure() -> bool:
         if exporter is None:
             log.warning("OTEL_TRACES_EXPORTER: no exporter named %r is installed; skipped", name)
             continue
-        provider.add_span_processor(BatchSpanProcessor(exporter))
+        batched.append(exporter)
+    provider = build_provider(batched, immediate, resource=Resource.create({"service.name": os.environ.get(
+        "OTEL_SERVICE_NAME", "delivery-consumer")}))
     trace.set_tracer_provider(provider)
     atexit.register(provider.shutdown)
     return True
+
+
+#: The batch processor's queue counts batches (each carries its spans), not spans: a
+#: flush every 64 batches (16,000 spans at 250 events a batch, a few hundred at 1),
+#: at most 512 batches held while the exporter lags. The OTEL_BSP_* variables win.
+_QUEUE: Final = (("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "max_export_batch_size", 64),
+                 ("OTEL_BSP_MAX_QUEUE_SIZE", "max_queue_size", 512))
+
+
+def build_provider(batched: Sequence[Any] = (), immediate: Sequence[Any] = (), **options: Any) -> Any:
+    """An SDK TracerProvider (*options* are its own: ``resource``,
+    ``sampler``, ...) that exports to each of the *batched* exporters behind a
+    BatchSpanProcessor and to each of the *immediate* ones at once. ``run``'s
+    batches hand it one span each, from which its exporters build the
+    batch's other spans in the export thread (:class:`Batch`); a span
+    processor added to it later sees only the batches' spans."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+
+    global _deferring
+    building = _sdk_types()[1]
+    provider = TracerProvider(**options)
+    queue: dict[str, Any] = {name: size for variable, name, size in _QUEUE if variable not in os.environ}
+    for exporter in batched:
+        provider.add_span_processor(BatchSpanProcessor(building(exporter), **queue))
+    for exporter in immediate:
+        provider.add_span_processor(SimpleSpanProcessor(building(exporter)))
+    if _deferring is None:
+        _deferring = weakref.WeakSet()
+    _deferring.add(provider)
+    return provider
 
 
 def _exporter_factory(name: str) -> Callable[[], Any] | None:
@@ -271,14 +308,165 @@ def parent_traceparent(headers: Mapping[str, Any], parsed: Envelope | Rejection)
 
 
 def _remote(api: Any, traceparent: str, tracestate: str | None) -> Any:
-    """A context whose span is the remote one *traceparent* names."""
-    if tracestate:
-        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+    """The remote span context *traceparent* (with *tracestate*) names."""
+    state = api.TraceState.from_header([tracestate]) if tracestate else None
+    return api.SpanContext(int(traceparent[3:35], 16), int(traceparent[36:52], 16), True,
+                           api.TraceFlags(int(traceparent[53:55], 16)), state)
 
-        return TraceContextTextMapPropagator().extract({TRACEPARENT: traceparent, TRACESTATE: tracestate})
-    ctx = api.SpanContext(int(traceparent[3:35], 16), int(traceparent[36:52], 16), True,
-                          api.TraceFlags(int(traceparent[53:55], 16)))
-    return api.set_span_in_context(api.NonRecordingSpan(ctx))
+
+#: A ParentBased sampler whose remote and local parents decide (the SDK's default delegates).
+_PARENT_DECIDES: Final = (",remoteParentSampled:AlwaysOnSampler,remoteParentNotSampled:AlwaysOffSampler,"
+                          "localParentSampled:AlwaysOnSampler,localParentNotSampled:AlwaysOffSampler}")
+#: The last hex digit of a traceparent whose sampled flag is off.
+_UNSAMPLED_DIGITS: Final = frozenset("02468ace")
+#: Spans handed to an exporter at a time when a batch's spans are built in the export thread.
+_EXPORT_CHUNK: Final = 512
+
+
+class _Sdk:
+    """The parts of an SDK tracer that a batch builds its finished spans
+    with: its processors (each span is handed to ``on_end`` once, finished),
+    its resource, id generator and sampler. The sampler is asked only when
+    its answer is not known from its description (the default, parent-based
+    one follows the producer's sampled flag and samples a root)."""
+
+    __slots__ = ("api", "carrier", "default_flags", "deferred", "ids", "make_context", "on_end", "parent_decides",
+                 "random_ids", "readable", "resource", "root_on", "sampled", "sampler", "scope")
+
+    def __init__(self, api: Any, tracer: Any, deferred: bool) -> None:
+        from opentelemetry.sdk.trace import ReadableSpan
+        from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+        self.api = api
+        self.readable = ReadableSpan
+        self.carrier = _sdk_types()[0]
+        #: The provider's exporters build a batch's spans in their thread (:func:`build_provider`).
+        self.deferred = deferred
+        self.on_end = tracer.span_processor.on_end
+        self.resource = tracer.resource
+        self.ids = tracer.id_generator
+        #: The SDK's random ids: its generator calls ``random.getrandbits``, less a Python frame here.
+        self.random_ids = type(self.ids) is RandomIdGenerator
+        self.make_context = _context_maker(api)
+        self.sampler = tracer.sampler
+        self.scope = InstrumentationScope(_SCOPE)
+        self.sampled, self.default_flags = api.TraceFlags(api.TraceFlags.SAMPLED), api.TraceFlags(0)
+        description = str(self.sampler.get_description())
+        always = description == "AlwaysOnSampler"
+        self.parent_decides = always or (description.startswith("ParentBased{")
+                                         and description.endswith(_PARENT_DECIDES))
+        self.root_on = always or (self.parent_decides and description.startswith("ParentBased{root:AlwaysOnSampler,"))
+
+    def context(self, parent: Any, name: str, kind: Any,
+                attributes: dict[str, Any]) -> tuple[Any, dict[str, Any]] | None:
+        """The context of a new span under *parent* (a SpanContext, or None
+        for a root) and its attributes, or None when it is not recorded."""
+        api, ids = self.api, self.ids
+        if parent is None:
+            trace_id = ids.generate_trace_id()
+            if self.root_on:
+                return api.SpanContext(trace_id, ids.generate_span_id(), False, self.sampled), attributes
+        elif self.parent_decides:
+            if not parent.trace_flags.sampled:
+                return None
+            return api.SpanContext(parent.trace_id, ids.generate_span_id(), False, self.sampled,
+                                   parent.trace_state), attributes
+        else:
+            trace_id = parent.trace_id
+        context = None if parent is None else api.set_span_in_context(api.NonRecordingSpan(parent))
+        result = self.sampler.should_sample(context, trace_id, name, kind, attributes)
+        if not result.decision.is_recording():
+            return None
+        if result.attributes:
+            attributes = {**attributes, **result.attributes}
+        flags = self.sampled if result.decision.is_sampled() else self.default_flags
+        return api.SpanContext(trace_id, ids.generate_span_id(), False, flags, result.trace_state), attributes
+
+
+def _context_maker(api: Any) -> Callable[[tuple[int, int, bool, Any, Any, bool]], Any]:
+    """What makes a SpanContext from its six fields when they are known to be
+    valid: the tuple itself when SpanContext is still the tuple it was (its
+    ``__new__`` is a Python function that checks what we checked), else its
+    constructor."""
+    context = api.SpanContext
+    probe = context(1, 2, False, api.TraceFlags(1))
+    fields = (1, 2, False, probe.trace_flags, probe.trace_state, True)
+    if (issubclass(context, tuple) and tuple(probe) == fields
+            and (probe.trace_id, probe.span_id, probe.is_valid) == (1, 2, True)):
+        return functools.partial(tuple.__new__, context)
+    return lambda fields: context(*fields[:5])
+
+
+#: Providers whose every exporter builds the batches' spans itself (:func:`build_provider`).
+_deferring: Any = None
+
+
+def _sdk_of(api: Any, provider: Any, tracer: Any) -> _Sdk | None:
+    """The SDK parts of *tracer*, None for another implementation of the API
+    (its spans are then started and ended through the API)."""
+    if not all(hasattr(tracer, name) for name in ("span_processor", "resource", "id_generator", "sampler")):
+        return None
+    try:
+        return _Sdk(api, tracer, _deferring is not None and provider in _deferring)
+    except ImportError:
+        return None
+
+
+def _sdk_types() -> tuple[Any, Any]:
+    """The two classes that need the SDK: a batch's span carrying what its
+    other spans are built from, and the exporter wrapper that builds them."""
+    global _types
+    if _types is None:
+        from opentelemetry.sdk.trace import ReadableSpan
+        from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+        class BatchSpan(ReadableSpan):
+            """A batch's span (a complete one: an exporter that knows nothing
+            more exports it as it is) with the record its phases' and events'
+            spans are built from (:meth:`spans`)."""
+
+            def __init__(self, record: _Record, *args: Any) -> None:
+                super().__init__(*args)
+                self.record: _Record | None = record
+
+            def spans(self) -> list[Any]:
+                """The batch's spans: its own, its phases', its events' (once)."""
+                record, self.record = self.record, None
+                return [] if record is None else _spans(record, self)
+
+        class Building(SpanExporter):
+            """An exporter that builds each batch's spans from its record, in
+            the export thread, and hands them to *exporter* in chunks."""
+
+            def __init__(self, exporter: Any) -> None:
+                self.exporter = exporter
+
+            def export(self, spans: Sequence[Any]) -> Any:
+                out: list[Any] = []
+                for span in spans:
+                    if isinstance(span, BatchSpan):
+                        out.extend(span.spans())
+                    else:
+                        out.append(span)
+                result = SpanExportResult.SUCCESS
+                for i in range(0, len(out), _EXPORT_CHUNK):
+                    if self.exporter.export(out[i:i + _EXPORT_CHUNK]) != SpanExportResult.SUCCESS:
+                        result = SpanExportResult.FAILURE
+                return result
+
+            def shutdown(self) -> None:
+                self.exporter.shutdown()
+
+            def force_flush(self, timeout_millis: int = 30_000) -> bool:
+                flushed: bool = self.exporter.force_flush(timeout_millis)
+                return flushed
+
+        _types = (BatchSpan, Building)
+    return _types
+
+
+_types: tuple[Any, Any] | None = None
 
 
 class NoBatch:
@@ -299,69 +487,237 @@ class NoBatch:
 NO_BATCH: Final = NoBatch()
 
 
+class _Record:
+    """What a batch's spans are built from, kept from its end until they are
+    built: per event its headers, redelivered flag, eventId, type and
+    ``meta`` (not its body), and its outcome."""
+
+    __slots__ = ("attributes", "batch", "consumer", "end", "events", "links_only", "opened", "outcomes",
+                 "partition", "phases", "sdk", "start", "status")
+
+    def __init__(self, sdk: _Sdk, batch: Any, consumer: str, partition: int | None, start: int, end: int) -> None:
+        self.sdk, self.batch, self.consumer, self.partition = sdk, batch, consumer, partition
+        self.start, self.end = start, end
+        self.events: list[tuple[dict[str, Any] | None, bool, str | None, str | None, Any]] = []
+        self.outcomes: Sequence[Outcome] = ()
+        self.opened: dict[str, Any] = {}
+        self.phases: list[tuple[str, int, int]] = []
+        self.attributes: dict[str, Any] = {}
+        self.status: Any = None
+        self.links_only = False
+
+
+def _traceparent_of(headers: Mapping[str, Any] | None, meta: Any) -> tuple[str | None, str | None]:
+    """The producer's ``traceparent`` (header, else ``meta``) and its header
+    ``tracestate``: :func:`parent_traceparent` on what a record keeps."""
+    if headers:
+        value = _header(headers, TRACEPARENT)
+        if value is not None and _TRACEPARENT.fullmatch(value):
+            return value, _header(headers, TRACESTATE)
+    value = meta.get(TRACEPARENT) if isinstance(meta, dict) else None
+    return (value, None) if isinstance(value, str) and _TRACEPARENT.fullmatch(value) else (None, None)
+
+
+def _count_results(attributes: dict[str, Any], statuses: Sequence[str | None]) -> None:
+    """The batch span's ``delivery_consumer.results.<result>`` counts."""
+    for result, n in Counter(statuses).items():
+        attributes[f"delivery_consumer.results.{result}"] = n
+
+
+_MISSING: Final = object()
+_UNSAMPLED: Final = object()
+
+
+def _parent_of(sdk: _Sdk, key: str | tuple[str | None, str | None] | None) -> Any:
+    """The producer's span context for a ``traceparent`` (or a pair of
+    ``traceparent`` and ``tracestate``), with its trace id and trace state:
+    None when there is none or it is invalid, :data:`_UNSAMPLED` when its
+    trace is not sampled."""
+    traceparent, tracestate = key if isinstance(key, tuple) else (key, None)
+    if not isinstance(traceparent, str) or not _TRACEPARENT.fullmatch(traceparent):
+        return None
+    if traceparent[54] in _UNSAMPLED_DIGITS:
+        return _UNSAMPLED
+    api = sdk.api
+    flags = _flags.get(traceparent[53:55])
+    if flags is None:
+        flags = _flags[traceparent[53:55]] = api.TraceFlags(int(traceparent[53:55], 16))
+    state = api.TraceState.from_header([tracestate]) if tracestate else api.DEFAULT_TRACE_STATE
+    trace_id = int(traceparent[3:35], 16)
+    return sdk.make_context((trace_id, int(traceparent[36:52], 16), True, flags, state, True)), trace_id, state
+
+
+#: TraceFlags by their two hex digits.
+_flags: dict[str, Any] = {}
+
+
+def _spans(record: _Record, carrier: Any) -> list[Any]:
+    """Build a batch's spans from its *record*: one per event (a child of its
+    producer's context, linked to the batch; or, in links mode, a link of
+    the batch's span), its phases and the batch's own (*carrier*, unless it
+    gets the events as links). Every event's span is built here, so this
+    loop is written for speed: locals, one dict display per span, the
+    producers' contexts parsed once per batch."""
+    sdk = record.sdk
+    api, sampled, make = sdk.api, sdk.sampled, sdk.make_context
+    readable, resource, scope = sdk.readable, sdk.resource, sdk.scope
+    getrandbits = random.getrandbits if sdk.random_ids else None
+    new_id, new_trace = sdk.ids.generate_span_id, sdk.ids.generate_trace_id
+    batch, consumer, partition, start, now = record.batch, record.consumer, record.partition, record.start, record.end
+    kind = api.SpanKind.CONSUMER
+    unset = api.Status(api.StatusCode.UNSET)
+    links_only, opened, outcomes = record.links_only, record.opened, record.outcomes
+    statuses: list[str | None] = [outcome.status for outcome in outcomes]
+    _count_results(record.attributes, statuses)
+    rejections: list[Rejection | None] = [outcome.rejection for outcome in outcomes]
+    missing = len(record.events) - len(outcomes)  # an abandoned batch: no outcome for any event
+    if missing > 0:
+        statuses += [None] * missing
+        rejections += [None] * missing
+    fast_root = sdk.root_on and not opened
+    fast_child = sdk.parent_decides and not opened
+    link = (api.Link(batch, {}),)
+    no_state = api.DEFAULT_TRACE_STATE
+    out: list[Any] = []
+    links: list[Any] = []
+    errors: dict[str, Any] = {}
+    remote: dict[Any, Any] = {}  # a producer's request often enqueues several events
+    names: dict[str | None, str] = {}
+    for (headers, redelivered, event_id, type_, meta), result, rejection in zip(record.events, statuses, rejections,
+                                                                                strict=True):
+        if headers:  # a header may carry the context, and a tracestate; a retry counts its attempts
+            key: Any = _traceparent_of(headers, meta)
+            attempt = attempts_done(headers) + 1
+        else:
+            key = meta.get(TRACEPARENT) if type(meta) is dict else None
+            attempt = 1
+        found = remote.get(key, _MISSING)
+        if found is _MISSING:
+            found = remote[key] = _parent_of(sdk, key)
+        if found is _UNSAMPLED:
+            continue  # the producer's trace is not sampled: no span to record
+        attributes: dict[str, Any] = {"delivery_consumer.consumer": consumer, "delivery_consumer.attempt": attempt,
+                      "messaging.message.id": event_id, "delivery_consumer.result": result}
+        if event_id is None:
+            del attributes["messaging.message.id"]
+        if result is None:
+            del attributes["delivery_consumer.result"]
+        if partition is not None:
+            attributes["delivery_consumer.partition"] = partition
+        if redelivered:
+            attributes["delivery_consumer.redelivered"] = True
+        status = unset
+        if rejection is not None:
+            status = errors.get(rejection.code)
+            if status is None:
+                status = errors[rejection.code] = api.Status(api.StatusCode.ERROR, rejection.code)
+        if links_only:
+            del attributes["delivery_consumer.consumer"]
+            attributes.pop("delivery_consumer.partition", None)
+            links.append(api.Link(api.INVALID_SPAN_CONTEXT if found is None else found[0], attributes))
+            continue
+        name = names.get(type_)
+        if name is None:
+            name = names[type_] = f"{consumer} apply" if type_ is None else f"{consumer} apply {type_}"
+        span_id = (getrandbits(64) if getrandbits is not None else 0) or new_id()  # 0 is the invalid id
+        if found is None:
+            parent = None
+            if fast_root:
+                context = make((new_trace(), span_id, False, sampled, no_state, True))
+            else:
+                context = _slow_context(sdk, opened, event_id, None, name, attributes)
+        else:
+            parent, trace_id, state = found
+            if fast_child:
+                context = make((trace_id, span_id, False, sampled, state, True))
+            else:
+                context = _slow_context(sdk, opened, event_id, parent, name, attributes)
+        if context is not None:
+            out.append(readable(name, context, parent, resource, attributes, (), link, kind, None, status, start,
+                                now, scope))
+    if batch.trace_flags.sampled:
+        internal = api.SpanKind.INTERNAL
+        for name, begin, finish in record.phases:
+            context = make((batch.trace_id, new_id(), False, batch.trace_flags, batch.trace_state, True))
+            out.append(readable(name, context, batch, resource, {}, (), (), internal, None, unset, begin, finish,
+                                scope))
+        out.append(carrier if not links else readable(
+            f"{consumer} batch", batch, None, resource, record.attributes, (), links, kind, None, record.status,
+            start, now, scope))
+    return out
+
+
+def _slow_context(sdk: _Sdk, opened: dict[str, Any], event_id: str | None, parent: Any, name: str,
+                  attributes: dict[str, Any]) -> Any:
+    """An event span's context when it is not the plain case: begun for a
+    fenced call, or a sampler that must be asked (its attributes join the
+    span's)."""
+    if opened and event_id is not None:
+        context = opened.pop(event_id, None)
+        if context is not None:
+            return context
+    decided = sdk.context(parent, name, sdk.api.SpanKind.CONSUMER, attributes)
+    if decided is None:
+        return None
+    context, extra = decided
+    attributes.update(extra)
+    return context
+
+
 class Batch(NoBatch):
-    """One batch of ``run``: its span, its phases' times and its events' spans."""
+    """One batch of ``run``: its span, its phases' times and its events.
 
-    __slots__ = ("_api", "_commit", "_committed", "_consumer", "_events", "_outcomes", "_parsed",
-                 "_partition", "_span", "_start", "_tracer", "by_event")
+    Applying a batch notes times and keeps references to the deliveries,
+    their parsed envelopes and their outcomes; the spans are built when the
+    batch ends (acked or abandoned), with their own start and end times, in
+    one pass over the events. With the SDK a span is built finished (no live
+    span, no lock, no validation of our own attributes) and handed to the
+    processors; with a provider of :func:`provider`, the batch's span alone
+    is handed over, carrying the record its other spans are built from in
+    the export thread. With another implementation of the API, spans are
+    started and ended through it with explicit times.
+    """
 
-    def __init__(self, api: Any, tracer: Any, consumer: str, partition: int | None) -> None:
-        self._api, self._tracer = api, tracer
+    __slots__ = ("_api", "_attributes", "_commit", "_committed", "_consumer", "_context", "_items", "_open",
+                 "_outcomes", "_parsed", "_parsed_at", "_partition", "_recorded", "_sdk", "_span", "_start",
+                 "_tracer")
+
+    def __init__(self, api: Any, tracer: Any, sdk: _Sdk | None, consumer: str, partition: int | None) -> None:
+        self._api, self._tracer, self._sdk = api, tracer, sdk
         self._consumer, self._partition = consumer, partition
         self._start = time.time_ns()
-        self._parsed = self._commit = self._committed = 0
-        self._events: list[Any] = []
+        self._parsed_at = self._commit = self._committed = 0
+        self._items: Sequence[Delivery] = ()
+        self._parsed: Sequence[Envelope | Rejection] = ()
         self._outcomes: Sequence[Outcome] = ()
-        #: eventId -> its span, for the fence's call.
-        self.by_event: dict[str, Any] = {}
+        #: eventId -> the context (SDK) or the started span (API) of an event whose fenced call began.
+        self._open: dict[str, Any] = {}
         attributes: dict[str, Any] = {"messaging.system": "rabbitmq", "delivery_consumer.consumer": consumer}
         if partition is not None:
             attributes["delivery_consumer.partition"] = partition
-        self._span = tracer.start_span(f"{consumer} batch", kind=api.SpanKind.CONSUMER, attributes=attributes,
-                                       start_time=self._start)
+        name, kind = f"{consumer} batch", api.SpanKind.CONSUMER
+        if sdk is None:
+            self._span = tracer.start_span(name, kind=kind, attributes=attributes, start_time=self._start)
+            self._context = self._span.get_span_context()
+        else:
+            decided = sdk.context(None, name, kind, attributes)
+            if decided is None:  # not recorded: its context is still the events' link and the calls' parent
+                ids = sdk.ids
+                self._context = api.SpanContext(ids.generate_trace_id(), ids.generate_span_id(), False)
+            else:
+                self._context, attributes = decided
+            self._span = api.NonRecordingSpan(self._context)
+        self._attributes = attributes
 
     @property
     def span(self) -> Any:
+        """The batch's span (with the SDK, a non-recording one with its context)."""
         return self._span
 
     def parsed(self, items: Sequence[Delivery], parsed: Sequence[Envelope | Rejection]) -> None:
-        from .retry import attempts_done
-
-        self._parsed = time.time_ns()
-        api, tracer, batch = self._api, self._tracer, self._span
-        self._span.set_attribute("messaging.batch.message_count", len(items))
-        link = [api.Link(batch.get_span_context())]
-        kind = api.SpanKind.CONSUMER
-        base: dict[str, Any] = {"delivery_consumer.consumer": self._consumer}
-        if self._partition is not None:
-            base["delivery_consumer.partition"] = self._partition
-        remote: dict[str, Any] = {}  # a producer's request often enqueues several events
-        for d, p in zip(items, parsed, strict=True):
-            traceparent = parent_traceparent(d.headers, p)
-            if traceparent is None:
-                context = None
-            elif traceparent.endswith(("0", "2", "4", "6", "8", "a", "c", "e")):
-                self._events.append(None)  # the producer's trace is not sampled: no span to record
-                continue
-            else:
-                context = remote.get(traceparent)
-                if context is None:
-                    context = remote[traceparent] = _remote(api, traceparent, _header(d.headers, TRACESTATE))
-            if _links_only:
-                self._events.append((traceparent, attempts_done(d.headers) + 1, p.event_id))
-                continue
-            attributes = dict(base)
-            attributes["delivery_consumer.attempt"] = attempts_done(d.headers) + 1
-            if d.redelivered:
-                attributes["delivery_consumer.redelivered"] = True
-            if p.event_id is not None:
-                attributes["messaging.message.id"] = p.event_id
-            name = f"{self._consumer} apply {p.type}" if isinstance(p, Envelope) else f"{self._consumer} apply"
-            span = tracer.start_span(name, context=context, kind=kind, attributes=attributes, links=link,
-                                     start_time=self._start)
-            self._events.append(span)
-            if p.event_id is not None:
-                self.by_event.setdefault(p.event_id, span)
+        self._parsed_at = time.time_ns()
+        self._items, self._parsed = items, parsed
+        self._attributes["messaging.batch.message_count"] = len(items)
 
     def mark_commit(self) -> None:
         self._commit = time.time_ns()
@@ -370,27 +726,48 @@ class Batch(NoBatch):
         self._committed = time.time_ns()
         self._outcomes = outcomes
 
+    def parent_of(self, event_id: str | None) -> Any:
+        """The span a fenced call of event *event_id* is a child of: the event's
+        (begun now: its context is needed before the batch ends), else the batch's."""
+        opened = self._open.get(event_id) if event_id is not None else None
+        if opened is None and event_id is not None and not _links_only:
+            for d, p in zip(self._items, self._parsed, strict=False):
+                if p.event_id == event_id:
+                    opened = self._begin(d, p)
+                    break
+            if opened is not None:
+                self._open[event_id] = opened
+        if opened is None:
+            return self._span
+        return self._api.NonRecordingSpan(opened) if self._sdk is not None else opened
+
+    def _begin(self, d: Delivery, p: Envelope | Rejection) -> Any:
+        """An event's span begun ahead of the batch's end (its context, with
+        the SDK), or None when it is not recorded."""
+        api = self._api
+        traceparent, tracestate = _traceparent_of(d.headers, p.meta if isinstance(p, Envelope) else None)
+        parent = None if traceparent is None else _remote(api, traceparent, tracestate)
+        if parent is not None and not parent.trace_flags.sampled:
+            return None
+        name = f"{self._consumer} apply {p.type}" if isinstance(p, Envelope) else f"{self._consumer} apply"
+        kind = api.SpanKind.CONSUMER
+        if self._sdk is not None:
+            decided = self._sdk.context(parent, name, kind, {})
+            return None if decided is None else decided[0]
+        context = None if parent is None else api.set_span_in_context(api.NonRecordingSpan(parent))
+        return self._tracer.start_span(name, context=context, kind=kind, links=[api.Link(self._context)],
+                                       start_time=self._start)
+
     def end(self, abandoned: bool = False) -> None:
         if getattr(_local, "batch", None) is self:
             _local.batch = None
         now = time.time_ns()
-        span, api, tracer = self._span, self._api, self._tracer
+        api = self._api
+        status = api.Status(api.StatusCode.UNSET)
         if abandoned:
-            span.set_attribute("delivery_consumer.batch.abandoned", True)
-            span.set_status(api.Status(api.StatusCode.ERROR, "abandoned before its ack"))
-        if _links_only:
-            self._link_events(span, api)
-        for span_of_event, outcome in zip(self._events, self._outcomes, strict=False):
-            if span_of_event is None or isinstance(span_of_event, tuple):
-                continue
-            span_of_event.set_attribute("delivery_consumer.result", outcome.status)
-            if outcome.rejection is not None:
-                span_of_event.set_status(api.Status(api.StatusCode.ERROR, outcome.rejection.code))
-        for span_of_event in self._events:
-            if span_of_event is not None and not isinstance(span_of_event, tuple):
-                span_of_event.end(now)
-        parent = api.set_span_in_context(span)
-        parsed = self._parsed or now
+            self._attributes["delivery_consumer.batch.abandoned"] = True
+            status = api.Status(api.StatusCode.ERROR, "abandoned before its ack")
+        parsed = self._parsed_at or now
         committed = self._committed or now
         phases = [("consume", self._start, parsed)]
         if self._commit:
@@ -399,32 +776,71 @@ class Batch(NoBatch):
             phases.append(("apply", parsed, committed))
         if self._committed:
             phases.append(("ack", committed, now))
-        for name, begin, finish in phases:
-            tracer.start_span(name, context=parent, start_time=begin).end(finish)
-        if self._outcomes:
-            counts: dict[str, int] = {}
-            for outcome in self._outcomes:
-                counts[outcome.status] = counts.get(outcome.status, 0) + 1
-            for status, n in counts.items():
-                span.set_attribute(f"delivery_consumer.results.{status}", n)
-        span.end(now)
+        sdk = self._sdk
+        if sdk is None:
+            _count_results(self._attributes, [outcome.status for outcome in self._outcomes])
+            self._end_through_api(phases, status, now)
+            return
+        record = _Record(sdk, self._context, self._consumer, self._partition, self._start, now)
+        record.events = [(d.headers, d.redelivered, p.event_id, p.type, p.fields.get("meta"))
+                         if isinstance(p, Envelope) else (d.headers, d.redelivered, p.event_id, None, None)
+                         for d, p in zip(self._items, self._parsed, strict=False)]
+        record.outcomes, record.opened, record.phases = self._outcomes, self._open, phases
+        record.attributes, record.status, record.links_only = self._attributes, status, _links_only
+        carrier = sdk.carrier(record, f"{self._consumer} batch", self._context, None, sdk.resource,
+                              self._attributes, (), (), api.SpanKind.CONSUMER, None, status, self._start, now,
+                              sdk.scope)
+        if sdk.deferred and self._context.trace_flags.sampled:
+            sdk.on_end(carrier)  # its exporters build the other spans in their thread
+            return
+        try:
+            for span in carrier.spans():
+                sdk.on_end(span)
+        except Exception:  # tracing never stops a batch; the batch processor's thread logs the same way
+            log.exception("tracing: the spans of a batch of %s could not be built", self._consumer)
 
-
-    def _link_events(self, span: Any, api: Any) -> None:
-        """Links mode: each event a link of the batch span to its producer's context."""
-        for noted, outcome in zip(self._events, self._outcomes, strict=False):
-            if noted is None:
+    def _end_through_api(self, phases: list[tuple[str, int, int]], status: Any, now: int) -> None:
+        """The spans of a batch traced by another implementation of the API."""
+        api, tracer, span = self._api, self._tracer, self._span
+        kind, link = api.SpanKind.CONSUMER, [api.Link(self._context)]
+        base: dict[str, Any] = {"delivery_consumer.consumer": self._consumer}
+        if self._partition is not None:
+            base["delivery_consumer.partition"] = self._partition
+        outcomes = self._outcomes
+        for i, (d, p) in enumerate(zip(self._items, self._parsed, strict=False)):
+            traceparent, tracestate = _traceparent_of(d.headers, p.meta if isinstance(p, Envelope) else None)
+            parent = None if traceparent is None else _remote(api, traceparent, tracestate)
+            if parent is not None and not parent.trace_flags.sampled:
                 continue
-            traceparent, attempt, event_id = noted
-            attributes: dict[str, Any] = {"delivery_consumer.attempt": attempt,
-                                          "delivery_consumer.result": outcome.status}
-            if event_id is not None:
-                attributes["messaging.message.id"] = event_id
-            if traceparent is None:
-                span.add_link(api.INVALID_SPAN_CONTEXT, attributes)  # kept: it has attributes
-            else:
-                span.add_link(api.SpanContext(int(traceparent[3:35], 16), int(traceparent[36:52], 16), True,
-                                              api.TraceFlags(int(traceparent[53:55], 16))), attributes)
+            attributes = dict(base, **{"delivery_consumer.attempt": attempts_done(d.headers) + 1})
+            if d.redelivered:
+                attributes["delivery_consumer.redelivered"] = True
+            if p.event_id is not None:
+                attributes["messaging.message.id"] = p.event_id
+            outcome = outcomes[i] if i < len(outcomes) else None
+            if outcome is not None:
+                attributes["delivery_consumer.result"] = outcome.status
+            if _links_only:
+                del attributes["delivery_consumer.consumer"]
+                attributes.pop("delivery_consumer.partition", None)
+                span.add_link(api.INVALID_SPAN_CONTEXT if parent is None else parent, attributes)
+                continue
+            begun = self._open.pop(p.event_id, None) if p.event_id is not None else None
+            if begun is None:
+                name = f"{self._consumer} apply {p.type}" if isinstance(p, Envelope) else f"{self._consumer} apply"
+                context = None if parent is None else api.set_span_in_context(api.NonRecordingSpan(parent))
+                begun = tracer.start_span(name, context=context, kind=kind, links=link, start_time=self._start)
+            begun.set_attributes(attributes)
+            if outcome is not None and outcome.rejection is not None:
+                begun.set_status(api.Status(api.StatusCode.ERROR, outcome.rejection.code))
+            begun.end(now)
+        parent_context = api.set_span_in_context(span)
+        for name, begin, finish in phases:
+            tracer.start_span(name, context=parent_context, start_time=begin).end(finish)
+        span.set_attributes(self._attributes)
+        if status.status_code != api.StatusCode.UNSET:
+            span.set_status(status)
+        span.end(now)
 
 
 def events_as_links(enabled: bool) -> None:
@@ -446,7 +862,8 @@ def batch(consumer: str, partition: Identity | None = None) -> NoBatch:
         previous.end(abandoned=True)
     if tracer is None:
         return NO_BATCH
-    current = _local.batch = Batch(_api(), tracer, consumer, None if partition is None else partition.partition)
+    current = _local.batch = Batch(_api(), tracer, _local.sdk, consumer,
+                                   None if partition is None else partition.partition)
     return current
 
 
@@ -513,7 +930,7 @@ def external_call(step: str, key: str, env: Envelope) -> _NoCall | _Call:
     if current is None:
         return _NO_CALL
     api = current._api
-    parent = current.by_event.get(env.event_id, current.span)
+    parent = current.parent_of(env.event_id)
     span = current._tracer.start_span(f"{step} {env.type}", context=api.set_span_in_context(parent),
                                       kind=api.SpanKind.CLIENT, attributes={"delivery_consumer.fence_key": key})
     return _Call(span, api.use_span(span, end_on_exit=True))
@@ -529,6 +946,7 @@ __all__ = [
     "Batch",
     "NoBatch",
     "batch",
+    "build_provider",
     "configure",
     "events_as_links",
     "external_call",

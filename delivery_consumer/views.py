@@ -12,9 +12,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .contract import View
-from .errors import DatabaseError
+from .errors import DatabaseError, NotFound
 from .inbox import ConsumerDB
-from .queries import NotFound, Row, camel, reads, sql_limit
+from .queries import Row, camel, reads, sql_limit
 
 #: (partition, database); partition None for an unpartitioned consumer.
 Part = tuple[int | None, ConsumerDB]

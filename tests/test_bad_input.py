@@ -23,7 +23,7 @@ from support import (
 from delivery_consumer import consumers, sources
 from delivery_consumer import replay as replay_lib
 from delivery_consumer.envelope import MAX_BODY_BYTES
-from delivery_consumer.errors import REJECTION_CODES
+from delivery_consumer.errors import CONTENT_CODES
 
 A = make_envelope()
 B = new_event(article_id="article-7", title="Очередь повторов", url="https://example.org/a/7")
@@ -64,7 +64,7 @@ def test_every_rejection_code_in_one_replay(tmp_path: Path, batch: str) -> None:
     assert 1 == result.exit_code
     lines = json_lines(result.stdout)
     assert [expected for _, expected in MIXED] == [line.get("result", line.get("rejected")) for line in lines]
-    assert set(REJECTION_CODES) == {line["rejected"] for line in lines if "rejected" in line}
+    assert set(CONTENT_CODES) == {line["rejected"] for line in lines if "rejected" in line}
     assert [
         ("article-42", 2, 0), ("article-7", 1, 1), ("article-8", 1, 1), ("article-9", 1, 1)
     ] == read_rows(db, "catalog", "article_id, revision, published")

@@ -30,14 +30,21 @@ RESULTS = st.sampled_from(["updated", "stale", "same-state", "created", "fail"])
 
 
 def recount(conn: sqlite3.Connection) -> None:
-    """The counters equal a full recount from the inbox: per (minute, result), (hour, result) and result."""
-    minutes = {(m, r): n for m, r, n in conn.execute("SELECT minute, result, n FROM inbox_minutes") if n}
+    """What the readers see (the counters and the receipts not counted yet) equals a full recount of the
+    inbox, per (minute, result) and result; and once caught up, the counters alone do, per hour too."""
     expected = {(m, r): n for m, r, n in conn.execute(counters.RECOUNT)}
-    assert expected == minutes
-    assert all(n >= 0 for (n,) in conn.execute("SELECT n FROM inbox_minutes"))
+    assert {(m, r): n for m, r, n in counters.per_minute(conn, "0000-00-00T00:00")} == expected
     by_result: Counter[str] = Counter()
     for (_minute, result), n in expected.items():
         by_result[result] += n
+    assert dict(sorted(by_result.items())) == counters.totals(conn)
+    conn.execute("BEGIN IMMEDIATE")
+    counters.catch_up(conn)
+    conn.execute("COMMIT")
+    assert counters.tail(conn) == []
+    minutes = {(m, r): n for m, r, n in conn.execute("SELECT minute, result, n FROM inbox_minutes") if n}
+    assert expected == minutes
+    assert all(n >= 0 for (n,) in conn.execute("SELECT n FROM inbox_minutes"))
     assert dict(sorted(by_result.items())) == counters.totals(conn)
     by_hour: Counter[tuple[str, str]] = Counter()
     for (minute, result), n in expected.items():
@@ -86,6 +93,34 @@ def test_counters_equal_a_recount_after_applies_and_prunes(tmp_path: Path, monke
                 retention.prune(db, older_than_s=minutes_ago * 60, horizon_s=0, keep_event_ids=set(), now=NOW,
                                 sleep=lambda _s: None)
             recount(db.conn)
+
+
+CATCH_UP = st.tuples(st.just("catch-up"), st.just(0), st.just([]))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(st.one_of(APPLY, PRUNE, CATCH_UP), max_size=12),
+       cutoffs=st.lists(st.integers(0, 3 * 24 * 3600), min_size=1, max_size=4))
+def test_since_equals_a_scan_with_any_receipts_not_counted_yet(
+    tmp_path: Path, monkeypatch: Any, cutoffs: list[int], ops: list[tuple[str, int, list[tuple[int, str]]]]) -> None:
+    """Receipts at or after any cutoff, by result, equal a scan of the inbox whether the writer caught
+    up a moment ago, long ago or never (the receipts since are read from the inbox's end)."""
+    with consumers.open_db(tmp_path / f"s-{time.monotonic_ns()}.db", "catalog", create=True) as db:
+        db.count_due = float("inf")  # this test says when the counters catch up
+        for op, minutes_ago, batch in ops:
+            if op == "apply":
+                apply_at(db, NOW - minutes_ago * 60, [(event(i), r) for i, r in batch], monkeypatch)
+            elif op == "prune":
+                retention.prune(db, older_than_s=minutes_ago * 60, horizon_s=0, keep_event_ids=set(), now=NOW,
+                                sleep=lambda _s: None)
+            else:
+                with db.transaction() as tx:
+                    counters.catch_up(tx.conn)
+            for seconds_ago in cutoffs:
+                cutoff = now_iso(NOW - seconds_ago)
+                scan = dict(db.conn.execute("SELECT result, count(*) FROM inbox WHERE received_at >= ?"
+                                            " GROUP BY result ORDER BY result", (cutoff,)).fetchall())
+                assert counters.since(db.conn, cutoff) == scan
 
 
 MOVE = st.tuples(st.just("move"), st.integers(1, 3), st.just([]))
@@ -153,7 +188,8 @@ def test_an_upgraded_database_shows_the_same_stats(tmp_path: Path, receipts: int
             conn.execute(f"DROP TRIGGER {name}")
         conn.execute("DROP TABLE inbox_minutes")
         conn.execute("DROP TABLE inbox_hours")
-        conn.execute(f"PRAGMA user_version = {database.STORE_VERSION - 1}")
+        conn.execute("DROP TABLE inbox_counted")
+        conn.execute(f"PRAGMA user_version = {database.STORE_VERSION - 2}")
         results = ["updated", "stale", "same-state"]
         conn.executemany(
             "INSERT INTO inbox (event_id, fingerprint, result, event_type, received_at) VALUES (?, 'f', ?, 't', ?)",

@@ -13,14 +13,14 @@ from typing import Any
 
 import orjson
 import pytest
-from support import cli, env, json_lines, read_rows
+from support import OpenDB, cli, env, json_lines, read_rows
 from webhook_server import WebhookServer, free_port
 
 from delivery_consumer import consumers
 from delivery_consumer.consumers.webhook import Notifier, WebhookConfig, idempotency_key_header, payload
 from delivery_consumer.contract import DeliveryMark, Outcome, WorkHooks
 from delivery_consumer.envelope import Envelope
-from delivery_consumer.errors import ConfigError, TransientError
+from delivery_consumer.errors import ConfigError, FenceError, TransientError
 from delivery_consumer.inbox import ConsumerDB, InFlight, fence, unsynced_transaction
 from delivery_consumer.retry import Retry, retry_after_tier
 
@@ -32,11 +32,9 @@ class Killed(BaseException):
 
 
 @pytest.fixture
-def db(tmp_path: Path) -> Iterator[ConsumerDB]:
+def db(open_db: OpenDB) -> ConsumerDB:
     """A fresh webhook database."""
-    opened = consumers.open_db(tmp_path / "webhook.db", "webhook", create=True)
-    yield opened
-    opened.close()
+    return open_db("webhook")
 
 
 @pytest.fixture
@@ -400,7 +398,7 @@ def test_resolve_by_hand_after_outcome_unknown(db: ConsumerDB, step: Step) -> No
         assert ["notified", "notified"] == statuses(apply(db, notifier, sent, lost))
         assert {"article-42:1:notify": 1, "b:1:notify": 2} == endpoint.calls()
         assert "ntf-by-hand" == row(db, "article-42:1:notify")["providerId"]
-        with pytest.raises(fence.FenceError, match="is done"):
+        with pytest.raises(FenceError, match="is done"):
             fence.resolve(db, "b:1:notify", not_sent=True)
 
 

@@ -23,8 +23,7 @@ from delivery_consumer import consumers, outbox, producer, sqlite
 from delivery_consumer.cli import main
 from delivery_consumer.deliveries import PublishResult
 from delivery_consumer.envelope import parse
-from delivery_consumer.errors import BrokerFatal, ConfigError, DatabaseError, Rejection, TransientError
-from delivery_consumer.queries import NotFound
+from delivery_consumer.errors import BrokerFatal, ConfigError, DatabaseError, NotFound, Rejection, TransientError
 from delivery_consumer.retry import RECONNECT_CAP_S
 from delivery_consumer.sqlite import now_iso
 

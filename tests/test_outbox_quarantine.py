@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from outboxkit import Clock, FakePublisher, add, dispatcher, envelope, row
 from support import wait_until
 
-from delivery_consumer import outbox, producer
+from delivery_consumer import liveness, outbox, producer
 from delivery_consumer.cli import main
 from delivery_consumer.errors import DatabaseError, TransientError
 from delivery_consumer.outbox import owners
@@ -472,7 +472,7 @@ def test_a_running_owner_here_keeps_its_lease_without_heartbeat_a_stopped_one_lo
         assert 0 == d.step()
         os.kill(owner.pid, signal.SIGSTOP)
         wait_until("the owner's state to show the stop",  # the stop is asynchronous
-                   lambda: (owners.proc_stat(owner.pid) or ("?",))[0] in ("T", "t"))
+                   lambda: (liveness.proc_stat(owner.pid) or ("?",))[0] in ("T", "t"))
         clock.now += 1.5
         assert 1 == d.step()
         assert "no heartbeat for" in conn.execute("SELECT last_error FROM outbox").fetchone()[0]

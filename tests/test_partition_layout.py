@@ -1,4 +1,4 @@
-"""A consumer has one layout on a broker, unpartitioned or partitioned, and the README's partition block
+"""A consumer has one layout on a broker, unpartitioned or partitioned, and the manual's partition block
 works as written: the refusals that keep one event from being applied twice, the hint when both layouts'
 databases are on disk, and a first `run --partition K` that takes the count from the broker."""
 
@@ -89,10 +89,10 @@ def test_reading_the_unpartitioned_database_beside_partition_databases_says_so(t
 
 @pytest.mark.broker
 def test_the_readmes_partition_block_works_as_written(ns: Namespace) -> None:
-    """The README's commands in order: declare 4 partitions, the first run with --partitions, a standby
-    right after it (it waits for the partition's database) and the other partitions without it (first
-    start: the count from the broker), publish, then the catalog of every partition, trace and a
-    partition's dead list."""
+    """docs/partitioned-consumers.md's commands in order: declare 4 partitions, the first run with
+    --partitions, a standby right after it (it waits for the partition's database) and the other
+    partitions without it (first start: the count from the broker), publish, then the catalog of every
+    partition, trace and a partition's dead list."""
     cluster = Cluster(ns, "catalog", 4)
     events = make_events(400, 40, seed=3)
     try:

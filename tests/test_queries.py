@@ -13,7 +13,7 @@ import pytest
 from delivery_consumer import consumers, queries, views
 from delivery_consumer.consumers.catalog import SPEC as CATALOG_SPEC
 from delivery_consumer.envelope import from_mapping
-from delivery_consumer.errors import DatabaseError, Rejection
+from delivery_consumer.errors import DatabaseError, NotFound, QueryError, Rejection
 from delivery_consumer.inbox import ConsumerDB, apply_event, database
 from delivery_consumer.inbox import apply as inbox_apply
 
@@ -38,11 +38,9 @@ def envelope(*, event_id: str | None = None, revision: int = 1, article: str = "
 
 
 @pytest.fixture
-def writer(tmp_path: Path) -> Iterator[ConsumerDB]:
+def writer(catalog_db: ConsumerDB) -> ConsumerDB:
     """A writable catalog database in tmp_path."""
-    db = consumers.open_db(tmp_path / "catalog.db", "catalog", create=True)
-    yield db
-    db.close()
+    return catalog_db
 
 
 @pytest.fixture
@@ -152,9 +150,9 @@ def test_inbox_show_includes_recorded_deliveries(writer: ConsumerDB, reader: Con
 
 def test_unknown_keys_raise_not_found(reader: ConsumerDB) -> None:
     """An unknown eventId or articleId raises NotFound naming it."""
-    with pytest.raises(queries.NotFound, match="eventId nope not found"):
+    with pytest.raises(NotFound, match="eventId nope not found"):
         queries.inbox_show(reader, "nope")
-    with pytest.raises(queries.NotFound, match="articleId nope not found"):
+    with pytest.raises(NotFound, match="articleId nope not found"):
         views.show(reader, CATALOG, "nope")
 
 
@@ -200,7 +198,7 @@ def test_query_refuses_anything_but_one_read(
     """query refuses writes, ATTACH, transactions, setting pragmas and several statements."""
     monkeypatch.chdir(tmp_path)
     apply_event(writer, envelope())
-    with pytest.raises(queries.QueryError, match=message):
+    with pytest.raises(QueryError, match=message):
         queries.query(reader, sql)
     assert writer.conn.execute("SELECT count(*) FROM inbox").fetchall() == [(1,)]
     assert not (tmp_path / "copy.db").exists()
@@ -221,7 +219,7 @@ def test_an_endless_query_is_stopped_at_its_timeout(writer: ConsumerDB, reader: 
     """A statement still running at its timeout stops with a QueryError naming the limit; no snapshot stays
     open, and the connection answers the next statement."""
     apply_event(writer, envelope())
-    with pytest.raises(queries.QueryError, match="still running after 200ms"):
+    with pytest.raises(QueryError, match="still running after 200ms"):
         queries.query(reader, ENDLESS, timeout_s=0.2)
 
     assert not reader.conn.in_transaction
@@ -233,7 +231,7 @@ def test_an_endless_query_is_stopped_at_its_timeout(writer: ConsumerDB, reader: 
 def test_query_refuses_functions_that_hand_out_pointers_or_load_code(reader: ConsumerDB, function: str) -> None:
     """fts3_tokenizer() (a raw pointer) and load_extension() are refused by name, in any case."""
     name = function.split("(")[0].lower()
-    with pytest.raises(queries.QueryError, match=rf"query refused: the function {name}\(\) is not allowed"):
+    with pytest.raises(QueryError, match=rf"query refused: the function {name}\(\) is not allowed"):
         queries.query(reader, f"SELECT {function}")
 
 
@@ -243,7 +241,7 @@ def test_a_huge_value_is_refused_before_it_is_made(reader: ConsumerDB) -> None:
     import sqlite3
 
     before = reader.conn.getlimit(sqlite3.SQLITE_LIMIT_LENGTH)
-    with pytest.raises(queries.QueryError, match="makes a value over 32 MB"):
+    with pytest.raises(QueryError, match="makes a value over 32 MB"):
         queries.query(reader, "SELECT randomblob(1000000000)", timeout_s=5)
     assert before == reader.conn.getlimit(sqlite3.SQLITE_LIMIT_LENGTH)
     assert [[4]] == queries.query(reader, "SELECT length(randomblob(4))")["rows"]
@@ -254,14 +252,14 @@ def test_a_result_past_its_size_limit_is_stopped_while_fetched(reader: ConsumerD
     long before the timeout."""
     endless_rows = ("WITH RECURSIVE n(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM n) "
                     "SELECT x, printf('%.1000c', 'y') FROM n")
-    with pytest.raises(queries.QueryError, match=r"result passed 1 MB after \d+ rows"):
+    with pytest.raises(QueryError, match=r"result passed 1 MB after \d+ rows"):
         queries.query(reader, endless_rows, timeout_s=600, max_bytes=1 << 20)
     assert not reader.conn.in_transaction
 
 
 def test_query_needs_a_readonly_database(writer: ConsumerDB) -> None:
     """query refuses a database that was not opened read-only."""
-    with pytest.raises(queries.QueryError, match="read-only"):
+    with pytest.raises(QueryError, match="read-only"):
         queries.query(writer, "SELECT 1")
 
 

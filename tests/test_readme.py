@@ -1,9 +1,11 @@
-"""The README's two commands and .ci/run stay in step."""
+"""The README's two commands and .ci/run stay in step; the manual's table of rejection codes is the registry's."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+
+from delivery_consumer.errors import REJECTIONS
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -27,3 +29,23 @@ def test_ci_runs_exactly_the_readme_test_command() -> None:
     assert tests in script.splitlines()
     assert "export DELIVERY_REQUIRE_BROKER=1" in script
     assert "rabbitmq-server -detached" in script
+
+
+def readme_rejection_codes() -> list[str]:
+    """The codes of docs/envelope.md's table headed ``| rejection code | when |``, in its order."""
+    lines = (REPO / "docs" / "envelope.md").read_text("utf-8").splitlines()
+    start = lines.index("| rejection code | when |") + 2  # past the header and its rule
+    codes: list[str] = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        codes += re.findall(r"`([a-z-]+)`", line.split("|")[1])
+    return codes
+
+
+def test_the_readme_lists_every_rejection_code_once_and_no_other() -> None:
+    """The manual's table of rejection codes (docs/envelope.md) names each code of errors.REJECTIONS
+    exactly once, and nothing else."""
+    codes = readme_rejection_codes()
+    assert len(codes) == len(set(codes))
+    assert set(REJECTIONS) == set(codes)

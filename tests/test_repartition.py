@@ -15,8 +15,9 @@ from partitionkit import Cluster, make_events, wait_until
 from support import count_rows, read_rows
 
 from delivery_consumer import consumers
-from delivery_consumer.partition_store import split_merge, stored_identity
+from delivery_consumer.partition_store import split_merge
 from delivery_consumer.partitions import Identity, partition_of
+from delivery_consumer.placement import stored_identity
 
 ARTICLES = 300
 

@@ -139,6 +139,17 @@ def test_unknown_event_id_exits_1(samples_ns: Namespace) -> None:
     assert "" == done.stdout
 
 
-def test_trace_counts_the_poison_code_as_a_rejection() -> None:
-    """trace counts run's poison-message code (delivery-limit) among the rejections."""
-    assert errors.DELIVERY_LIMIT in trace._REJECTION_CODES
+@pytest.mark.parametrize("code", errors.REJECTION_CODES)
+def test_trace_counts_every_registered_code_as_a_rejection(code: str) -> None:
+    """A delivery whose last outcome is any code of the registry (run's poison code, delivery-limit, among them)
+    is rejected in trace's summary, even without a rejection row that names its eventId."""
+    deliveries = {"lastOutcome": code, "lastAt": "2026-01-01T00:00:00.000Z", "deliveries": 1, "crashes": 0}
+    status, summary = trace._status(None, [], deliveries)
+    assert trace.REJECTED == status
+    assert summary.startswith(f"rejected {code} at 2026-01-01T00:00:00.000Z")
+
+
+def test_trace_does_not_count_a_result_as_a_rejection() -> None:
+    """A last outcome that is no registered code (a crash, a result) is not summarised as a rejection."""
+    deliveries = {"lastOutcome": "crashed", "lastAt": "2026-01-01T00:00:00.000Z", "deliveries": 1, "crashes": 1}
+    assert trace.REJECTED != trace._status(None, [], deliveries)[0]

@@ -34,12 +34,19 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture
-def spans() -> Iterator[InMemorySpanExporter]:
-    """An SDK tracer provider (in-memory exporter) that tracing.py uses, for this test only."""
-    provider = sdk_trace.TracerProvider()
+@pytest.fixture(params=["own", "run-immediate", "run-batched"])
+def spans(request: pytest.FixtureRequest) -> Iterator[InMemorySpanExporter]:
+    """An SDK tracer provider (in-memory exporter) that tracing.py uses, for this test only:
+    a process's own (spans built when a batch ends), or run's (tracing.build_provider: built
+    by the exporter, at once or in the batch processor's thread; read after tracing.flush)."""
     exporter = InMemorySpanExporter()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    if request.param == "own":
+        provider = sdk_trace.TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+    elif request.param == "run-immediate":
+        provider = tracing.build_provider(immediate=[exporter])
+    else:
+        provider = tracing.build_provider(batched=[exporter])
     tracing.set_provider(provider)
     yield exporter
     tracing.set_provider(None)
@@ -119,9 +126,15 @@ def make_worker(tmp_path: Path, consumer: str = "catalog", **options: Any) -> tu
     return worker, on_memory_link(worker)
 
 
+def finished(exporter: InMemorySpanExporter) -> list[Any]:
+    """The spans exported so far, once what the provider holds is exported."""
+    tracing.flush()
+    return list(exporter.get_finished_spans())
+
+
 def by_name(exporter: InMemorySpanExporter) -> dict[str, list[Any]]:
     out: dict[str, list[Any]] = {}
-    for span in exporter.get_finished_spans():
+    for span in finished(exporter):
         out.setdefault(span.name, []).append(span)
     return out
 
@@ -171,7 +184,7 @@ def test_a_duplicate_and_a_stale_event_say_so(tmp_path: Path, spans: InMemorySpa
     newer = new_event(article_id="a-1", revision=2)
     worker.process([delivery(1, body(newer))])
     worker.process([delivery(2, body(newer)), delivery(3, body(new_event(article_id="a-1", revision=1)))])
-    results = sorted(s.attributes["delivery_consumer.result"] for s in spans.get_finished_spans()
+    results = sorted(s.attributes["delivery_consumer.result"] for s in finished(spans)
                      if s.name.startswith("catalog apply"))
     assert 3 == len(results)
     assert "stale" in results and "updated" in results
@@ -309,3 +322,110 @@ def test_a_partitioned_runs_spans_name_the_partition(spans: InMemorySpanExporter
     (applied,) = named["catalog apply material.published"]
     assert 3 == batch.attributes["delivery_consumer.partition"] == applied.attributes["delivery_consumer.partition"]
     assert 1 == batch.attributes["delivery_consumer.results.updated"]
+
+
+def test_a_batch_cut_short_ends_abandoned_with_its_events_unresolved(spans: InMemorySpanExporter) -> None:
+    """A batch that never reached its ack ends when the next one begins: its span
+    has an error status and says abandoned; its event's span has no result."""
+    event = new_event(article_id="a-1")
+    cut_short = tracing.batch("catalog")
+    cut_short.parsed([delivery(1, body(event))], [from_mapping(event)])
+    tracing.batch("catalog").end()
+    batches = by_name(spans)["catalog batch"]
+    (abandoned,) = [b for b in batches if b.attributes.get("delivery_consumer.batch.abandoned")]
+    assert trace.StatusCode.ERROR == abandoned.status.status_code
+    (applied,) = by_name(spans)["catalog apply material.published"]
+    assert "delivery_consumer.result" not in applied.attributes
+    assert event["eventId"] == applied.attributes["messaging.message.id"]
+
+
+def test_the_producers_tracestate_header_is_the_event_spans(tmp_path: Path, spans: InMemorySpanExporter) -> None:
+    """A traceparent header with a tracestate: the event's span is in that trace,
+    under that span, and carries the tracestate on."""
+    worker, _io = make_worker(tmp_path)
+    parent = "00-" + "3" * 32 + "-" + "4" * 16 + "-01"
+    worker.process([delivery(1, body(new_event()), headers={"traceparent": parent, "tracestate": "shop=7"})])
+    (applied,) = by_name(spans)["catalog apply material.published"]
+    assert (int("3" * 32, 16), int("4" * 16, 16)) == (applied.context.trace_id, applied.parent.span_id)
+    assert applied.parent.is_remote
+    assert "shop=7" == applied.context.trace_state.to_header()
+
+
+@pytest.mark.parametrize("run_provider", [False, True])
+def test_the_providers_sampler_decides_roots_and_a_sampled_producer_decides_its_events(
+        tmp_path: Path, run_provider: bool) -> None:
+    """With a parent-based sampler that drops roots, the batch (a root) and an event
+    without a producer context get no span; an event of a sampled producer trace
+    does, linked to the batch's context. A sampler that drops everything leaves nothing."""
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
+
+    worker, _io = make_worker(tmp_path)
+    sampled = "00-" + "5" * 32 + "-" + "6" * 16 + "-01"
+    for sampler, expected in ((ParentBased(ALWAYS_OFF), ["catalog apply material.published"]), (ALWAYS_OFF, [])):
+        exporter = InMemorySpanExporter()
+        if run_provider:
+            provider = tracing.build_provider(immediate=[exporter], sampler=sampler)
+        else:
+            provider = sdk_trace.TracerProvider(sampler=sampler)
+            provider.add_span_processor(SimpleSpanProcessor(exporter))
+        tracing.set_provider(provider)
+        try:
+            worker.process([delivery(1, body(new_event(meta={"traceparent": sampled}))),
+                            delivery(2, body(new_event()))])
+            tracing.flush()
+        finally:
+            tracing.set_provider(None)
+        got = exporter.get_finished_spans()
+        assert expected == [s.name for s in got]
+        for span in got:
+            assert int("5" * 32, 16) == span.context.trace_id
+            (link,) = span.links
+            assert link.context.is_valid and link.context.trace_id != span.context.trace_id
+
+
+class _ApiOnlyProvider(trace.TracerProvider):
+    """An implementation of the API that is not the SDK's (its tracers expose
+    nothing but the API), delegating to an SDK provider."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def get_tracer(self, *args: Any, **kwargs: Any) -> Any:
+        return _ApiOnlyTracer(self.inner.get_tracer(*args, **kwargs))
+
+
+class _ApiOnlyTracer(trace.Tracer):
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def start_span(self, *args: Any, **kwargs: Any) -> Any:
+        return self.inner.start_span(*args, **kwargs)
+
+    def start_as_current_span(self, *args: Any, **kwargs: Any) -> Any:
+        return self.inner.start_as_current_span(*args, **kwargs)
+
+
+def test_another_api_implementation_gets_the_same_spans_through_the_api(tmp_path: Path) -> None:
+    """A provider that is not the SDK's: the batch, its phases and each event's
+    span (a child of its producer, linked to the batch, with its result) are
+    started and ended through the API."""
+    exporter = InMemorySpanExporter()
+    inner = sdk_trace.TracerProvider()
+    inner.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.set_provider(_ApiOnlyProvider(inner))
+    try:
+        worker, _io = make_worker(tmp_path)
+        parent = "00-" + "7" * 32 + "-" + "8" * 16 + "-01"
+        worker.process([delivery(1, body(new_event(meta={"traceparent": parent}))), delivery(2, b"{broken")])
+    finally:
+        tracing.set_provider(None)
+    named = by_name(exporter)
+    (batch,) = named["catalog batch"]
+    assert {"consume", "apply", "commit", "ack"} <= set(named)
+    (applied,) = named["catalog apply material.published"]
+    assert int("8" * 16, 16) == applied.parent.span_id
+    assert [batch.context.span_id] == [link.context.span_id for link in applied.links]
+    assert "updated" == applied.attributes["delivery_consumer.result"]
+    (broken,) = named["catalog apply"]
+    assert trace.StatusCode.ERROR == broken.status.status_code
+    assert 1 == batch.attributes["delivery_consumer.results.malformed-json"]

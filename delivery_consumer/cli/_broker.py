@@ -10,8 +10,8 @@ from typing import Any
 
 import click
 
-from .. import consumers
-from ..topology import DEFAULT_EXCHANGE, DEFAULT_PREFIX, DEFAULT_URL, Topology
+from ..consumers import topology as topology_for
+from ..topology import DEFAULT_EXCHANGE, DEFAULT_PREFIX, DEFAULT_URL
 from ._common import F, Fatal, from_deployment
 from .duration_type import Duration
 
@@ -30,13 +30,6 @@ def amqp_options(fn: F) -> F:
                       callback=from_deployment("amqp_url"),
                       help="Broker URL (default: the deployment file's, else guest on 127.0.0.1:5672, vhost /).")(fn)
     return fn
-
-
-def topology_for(consumer: str, exchange: str, prefix: str, **extra: Any) -> Topology:
-    """The queues of *consumer* (a registered one: its binding keys) under *exchange* and *prefix*."""
-    spec = consumers.get(consumer)
-    return Topology(consumer=consumer, binding_keys=tuple(spec.binding_keys), exchange=exchange,
-                    prefix=prefix, **extra)
 
 
 def broker_call(fn: Any, *args: Any, **kwargs: Any) -> Any:

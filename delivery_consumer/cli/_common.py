@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import sys
@@ -167,25 +166,11 @@ def deployment() -> Deployment | None:
         return None
     if _DEPLOYMENT not in ctx.meta:
         try:
-            ctx.meta[_DEPLOYMENT] = _environment_wins(config.load(ctx.meta.get(_CONFIG_ARG)))
+            ctx.meta[_DEPLOYMENT] = config.load(ctx.meta.get(_CONFIG_ARG))
         except ConfigError as exc:
             raise Fatal(str(exc)) from None
     found: Deployment | None = ctx.meta[_DEPLOYMENT]
     return found
-
-
-#: Environment variables that override the file's broker settings, as they do
-#: for the broker commands' options: ``status``, ``trace`` and the console must
-#: look at the broker and queues that ``run`` and ``dispatch`` use.
-BROKER_ENV = {"amqp_url": "DELIVERY_AMQP_URL", "exchange": "DELIVERY_EXCHANGE", "queue_prefix": "DELIVERY_QUEUE_PREFIX"}
-
-
-def _environment_wins(found: Deployment | None) -> Deployment | None:
-    if found is None:
-        return None
-    given = {key: os.environ.get(var) or getattr(found, key) for key, var in BROKER_ENV.items()}
-    return dataclasses.replace(found, amqp_url=given["amqp_url"], exchange=given["exchange"],
-                               queue_prefix=given["queue_prefix"])
 
 
 def _from_file(db_path: Path | None) -> str:

@@ -12,9 +12,10 @@ from typing import Any
 
 import click
 
-from .. import durations, system
+from .. import durations
+from ..config import BROKER_ENV
 from ..topology import DEFAULT_EXCHANGE, DEFAULT_PREFIX
-from ._common import BROKER_ENV, EXIT_ERROR, EXIT_OK, checked_deployment, emit_json, handle_errors
+from ._common import EXIT_ERROR, EXIT_OK, checked_deployment, emit_json, handle_errors
 from ._output import echo_record
 
 
@@ -51,9 +52,10 @@ def config_check(as_json: bool) -> None:
     consumers: list[dict[str, Any]] = []
     for name, entry in dep.consumers.items():
         problems += config_lib.check_database(dep, entry)
-        count = system.partition_count(entry) if entry.partitions or entry.db.is_dir() else None
+        where = dep.placement(name)
+        count = where.count()
         runs = []
-        for partition, path, topo in system.places(dep, entry):
+        for partition, path, topo in where.topologies():
             # without the file, each line alone must still name the database, queues and options
             run = ["delivery-consumer", "run", "--consumer", name, "--db", str(path)]
             if partition is not None and count is not None:

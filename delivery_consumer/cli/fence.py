@@ -18,6 +18,7 @@ from typing import Any
 
 import click
 
+from ..errors import FenceError
 from ..inbox import fence as fence_lib
 from ..sqlite import translate
 from ._common import Fatal, emit_json, handle_errors, open_db
@@ -83,7 +84,7 @@ def fence_resolve(consumer: str | None, db_path: Path | None, as_json: bool, key
     with open_db(consumer, db_path) as db:
         try:
             row: dict[str, Any] = fence_lib.resolve(db, key, provider_id=provider_id, not_sent=not_sent)
-        except fence_lib.FenceError as exc:
+        except FenceError as exc:
             raise Fatal(str(exc)) from None
     if as_json:
         emit_json(row)

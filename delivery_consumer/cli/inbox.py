@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import heapq
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -32,10 +32,10 @@ import click
 
 from .. import queries
 from ..durations import age as _age
-from ..errors import DeliveryError
-from ..inbox import ConsumerDB, default_db_path
-from ..partition_store import partition_db, partitioned_paths, partitions_beside
+from ..errors import DeliveryError, NotFound, PruneRefused
+from ..inbox import ConsumerDB
 from ..partitions import SLOT_COUNT
+from ..placement import beside, database, default_db, resolve
 from . import LazyGroup
 from ._broker import amqp_options, broker_call, topology_for
 from ._common import (
@@ -73,7 +73,7 @@ def _partition_option(fn: F) -> F:
         if partition is not None:
             if kwargs.get("consumer") is None and kwargs.get("db_path") is None:
                 raise Fatal("--partition needs --consumer NAME")
-            kwargs["db_path"] = partition_db(kwargs.get("consumer") or "", partition, kwargs.get("db_path"))
+            kwargs["db_path"] = database(kwargs.get("consumer") or "", partition, kwargs.get("db_path"))
         return fn(*args, **kwargs)
 
     option = click.option("--partition", type=click.IntRange(0, SLOT_COUNT - 1), envvar="DELIVERY_PARTITION",
@@ -91,8 +91,11 @@ def read_options(consumer: str | None = None) -> Callable[[F], F]:
 
 
 def partition_paths(consumer: str | None, db_path: Path | None) -> list[Path] | None:
+    """The partition databases read as one consumer (they agree on their count), or None."""
+    if consumer is None and db_path is None:
+        return None  # opening the database says what to give
     try:
-        return partitioned_paths(consumer, db_path)
+        return resolve(consumer, db_path).checked()
     except DeliveryError as exc:
         raise Fatal(str(exc)) from None
 
@@ -112,7 +115,7 @@ def _open_readonly(consumer: str | None, db_path: Path | None) -> ConsumerDB:
     try:
         return open_db(consumer, db_path, readonly=True)
     except Fatal as exc:
-        path = db_path if db_path is not None else default_db_path(consumer) if consumer else None
+        path = db_path if db_path is not None else default_db(consumer) if consumer else None
         if "readonly" not in exc.message or path is None or not path.is_file():
             raise
         directory = path.resolve().parent
@@ -134,7 +137,7 @@ def reading(consumer: str | None, db_path: Path | None) -> Iterator[ConsumerDB]:
     with _open_readonly(consumer, db_path) as db:
         try:
             yield db
-        except queries.NotFound as exc:
+        except NotFound as exc:
             raise Missing(str(exc)) from None
 
 
@@ -144,9 +147,9 @@ def reading_all(consumer: str | None, db_path: Path | None) -> Iterator[list[tup
     or the one database as [(None, db)]; a NotFound exits 1."""
     paths = partition_paths(consumer, db_path)
     if paths is None:
-        if consumer is not None and db_path is None and (beside := partitions_beside(default_db_path(consumer))):
-            click.echo(f"note: {beside[0].parent.parent} also holds {len(beside)} partition databases "
-                       f"(p<k>/inbox.db), not read here; --db {beside[0].parent.parent} reads them", err=True)
+        if consumer is not None and db_path is None and (found := beside(default_db(consumer))):
+            click.echo(f"note: {found[0].parent.parent} also holds {len(found)} partition databases "
+                       f"(p<k>/inbox.db), not read here; --db {found[0].parent.parent} reads them", err=True)
         with reading(consumer, db_path) as db:
             yield [(None, db)]
         return
@@ -155,31 +158,39 @@ def reading_all(consumer: str | None, db_path: Path | None) -> Iterator[list[tup
                                                     for k, path in enumerate(paths)]
         try:
             yield dbs
-        except queries.NotFound as exc:
+        except NotFound as exc:
             raise Missing(str(exc)) from None
 
 
-def _merged(parts: Sequence[tuple[int | None, list[dict[str, Any]]]]) -> Iterator[dict[str, Any]]:
-    """Rows of every partition, each tagged with its partition when there are several."""
-    for k, rows in parts:
-        for row in rows:
-            yield row if k is None else {**row, "partition": k}
+def list_newest(consumer: str | None, db_path: Path | None, as_json: bool, limit: int,
+                read: Callable[[ConsumerDB], list[dict[str, Any]]], order: Callable[[dict[str, Any]], Any],
+                keys: list[str], empty: str) -> None:
+    """Print what *read* finds in every partition's database (each row tagged with its partition when
+    there are several), newest first by *order*, at most *limit* (0: all)."""
+    with reading_all(consumer, db_path) as dbs:
+        parts = [[row if k is None else {**row, "partition": k} for row in read(db)] for k, db in dbs]
+    rows = list(heapq.merge(*parts, key=order, reverse=True))
+    rows = rows[:limit] if limit else rows
+    if as_json:
+        emit_json(rows)
+    else:
+        echo_table(keys, _columns(rows, keys), empty=empty)
 
 
 def find_first(dbs: list[tuple[int | None, ConsumerDB]],
                look: Callable[[ConsumerDB], dict[str, Any]]) -> dict[str, Any]:
     """The first partition's answer to *look* (NotFound in all of them: NotFound)."""
-    missing: queries.NotFound | None = None
+    missing: NotFound | None = None
     for k, db in dbs:
         try:
             found = look(db)
-        except queries.NotFound as exc:
+        except NotFound as exc:
             missing = exc
             continue
         return found if k is None else {**found, "partition": k}
     assert missing is not None
     consumer = dbs[0][1].consumer
-    raise queries.NotFound(str(missing) if len(dbs) == 1 else
+    raise NotFound(str(missing) if len(dbs) == 1 else
                            f"{str(missing).rsplit(' in ', 1)[0]} in any of the {len(dbs)} partitions of {consumer}")
 
 
@@ -211,16 +222,8 @@ inbox = LazyGroup(
 @handle_errors
 def inbox_list(consumer: str | None, db_path: Path | None, as_json: bool, result: str | None, limit: int) -> None:
     """Receipts, newest first."""
-    with reading_all(consumer, db_path) as dbs:
-        parts = [(k, queries.inbox_list(db, result=result, limit=limit)) for k, db in dbs]
-    rows = list(heapq.merge(*(list(_merged([part])) for part in parts),
-                            key=lambda r: (r["receivedAt"], r["eventId"]), reverse=True))
-    rows = rows[:limit] if limit else rows
-    if as_json:
-        emit_json(rows)
-        return
-    keys = ["receivedAt", "eventId", "type", "result"]
-    echo_table(keys, _columns(rows, keys), empty="no receipts")
+    list_newest(consumer, db_path, as_json, limit, lambda db: queries.inbox_list(db, result=result, limit=limit),
+                lambda r: (r["receivedAt"], r["eventId"]), ["receivedAt", "eventId", "type", "result"], "no receipts")
 
 
 @click.command("show")
@@ -326,7 +329,7 @@ def inbox_prune(consumer: str | None, db_path: Path | None, amqp_url: str, excha
 
     try:
         retention.check_older_than(older_than, horizon)
-    except retention.PruneRefused as exc:
+    except PruneRefused as exc:
         raise Fatal(f"refused: {exc}") from None
     db_path = one_partition(consumer, db_path, partition, "prune it")
     with ExitStack() as stack:
@@ -356,7 +359,7 @@ def inbox_prune(consumer: str | None, db_path: Path | None, amqp_url: str, excha
                                   keep_event_ids=keep, refresh_keep=refresh,
                                   dead_queue=topology.dead_queue if keep is not None else None,
                                   batch=batch, dry_run=dry_run)
-        except retention.PruneRefused as exc:  # pragma: no cover - checked above
+        except PruneRefused as exc:  # pragma: no cover - checked above
             raise Fatal(f"refused: {exc}") from None
         if keep is not None:
             report.dead_letters = len(snapshot.letters)
@@ -411,16 +414,9 @@ def rejected() -> None:
 @handle_errors
 def rejected_list(consumer: str | None, db_path: Path | None, as_json: bool, code: str | None, limit: int) -> None:
     """Rejections, newest first."""
-    with reading_all(consumer, db_path) as dbs:
-        parts = [(k, queries.rejected_list(db, code=code, limit=limit)) for k, db in dbs]
-    rows = list(heapq.merge(*(list(_merged([part])) for part in parts),
-                            key=lambda r: (r["rejectedAt"], r["id"]), reverse=True))
-    rows = rows[:limit] if limit else rows
-    if as_json:
-        emit_json(rows)
-        return
-    keys = ["id", "rejectedAt", "code", "eventId", "source", "reason"]
-    echo_table(keys, _columns(rows, keys), empty="no rejections")
+    list_newest(consumer, db_path, as_json, limit, lambda db: queries.rejected_list(db, code=code, limit=limit),
+                lambda r: (r["rejectedAt"], r["id"]), ["id", "rejectedAt", "code", "eventId", "source", "reason"],
+                "no rejections")
 
 
 @rejected.command("resolve")

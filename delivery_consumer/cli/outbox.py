@@ -28,8 +28,7 @@ import click
 
 from .. import outbox as outbox_lib
 from .. import producer as producer_lib
-from ..errors import ConfigError
-from ..queries import NotFound
+from ..errors import ConfigError, NotFound
 from ._broker import amqp_options, topology_for
 from ._common import F, Fatal, db_option, emit_json, from_deployment, handle_errors, json_option, setup_logging
 from ._output import count, echo_record, echo_table

@@ -10,8 +10,9 @@ import click
 
 from ..errors import DeliveryError
 from ..partition_queues import Rerouted
-from ..partition_store import partitioned_paths, repartitioned_from, split_merge
+from ..partition_store import repartitioned_from, split_merge
 from ..partitions import SLOT_COUNT, partition_topologies, partition_topology, route, unrouted_name
+from ..placement import resolve
 from ..topology import Binding, Route, Topology
 from ._broker import amqp_options, topology_for
 from ._common import EXIT_OK, EXIT_REJECTED, Fatal, consumer_option, handle_errors
@@ -43,7 +44,7 @@ def repartition(consumer: str, amqp_url: str, exchange: str, queue_prefix: str, 
     from ..faults import pausepoint
 
     base = topology_for(consumer, exchange, queue_prefix)
-    paths = partitioned_paths(consumer, None, root)
+    paths = resolve(consumer, root=root).checked()
     unpartitioned = paths is None
     if paths is None:
         if not (root / consumer / "inbox.db").is_file():

@@ -15,11 +15,12 @@ from typing import Any
 
 import click
 
-from ..envelope import MAX_BODY_BYTES
-from ..partition_store import partition_db
+from ..durations import format as spelled
 from ..partitions import explain
+from ..placement import database, in_directory
+from ..service.config import RunConfig
 from ..service.launch import EXIT_TEMPFAIL, checked_spec
-from ..topology import DEFAULT_DELIVERY_LIMIT, Topology
+from ..topology import Topology
 from ._broker import RETRY_DELAYS, amqp_options, topology_for
 from ._common import F, Fatal, consumer_option, db_option, deployment, from_deployment, handle_errors, setup_logging
 from ._partitions import partition_identity, partition_options
@@ -106,31 +107,32 @@ def _metrics_server(consumer: str, port: int, host: str, queues: tuple[str, Topo
 @consumer_option(required=True)
 @db_option
 @amqp_options
-@click.option("--prefetch", default=500, show_default=True, type=click.IntRange(1, 65535),
+@click.option("--prefetch", default=RunConfig.prefetch, show_default=True, type=click.IntRange(1, 65535),
               help="Unacknowledged deliveries the broker may send ahead (memory: up to prefetch x max-bytes).")
-@click.option("--batch", default=250, show_default=True, type=click.IntRange(1, 10_000),
+@click.option("--batch", default=RunConfig.batch, show_default=True, type=click.IntRange(1, 10_000),
               help="Deliveries per transaction (1 = one commit per delivery).")
-@click.option("--batch-wait", "batch_wait_ms", default="10ms", show_default=True,
+@click.option("--batch-wait", "batch_wait_ms", default=spelled(RunConfig.batch_wait_ms / 1000), show_default=True,
               type=Duration(maximum=60, milliseconds=True),
               help="The longest a batch keeps taking deliveries that are still arriving; a lone delivery"
                    " never waits.")
-@click.option("--max-attempts", default=3, show_default=True, type=click.IntRange(1, 1000),
+@click.option("--max-attempts", default=RunConfig.max_attempts, show_default=True, type=click.IntRange(1, 1000),
               help="Tries of an event that fails transiently before it is dead-lettered retries-exhausted.")
-@click.option("--retry-delays", default="1s,10s,60s", show_default=True, type=RETRY_DELAYS,
+@click.option("--retry-delays", default=",".join(f"{ms / 1000:g}s" for ms in RunConfig.retry_delays_ms),
+              show_default=True, type=RETRY_DELAYS,
               help="Delays of the retry tiers (the last repeats), e.g. 500ms,5s,1m.")
-@click.option("--delivery-limit", default=DEFAULT_DELIVERY_LIMIT, show_default=True, type=click.IntRange(1),
+@click.option("--delivery-limit", default=RunConfig.delivery_limit, show_default=True, type=click.IntRange(1),
               help="Broker-side x-delivery-limit of the queue (the backstop for poison messages).")
-@click.option("--max-crashes", default=3, show_default=True, type=click.IntRange(1),
+@click.option("--max-crashes", default=RunConfig.max_crashes, show_default=True, type=click.IntRange(1),
               help="Dead-letter a message (delivery-limit) after it killed the process this many times.")
 @click.option("--exit-when-idle", "exit_when_idle", type=Duration(positive=True),
               help="Exit 0 after no delivery arrived for this long (e.g. 2s); exit 2 if the broker cannot be "
                    "reached at start.")
-@click.option("--store-outage-limit", "store_outage_limit_s", default="10m", show_default=True,
-              type=Duration(positive=True),
+@click.option("--store-outage-limit", "store_outage_limit_s", default=spelled(RunConfig.store_outage_limit_s),
+              show_default=True, type=Duration(positive=True),
               help="How long the database may fail as a whole (disk full, I/O error, busy, read-only) before run "
                    "exits 75 (for a supervisor to restart it); meanwhile deliveries are held unacked and retried, "
                    "no attempt spent.")
-@click.option("--max-bytes", default=MAX_BODY_BYTES, show_default=True, type=click.IntRange(1),
+@click.option("--max-bytes", default=RunConfig.max_bytes, show_default=True, type=click.IntRange(1),
               help="Largest body accepted; larger ones are dead-lettered invalid-envelope.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
@@ -160,7 +162,6 @@ def run(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue
     a standby that takes over when the first dies).
     """
     from ..errors import BrokerError, StoreOutage
-    from ..service.config import RunConfig
     from ..service.run import run as run_consumer
 
     setup_logging(log_level, log_format, consumer)
@@ -171,7 +172,7 @@ def run(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue
                                  param_hint="--batch")
     config = RunConfig(
         consumer=consumer, url=amqp_url, exchange=exchange, prefix=queue_prefix,
-        db_path=partition_db(consumer, partition, db_path) if partition is not None else db_path,
+        db_path=database(consumer, partition, db_path) if partition is not None else db_path,
         prefetch=prefetch, batch=batch, batch_wait_ms=batch_wait_ms, max_attempts=max_attempts,
         retry_delays_ms=retry_delays, delivery_limit=delivery_limit, max_crashes=max_crashes,
         exit_when_idle_s=exit_when_idle, max_bytes=max_bytes, log_each_event=log_format == "json",
@@ -199,13 +200,11 @@ def _file_partition(consumer: str, db_path: Path | None, partition: int | None, 
     *consumer* partitioned (``db`` its directory, ``partitions = N``): partition K's
     ``<db>/p<K>/inbox.db`` even before the directory exists, the file's count, and
     the file's ``metrics_port`` + K (one port per partition on one host)."""
-    from ..system import partition_count
-
     found = deployment()
     entry = found.consumer(consumer) if found is not None else None
     if found is None or entry is None or db_path != entry.db:
         return db_path, partitions, metrics_port  # not the file's database: nothing to add
-    count = partition_count(entry) if entry.partitions or entry.db.is_dir() else None
+    count = found.placement(consumer).count()
     if count is None and entry.partitions is None:
         return db_path, partitions, metrics_port
     if partition is None:
@@ -213,7 +212,7 @@ def _file_partition(consumer: str, db_path: Path | None, partition: int | None, 
                     + (f" ({count} partitions)" if count else "") + ": give --partition K (one run per partition)")
     if metrics_port is not None and metrics_port == entry.options.get("metrics_port"):
         metrics_port += partition
-    return entry.database(partition), partitions if partitions is not None else count, metrics_port
+    return in_directory(entry.db, partition), partitions if partitions is not None else count, metrics_port
 
 
 __all__ = ["run"]

@@ -79,8 +79,6 @@ def declare_cmd(names: tuple[str, ...], amqp_url: str, exchange: str, queue_pref
 def _declared_counts(names: tuple[str, ...], partitions: int | None) -> dict[str, int | None]:
     """Consumer -> partition count (None: unpartitioned) of what ``topology declare`` declares:
     the consumers named, else the deployment file's; the count given, else the file's."""
-    from ..system import partition_count
-
     found = deployment()
     if not names:
         if found is None or not found.consumers:
@@ -89,9 +87,9 @@ def _declared_counts(names: tuple[str, ...], partitions: int | None) -> dict[str
     out: dict[str, int | None] = {}
     for name in dict.fromkeys(names):
         consumers.get(name)  # an unknown consumer: one line, exit 2
-        entry = found.consumer(name) if found is not None else None
+        known = found is not None and name in found.consumers
         out[name] = partitions if partitions is not None else (
-            partition_count(entry) if entry is not None and (entry.partitions or entry.db.is_dir()) else None)
+            found.placement(name).count() if found is not None and known else None)
     return out
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import click
 
 from .. import consumers, system
-from ..queries import NotFound
+from ..errors import NotFound
 from ._common import EVENT_ID, checked_deployment, emit_json, handle_errors
 from ._output import cell, echo_record, echo_table
 from .inbox import Missing, find_first, read_options, reading_all
@@ -46,7 +46,7 @@ def trace(ctx: click.Context, consumer: str | None, db_path: Path | None, as_jso
     deliveries, rejections, effect rows). An id nobody knows: exit 1.
 
     With --ce-source SOURCE: EVENT_ID is a CloudEvent's id, as its producer
-    sent it (README, "CloudEvents in").
+    sent it (docs/envelope.md, "CloudEvents in").
     """
     if event_id is not None:
         event_id = _event_id(ctx, ce_source, event_id)

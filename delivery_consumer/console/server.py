@@ -37,9 +37,8 @@ from ..config import Deployment
 from ..consumers import open_db
 from ..deadletters import SharedReads
 from ..envelope import is_event_id
-from ..errors import DeliveryError
+from ..errors import DeliveryError, NotFound
 from ..plural import count
-from ..queries import NotFound
 from ..topology import Topology
 from . import chart
 
@@ -161,8 +160,8 @@ class Console:
     def warm(self) -> None:
         """Read the settled minutes of every database once (a background thread at start-up),
         so that the first page is as fast as the next ones."""
-        for name, entry in self.dep.consumers.items():
-            for _partition, path in entry.databases():
+        for name in self.dep.consumers:
+            for _partition, path in self.dep.placement(name).databases:
                 try:
                     with open_db(path, name, readonly=True) as db:
                         self.minutes.minutes(db, self.window_s)
@@ -233,8 +232,8 @@ class Console:
         window = durations.format(self.window_s)
         parts = [f"<section><h2>Outcomes per minute, last {window}</h2><p>{chart.legend()}</p>"]
         now = time.time()
-        for name, entry in self.dep.consumers.items():
-            for partition, path in entry.databases():
+        for name in self.dep.consumers:
+            for partition, path in self.dep.placement(name).databases:
                 label = name + (f"/{partition}" if partition else "")
                 if not path.exists():
                     parts.append(f"<h3>{_e(label)}</h3><p>no database yet</p>")
@@ -366,11 +365,10 @@ class Console:
     def _place(self, form: dict[str, str]) -> tuple[str, Path, Topology]:
         """The consumer's database and queues the form names (a partition's, with ``partition``)."""
         consumer = form.get("consumer", "")
-        entry = self.dep.consumers.get(consumer)
-        if entry is None:
+        if consumer not in self.dep.consumers:
             raise ValueError(f"unknown consumer {consumer!r}")
         partition = form.get("partition") or None
-        for found, path, topo in system.places(self.dep, entry):
+        for found, path, topo in self.dep.placement(consumer).topologies():
             if found == partition:
                 return consumer, path, topo
         if partition is None:

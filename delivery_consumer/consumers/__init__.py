@@ -22,12 +22,14 @@ from __future__ import annotations
 import importlib
 import os
 from pathlib import Path
+from typing import Any
 
 from ..contract import ConsumerSpec
 from ..errors import ConfigError
 from ..inbox.database import ConsumerDB
 from ..partitions import Identity
 from ..sqlite import DEFAULT_BUSY_TIMEOUT_MS
+from ..topology import DEFAULT_EXCHANGE, DEFAULT_PREFIX, Topology
 
 ENTRY_POINT_GROUP = "delivery_consumer.consumers"
 PLUGINS_ENV = "DELIVERY_PLUGINS"
@@ -123,10 +125,17 @@ def open_db(
                            busy_timeout_ms=busy_timeout_ms, partition=partition, unpartitioned=unpartitioned)
 
 
+def topology(consumer: str, exchange: str = DEFAULT_EXCHANGE, prefix: str = DEFAULT_PREFIX,
+             **extra: Any) -> Topology:
+    """The queues of *consumer* (its binding keys) under *exchange* and *prefix*."""
+    return Topology(consumer=consumer, binding_keys=tuple(get(consumer).binding_keys), exchange=exchange,
+                    prefix=prefix, **extra)
+
+
 def names() -> list[str]:
     """Names of every consumer that can be used, built-in and registered."""
     _load_plugins()
     return sorted(set(_BUILTINS) | set(_REGISTRY))
 
 
-__all__ = ["ENTRY_POINT_GROUP", "PLUGINS_ENV", "find", "get", "names", "open_db", "register", "unregister"]
+__all__ = ["ENTRY_POINT_GROUP", "PLUGINS_ENV", "find", "get", "names", "open_db", "register", "topology", "unregister"]

@@ -20,7 +20,7 @@ from .apply import (
     receipt_of,
     unsynced_transaction,
 )
-from .database import CORE_MIGRATIONS, STORE_VERSION, ConsumerDB, default_db_path, inbox_rowid_before
+from .database import CORE_MIGRATIONS, STORE_VERSION, ConsumerDB, inbox_rowid_before
 from .in_flight import CRASHED, INTERRUPTED, OPEN_OUTCOMES, InFlight, forget_in_flight, owner_alive, process_owner
 
 __all__ = [
@@ -35,7 +35,6 @@ __all__ = [
     "UnsyncedTransaction",
     "apply_batch",
     "apply_event",
-    "default_db_path",
     "forget_in_flight",
     "has_receipt",
     "inbox_rowid_before",

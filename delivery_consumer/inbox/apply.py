@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Callable, Sequence
+from time import monotonic
 from typing import TYPE_CHECKING, ClassVar
 
 import orjson
@@ -140,7 +141,7 @@ class Transaction:
     showed in the profile (bench/bench_replay.py).
     """
 
-    __slots__ = ("_known", "_written", "apply_many_fn", "conn", "db", "effect", "now", "spec")
+    __slots__ = ("_known", "apply_many_fn", "conn", "db", "effect", "now", "spec")
     #: Whether a commit checks that the file is still the database (ConsumerDB.check_file).
     CHECKS_FILE: ClassVar[bool] = True
 
@@ -155,8 +156,6 @@ class Transaction:
         self.apply_many_fn = db.spec.apply_many
         #: Receipts read ahead by :meth:`prefetch` (eventId -> (fingerprint, result)).
         self._known: dict[str, tuple[str, str]] | None = None
-        #: Results of the receipts written, counted before COMMIT (counters.py).
-        self._written: list[str] = []
 
     def __enter__(self) -> Transaction:
         try:
@@ -173,8 +172,10 @@ class Transaction:
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         if exc is None:
             try:
-                if self._written:
-                    counters.add(self.conn, counters.minute_of(self.now), self._written)
+                db = self.db
+                if monotonic() >= db.count_due:  # the receipt counters, at most every CATCH_UP_S
+                    counters.catch_up(self.conn)
+                    db.count_due = monotonic() + counters.CATCH_UP_S
                 self.conn.execute("COMMIT")
             except sqlite3.Error as error:
                 exc = error
@@ -321,7 +322,6 @@ class Transaction:
                 (env.event_id, env.fingerprint, result, env.type, now, env.key, _meta_column(env))
                 for env, result in zip(fresh, results, strict=True)
             ])
-            self._written += results
         except _Fallback:
             raise
         except Exception as exc:
@@ -343,7 +343,6 @@ class Transaction:
         except sqlite3.Error as exc:
             raise sqlite.translate(exc, self.db.path) from None
         self._known = None
-        self._written = []
 
     def prefetch(self, envs: Sequence[Envelope]) -> None:
         """Read the receipts of a whole batch in one statement.
@@ -374,7 +373,6 @@ class Transaction:
         result = self.effect(conn, env)
         conn.execute(_RECEIPT_INSERT, (env.event_id, env.fingerprint, result, env.type, self.now, env.key,
                                        _meta_column(env)))
-        self._written.append(result)
         if known is not None:
             known[env.event_id] = (env.fingerprint, result)
         return result

@@ -1,14 +1,17 @@
-"""Receipt counters: receipts per (minute, result), (hour, result) and result, kept by the writers.
+"""Receipt counters: receipts per (minute, result), (hour, result) and result.
 
 ``inbox_minutes`` holds one row per minute and result that has receipts;
 triggers on it keep ``inbox_hours`` equal to its sums per hour and, under the
-hour ``~`` (after every hour), per result. The
-writers of ``inbox`` change the minutes, a batch at a time: the apply
-transaction adds its receipts before COMMIT (all stamped with one time, so
-one row per result), prune subtracts what it deleted, repartition rebuilds
-the counters of the databases it writes. Reads (status, ``inbox stats``, the
-console's chart) then cost the number of minutes and hours in a window, not
-the number of receipts. Why and at what cost: docs/system-view.md.
+hour ``~`` (after every hour), per result. The writers fold the receipts in
+at most every :data:`CATCH_UP_S` seconds, not at every commit: the receipts
+above the rowid ``inbox_counted.last_rowid`` (appended since) are not in
+the counters yet, and every reader adds them from the inbox (:func:`tail`),
+so a read is exact at any moment and costs the minutes and hours of its
+window plus the receipts of the last catch-up interval, never the whole
+inbox. :func:`catch_up` runs inside a write transaction (the apply
+transaction when due, prune before it deletes); prune subtracts what it
+deleted, repartition rebuilds the counters of the databases it writes.
+Why and at what cost: docs/system-view.md.
 """
 
 from __future__ import annotations
@@ -16,6 +19,11 @@ from __future__ import annotations
 import sqlite3
 from collections import Counter
 from collections.abc import Iterable
+
+#: The counters' tables: derived from the receipts, never copied with them (repartition rebuilds them).
+TABLES = ("inbox_minutes", "inbox_hours", "inbox_counted")
+#: At most this long (seconds) between two catch-ups of a writer that commits.
+CATCH_UP_S = 1.0
 
 _ADD = (
     "INSERT INTO inbox_minutes (minute, result, n) VALUES (?, ?, ?)"
@@ -27,6 +35,10 @@ _EMPTY = "DELETE FROM inbox_minutes WHERE minute = ? AND result = ? AND n <= 0"
 TOTAL = "~"
 #: A full recount from the receipts (the migration's backfill, repartition).
 RECOUNT = "SELECT substr(received_at, 1, 16), result, count(*) FROM inbox GROUP BY 1, 2"
+_COUNTED = "SELECT last_rowid FROM inbox_counted"
+#: The receipts not counted yet, per (minute, result).
+_TAIL = ("SELECT substr(received_at, 1, 16), result, count(*) FROM inbox"
+         " WHERE rowid > (SELECT last_rowid FROM inbox_counted) GROUP BY 1, 2")
 
 
 def minute_of(received_at: str) -> str:
@@ -34,23 +46,37 @@ def minute_of(received_at: str) -> str:
     return received_at[:16]
 
 
-def add(conn: sqlite3.Connection, minute: str, results: Iterable[str]) -> None:
-    """Count receipts written at *minute* with *results* (inside the writer's transaction)."""
-    counts = Counter(results)
-    if len(counts) == 1:
-        ((result, n),) = counts.items()
-        conn.execute(_ADD, (minute, result, n))
-    elif counts:
-        conn.executemany(_ADD, [(minute, result, n) for result, n in counts.items()])
+def catch_up(conn: sqlite3.Connection) -> None:
+    """Count the receipts appended since the last catch-up (inside the writer's transaction)."""
+    ((upto, last),) = conn.execute(
+        "SELECT last_rowid, (SELECT coalesce(max(rowid), 0) FROM inbox) FROM inbox_counted").fetchall()
+    if last > upto:
+        conn.execute(
+            "INSERT INTO inbox_minutes (minute, result, n) SELECT substr(received_at, 1, 16), result, count(*)"
+            " FROM inbox WHERE rowid > ? AND rowid <= ? GROUP BY 1, 2"
+            " ON CONFLICT (minute, result) DO UPDATE SET n = n + excluded.n", (upto, last))
+    if last != upto:
+        # Below *upto* only when receipts at the end were deleted (all counted, and uncounted by
+        # subtract): the next receipt's rowid is then last + 1, which must not count as counted.
+        conn.execute("UPDATE inbox_counted SET last_rowid = ?", (last,))
+
+
+def tail(conn: sqlite3.Connection) -> list[tuple[str, str, int]]:
+    """(minute, result, n) of the receipts not counted yet (read it in the snapshot of the counters)."""
+    return conn.execute(_TAIL).fetchall()
 
 
 def subtract(conn: sqlite3.Connection, deleted: Iterable[tuple[str, str]]) -> None:
-    """Uncount deleted receipts, given as (received_at or minute, result) pairs."""
+    """Uncount deleted receipts, given as (received_at or minute, result) pairs.
+
+    The caller deletes them in the transaction of a :func:`catch_up` (before the
+    delete): every receipt deleted was counted."""
     counts = Counter((minute_of(at), result) for at, result in deleted)
     if not counts:
         return
     conn.executemany(_SUBTRACT, [(n, minute, result) for (minute, result), n in counts.items()])
     conn.executemany(_EMPTY, list(counts))
+    catch_up(conn)  # the newest receipts deleted: the counted rowid comes down to the newest left
 
 
 def rebuild(conn: sqlite3.Connection) -> None:
@@ -58,21 +84,26 @@ def rebuild(conn: sqlite3.Connection) -> None:
     conn.execute("DELETE FROM inbox_minutes")
     conn.execute("DELETE FROM inbox_hours")
     conn.execute(f"INSERT INTO inbox_minutes (minute, result, n) {RECOUNT}")
+    conn.execute("UPDATE inbox_counted SET last_rowid = (SELECT coalesce(max(rowid), 0) FROM inbox)")
 
 
 def totals(conn: sqlite3.Connection) -> dict[str, int]:
     """Receipts per result, in result order."""
-    return dict(conn.execute(
-        "SELECT result, n FROM inbox_hours WHERE hour = ? AND n > 0 ORDER BY result", (TOTAL,)).fetchall())
+    out: Counter[str] = Counter(dict(conn.execute(
+        "SELECT result, n FROM inbox_hours WHERE hour = ? AND n > 0", (TOTAL,)).fetchall()))
+    for _minute, result, n in tail(conn):
+        out[result] += n
+    return {result: n for result, n in sorted(out.items()) if n}
 
 
 def since(conn: sqlite3.Connection, cutoff: str) -> dict[str, int]:
     """Receipts per result received at or after *cutoff* (a stored time), exactly.
 
     The hours after *cutoff*'s own and the minutes after *cutoff*'s own in
-    its hour come from the counters; the receipts of that minute itself from
-    the inbox, found by the rowid (receipts are appended in time order:
-    :func:`inbox_rowid_before`).
+    its hour come from the counters; the counted receipts of that minute
+    itself from the inbox, found by the rowid (receipts are appended in time
+    order: :func:`inbox_rowid_before`), and the receipts not counted yet from
+    the inbox's end.
     """
     from .database import inbox_rowid_before  # database imports apply, which imports this module
 
@@ -87,20 +118,32 @@ def since(conn: sqlite3.Connection, cutoff: str) -> dict[str, int]:
             (minute, hour + "~")):
         out[result] += n
     after = minute + "~"  # sorts after every time within the minute
-    low, high = inbox_rowid_before(conn, cutoff), inbox_rowid_before(conn, after)
+    ((counted,),) = conn.execute(_COUNTED).fetchall()
+    low, high = inbox_rowid_before(conn, cutoff), min(inbox_rowid_before(conn, after), counted)
     if high > low:
         for result, n in conn.execute(
                 "SELECT result, count(*) FROM inbox WHERE rowid > ? AND rowid <= ? AND received_at >= ?"
                 " AND received_at < ? GROUP BY result", (low, high, cutoff, after)):
             out[result] += n
+    for result, n in conn.execute(
+            "SELECT result, count(*) FROM inbox WHERE rowid > ? AND received_at >= ? GROUP BY result",
+            (counted, cutoff)):
+        out[result] += n
     return {result: n for result, n in sorted(out.items()) if n}
 
 
 def per_minute(conn: sqlite3.Connection, first: str, until: str | None = None) -> list[tuple[str, str, int]]:
     """(minute, result, n) of the whole minutes from *first* up to (not including) *until*."""
-    return conn.execute(
-        "SELECT minute, result, n FROM inbox_minutes WHERE minute >= ? AND minute < ? AND n > 0",
-        (minute_of(first), minute_of(until) if until else "9999")).fetchall()
+    low, high = minute_of(first), minute_of(until) if until else "9999"
+    out: Counter[tuple[str, str]] = Counter()
+    for minute, result, n in conn.execute(
+            "SELECT minute, result, n FROM inbox_minutes WHERE minute >= ? AND minute < ? AND n > 0", (low, high)):
+        out[minute, result] += n
+    for minute, result, n in tail(conn):
+        if low <= minute < high:
+            out[minute, result] += n
+    return [(minute, result, n) for (minute, result), n in out.items()]
 
 
-__all__ = ["RECOUNT", "TOTAL", "add", "minute_of", "per_minute", "rebuild", "since", "subtract", "totals"]
+__all__ = ["CATCH_UP_S", "RECOUNT", "TABLES", "TOTAL", "catch_up", "minute_of", "per_minute", "rebuild", "since",
+           "subtract", "tail", "totals"]

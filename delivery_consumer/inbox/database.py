@@ -20,6 +20,7 @@ from ..contract import ConsumerSpec
 from ..dbfile import FileGuard, SerialLock
 from ..errors import DatabaseError, StoreUnavailable, WrongDatabase, safe_reason
 from ..partitions import Identity, identity_from_meta
+from ..placement import default_db
 from ..sqlite import DEFAULT_BUSY_TIMEOUT_MS, now_iso
 from .apply import Transaction
 
@@ -142,6 +143,16 @@ CORE_MIGRATIONS: tuple[str, ...] = (
     INSERT INTO inbox_minutes (minute, result, n)
         SELECT substr(received_at, 1, 16), result, count(*) FROM inbox GROUP BY 1, 2;
     """,
+    # The writers fold receipts into the counters at most every second, not at
+    # every commit (the extra pages made every synced commit dearer): the
+    # receipts above last_rowid are not counted yet, and the readers add them.
+    """
+    CREATE TABLE inbox_counted (
+        only      INTEGER PRIMARY KEY CHECK (only = 1),
+        last_rowid INTEGER NOT NULL
+    ) STRICT;
+    INSERT INTO inbox_counted (only, last_rowid) VALUES (1, coalesce((SELECT max(rowid) FROM inbox), 0));
+    """,
 )
 STORE_VERSION = len(CORE_MIGRATIONS)
 #: The ``meta`` key of the consumer's seal key (hex), made by the first writable open.
@@ -152,11 +163,6 @@ _CONSUMER_VERSION_KEY = "consumer_schema_version"
 
 #: Resolves the consumer a database records to its spec (the registry's ``get``).
 SpecLookup = Callable[[str], ConsumerSpec]
-
-
-def default_db_path(consumer: str) -> Path:
-    """Where a consumer's database lives unless told otherwise."""
-    return Path("state") / consumer / "inbox.db"
 
 
 def inbox_rowid_before(conn: sqlite3.Connection, cutoff: str) -> int:
@@ -208,6 +214,8 @@ class ConsumerDB:
         #: The file's identity as opened (writable opens): every synced commit
         #: checks that the path still names it (:meth:`check_file`).
         self.guard: FileGuard | None = None
+        #: When (time.monotonic) the next commit folds new receipts into the counters.
+        self.count_due = 0.0
         self._serial: SerialLock | None = None
 
     # -- opening ---------------------------------------------------------------
@@ -238,7 +246,7 @@ class ConsumerDB:
         if path is None:
             if consumer is None:
                 raise DatabaseError("give a consumer name or a database path")
-            path = default_db_path(consumer)
+            path = default_db(consumer)
         path = Path(path)
         if path.is_dir():
             raise DatabaseError(f"{path}: is a directory, not a database file")
@@ -356,8 +364,8 @@ class ConsumerDB:
         partition: Identity | None = None,
     ) -> str:
         """Check identity and run pending migrations, all under one write lock."""
-        conn.execute("BEGIN IMMEDIATE")
-        try:
+        # sqlite3 errors leave as they are: open() words them (cannot use this database)
+        with sqlite.transaction(conn, translated=False):
             stored = cls._recorded_consumer(conn, path)
             if stored is None:
                 if spec is None:
@@ -398,11 +406,7 @@ class ConsumerDB:
             if version != STORE_VERSION or applied != (int(row[0]) if row else 0):  # it migrated: say who
                 conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
                              (SCHEMA_BY_KEY, f"delivery-consumer {__version__}"))
-            conn.execute("COMMIT")
-            return stored
-        except BaseException:
-            sqlite.rollback(conn)
-            raise
+        return stored
 
     # -- use -------------------------------------------------------------------
 
@@ -487,5 +491,5 @@ class ConsumerDB:
         return dict(self.conn.execute("SELECT key, value FROM meta").fetchall())
 
 
-__all__ = ["CORE_MIGRATIONS", "SEAL_KEY", "STORE_VERSION", "ConsumerDB", "SpecLookup", "default_db_path",
+__all__ = ["CORE_MIGRATIONS", "SEAL_KEY", "STORE_VERSION", "ConsumerDB", "SpecLookup",
            "inbox_rowid_before"]

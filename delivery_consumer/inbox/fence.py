@@ -24,7 +24,7 @@ from typing import Any, Protocol, TypeVar
 from .. import tracing
 from ..contract import DeliveryMark, Outcome, WorkHooks
 from ..envelope import Envelope
-from ..errors import OUTCOME_UNKNOWN, REVISION_CONFLICT, DeliveryError, Rejection, StoreUnavailable, TransientError
+from ..errors import OUTCOME_UNKNOWN, REVISION_CONFLICT, FenceError, Rejection, StoreUnavailable, TransientError
 from ..faults import crashpoint
 from ..partitions import misplaced
 from ..sqlite import now_iso
@@ -68,10 +68,6 @@ _NO_HOOKS = WorkHooks()
 #: is waited for (WorkHooks.wait_for_store); if that gives up, the answers are
 #: lost: the keys stay claimed (docs/fence.md).
 COMPLETE_TRIES = 3
-
-
-class FenceError(DeliveryError):
-    """A fence cannot be changed as asked (unknown key, already done)."""
 
 
 def fence_key(article_id: str, revision: int, step: str) -> str:
@@ -571,7 +567,6 @@ __all__ = [
     "Call",
     "CallResult",
     "ExternalStep",
-    "FenceError",
     "apply_fenced",
     "fence_key",
     "fence_list",

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import orjson
 
-from .. import sqlite
+from .. import liveness, sqlite
 from ..errors import DatabaseError, DeliveryError
 from .apply import Transaction, unsynced_transaction
 from .database import ConsumerDB
@@ -39,50 +39,45 @@ INTERRUPTED = "interrupted"
 OPEN_OUTCOMES = (CRASHED, INTERRUPTED, IN_FLIGHT)
 
 
-def _proc_stat(pid: int) -> tuple[str, str] | None:
-    """(state, start time in clock ticks since boot) of a Linux process, None if none."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rpartition(b")")[2].split()
-    except OSError:
-        return None
-    return fields[0].decode(), fields[19].decode()  # fields 3 and 22 of proc(5)
+def _boot() -> str:
+    """The first 8 characters of the boot id, ``-`` without /proc."""
+    boot = liveness.boot_id()
+    return "-" if boot is None else boot[:8]
 
 
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()[:8]
-    except OSError:
-        return "-"
+def _namespace() -> str | None:
+    """This pid namespace's number (``4026531836`` of ``pid:[4026531836]``), None when unknown."""
+    namespace = liveness.pid_namespace()
+    return None if namespace is None else namespace.removeprefix("pid:[").removesuffix("]")
 
 
 def process_owner(pid: int | None = None) -> str:
-    """A name of process *pid* (default: this one) that no later process shares:
-    ``<boot id>:<pid>:<start time>`` (a pid alone is reused)."""
+    """A name of process *pid* (default: this one, in this pid namespace)
+    that no later process shares: ``<boot id>/<pid namespace>:<pid>:<start
+    time>`` (a pid alone is reused, and means something only in its namespace)."""
     pid = os.getpid() if pid is None else pid
-    stat = _proc_stat(pid)
-    return f"{_boot_id()}:{pid}:{stat[1] if stat else '-'}"
+    namespace = _namespace()
+    boot = _boot() if namespace is None else f"{_boot()}/{namespace}"
+    return f"{boot}:{pid}:{liveness.proc_start(pid) or '-'}"
 
 
 def owner_alive(owner: str) -> bool:
-    """Whether the process named *owner* (:func:`process_owner`) still runs (a zombie does not)."""
-    boot, _, rest = owner.partition(":")
+    """Whether the process named *owner* (:func:`process_owner`) may still run:
+    False once it exited (a zombie too) or its pid names another process, or
+    after a reboot. A process of another pid namespace (another container
+    on this host) cannot be seen from here: it is never judged dead (its
+    note waits; a name of older releases carries no namespace, it is taken
+    for this one)."""
+    boot_part, _, rest = owner.partition(":")
     pid_text, _, start = rest.partition(":")
-    if boot != _boot_id() or not pid_text.isdigit():
+    boot, _, namespace = boot_part.partition("/")
+    if boot != _boot() or not pid_text.isdigit():
         return False
-    stat = _proc_stat(int(pid_text))
-    if stat is None:
-        if start != "-":
-            return False
-        try:  # no /proc: only the pid can be checked
-            os.kill(int(pid_text), 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
+    mine = _namespace()
+    if namespace and mine is not None and namespace != mine:
         return True
-    return stat[1] == start and stat[0] != "Z"
+    state, _ = liveness.process_state(int(pid_text), None if start == "-" else start)
+    return state != liveness.GONE
 
 
 class InFlight:

@@ -29,60 +29,18 @@ import threading
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Final
 
 from ..errors import DeliveryError, safe_reason
-from ..sqlite import now_iso
+from ..liveness import GONE, RUNNING, boot_id, proc_start, process_state
+from ..sqlite import age_s, now_iso
 from .table import MAX_ERROR_CHARS, connect, transaction
 
 log = logging.getLogger("delivery_consumer.dispatch")
 
 #: An owner whose heartbeat is older than this many of its own beats is dead.
 STALE_BEATS: Final = 5
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path, encoding="ascii", errors="replace") as f:
-            return f.read().strip()
-    except OSError:
-        return None
-
-
-def boot_id() -> str | None:
-    """The kernel's boot id and this process's pid namespace (Linux), as
-    ``"<boot id> <namespace>"``: a reboot makes every old pid meaningless, and
-    a pid means something only inside its namespace (two containers may share
-    a host name and a kernel, not their pids)."""
-    boot = _read("/proc/sys/kernel/random/boot_id")
-    if boot is None:
-        return None
-    try:
-        namespace = os.readlink("/proc/self/ns/pid")
-    except OSError:
-        namespace = "?"
-    return f"{boot} {namespace}"
-
-
-def proc_stat(pid: int) -> tuple[str, str] | None:
-    """State and start time of *pid* (``/proc/<pid>/stat`` fields 3 and 22:
-    ``R``/``S``/``D`` running or waiting, ``T``/``t`` stopped, ``Z``/``X``
-    exited; clock ticks since boot), or None when unknown."""
-    stat = _read(f"/proc/{pid}/stat")
-    if stat is None:
-        return None
-    fields = stat.rpartition(")")[2].split()  # the command name may hold spaces and parentheses
-    if len(fields) < 20:
-        return None
-    return fields[0], fields[19]
-
-
-def proc_start(pid: int) -> str | None:
-    """Start time of *pid* in clock ticks since boot, or None when unknown."""
-    stat = proc_stat(pid)
-    return None if stat is None else stat[1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,23 +69,14 @@ def death(me: Identity, host: str, boot: str | None, pid: int, started: str | No
     its heartbeat. Elsewhere only the heartbeat tells."""
     same_boot = boot is not None and me.boot_id is not None and boot.split()[0] == me.boot_id.split()[0]
     if host == me.host and boot is not None and boot == me.boot_id:
-        current = proc_stat(pid)
-        if current is None:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return f"its process {pid} on {host} is gone"
-            except PermissionError:
-                pass
-        elif current[0] in ("Z", "X"):
-            return f"its process {pid} on {host} has exited"
-        elif started is not None and current[1] != started:
-            return f"its process {pid} on {host} is gone (the pid now belongs to another process)"
-        elif current[0] not in ("T", "t"):
+        state, why = process_state(pid, started)
+        if state == GONE:
+            return f"its process {pid} on {host} {why}"
+        if state == RUNNING:
             return None
     elif host == me.host and boot is not None and me.boot_id is not None and not same_boot:
         return f"{host} was restarted since it registered"
-    silent = now - datetime.fromisoformat(heartbeat_at).timestamp()
+    silent = age_s(heartbeat_at, now)
     if silent > STALE_BEATS * heartbeat_s:
         return f"no heartbeat for {silent:.0f}s"
     return None

@@ -17,17 +17,14 @@ from __future__ import annotations
 import sqlite3
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
-from datetime import datetime
+from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
 import orjson
 
-from ..errors import safe_reason
+from ..errors import NotFound, safe_reason
 from ..plural import count
-from ..queries import NotFound
-from ..sqlite import now_iso, path_of, rollback
+from ..sqlite import age_s, now_iso, path_of, read_snapshot
 from .table import transaction
 
 Row = dict[str, Any]
@@ -44,19 +41,6 @@ _FIELDS: Final = (
     ("droppedBy", "dropped_by"), ("dropReason", "drop_reason"),
 )
 _COLUMNS: Final = ", ".join(column for _, column in _FIELDS)
-
-
-@contextmanager
-def _snapshot(conn: sqlite3.Connection) -> Iterator[None]:
-    """Several reads from one snapshot (inside the caller's transaction if one is open)."""
-    if conn.in_transaction:
-        yield
-        return
-    conn.execute("BEGIN DEFERRED")
-    try:
-        yield
-    finally:
-        rollback(conn)
 
 
 def pending_states(conn: sqlite3.Connection, now_s: str) -> dict[int, tuple[str, str | None]]:
@@ -113,7 +97,7 @@ def list_rows(
         "dropped": ("status = 'dropped'", "seq DESC"),
         "published": ("status = 'published'", "seq DESC"),
     }.get(state, ("status = 'pending'", "seq"))
-    with _snapshot(conn):  # the states and the rows from one snapshot
+    with read_snapshot(conn):  # the states and the rows from one snapshot
         states = pending_states(conn, now_s) if state not in ("quarantined", "dropped", "published") else {}
         # The pending rows of one kind ("due": what the next claim may take, shown as pending).
         wanted = {"due": "pending", "leased": "leased", "retrying": "retrying", "held": "held"}.get(state)
@@ -130,7 +114,7 @@ def show(conn: sqlite3.Connection, event_id: str, *, now: float | None = None, b
     """One row with its fingerprint and (unless ``body=False``) its body;
     ``passedBy``: the later rows of its article published before it (all of
     them while it is unpublished). :class:`NotFound` otherwise."""
-    with _snapshot(conn):
+    with read_snapshot(conn):
         row = conn.execute(f"SELECT {_COLUMNS}, fingerprint, body FROM outbox WHERE event_id = ?",
                            (event_id,)).fetchone()
         if row is None:
@@ -147,18 +131,12 @@ def show(conn: sqlite3.Connection, event_id: str, *, now: float | None = None, b
     return out
 
 
-def _age_s(stamp: str | None, now: float) -> float | None:
-    if stamp is None:
-        return None
-    return round(now - datetime.fromisoformat(stamp).timestamp(), 3)
-
-
 def waiting(conn: sqlite3.Connection, *, now: float | None = None) -> Counter[str]:
     """How many rows are not published, by what they wait for: ``pending``
     (due), ``leased``, ``retrying`` (backoff), ``held`` (behind an earlier row
     of their article), ``quarantined`` (a person must act). Empty: every row
     is published (or dropped)."""
-    with _snapshot(conn):
+    with read_snapshot(conn):
         counts = Counter(state for state, _ in pending_states(conn, now_iso(now)).values())
         quarantined = conn.execute("SELECT count(*) FROM outbox WHERE status = 'quarantined'").fetchone()[0]
     if quarantined:
@@ -180,7 +158,7 @@ def stats(conn: sqlite3.Connection, *, now: float | None = None) -> Row:
     the commonest errors of pending rows and reasons of quarantined ones."""
     now = time.time() if now is None else now
     now_s = now_iso(now)
-    with _snapshot(conn):  # one snapshot for every read
+    with read_snapshot(conn):  # one snapshot for every read
         total, published, quarantined, dropped, oldest, oldest_quarantined, max_attempts, last_published = conn.execute(
             "SELECT count(*), coalesce(sum(status = 'published'), 0), coalesce(sum(status = 'quarantined'), 0),"
             " coalesce(sum(status = 'dropped'), 0),"
@@ -213,7 +191,7 @@ def stats(conn: sqlite3.Connection, *, now: float | None = None) -> Row:
         "quarantined": quarantined,
         "dropped": dropped,
         "oldestPendingAt": oldest,
-        "oldestPendingAgeSeconds": _age_s(oldest, now),
+        "oldestPendingAgeSeconds": age_s(oldest, now),
         "oldestQuarantinedAt": oldest_quarantined,
         "maxAttemptsUnpublished": max_attempts,
         "lastPublishedAt": last_published,

@@ -32,7 +32,7 @@ from typing import Any, Final
 
 from .. import sqlite, tracing
 from ..envelope import Envelope, from_mapping, parse
-from ..errors import EVENT_ID_REUSED, DatabaseError, DeliveryError, Rejection
+from ..errors import EVENT_ID_REUSED, DatabaseError, OutboxError, Rejection
 from ..event_types import EventTypes
 from ..sqlite import DEFAULT_BUSY_TIMEOUT_MS, now_iso
 from . import wake
@@ -104,12 +104,6 @@ MAX_ERROR_CHARS: Final = 160
 #: AMQP 0-9-1 short strings (routing keys, message ids) are at most 255 bytes.
 MAX_ROUTING_KEY_BYTES: Final = 255
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-
-
-class OutboxError(DeliveryError):
-    """The outbox was used the wrong way (enqueue outside a transaction,
-    nested transactions, no outbox installed, an envelope of the wrong type,
-    a routing key AMQP cannot carry)."""
 
 
 def routing_key_problem(key: object) -> str | None:

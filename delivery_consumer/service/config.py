@@ -9,9 +9,9 @@ from typing import Any
 
 from .. import consumers
 from ..envelope import MAX_BODY_BYTES
-from ..inbox import ConsumerDB, default_db_path
+from ..inbox import ConsumerDB
 from ..partitions import Identity
-from ..partitions import db_path as partition_db_path
+from ..placement import database
 from ..topology import DEFAULT_DELIVERY_LIMIT, DEFAULT_EXCHANGE, DEFAULT_PREFIX, DEFAULT_RETRY_DELAYS_MS, Topology
 
 
@@ -49,12 +49,8 @@ class RunConfig:
     integrity_check_s: float = 10.0
 
     def topology(self) -> Topology:
-        spec = consumers.get(self.consumer)
-        return Topology(
-            consumer=self.consumer,
-            binding_keys=tuple(spec.binding_keys),
-            exchange=self.exchange,
-            prefix=self.prefix,
+        return consumers.topology(
+            self.consumer, self.exchange, self.prefix,
             retry_delays_ms=self.retry_delays_ms,
             delivery_limit=self.delivery_limit,
             partition=self.partition.partition if self.partition else None,
@@ -65,9 +61,7 @@ class RunConfig:
         """The file of the run's database (the default one when no path was given)."""
         if self.db_path is not None:
             return self.db_path
-        if self.partition is not None:
-            return partition_db_path(self.consumer, self.partition.partition)
-        return default_db_path(self.consumer)
+        return database(self.consumer, self.partition.partition if self.partition else None, None)
 
     def open_db(self) -> ConsumerDB:
         """The run's database, checked to be this consumer's (and partition's)."""

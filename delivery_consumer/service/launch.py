@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from .. import consumers
-from ..errors import BrokerError, ConfigError, DeliveryError, StoreOutage
-from ..partition_store import partition_db, stored_identity
+from ..errors import BrokerError, BrokerUnavailable, ConfigError, DeliveryError, StoreOutage
 from ..partitions import Identity, check_partition
+from ..placement import database, stored_identity
 from ..topology import DEFAULT_URL, Topology
 
 if TYPE_CHECKING:
@@ -43,38 +44,69 @@ def checked_spec(consumer: str, consumer_options: dict[str, Any]) -> ConsumerSpe
     return spec
 
 
+@dataclass(frozen=True)
+class Spelling:
+    """How the partition options are written where the caller took them from."""
+
+    partition: str
+    count: str
+    count_n: str
+    #: What serves the partition.
+    server: str
+
+
+#: ``run``'s command line, and :func:`~delivery_consumer.service.launch.run_consumer`'s arguments.
+FLAGS = Spelling("--partition K", "--partitions", "--partitions N", "command")
+ARGUMENTS = Spelling("partition=K", "partitions", "partitions=N", "run")
+
+
+class CountUnknown(ConfigError):
+    """A partition with no database yet, and no count given or recorded on the broker."""
+
+    def __init__(self, message: str, *, unavailable: bool = False) -> None:
+        super().__init__(message)
+        #: The broker did not answer: not a configuration error, worth starting again.
+        self.unavailable = unavailable
+
+
 def partition_identity(consumer: str, partition: int | None, count: int | None, db: Path | None,
-                       broker: tuple[str, Topology] | None = None) -> Identity | None:
-    """The partition a run serves, its count read from its database when
-    not given, else (a first start) from the count the *broker* (url, the
-    consumer's topology) records; None for an unpartitioned consumer.
-    ConfigError in one line."""
+                       broker: tuple[str, Topology] | None = None, *,
+                       spelling: Spelling = ARGUMENTS) -> Identity | None:
+    """The partition a run serves, its count read from its database when not given, else (a first
+    start) from the count the *broker* (url, the consumer's topology) records; None for an
+    unpartitioned consumer. ConfigError (CountUnknown for an unknown count) in one line."""
     if partition is None:
         if count is not None:
-            raise ConfigError("partitions needs partition (the partition this run serves)")
+            raise ConfigError(f"{spelling.count} needs {spelling.partition} "
+                              f"(the partition this {spelling.server} serves)")
         return None
-    path = partition_db(consumer, partition, db)
+    path = database(consumer, partition, db)
     stored = stored_identity(path)
     if count is None:
-        count = stored.count if stored is not None else _broker_count(path, broker)
+        count = stored.count if stored is not None else _broker_count(path, broker, spelling)
     check_partition(partition, count)
     return Identity(partition, count)
 
 
-def _broker_count(path: Path, broker: tuple[str, Topology] | None) -> int:
+def _broker_count(path: Path, broker: tuple[str, Topology] | None, spelling: Spelling) -> int:
+    """The count the broker records, for a partition that has no database yet."""
     from ..partition_queues import recorded_count
 
-    count = None
-    if broker is not None:
-        try:
-            count = recorded_count(*broker)
-        except BrokerError as exc:
-            raise ConfigError(f"{path}: no partition database yet, and the broker cannot tell the count ({exc}); "
-                              "give partitions=N") from None
+    if broker is None:
+        raise CountUnknown(f"{path}: no partition database yet; give {spelling.count_n} to create it")
+    url, base = broker
+    try:
+        count = recorded_count(url, base)
+    except BrokerError as exc:
+        raise CountUnknown(f"{path}: no partition database yet, and the broker cannot tell the count ({exc}); "
+                           f"give {spelling.count_n}, or start again when the broker answers",
+                           unavailable=isinstance(exc, BrokerUnavailable)) from None
     if count is None:
-        raise ConfigError(f"{path}: no partition database yet, and the broker records no partition count: "
-                          "give partitions=N to create it")
+        raise CountUnknown(f"{path}: no partition database yet, and the broker records no partition count for "
+                           f"{base.consumer} ({base.count_marker} does not exist): run topology declare --consumer "
+                           f"{base.consumer} --partitions N first, or give {spelling.count_n}")
     return count
+
 
 
 def run_consumer(consumer: str, url: str = DEFAULT_URL, db: str | Path | None = None, *,
@@ -107,7 +139,7 @@ def run_consumer(consumer: str, url: str = DEFAULT_URL, db: str | Path | None = 
         db_path = Path(db) if db is not None else None
         config = RunConfig(
             consumer=consumer, url=url,
-            db_path=partition_db(consumer, partition, db_path) if partition is not None else db_path, **options,
+            db_path=database(consumer, partition, db_path) if partition is not None else db_path, **options,
         )
         config.partition = partition_identity(consumer, partition, partitions, db_path,
                                               broker=(url, config.topology()))
@@ -123,4 +155,5 @@ def run_consumer(consumer: str, url: str = DEFAULT_URL, db: str | Path | None = 
         return EXIT_FATAL
 
 
-__all__ = ["EXIT_FATAL", "EXIT_OK", "EXIT_TEMPFAIL", "checked_spec", "partition_identity", "run_consumer"]
+__all__ = ["ARGUMENTS", "EXIT_FATAL", "EXIT_OK", "EXIT_TEMPFAIL", "FLAGS", "CountUnknown", "Spelling", "checked_spec",
+           "partition_identity", "run_consumer"]
