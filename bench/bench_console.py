@@ -142,7 +142,8 @@ def load(args: argparse.Namespace) -> None:
     from bench_run import delete_queues, make_events, seed
 
     from delivery_consumer import consumers
-    from delivery_consumer.amqp.publisher import OutMessage, Publisher
+    from delivery_consumer.amqp.publisher import Publisher
+    from delivery_consumer.deliveries import OutMessage
     from delivery_consumer.topology import DEFAULT_URL, Topology
 
     url = os.environ.get("DELIVERY_AMQP_URL", DEFAULT_URL)

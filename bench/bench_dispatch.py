@@ -67,8 +67,9 @@ import orjson
 import pika
 
 from delivery_consumer import outbox
-from delivery_consumer.amqp.connection import BrokerError
-from delivery_consumer.amqp.publisher import OutMessage, Publisher, PublishResult, StreamPublisher
+from delivery_consumer.amqp.publisher import Publisher, StreamPublisher, properties
+from delivery_consumer.deliveries import OutMessage, PublishResult
+from delivery_consumer.errors import BrokerError
 from delivery_consumer.topology import DEFAULT_URL, Topology
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -107,7 +108,7 @@ def one_confirm_each(url: str, msgs: list[OutMessage]) -> float:
     ch.confirm_delivery()
     started = time.perf_counter()
     for msg in msgs:
-        ch.basic_publish(msg.exchange, msg.routing_key, msg.body, msg.properties(), mandatory=True)
+        ch.basic_publish(msg.exchange, msg.routing_key, msg.body, properties(msg), mandatory=True)
     elapsed = time.perf_counter() - started
     conn.close()
     return elapsed

@@ -38,7 +38,8 @@ from pathlib import Path
 import orjson
 from bench_run import delete_queues, make_events
 
-from delivery_consumer.amqp.publisher import OutMessage, Publisher
+from delivery_consumer.amqp.publisher import Publisher
+from delivery_consumer.deliveries import OutMessage
 from delivery_consumer.partitions import partition_topologies, route, slot_headers, slots_exchange, unrouted_name
 from delivery_consumer.topology import DEFAULT_URL, Topology
 

@@ -36,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_run import delete_queues, make_events
 
 from delivery_consumer.amqp.admin import declare
-from delivery_consumer.amqp.publisher import OutMessage, Publisher
+from delivery_consumer.amqp.publisher import Publisher
+from delivery_consumer.deliveries import OutMessage
 from delivery_consumer.topology import DEFAULT_URL, Topology
 
 

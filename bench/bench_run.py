@@ -31,7 +31,8 @@ from pathlib import Path
 
 import orjson
 
-from delivery_consumer.amqp.publisher import OutMessage, Publisher
+from delivery_consumer.amqp.publisher import Publisher
+from delivery_consumer.deliveries import OutMessage
 from delivery_consumer.event_ids import new_event_id
 from delivery_consumer.topology import DEFAULT_URL, Topology
 

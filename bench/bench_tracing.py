@@ -53,8 +53,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
 from delivery_consumer import tracing
-from delivery_consumer.amqp.consumer import Delivery
-from delivery_consumer.amqp.publisher import OutMessage
+from delivery_consumer.deliveries import Delivery, OutMessage
 from delivery_consumer.service.config import RunConfig
 from delivery_consumer.service.worker import Worker
 

@@ -21,11 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import consumers
-from .amqp.consumer import Delivery
 from .amqp.dead_queue import DeadQueue, HeldMessage, QueueBusy
-from .amqp.publisher import OutMessage, PublishResult
 from .cloudevents import parse_message
-from .deliveries import delivery_key
+from .deliveries import Delivery, OutMessage, PublishResult, delivery_key
 from .envelope import KOMBU_COMPRESSION_HEADER, MAX_BODY_BYTES, body_digest
 from .errors import DELIVERY_LIMIT, Rejection
 from .event_types import EventTypes

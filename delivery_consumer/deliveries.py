@@ -1,17 +1,64 @@
-"""What ``run``, its metrics and the dead-queue tools share about a delivery,
-without importing ``run``: the key of a message in the ``deliveries`` table
+"""What ``run``, its metrics, the outbox and the dead-queue tools share about
+a message, without importing ``run`` or pika: a message received
+(:class:`Delivery`) or to publish (:class:`OutMessage`) and its fate
+(:class:`PublishResult`), the key of a message in the ``deliveries`` table,
 and the hooks through which ``run`` reports what it did (:class:`Observer`).
+The broker's side of them is :mod:`delivery_consumer.amqp`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .envelope import body_digest
 
 if TYPE_CHECKING:
     from .contract import Outcome
+
+
+
+@dataclass(slots=True)
+class Delivery:
+    """One message received by ``run``, with its channel generation."""
+
+    generation: int
+    tag: int
+    body: bytes
+    routing_key: str
+    redelivered: bool
+    message_id: str | None
+    headers: dict[str, Any]
+    content_type: str | None = None
+    exchange: str = ""
+    content_encoding: str | None = None
+
+
+@dataclass(slots=True)
+class OutMessage:
+    """A message to publish: persistent, mandatory, with a message_id."""
+
+    routing_key: str
+    body: bytes
+    exchange: str = ""
+    message_id: str | None = None
+    headers: dict[str, Any] | None = None
+    content_type: str = "application/json"
+    content_encoding: str | None = None
+
+
+@dataclass(slots=True)
+class PublishResult:
+    """The fate of one published message."""
+
+    status: str  # "confirmed" | "returned" | "nacked" | "unconfirmed" | "unencodable"
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "confirmed"
+
 
 #: The longest message_id used as a key as it is; a longer one is replaced by the body's hash.
 MAX_KEY_CHARS = 128

@@ -188,3 +188,17 @@ class FenceError(DeliveryError):
 
 class PruneRefused(DeliveryError):
     """The prune would remove receipts that may still be needed."""
+
+
+# -- the broker's failures (raised by delivery_consumer.amqp; caught without importing pika) --
+
+class BrokerError(DeliveryError):
+    """Something went wrong talking to RabbitMQ."""
+
+
+class BrokerUnavailable(BrokerError):
+    """The broker cannot be reached or dropped us; retrying later may work."""
+
+
+class BrokerFatal(BrokerError):
+    """Retrying cannot help: credentials, vhost, permissions, queue arguments."""

@@ -47,7 +47,7 @@ class QueueCollector(Collector):
 
     def _ask(self, queues: list[str]) -> None:
         from .amqp.admin import queue_counts
-        from .amqp.connection import BrokerError
+        from .errors import BrokerError
 
         try:
             answer: dict[str, Any] | None = queue_counts(

@@ -30,7 +30,7 @@ from .partitions import partition_of, partition_topology, unrouted_name
 from .plural import count as _count
 from .queries import dict_rows
 from .sqlite import age_s, now_iso, read_snapshot
-from .topology import Topology
+from .topology import Topology, topic_matches
 from .trace import trace as trace_one
 
 Row = dict[str, Any]
@@ -41,17 +41,6 @@ DEAD_SCAN_LIMIT = 10_000
 MINUTE_S, HOUR_S = 60, 3600
 
 
-def topic_matches(pattern: str, key: str) -> bool:
-    """AMQP topic matching: ``*`` one word, ``#`` zero or more."""
-
-    def match(p: list[str], k: list[str]) -> bool:
-        if not p:
-            return not k
-        if p[0] == "#":
-            return any(match(p[1:], k[i:]) for i in range(len(k) + 1))
-        return bool(k) and (p[0] == "*" or p[0] == k[0]) and match(p[1:], k[1:])
-
-    return match(pattern.split("."), key.split("."))
 
 
 @contextmanager
@@ -71,8 +60,8 @@ def dead_letters(dep: Deployment, consumer: str, topo: Topology | None = None, *
     """The dead queue of *consumer* (of the partition *topo* names) as read now (or as
     *shared*, a :class:`deadletters.SharedReads`, read it lately):
     ``{"queue", "letters", "complete"}`` or ``{"error"}``."""
-    from .amqp.connection import BrokerError
     from .deadletters import list_dead
+    from .errors import BrokerError
 
     topo = topo or registry.topology(consumer, dep.exchange, dep.queue_prefix)
     try:
@@ -449,7 +438,7 @@ def status(dep: Deployment, *, now: float | None = None, broker: bool = True, sh
     (dead queues read through *shared*, a :class:`deadletters.SharedReads`, when given)."""
     from . import outbox
     from .amqp.admin import queue_counts
-    from .amqp.connection import BrokerError
+    from .errors import BrokerError
 
     now = time.time() if now is None else now
     problems: list[str] = []

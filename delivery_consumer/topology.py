@@ -134,3 +134,16 @@ class Route:
     queues: tuple[tuple[str, dict[str, Any]], ...] = ()
     bind: tuple[Binding, ...] = ()
     unbind: tuple[Binding, ...] = ()
+
+
+def topic_matches(pattern: str, key: str) -> bool:
+    """AMQP topic matching: ``*`` one word, ``#`` zero or more."""
+
+    def match(p: list[str], k: list[str]) -> bool:
+        if not p:
+            return not k
+        if p[0] == "#":
+            return any(match(p[1:], k[i:]) for i in range(len(k) + 1))
+        return bool(k) and (p[0] == "*" or p[0] == k[0]) and match(p[1:], k[1:])
+
+    return match(pattern.split("."), key.split("."))

@@ -48,8 +48,8 @@ from .errors import Rejection
 from .retry import attempts_done
 
 if TYPE_CHECKING:
-    from .amqp.consumer import Delivery
     from .contract import Outcome
+    from .deliveries import Delivery
     from .inbox.fence import CallResult
     from .partitions import Identity
 

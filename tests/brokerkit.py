@@ -39,7 +39,8 @@ import pytest
 from support import wait_until
 
 from delivery_consumer import consumers
-from delivery_consumer.amqp.publisher import OutMessage, Publisher
+from delivery_consumer.amqp.publisher import Publisher
+from delivery_consumer.deliveries import OutMessage
 from delivery_consumer.partitions import slot_headers
 from delivery_consumer.topology import DEFAULT_URL, Topology
 

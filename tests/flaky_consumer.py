@@ -7,7 +7,10 @@ It records envelopes like ``audit`` (table ``flaky``) but looks at the title:
   event. Tries are counted in a file per eventId under ``$FLAKY_DIR``
   (outside the database, so a rollback cannot undo the count);
 * ``poison`` -- SIGKILL the process, every time (a message that crashes the
-  consumer before any code can count it);
+  consumer before any code can count it); an in-process harness replaces
+  :data:`die` with what ends its emulated process;
+* ``outage:N`` -- fail as the disk full would (SQLITE_FULL at the write) on the
+  first N tries: the database as a whole, not the event;
 * ``stall`` -- write ``$FLAKY_DIR/stalled`` and wait until ``$FLAKY_DIR/release``
   exists (a worker stuck inside a batch).
 """
@@ -18,6 +21,7 @@ import os
 import signal
 import sqlite3
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from delivery_consumer.consumers import register
@@ -37,6 +41,22 @@ MIGRATIONS = (
 )
 
 
+def _sigkill() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+#: What a ``poison`` event does: kill the process.
+die: Callable[[], None] = _sigkill
+
+
+def disk_full() -> sqlite3.OperationalError:
+    """The error SQLite raises for a write to a full disk (SQLITE_FULL)."""
+    error = sqlite3.OperationalError("database or disk is full")
+    error.sqlite_errorcode = 13  # type: ignore[attr-defined]
+    error.sqlite_errorname = "SQLITE_FULL"  # type: ignore[attr-defined]
+    return error
+
+
 def _tries(event_id: str) -> int:
     directory = Path(os.environ.get("FLAKY_DIR", "."))
     directory.mkdir(parents=True, exist_ok=True)
@@ -50,7 +70,7 @@ def apply(conn: sqlite3.Connection, env: Envelope) -> str:
     """Record the envelope, or fail as its title asks."""
     title = env.title
     if title == "poison":
-        os.kill(os.getpid(), signal.SIGKILL)
+        die()
     if title == "stall":
         directory = Path(os.environ.get("FLAKY_DIR", "."))
         directory.mkdir(parents=True, exist_ok=True)
@@ -62,6 +82,8 @@ def apply(conn: sqlite3.Connection, env: Envelope) -> str:
         tries = _tries(env.event_id)
         if tries <= failures:
             raise TransientError(f"flaky dependency unavailable (try {tries})", code="dependency-down")
+    if title.startswith("outage:") and _tries(env.event_id) <= int(title.split(":", 1)[1]):
+        raise disk_full()
     conn.execute(
         "INSERT INTO flaky (event_id, article_id, revision, title) VALUES (?, ?, ?, ?)",
         (env.event_id, env.article_id, env.revision, title),

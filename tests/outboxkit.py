@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from delivery_consumer import outbox
-from delivery_consumer.amqp.connection import BrokerUnavailable
-from delivery_consumer.amqp.publisher import OutMessage, PublishResult
+from delivery_consumer.deliveries import OutMessage, PublishResult
+from delivery_consumer.errors import BrokerUnavailable
 
 
 def envelope(article: str = "article-1", revision: int = 1, **extra: Any) -> dict[str, Any]:

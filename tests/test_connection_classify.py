@@ -13,15 +13,8 @@ from pika.adapters.utils.connection_workflow import (
     AMQPConnectorStackTimeout,
 )
 
-from delivery_consumer.amqp.connection import (
-    CONNECT_TIMEOUT_S,
-    HANDSHAKE_TIMEOUT_S,
-    HEARTBEAT_S,
-    BrokerFatal,
-    BrokerUnavailable,
-    classify,
-    parameters,
-)
+from delivery_consumer.amqp.connection import CONNECT_TIMEOUT_S, HANDSHAKE_TIMEOUT_S, HEARTBEAT_S, classify, parameters
+from delivery_consumer.errors import BrokerFatal, BrokerUnavailable
 from delivery_consumer.retry import RECONNECT_CAP_S, reconnect_delay_s
 
 REFUSED_LOGIN = pex.ConnectionClosedByBroker(403, "ACCESS_REFUSED - Login was refused")

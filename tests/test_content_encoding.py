@@ -18,6 +18,7 @@ from support import body, make_envelope, read_rows
 from delivery_consumer import deadletters, envelope
 from delivery_consumer.amqp.admin import declare
 from delivery_consumer.amqp.dead_queue import HeldMessage
+from delivery_consumer.amqp.publisher import properties
 from delivery_consumer.envelope import decode_body, parse
 from delivery_consumer.errors import Rejection
 from delivery_consumer.topology import Topology
@@ -176,7 +177,7 @@ def test_a_compressed_dead_letter_keeps_its_identity_and_its_encoding(
 
     assert env["eventId"] == letter.event_id
     assert (held.body, encoding) == (copy.body, copy.content_encoding)
-    assert header == copy.properties().headers.get("compression")
+    assert header == properties(copy).headers.get("compression")
 
 
 # -- through the broker ------------------------------------------------------------------------------

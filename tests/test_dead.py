@@ -29,7 +29,8 @@ from support import new_event, read_rows, wait_until
 from delivery_consumer import consumers
 from delivery_consumer.amqp.admin import declare
 from delivery_consumer.amqp.dead_queue import DeadQueue
-from delivery_consumer.amqp.publisher import OutMessage, Publisher
+from delivery_consumer.amqp.publisher import Publisher
+from delivery_consumer.deliveries import OutMessage
 from delivery_consumer.sqlite import now_iso
 
 SMALL_LIMIT = ("--max-bytes", "2048")

@@ -15,7 +15,7 @@ from support import cli
 
 from delivery_consumer import durations
 from delivery_consumer.cli import main
-from delivery_consumer.durations import Duration
+from delivery_consumer.cli.duration_type import Duration
 
 #: Option names that say "this is a time": every such option must be a Duration.
 TIME_WORDS = re.compile(r"timeout|delay|idle|lease|wait|older|horizon|poll|retry-base|retry-cap|interval|age|ttl"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import test_worker
 from support import body, new_event, read_rows, wait_until
-from test_worker import FakeIO, delivery
+from test_worker import Recorder, delivery
 
 from delivery_consumer import consumers, trace
 from delivery_consumer.service.worker import Worker
@@ -19,7 +19,7 @@ from delivery_consumer.sqlite import now_iso
 make_worker = test_worker.make_worker  # the fixture: an opened worker on a fresh database
 
 
-def test_a_duplicate_keeps_the_first_delivery_time(make_worker: Callable[..., tuple[Worker, FakeIO]]) -> None:
+def test_a_duplicate_keeps_the_first_delivery_time(make_worker: Callable[..., tuple[Worker, Recorder]]) -> None:
     """A redelivered duplicate, handled after the clock moved on, leaves firstAt at the
     receipt's time (the first delivery) and lastAt at its own; two deliveries in all."""
     worker, _io = make_worker()
@@ -40,7 +40,7 @@ def test_a_duplicate_keeps_the_first_delivery_time(make_worker: Callable[..., tu
 
 
 def test_trace_mends_a_row_an_older_release_wrote(tmp_path: Path,
-                                                 make_worker: Callable[..., tuple[Worker, FakeIO]]) -> None:
+                                                 make_worker: Callable[..., tuple[Worker, Recorder]]) -> None:
     """A deliveries row written by 0.1.0 with the duplicate's time as first_at: trace
     still reports the receipt's earlier time as firstAt."""
     worker, _io = make_worker()

@@ -20,7 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from outboxkit import Clock, FakePublisher, add, dispatcher, envelope
 from support import new_event
-from test_worker import FakeIO, delivery, event_id
+from test_worker import Recorder, delivery, event_id, on_memory_link
 
 from delivery_consumer import outbox
 from delivery_consumer.deliveries import Observer
@@ -210,14 +210,12 @@ class Ages(Observer):
         self.ages.extend((stamp, s) for s in seconds)
 
 
-def started_worker(tmp_path: Path, observer: Observer | None = None, **options: object) -> tuple[Worker, FakeIO]:
-    config = RunConfig(consumer="catalog", url="amqp://unused", db_path=tmp_path / "catalog.db",
+def started_worker(tmp_path: Path, observer: Observer | None = None, **options: object) -> tuple[Worker, Recorder]:
+    config = RunConfig(consumer="catalog", url="memory:", db_path=tmp_path / "catalog.db",
                        **options)  # type: ignore[arg-type]
     worker = Worker(config, observer)
-    io = FakeIO(tmp_path / "catalog.db")
-    worker.io = io
     assert worker.open(), worker.error
-    worker.channel_opened(1)
+    io = on_memory_link(worker)
     worker.start()
     return worker, io
 

@@ -16,7 +16,8 @@ from test_broker_metrics import free_port, scrape
 from test_outbox_broker import start_dispatch
 
 from delivery_consumer import producer
-from delivery_consumer.amqp.publisher import OutMessage, StreamPublisher
+from delivery_consumer.amqp.publisher import StreamPublisher
+from delivery_consumer.deliveries import OutMessage
 
 
 def arrived(inbox: Path, n: int) -> Callable[[], bool]:

@@ -20,11 +20,10 @@ from click.testing import CliRunner
 from outboxkit import Clock, FakePublisher, add, dispatcher, envelope, row
 
 from delivery_consumer import consumers, outbox, producer, sqlite
-from delivery_consumer.amqp.connection import BrokerFatal
-from delivery_consumer.amqp.publisher import PublishResult
 from delivery_consumer.cli import main
+from delivery_consumer.deliveries import PublishResult
 from delivery_consumer.envelope import parse
-from delivery_consumer.errors import ConfigError, DatabaseError, NotFound, Rejection, TransientError
+from delivery_consumer.errors import BrokerFatal, ConfigError, DatabaseError, NotFound, Rejection, TransientError
 from delivery_consumer.retry import RECONNECT_CAP_S
 from delivery_consumer.sqlite import now_iso
 

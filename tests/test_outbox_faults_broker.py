@@ -186,7 +186,8 @@ def test_a_dispatcher_killed_mid_batch_has_its_leases_taken_back_at_once(ns: Nam
 def test_stream_publisher_fails_an_unencodable_message_alone(ns: Namespace) -> None:
     """Messages pika cannot encode (a 300-byte routing key, a 300-byte message_id, a lone surrogate) come back
     'unencodable' alone; the messages around them are confirmed, in order, on the same channel, exactly once."""
-    from delivery_consumer.amqp.publisher import OutMessage, StreamPublisher
+    from delivery_consumer.amqp.publisher import StreamPublisher
+    from delivery_consumer.deliveries import OutMessage
 
     def message(tag: str, key: str = "material.published", mid: str | None = None) -> OutMessage:
         return OutMessage(routing_key=key, body=b"{}", exchange=ns.exchange, message_id=mid or tag)

@@ -126,7 +126,8 @@ def test_an_event_without_a_slot_waits_in_unrouted_until_rerouted(cluster: Clust
     """A message without the slot headers reaches no partition: it waits in <consumer>.unrouted (also
     when another consumer took it, so no return could tell), repartition refuses until it is gone, and
     reroute sends it to its article's partition."""
-    from delivery_consumer.amqp.publisher import OutMessage, Publisher
+    from delivery_consumer.amqp.publisher import Publisher
+    from delivery_consumer.deliveries import OutMessage
 
     ns = cluster.ns
     assert ns.cli("topology", "declare", "--consumer", "audit").returncode == 0

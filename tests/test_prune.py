@@ -27,7 +27,8 @@ from support import new_event, read_rows, wait_until
 from delivery_consumer import consumers, retention
 from delivery_consumer.amqp.admin import declare
 from delivery_consumer.amqp.dead_queue import DeadQueue
-from delivery_consumer.amqp.publisher import OutMessage, Publisher
+from delivery_consumer.amqp.publisher import Publisher
+from delivery_consumer.deliveries import OutMessage
 from delivery_consumer.errors import Rejection
 from delivery_consumer.inbox import apply_event, inbox_rowid_before
 from delivery_consumer.sqlite import now_iso

@@ -204,7 +204,8 @@ def test_status_reports_a_message_in_a_queue_of_the_former_count_and_repartition
     from deploykit import dc, write_deployment
 
     from delivery_consumer.amqp.admin import declare
-    from delivery_consumer.amqp.publisher import OutMessage, Publisher
+    from delivery_consumer.amqp.publisher import Publisher
+    from delivery_consumer.deliveries import OutMessage
 
     ns = cluster.ns
     assert ns.workdir == tmp_path

@@ -24,7 +24,8 @@ from support import wait_until
 from test_console import ConsoleProcess
 from webhook_server import WebhookServer
 
-from delivery_consumer.amqp.publisher import OutMessage, Publisher
+from delivery_consumer.amqp.publisher import Publisher
+from delivery_consumer.deliveries import OutMessage
 from delivery_consumer.partitions import partition_of
 
 pytestmark = pytest.mark.broker

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import orjson
 import pytest
 from support import body, new_event
-from test_worker import FakeIO, delivery
+from test_worker import Recorder, delivery, on_memory_link
 
 from delivery_consumer import outbox, tracing
 from delivery_consumer.envelope import from_mapping
@@ -119,14 +119,11 @@ def test_the_dispatcher_header_is_the_rows_traceparent() -> None:
     assert tracing.message_headers(None, b"not json \"traceparent\"") is None
 
 
-def make_worker(tmp_path: Path, consumer: str = "catalog", **options: Any) -> tuple[Worker, FakeIO]:
-    config = RunConfig(consumer=consumer, url="amqp://unused", db_path=tmp_path / f"{consumer}.db", **options)
+def make_worker(tmp_path: Path, consumer: str = "catalog", **options: Any) -> tuple[Worker, Recorder]:
+    config = RunConfig(consumer=consumer, url="memory:", db_path=tmp_path / f"{consumer}.db", **options)
     worker = Worker(config)
-    io = FakeIO(tmp_path / f"{consumer}.db")
-    worker.io = io
     assert worker.open(), worker.error
-    worker.channel_opened(1)
-    return worker, io
+    return worker, on_memory_link(worker)
 
 
 def finished(exporter: InMemorySpanExporter) -> list[Any]:

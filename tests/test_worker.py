@@ -1,9 +1,11 @@
-"""The worker of ``run`` in memory: a real SQLite file, a fake of the
-connection (:class:`FakeIO`) instead of RabbitMQ and the other process.
+"""The worker of ``run`` in memory: a real SQLite file, its connection on
+:class:`~delivery_consumer.service.memory_link.MemoryLink` instead of RabbitMQ
+and the other process.
 
-The fake records every request in order, with what an independent reader
-of the database saw at that moment, so each test can say which commit
-came before which ack or copy.
+:class:`Recorder` keeps every request in order, with what an independent
+reader of the database saw at that moment, so each test can say which
+commit came before which ack or copy (tests/test_worker_scenarios.py runs
+whole scenarios; these look at one step).
 """
 
 from __future__ import annotations
@@ -12,8 +14,7 @@ import pickle
 import sqlite3
 import threading
 import uuid
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,16 +22,28 @@ from typing import Any
 import pytest
 from support import body, new_event, read_rows
 
-from delivery_consumer.amqp.connection import BrokerUnavailable
-from delivery_consumer.amqp.consumer import Delivery
-from delivery_consumer.amqp.publisher import OutMessage
 from delivery_consumer.contract import ConsumerSpec
-from delivery_consumer.deliveries import delivery_key
+from delivery_consumer.deliveries import Delivery, OutMessage, delivery_key
 from delivery_consumer.envelope import Envelope
-from delivery_consumer.errors import DELIVERY_LIMIT, MALFORMED_JSON, RETRIES_EXHAUSTED, TransientError
+from delivery_consumer.errors import (
+    DELIVERY_LIMIT,
+    MALFORMED_JSON,
+    RETRIES_EXHAUSTED,
+    TransientError,
+)
 from delivery_consumer.inbox import InFlight
 from delivery_consumer.service.config import RunConfig
-from delivery_consumer.service.messages import Ack, Deliveries, Dispatch, ProtocolError, Stop, pack
+from delivery_consumer.service.memory_link import MemoryLink, MemoryQueues
+from delivery_consumer.service.messages import (
+    Ack,
+    Deliveries,
+    Dispatch,
+    ProtocolError,
+    PublishCopies,
+    Stop,
+    ToConnection,
+    pack,
+)
 from delivery_consumer.service.worker import Worker
 from delivery_consumer.topology import H_ATTEMPTS, H_ERROR_CODE
 
@@ -52,45 +65,29 @@ class Call:
     rejected: list[str] = field(default_factory=list)
 
 
-class FakeIO:
-    """The connection side, in memory. Copies are confirmed unless
-    ``confirm`` is False; ``on_call`` is told of every request."""
+class Recorder:
+    """The requests of a worker on a MemoryLink, each with what an independent reader of the
+    database saw when it was made."""
 
     def __init__(self, db_path: Path) -> None:
         self.db_path = db_path
         self.calls: list[Call] = []
-        self.confirm = True
         self.changed = threading.Condition()
-        self.quiet = threading.Event()  # never set: the connection has nothing more to say
+        self.link: MemoryLink | None = None
 
-    def pump(self, timeout: float) -> None:
-        self.quiet.wait(timeout)
-
-    def _record(self, call: Call) -> None:
+    def __call__(self, request: ToConnection) -> None:
+        if isinstance(request, Ack):
+            call = Call("ack", request.generation, request.tag, request.multiple)
+        elif isinstance(request, PublishCopies):
+            call = Call("publish", request.generation, messages=list(request.messages))
+        else:
+            call = Call(type(request).__name__.lower())
         if self.db_path.exists():
             call.receipts = {r[0] for r in read_rows(self.db_path, "inbox", "event_id")}
             call.rejected = [r[0] for r in read_rows(self.db_path, "rejected", "code")]
         with self.changed:
             self.calls.append(call)
             self.changed.notify_all()
-
-    def ack(self, generation: int, tag: int, *, multiple: bool = True) -> None:
-        self._record(Call("ack", generation, tag, multiple))
-
-    def publish_copies(self, generation: int, messages: Sequence[OutMessage]) -> Future[None]:
-        self._record(Call("publish", generation, messages=list(messages)))
-        future: Future[None] = Future()
-        if self.confirm:
-            future.set_result(None)
-        else:
-            future.set_exception(BrokerUnavailable("the broker nacked a copy"))
-        return future
-
-    def reconnect(self, why: str) -> None:
-        self._record(Call("reconnect"))
-
-    def shutdown(self) -> None:
-        self._record(Call("shutdown"))
 
     def kinds(self) -> list[str]:
         return [c.kind for c in self.calls]
@@ -103,18 +100,25 @@ class FakeIO:
             assert self.changed.wait_for(done, timeout), f"not reached; calls so far: {self.kinds()}"
 
 
+def on_memory_link(worker: Worker) -> Recorder:
+    """Give an opened *worker* a MemoryLink on channel generation 1, its requests kept by a Recorder."""
+    io = Recorder(worker.config.database_path())
+    io.link = MemoryLink(MemoryQueues(worker.topology), worker, on_request=io)
+    worker.io = io.link
+    io.link.pump(0)  # the first channel
+    return io
+
+
 @pytest.fixture
-def make_worker(tmp_path: Path) -> Iterator[Callable[..., tuple[Worker, FakeIO]]]:
-    """An opened worker on channel generation 1 of a fresh database, with a FakeIO."""
+def make_worker(tmp_path: Path) -> Iterator[Callable[..., tuple[Worker, Recorder]]]:
+    """An opened worker on channel generation 1 of a fresh database, on a MemoryLink."""
     made: list[Worker] = []
 
-    def make(consumer: str = "catalog", **options: Any) -> tuple[Worker, FakeIO]:
-        config = RunConfig(consumer=consumer, url="amqp://unused", db_path=tmp_path / f"{consumer}.db", **options)
+    def make(consumer: str = "catalog", **options: Any) -> tuple[Worker, Recorder]:
+        config = RunConfig(consumer=consumer, url="memory:", db_path=tmp_path / f"{consumer}.db", **options)
         worker = Worker(config)
-        io = FakeIO(config.db_path)  # type: ignore[arg-type]
-        worker.io = io
         assert worker.open(), worker.error
-        worker.channel_opened(1)
+        io = on_memory_link(worker)
         made.append(worker)
         return worker, io
 
@@ -141,7 +145,7 @@ def event_id(d: Delivery) -> str:
     return d.message_id
 
 
-def test_a_batch_is_acked_once_and_only_after_its_commit(make_worker: Callable[..., tuple[Worker, FakeIO]]) -> None:
+def test_a_batch_is_acked_once_and_only_after_its_commit(make_worker: Callable[..., tuple[Worker, Recorder]]) -> None:
     """One batch gives one ``multiple`` ack of its last tag, and when it is
     sent every receipt of the batch is already committed."""
     worker, io = make_worker()
@@ -154,7 +158,7 @@ def test_a_batch_is_acked_once_and_only_after_its_commit(make_worker: Callable[.
     assert 3 == worker.stats.acked
 
 
-def test_batches_settle_in_tag_order(make_worker: Callable[..., tuple[Worker, FakeIO]]) -> None:
+def test_batches_settle_in_tag_order(make_worker: Callable[..., tuple[Worker, Recorder]]) -> None:
     """The worker's thread cuts deliveries into batches and acks them in tag
     order, each ack after the commit of every delivery it covers."""
     worker, io = make_worker(batch=2)
@@ -173,7 +177,7 @@ def test_batches_settle_in_tag_order(make_worker: Callable[..., tuple[Worker, Fa
     assert "shutdown" == io.kinds()[-1]
 
 
-def test_deliveries_of_a_lost_channel_are_not_handled(make_worker: Callable[..., tuple[Worker, FakeIO]]) -> None:
+def test_deliveries_of_a_lost_channel_are_not_handled(make_worker: Callable[..., tuple[Worker, Recorder]]) -> None:
     """Deliveries of a channel that is gone are dropped (the broker redelivers
     them); those of the new channel are handled and acked on it."""
     worker, io = make_worker()
@@ -190,7 +194,7 @@ def test_deliveries_of_a_lost_channel_are_not_handled(make_worker: Callable[...,
 
 
 def test_a_rejection_is_dead_lettered_confirmed_and_recorded_before_the_ack(
-        make_worker: Callable[..., tuple[Worker, FakeIO]]) -> None:
+        make_worker: Callable[..., tuple[Worker, Recorder]]) -> None:
     """A body that cannot be parsed goes to the dead queue with its code;
     the ack of its batch comes after the broker confirmed that copy and
     after the rejection was committed in ``rejected`` (not before the confirm)."""
@@ -210,12 +214,13 @@ def test_a_rejection_is_dead_lettered_confirmed_and_recorded_before_the_ack(
     assert {event_id(batch[0]), event_id(batch[2])} == ack.receipts
 
 
-def test_an_unconfirmed_copy_gives_up_the_channel(make_worker: Callable[..., tuple[Worker, FakeIO]]) -> None:
+def test_an_unconfirmed_copy_gives_up_the_channel(make_worker: Callable[..., tuple[Worker, Recorder]]) -> None:
     """When the broker does not confirm a copy nothing more is acked on that
     channel (the connection is recycled and everything is redelivered), and
     the rejection is not recorded as dead-lettered."""
     worker, io = make_worker()
-    io.confirm = False
+    assert io.link is not None
+    io.link.refuse_copies(1)
     worker.process([delivery(1), delivery(2, b"[]", message_id=str(uuid.uuid4()))])
     assert ["publish", "reconnect"] == io.kinds()
     assert worker.db is not None and [] == read_rows(worker.db.path, "rejected")
@@ -234,7 +239,7 @@ def flaky_spec() -> ConsumerSpec:
 
 
 def test_a_transient_failure_is_retried_by_a_copy_confirmed_before_the_ack(
-        make_worker: Callable[..., tuple[Worker, FakeIO]], register: Callable[[ConsumerSpec], ConsumerSpec]) -> None:
+        make_worker: Callable[..., tuple[Worker, Recorder]], register: Callable[[ConsumerSpec], ConsumerSpec]) -> None:
     """A transient failure sends a copy to the first retry tier with the
     attempt counted, confirmed before the ack; at the last attempt the copy
     goes to the dead queue as retries-exhausted instead."""
@@ -255,7 +260,7 @@ def test_a_transient_failure_is_retried_by_a_copy_confirmed_before_the_ack(
     assert [RETRIES_EXHAUSTED] == io.calls[3].rejected
 
 
-def test_suspects_of_a_crashed_batch_are_handled_alone(make_worker: Callable[..., tuple[Worker, FakeIO]]) -> None:
+def test_suspects_of_a_crashed_batch_are_handled_alone(make_worker: Callable[..., tuple[Worker, Recorder]]) -> None:
     """Keys that were in a batch when its process died are redelivered one by
     one, each acked alone, while their neighbours still go together, and
     acks stay in tag order."""
@@ -272,7 +277,7 @@ def test_suspects_of_a_crashed_batch_are_handled_alone(make_worker: Callable[...
 
 
 def test_a_poison_message_is_dead_lettered_without_being_applied(
-        make_worker: Callable[..., tuple[Worker, FakeIO]]) -> None:
+        make_worker: Callable[..., tuple[Worker, Recorder]]) -> None:
     """A message that killed the process max_crashes times, each time alone,
     is dead-lettered as delivery-limit and acked, never applied again; its
     neighbours are applied."""
@@ -289,7 +294,7 @@ def test_a_poison_message_is_dead_lettered_without_being_applied(
     assert {event_id(fine)} == io.calls[2].receipts
 
 
-def test_a_poison_message_with_a_receipt_is_answered_by_it(make_worker: Callable[..., tuple[Worker, FakeIO]]) -> None:
+def test_a_poison_message_with_a_receipt_is_answered_by_it(make_worker: Callable[..., tuple[Worker, Recorder]]) -> None:
     """A message past its crash limit whose event is already applied is not
     dead-lettered: the receipt answers it (duplicate) and it is acked."""
     worker, io = make_worker(max_crashes=1)
@@ -317,7 +322,7 @@ def test_messages_cross_the_pipe_and_dispatch_by_type() -> None:
         dispatch(Stop())
 
 
-def test_the_exit_line_s_rate_leaves_idle_time_out(make_worker: Callable[..., tuple[Worker, FakeIO]]) -> None:
+def test_the_exit_line_s_rate_leaves_idle_time_out(make_worker: Callable[..., tuple[Worker, Recorder]]) -> None:
     """Two batches with an idle pause between them: the busy time excludes the pause, the rate in the
     exit line is deliveries over busy time, and counts of one are singular."""
     worker, _io = make_worker()

@@ -17,7 +17,7 @@ import pika
 import pika.exceptions as pex
 from pika.adapters.utils.connection_workflow import AMQPConnectorException, AMQPConnectorStackTimeout
 
-from ..errors import DeliveryError
+from ..errors import BrokerError, BrokerFatal, BrokerUnavailable
 
 # AMQP reply codes (https://www.rabbitmq.com/amqp-0-9-1-reference#constants).
 _FATAL_REPLY_CODES = {
@@ -43,18 +43,6 @@ BLOCKED_TIMEOUT_S = 60.0
 #: What pika raises: its own errors, socket errors, and the connection
 #: workflow's errors (a stack timeout is not an ``AMQPError``).
 FAILURES: tuple[type[BaseException], ...] = (pex.AMQPError, OSError, AMQPConnectorException)
-
-
-class BrokerError(DeliveryError):
-    """Something went wrong talking to RabbitMQ."""
-
-
-class BrokerUnavailable(BrokerError):
-    """The broker cannot be reached or dropped us; retrying later may work."""
-
-
-class BrokerFatal(BrokerError):
-    """Retrying cannot help: credentials, vhost, permissions, queue arguments."""
 
 
 def parameters(url: str, *, name: str) -> pika.URLParameters:

@@ -20,32 +20,17 @@ from typing import Any
 
 import pika
 import pika.exceptions as pex
-from pika import spec
 from pika.adapters.select_connection import IOLoop, PollEvents
 
+from ..deliveries import Delivery, OutMessage
+from ..errors import BrokerError, BrokerFatal, BrokerUnavailable
 from ..retry import RECONNECT_CAP_S, reconnect_delay_s
 from ..topology import Topology
-from .connection import BrokerError, BrokerFatal, BrokerUnavailable, classify, parameters
+from .connection import classify, parameters
 from .declare import Steps, declare_steps
-from .publisher import OutMessage
+from .publisher import confirm_mode, properties, take_confirmed
 
 log = logging.getLogger("delivery_consumer.broker")
-
-
-@dataclass(slots=True)
-class Delivery:
-    """One message received by ``run``, with its channel generation."""
-
-    generation: int
-    tag: int
-    body: bytes
-    routing_key: str
-    redelivered: bool
-    message_id: str | None
-    headers: dict[str, Any]
-    content_type: str | None = None
-    exchange: str = ""
-    content_encoding: str | None = None
 
 
 @dataclass
@@ -172,14 +157,12 @@ class ConsumerIO:
 
     def _on_pub_channel(self, channel: Any) -> None:
         self._pub = channel
-        channel.add_on_close_callback(self._on_channel_closed)
-        channel.add_on_return_callback(self._on_return)
+        confirm_mode(channel, on_close=self._on_channel_closed, on_return=self._on_return,
+                     on_confirm=self._on_confirm, then=self._on_confirming)
 
-        def confirmed(_frame: Any) -> None:
-            self._pub_seq = 0
-            self._channel.basic_qos(prefetch_count=self.prefetch, callback=self._on_qos)
-
-        channel.confirm_delivery(ack_nack_callback=self._on_confirm, callback=confirmed)
+    def _on_confirming(self) -> None:
+        self._pub_seq = 0
+        self._channel.basic_qos(prefetch_count=self.prefetch, callback=self._on_qos)
 
     def _on_qos(self, _frame: Any) -> None:
         if self._stopping:
@@ -300,7 +283,7 @@ class ConsumerIO:
             return future
         pending = _PendingCopies(future)
         for msg in messages:
-            pub.basic_publish(msg.exchange, msg.routing_key, msg.body, msg.properties(), mandatory=True)
+            pub.basic_publish(msg.exchange, msg.routing_key, msg.body, properties(msg), mandatory=True)
             self._pub_seq += 1
             pending.remaining.add(self._pub_seq)
             self._pub_pending[self._pub_seq] = pending
@@ -328,14 +311,8 @@ class ConsumerIO:
             first.failure = f"copy to {method.routing_key} unroutable: {method.reply_code} {method.reply_text}"
 
     def _on_confirm(self, frame: Any) -> None:
-        method = frame.method
-        ack = isinstance(method, spec.Basic.Ack)
-        tags = [t for t in self._pub_pending if t <= method.delivery_tag] if method.multiple else [
-            method.delivery_tag]
-        for tag in tags:
-            pending = self._pub_pending.pop(tag, None)
-            if pending is None:
-                continue
+        ack, settled = take_confirmed(frame, self._pub_pending)
+        for tag, pending in settled:
             pending.remaining.discard(tag)
             if not ack:
                 pending.failure = pending.failure or "the broker nacked a copy"

@@ -18,8 +18,10 @@ from typing import Any
 import pika
 import pika.exceptions as pex
 
-from .connection import FAILURES, BrokerError, BrokerFatal, BrokerUnavailable, classify, parameters, redact
-from .publisher import OutMessage, PublishResult
+from ..deliveries import OutMessage, PublishResult
+from ..errors import BrokerError, BrokerFatal, BrokerUnavailable
+from .connection import FAILURES, classify, parameters, redact
+from .publisher import properties
 
 
 class QueueBusy(BrokerError):
@@ -157,7 +159,7 @@ class DeadQueue:
             if self._pub is None:
                 self._pub = self._conn.channel()
                 self._pub.confirm_delivery()
-            self._pub.basic_publish(message.exchange, message.routing_key, message.body, message.properties(),
+            self._pub.basic_publish(message.exchange, message.routing_key, message.body, properties(message),
                                     mandatory=True)
         except pex.UnroutableError:
             return PublishResult("returned", f"unroutable: no queue {message.routing_key!r}")

@@ -12,53 +12,50 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import pika
 import pika.exceptions as pex
 from pika import spec
 from pika.adapters.select_connection import IOLoop, PollEvents
 
-from ..errors import safe_reason
+from ..deliveries import OutMessage, PublishResult
+from ..errors import BrokerError, BrokerFatal, BrokerUnavailable, safe_reason
 from ..topology import DEFAULT_URL, Route, Topology
-from .connection import BrokerError, BrokerFatal, BrokerUnavailable, classify, parameters
+from .connection import classify, parameters
 from .declare import Steps, declare_steps
 
 PERSISTENT = 2
+_V = TypeVar("_V")
 
 
-@dataclass(slots=True)
-class OutMessage:
-    """A message to publish: persistent, mandatory, with a message_id."""
-
-    routing_key: str
-    body: bytes
-    exchange: str = ""
-    message_id: str | None = None
-    headers: dict[str, Any] | None = None
-    content_type: str = "application/json"
-    content_encoding: str | None = None
-
-    def properties(self) -> pika.BasicProperties:
-        return pika.BasicProperties(
-            delivery_mode=PERSISTENT,
-            content_type=self.content_type,
-            content_encoding=self.content_encoding,
-            message_id=self.message_id,
-            headers=self.headers or None,
-        )
+def properties(msg: OutMessage) -> pika.BasicProperties:
+    """*msg*'s AMQP properties: persistent, with its content type, encoding, message_id and headers."""
+    return pika.BasicProperties(
+        delivery_mode=PERSISTENT,
+        content_type=msg.content_type,
+        content_encoding=msg.content_encoding,
+        message_id=msg.message_id,
+        headers=msg.headers or None,
+    )
 
 
-@dataclass(slots=True)
-class PublishResult:
-    """The fate of one published message."""
+def confirm_mode(channel: Any, *, on_close: Callable[[Any, BaseException], None],
+                 on_return: Callable[[Any, Any, Any, bytes], None], on_confirm: Callable[[Any], None],
+                 then: Callable[[], None]) -> None:
+    """Put *channel* in confirm mode, its closing, returns and confirms going to the given
+    callbacks; *then* once the broker has agreed (delivery tags start at 1 from there)."""
+    channel.add_on_close_callback(on_close)
+    channel.add_on_return_callback(on_return)
+    channel.confirm_delivery(ack_nack_callback=on_confirm, callback=lambda _frame: then())
 
-    status: str  # "confirmed" | "returned" | "nacked" | "unconfirmed" | "unencodable"
-    reason: str = ""
 
-    @property
-    def ok(self) -> bool:
-        return self.status == "confirmed"
+def take_confirmed(frame: Any, pending: dict[int, _V]) -> tuple[bool, list[tuple[int, _V]]]:
+    """What a confirm *frame* says (True: ack, False: nack), and the entries of *pending*
+    (delivery tag -> what was published) it settles, taken out of it."""
+    method = frame.method
+    tags = [tag for tag in pending if tag <= method.delivery_tag] if method.multiple else [method.delivery_tag]
+    return isinstance(method, spec.Basic.Ack), [(tag, pending.pop(tag)) for tag in tags if tag in pending]
 
 
 class Publisher:
@@ -145,14 +142,13 @@ class Publisher:
 
     def _on_channel(self, channel: Any) -> None:
         self._channel = channel
-        channel.add_on_close_callback(self._on_channel_closed)
-        channel.add_on_return_callback(self._on_return)
 
-        def confirmed(_frame: Any) -> None:
+        def confirming() -> None:
             self._seq = 0
             Steps(declare_steps(channel, self._topologies, self._exchanges, self._routes), self._on_ready).start()
 
-        channel.confirm_delivery(ack_nack_callback=self._on_confirm, callback=confirmed)
+        confirm_mode(channel, on_close=self._on_channel_closed, on_return=self._on_return,
+                     on_confirm=self._on_confirm, then=confirming)
 
     def _on_ready(self) -> None:
         self._ready = True
@@ -202,15 +198,9 @@ class Publisher:
 
     # confirms and returns
     def _on_confirm(self, frame: Any) -> None:
-        method = frame.method
-        ack = isinstance(method, spec.Basic.Ack)
-        tags = [t for t in self._pending if t <= method.delivery_tag] if method.multiple else [method.delivery_tag]
-        for tag in tags:
-            index = self._pending.pop(tag, None)
-            if index is None:
-                continue
-            previous = self._results[index]
-            if previous is None:  # not returned before its ack
+        ack, settled = take_confirmed(frame, self._pending)
+        for _tag, index in settled:
+            if self._results[index] is None:  # not returned before its ack
                 self._results[index] = PublishResult("confirmed") if ack else PublishResult(
                     "nacked", "the broker could not store the message")
         self._pump()
@@ -232,7 +222,7 @@ class Publisher:
         channel = self._channel
         while self._next < len(self._batch) and len(self._pending) < self.window and self._ready:
             msg = self._batch[self._next]
-            channel.basic_publish(msg.exchange, msg.routing_key, msg.body, msg.properties(), mandatory=True)
+            channel.basic_publish(msg.exchange, msg.routing_key, msg.body, properties(msg), mandatory=True)
             self._seq += 1
             self._pending[self._seq] = self._next
             self._next += 1
@@ -426,7 +416,7 @@ class StreamPublisher(Publisher):
         while self._next < len(self._batch) and len(self._pending) < self.window and self._ready:
             msg = self._batch[self._next]
             try:
-                channel.basic_publish(msg.exchange, msg.routing_key, msg.body, msg.properties(), mandatory=True)
+                channel.basic_publish(msg.exchange, msg.routing_key, msg.body, properties(msg), mandatory=True)
             except _UNENCODABLE as exc:  # a closed channel raises other errors: those propagate
                 self._results[self._next] = PublishResult(
                     "unencodable", safe_reason(f"{type(exc).__name__}: {exc}", 120))

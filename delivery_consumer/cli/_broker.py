@@ -11,9 +11,9 @@ from typing import Any
 import click
 
 from ..consumers import topology as topology_for
-from ..durations import Duration
 from ..topology import DEFAULT_EXCHANGE, DEFAULT_PREFIX, DEFAULT_URL
 from ._common import F, Fatal, from_deployment
+from .duration_type import Duration
 
 #: Delays of the retry tiers, in milliseconds: 1 ms .. 7 days each.
 RETRY_DELAYS = Duration(minimum=0.001, maximum=7 * 86400, many=True, milliseconds=True)
@@ -34,7 +34,7 @@ def amqp_options(fn: F) -> F:
 
 def broker_call(fn: Any, *args: Any, **kwargs: Any) -> Any:
     """*fn*(*args, **kwargs); a BrokerError leaves as one line, exit 2."""
-    from ..amqp.connection import BrokerError
+    from ..errors import BrokerError
 
     try:
         return fn(*args, **kwargs)

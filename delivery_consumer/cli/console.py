@@ -11,8 +11,8 @@ from types import FrameType
 import click
 
 from .. import durations
-from ..durations import Duration
 from ._common import Fatal, checked_deployment, handle_errors
+from .duration_type import Duration
 
 #: The longest window of the outcomes chart (its bars are minutes).
 MAX_WINDOW_S = 48 * 3600

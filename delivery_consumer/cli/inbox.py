@@ -31,7 +31,6 @@ from typing import Any
 import click
 
 from .. import queries
-from ..durations import Duration
 from ..durations import age as _age
 from ..errors import DeliveryError, NotFound, PruneRefused
 from ..inbox import ConsumerDB
@@ -53,6 +52,7 @@ from ._common import (
 )
 from ._output import count, echo_record, echo_table
 from ._partitions import one_partition, one_partition_option
+from .duration_type import Duration
 
 
 class Missing(Fatal):
@@ -325,7 +325,7 @@ def inbox_prune(consumer: str | None, db_path: Path | None, amqp_url: str, excha
     keeps committing meanwhile.
     """
     from .. import deadletters, retention
-    from ..amqp.connection import BrokerError
+    from ..errors import BrokerError
 
     try:
         retention.check_older_than(older_than, horizon)

@@ -28,11 +28,11 @@ import click
 
 from .. import outbox as outbox_lib
 from .. import producer as producer_lib
-from ..durations import Duration
 from ..errors import ConfigError, NotFound
 from ._broker import amqp_options, topology_for
 from ._common import F, Fatal, emit_json, from_deployment, handle_errors, json_option, setup_logging
 from ._output import count, echo_record, echo_table
+from .duration_type import Duration
 from .inbox import Missing, limit_option
 
 log = logging.getLogger("delivery_consumer.dispatch")
@@ -120,8 +120,8 @@ def dispatch(db_path: Path | str, amqp_url: str, exchange: str, queue_prefix: st
     own database; a read-only standby or bad credentials: exit 2; an outage
     or a statement timeout is waited out).
     """
-    from ..amqp.connection import BrokerFatal
     from ..amqp.publisher import StreamPublisher
+    from ..errors import BrokerFatal
 
     setup_logging(log_level)
     try:

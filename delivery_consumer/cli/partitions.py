@@ -9,8 +9,9 @@ from pathlib import Path
 import click
 
 from ..errors import DeliveryError
+from ..partition_queues import Rerouted
 from ..partition_store import repartitioned_from, split_merge
-from ..partitions import SLOT_COUNT, Rerouted, partition_topologies, partition_topology, route, unrouted_name
+from ..partitions import SLOT_COUNT, partition_topologies, partition_topology, route, unrouted_name
 from ..placement import resolve
 from ..topology import Binding, Route, Topology
 from ._broker import amqp_options, topology_for
@@ -39,7 +40,7 @@ def repartition(consumer: str, amqp_url: str, exchange: str, queue_prefix: str, 
     or could not finish (it says so, exit 2).
     """
     from ..amqp.admin import declare, delete_unused_queues, queue_counts
-    from ..amqp.connection import BrokerError
+    from ..errors import BrokerError
     from ..faults import pausepoint
 
     base = topology_for(consumer, exchange, queue_prefix)
@@ -116,7 +117,7 @@ def _move_stranded(url: str, base: Topology, count: int, olds: list[tuple[Topolo
     """Move what the old queues (and the unrouted queue) hold after the switch to the new partitions;
     what was done, in a few words ("" when they were empty)."""
     from ..amqp.admin import queue_counts
-    from ..partitions import move_stranded, reroute
+    from ..partition_queues import move_stranded, reroute
 
     unrouted = unrouted_name(base)
     queues = [(t, k, n, q) for t, k, n in olds for q, _ in t.queues() if q != t.count_marker]
@@ -152,8 +153,8 @@ def reroute(consumer: str, amqp_url: str, exchange: str, queue_prefix: str, dry_
     Arriving late, an older revision may then be answered stale. Exit 1 if
     any message was left in the queue.
     """
-    from ..amqp.connection import BrokerError
-    from ..partitions import reroute as reroute_messages
+    from ..errors import BrokerError
+    from ..partition_queues import reroute as reroute_messages
 
     base = topology_for(consumer, exchange, queue_prefix)
     try:

@@ -44,8 +44,9 @@ def publish(amqp_url: str, exchange: str, queue_prefix: str, declare_for: tuple[
     1 when any was invalid, unroutable, nacked or unconfirmed (named on
     stderr), 2 for usage or broker errors.
     """
-    from ..amqp.connection import BrokerError
-    from ..amqp.publisher import OutMessage, Publisher
+    from ..amqp.publisher import Publisher
+    from ..deliveries import OutMessage
+    from ..errors import BrokerError
 
     try:
         files = sources_lib.expand(sources)
@@ -101,7 +102,7 @@ def publish(amqp_url: str, exchange: str, queue_prefix: str, declare_for: tuple[
 def _connect(publisher: Any, attempts: int) -> None:
     """Connect, retrying an unreachable broker a few times with backoff; a
     broker still down after that is an error (exit 2), not a hang."""
-    from ..amqp.connection import BrokerUnavailable
+    from ..errors import BrokerUnavailable
     from ..retry import reconnect_delay_s
 
     for attempt in range(1, attempts + 1):

@@ -15,7 +15,6 @@ from typing import Any
 
 import click
 
-from ..durations import Duration
 from ..durations import format as spelled
 from ..partitions import explain
 from ..placement import database, in_directory
@@ -25,6 +24,7 @@ from ..topology import Topology
 from ._broker import RETRY_DELAYS, amqp_options, topology_for
 from ._common import F, Fatal, consumer_option, db_option, deployment, from_deployment, handle_errors, setup_logging
 from ._partitions import partition_identity, partition_options
+from .duration_type import Duration
 
 
 def external_options(fn: F) -> F:
@@ -161,8 +161,7 @@ def run(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue
     queue allows one active consumer: a second run of the same partition is
     a standby that takes over when the first dies).
     """
-    from ..amqp.connection import BrokerError
-    from ..errors import StoreOutage
+    from ..errors import BrokerError, StoreOutage
     from ..service.run import run as run_consumer
 
     setup_logging(log_level, log_format, consumer)

@@ -15,12 +15,13 @@ import click
 from .. import durations, system
 from ._common import EXIT_OK, EXIT_REJECTED, checked_deployment, emit_json, handle_errors
 from ._output import cell, echo_table
+from .duration_type import Duration
 
 
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON on stdout.")
 @click.option("--offline", is_flag=True, help="Do not ask the broker (queues and dead letters unknown).")
-@click.option("--outbox-max-age", type=durations.Duration(),
+@click.option("--outbox-max-age", type=Duration(),
               help="An unpublished outbox row older than this needs a person (default: the file's "
                    "[status] outbox_max_age, else 5m).")
 @click.option("--backlog-max", type=click.IntRange(0),

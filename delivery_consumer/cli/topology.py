@@ -9,7 +9,8 @@ from __future__ import annotations
 import click
 
 from .. import consumers
-from ..partitions import SLOT_HEADER, check_count, explain, layout_conflict, partition_topologies, route
+from ..partition_queues import layout_conflict
+from ..partitions import SLOT_HEADER, check_count, explain, partition_topologies, route
 from ..topology import DEFAULT_DELIVERY_LIMIT, Topology
 from ._broker import RETRY_DELAYS, amqp_options, topology_for
 from ._common import Fatal, deployment, handle_errors
@@ -39,7 +40,7 @@ def declare_cmd(names: tuple[str, ...], amqp_url: str, exchange: str, queue_pref
     its partition count (``partitions = N``); flags override the file.
     """
     from ..amqp.admin import declare
-    from ..amqp.connection import BrokerError
+    from ..errors import BrokerError
 
     counts = _declared_counts(names, partitions)
     bases = [topology_for(n, exchange, queue_prefix, retry_delays_ms=retry_delays,

@@ -34,7 +34,7 @@ from .db import OutboxDb, WakeListener, as_db
 from .table import MAX_ERROR_CHARS, routing_key_problem
 
 if TYPE_CHECKING:
-    from ..amqp.publisher import OutMessage, PublishResult
+    from ..deliveries import OutMessage, PublishResult
 
 log = logging.getLogger("delivery_consumer.dispatch")
 
@@ -435,8 +435,8 @@ class Dispatcher:
         broker is unreachable and the backoff was waited). Raises BrokerFatal
         (every lease in flight released).
         """
-        from ..amqp.connection import BrokerUnavailable
-        from ..amqp.publisher import OutMessage
+        from ..deliveries import OutMessage
+        from ..errors import BrokerUnavailable
 
         while self._unmarked:  # published before the database went away: their marks come first
             rows, results = self._unmarked[0]

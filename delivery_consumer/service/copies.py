@@ -8,9 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..amqp.consumer import Delivery
-from ..amqp.publisher import OutMessage
 from ..contract import Outcome
+from ..deliveries import Delivery, OutMessage
 from ..errors import RETRIES_EXHAUSTED, Rejection
 from ..inbox import ConsumerDB
 from ..inbox.database import SEAL_KEY

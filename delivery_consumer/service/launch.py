@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from .. import consumers
-from ..errors import ConfigError, DeliveryError, StoreOutage
+from ..errors import BrokerError, BrokerUnavailable, ConfigError, DeliveryError, StoreOutage
 from ..partitions import Identity, check_partition
 from ..placement import database, stored_identity
 from ..topology import DEFAULT_URL, Topology
@@ -90,8 +90,7 @@ def partition_identity(consumer: str, partition: int | None, count: int | None, 
 
 def _broker_count(path: Path, broker: tuple[str, Topology] | None, spelling: Spelling) -> int:
     """The count the broker records, for a partition that has no database yet."""
-    from ..amqp.connection import BrokerError, BrokerUnavailable  # (amqp imports pika)
-    from ..partitions import recorded_count
+    from ..partition_queues import recorded_count
 
     if broker is None:
         raise CountUnknown(f"{path}: no partition database yet; give {spelling.count_n} to create it")
@@ -127,7 +126,6 @@ def run_consumer(consumer: str, url: str = DEFAULT_URL, db: str | Path | None = 
     """
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("run_consumer handles SIGTERM/SIGINT: call it from the main thread")
-    from ..amqp.connection import BrokerError  # (amqp imports pika)
     from ..partitions import explain
     from .config import RunConfig
     from .run import run

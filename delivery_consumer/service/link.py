@@ -13,7 +13,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING
 
-from ..amqp.consumer import ConsumerIO, Delivery
+from ..amqp.consumer import ConsumerIO
+from ..deliveries import Delivery
 from ..faults import crashpoint
 from .messages import (
     Ack,

@@ -11,8 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from ..amqp.consumer import Delivery
-from ..amqp.publisher import OutMessage
+from ..deliveries import Delivery, OutMessage
 
 # -- connection process -> worker process ---------------------------------------------
 

@@ -15,10 +15,9 @@ from multiprocessing.process import BaseProcess
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from ..amqp.connection import BrokerError, BrokerUnavailable
 from ..amqp.consumer import ConsumerIO
 from ..deliveries import ObserverFactory
-from ..errors import ConfigError, DatabaseError, DeliveryError, StoreOutage
+from ..errors import BrokerError, BrokerUnavailable, ConfigError, DatabaseError, DeliveryError, StoreOutage
 from .config import RunConfig
 from .link import WorkerLink
 from .messages import Dispatch, Failed, Ready, Stop, ToConnection
@@ -82,7 +81,7 @@ def _refuse_a_second_layout(config: RunConfig, topology: Topology) -> bool:
     False when SIGTERM/SIGINT came while asking (the run ends, exit 0)."""
     if config.partition is not None:
         return True
-    from ..partitions import layout_conflict
+    from ..partition_queues import layout_conflict
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         log.info("%s received before consuming: stopping", signal.Signals(signum).name)

@@ -1,7 +1,7 @@
 """The worker: owns the database; turns deliveries into commits, copies and acks.
 
 It runs in the worker process and talks to the connection only through
-:class:`WorkerIO`, so it can be driven in memory (tests/test_worker.py).
+:class:`WorkerIO`, so it can be driven in memory (:mod:`.memory_link`).
 """
 
 from __future__ import annotations
@@ -17,11 +17,9 @@ from datetime import datetime
 from typing import Any, Protocol, TypeVar
 
 from .. import tracing
-from ..amqp.consumer import Delivery
-from ..amqp.publisher import OutMessage
 from ..cloudevents import parse_message
 from ..contract import DeliveryMark, Outcome, WorkHooks
-from ..deliveries import Observer, delivery_key
+from ..deliveries import Delivery, Observer, OutMessage, delivery_key
 from ..envelope import KOMBU_COMPRESSION_HEADER, Envelope, body_digest, is_event_id
 from ..errors import DELIVERY_LIMIT, DatabaseLost, DeliveryError, Rejection, StoreOutage, StoreUnavailable
 from ..faults import crashpoint

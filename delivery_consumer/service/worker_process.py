@@ -15,11 +15,9 @@ from multiprocessing.connection import Connection
 from types import FrameType
 
 from .. import faults, tracing
-from ..amqp.connection import BrokerUnavailable
-from ..amqp.publisher import OutMessage
 from ..dbfile import LOCK_POLL_S, WriterLock
-from ..deliveries import ObserverFactory
-from ..errors import DeliveryError, StoreOutage
+from ..deliveries import ObserverFactory, OutMessage
+from ..errors import BrokerUnavailable, DeliveryError, StoreOutage
 from ..inbox import forget_in_flight
 from .config import RunConfig
 from .messages import (
