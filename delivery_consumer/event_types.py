@@ -257,6 +257,8 @@ def quick_check(event_type: EventType) -> Callable[[Mapping[str, Any]], bool]:
         namespace["data_ok"] = data_ok
         data = ["data_ok(d)"]
     terms = [
+        # its own type only: a check is asked for the type the envelope names, but stands alone
+        f"obj['type'] == {event_type.name!r}",
         "type(event_id) is str and event_id_ok(event_id) is not None",
         f"type(key) is str and {key['minLength']} <= len(key) <= {key['maxLength']}",
         # printable text has no control character: the pattern's search only for the rest
