@@ -125,8 +125,9 @@ def pipelined(url: str, msgs: list[OutMessage]) -> float:
     return elapsed
 
 
-def dispatched(url: str, exchange: str, db: Path, batch: int, depth: int) -> float:
-    conn = outbox.connect(db)
+def dispatched(url: str, exchange: str, db: Path | str, batch: int, depth: int) -> float:
+    """Drain the outbox at *db* (a SQLite file or a PostgreSQL URL) with the dispatcher."""
+    conn = outbox.open_db(db)
     try:
         config = outbox.DispatchConfig(exchange=exchange, batch=batch, depth=depth)
         with StreamPublisher(url, window=min(1000, batch), timeout_s=config.publish_timeout_s) as pub:

@@ -60,25 +60,6 @@ def make_pg_outbox(url: str, bodies: list[bytes]) -> None:
         conn.execute("VACUUM ANALYZE outbox")
 
 
-def pg_dispatched(amqp_url: str, exchange: str, url: str) -> float:
-    db = outbox.open_db(url)
-    try:
-        config = outbox.DispatchConfig(exchange=exchange, batch=BATCH, depth=DEPTH)
-        with StreamPublisher(amqp_url, window=min(1000, BATCH), timeout_s=config.publish_timeout_s) as pub:
-            pub.connect()
-            dispatcher = outbox.Dispatcher(db, pub, config)
-            started = time.perf_counter()
-            while dispatcher.step():
-                pass
-            elapsed = time.perf_counter() - started
-        left = outbox.unpublished(db)
-    finally:
-        db.close()
-    if left:
-        raise SystemExit(f"dispatch: {left} rows left unpublished")
-    return elapsed
-
-
 def minimal(amqp_url: str, exchange: str, url: str) -> float:
     """Claim with SKIP LOCKED, publish pipelined, mark: nothing else."""
     owner = "minimal"
@@ -145,7 +126,7 @@ def main() -> None:
                 fresh_pg()
                 figures["dispatch (PostgreSQL)"].append(measure(
                     args.amqp_url, topo, n, "dispatch (PostgreSQL)",
-                    lambda: pg_dispatched(args.amqp_url, topo.exchange, url)))
+                    lambda: dispatched(args.amqp_url, topo.exchange, url, BATCH, DEPTH)))
                 db = Path(tmp) / f"producer-{round_}.db"
                 make_outbox(db, bodies)
                 figures["dispatch (SQLite)"].append(measure(
