@@ -62,6 +62,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pika
@@ -125,24 +126,29 @@ def pipelined(url: str, msgs: list[OutMessage]) -> float:
     return elapsed
 
 
-def dispatched(url: str, exchange: str, db: Path | str, batch: int, depth: int) -> float:
-    """Drain the outbox at *db* (a SQLite file or a PostgreSQL URL) with the dispatcher."""
+def _drain(db: Path | str, publisher: Any, config: outbox.DispatchConfig, clock: Callable[[], float]) -> float:
+    """Time (by *clock*) the dispatcher takes to publish every row of the outbox at *db* through *publisher*."""
     conn = outbox.open_db(db)
     try:
-        config = outbox.DispatchConfig(exchange=exchange, batch=batch, depth=depth)
-        with StreamPublisher(url, window=min(1000, batch), timeout_s=config.publish_timeout_s) as pub:
-            pub.connect()
-            dispatcher = outbox.Dispatcher(conn, pub, config)
-            started = time.perf_counter()
-            while dispatcher.step():
-                pass
-            elapsed = time.perf_counter() - started
+        dispatcher = outbox.Dispatcher(conn, publisher, config)
+        started = clock()
+        while dispatcher.step():
+            pass
+        elapsed = clock() - started
         left = outbox.unpublished(conn)
     finally:
         conn.close()
     if left:
         raise SystemExit(f"dispatch: {left} rows left unpublished")
     return elapsed
+
+
+def dispatched(url: str, exchange: str, db: Path | str, batch: int, depth: int) -> float:
+    """Drain the outbox at *db* (a SQLite file or a PostgreSQL URL) with the dispatcher and the broker."""
+    config = outbox.DispatchConfig(exchange=exchange, batch=batch, depth=depth)
+    with StreamPublisher(url, window=min(1000, batch), timeout_s=config.publish_timeout_s) as pub:
+        pub.connect()
+        return _drain(db, pub, config, time.perf_counter)
 
 
 def command(args: list[str]) -> tuple[float, str]:
@@ -241,19 +247,7 @@ class InstantPublisher:
 
 
 def dispatched_db_only(db: Path) -> float:
-    conn = outbox.connect(db)
-    try:
-        dispatcher = outbox.Dispatcher(conn, InstantPublisher(), outbox.DispatchConfig(exchange="x"))
-        started = time.process_time()
-        while dispatcher.step():
-            pass
-        elapsed = time.process_time() - started
-        left = outbox.unpublished(conn)
-    finally:
-        conn.close()
-    if left:
-        raise SystemExit(f"dispatch: {left} rows left unpublished")
-    return elapsed
+    return _drain(db, InstantPublisher(), outbox.DispatchConfig(exchange="x"), time.process_time)
 
 
 def worker(args: list[str]) -> None:

@@ -26,6 +26,7 @@ printed with the load average.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -38,6 +39,7 @@ import tempfile
 import textwrap
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 from delivery_consumer import producer
@@ -151,32 +153,40 @@ def start(url: str, topo: Topology, work: Path) -> tuple[list[subprocess.Popen[b
     return [run, dispatch], prod, cons
 
 
-def ours(url: str, rate: int, seconds: float) -> list[float]:
-    """Latencies (ms) of one producer at *rate* through dispatch and run."""
+@contextlib.contextmanager
+def pipeline(url: str, tmp: Path) -> Iterator[tuple[list[subprocess.Popen[bytes]], sqlite3.Connection, Path]]:
+    """``dispatch`` and ``run`` under a fresh prefix, one event through: (processes, the producer's
+    connection, the consumer's database); stopped and their queues deleted afterwards."""
     prefix = f"lat{uuid.uuid4().hex[:6]}"
     topo = Topology(consumer="catalog", binding_keys=("material.*",), exchange=f"{prefix}.events", prefix=prefix)
-    with tempfile.TemporaryDirectory() as tmp:
-        procs, prod, cons = start(url, topo, Path(tmp))
+    procs, prod, cons = start(url, topo, tmp)
+    try:
+        conn = producer.open_db(prod)
         try:
-            conn = producer.open_db(prod)
-            try:
-                # Warm up: both processes connected, the queue declared, one event through.
-                producer.produce(conn, "warm-up", title="warm-up", url="https://example.org/w")
-                wait_for(lambda: count(cons, "inbox") >= 1, 60, "the first event to arrive")
-                first = conn.execute("SELECT max(seq) FROM outbox").fetchone()[0]
-
-                def send(i: int) -> None:
-                    producer.produce(conn, f"article-{i % 1000}", title=f"title {i}",
-                                     url=f"https://example.org/a/{i % 1000}")
-
-                n = paced(rate, seconds, send)
-                wait_for(lambda: count(cons, "inbox") >= n + 1, 120, f"{n} events to arrive")
-                created = dict(conn.execute("SELECT event_id, created_at FROM outbox WHERE seq > ?", (first,)))
-            finally:
-                conn.close()
+            # Warm up: both processes connected, the queue declared, one event through.
+            producer.produce(conn, "warm-up", title="warm-up", url="https://example.org/w")
+            wait_for(lambda: count(cons, "inbox") >= 1, 60, "the first event to arrive")
+            yield procs, conn, cons
         finally:
-            stop(*procs)
-            delete_topology(url, topo)
+            conn.close()
+    finally:
+        stop(*procs)
+        delete_topology(url, topo)
+
+
+def ours(url: str, rate: int, seconds: float) -> list[float]:
+    """Latencies (ms) of one producer at *rate* through dispatch and run."""
+    with tempfile.TemporaryDirectory() as tmp:
+        with pipeline(url, Path(tmp)) as (_procs, conn, cons):
+            first = conn.execute("SELECT max(seq) FROM outbox").fetchone()[0]
+
+            def send(i: int) -> None:
+                producer.produce(conn, f"article-{i % 1000}", title=f"title {i}",
+                                 url=f"https://example.org/a/{i % 1000}")
+
+            n = paced(rate, seconds, send)
+            wait_for(lambda: count(cons, "inbox") >= n + 1, 120, f"{n} events to arrive")
+            created = dict(conn.execute("SELECT event_id, created_at FROM outbox WHERE seq > ?", (first,)))
         c = sqlite3.connect(cons)
         try:
             received = dict(c.execute("SELECT event_id, received_at FROM inbox"))
@@ -225,22 +235,11 @@ def tree_cpu_s(pid: int) -> float:
 
 
 def idle(url: str, seconds: float) -> None:
-    prefix = f"lat{uuid.uuid4().hex[:6]}"
-    topo = Topology(consumer="catalog", binding_keys=("material.*",), exchange=f"{prefix}.events", prefix=prefix)
-    with tempfile.TemporaryDirectory() as tmp:
-        procs, prod, cons = start(url, topo, Path(tmp))
-        try:
-            conn = producer.open_db(prod)
-            producer.produce(conn, "warm-up", title="warm-up", url="https://example.org/w")
-            conn.close()
-            wait_for(lambda: count(cons, "inbox") >= 1, 60, "the first event to arrive")
-            time.sleep(1)
-            before = [tree_cpu_s(p.pid) for p in procs]
-            time.sleep(seconds)
-            after = [tree_cpu_s(p.pid) for p in procs]
-        finally:
-            stop(*procs)
-            delete_topology(url, topo)
+    with tempfile.TemporaryDirectory() as tmp, pipeline(url, Path(tmp)) as (procs, _conn, _cons):
+        time.sleep(1)
+        before = [tree_cpu_s(p.pid) for p in procs]
+        time.sleep(seconds)
+        after = [tree_cpu_s(p.pid) for p in procs]
     for name, b, a in zip(("run", "dispatch"), before, after, strict=True):
         used = a - b
         print(f"idle {name:<9} {1000 * used:7.0f} ms CPU in {seconds:g} s ({100 * used / seconds:.2f} % of a core)")
