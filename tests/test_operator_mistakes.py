@@ -15,6 +15,7 @@ import sqlite3
 import subprocess
 import sys
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import orjson
@@ -77,20 +78,31 @@ def _check_nothing_acked_after(ns: Namespace, before: int) -> None:
     assert left >= EVENTS - before  # every event the lost file held after the mistake is still in the queue
 
 
-def test_deleting_the_database_under_run_stops_it_and_nothing_is_acked_after(ns: Namespace) -> None:
-    """rm of the database (and its -wal, -shm) under a running run: it stops with exit 2 and one
-    line; no delivery is acked beyond what was committed before the deletion; the rest stays queued."""
+def _mistake_mid_stream(ns: Namespace, mistake: Callable[[Path], None], said: str) -> None:
+    """Publish, start run, freeze it mid-stream and count what it committed, make *mistake* on its
+    database file, let it go on: it stops with exit 2 and one line containing *said*, nothing acked
+    beyond what was committed before the mistake, the rest still queued."""
     _publish(ns, EVENTS)
     db = ns.db("catalog")
     proc = ns.start_run("catalog", "--batch", "5", "--prefetch", "50")
     _mid_stream(ns, proc)
     before = _frozen_snapshot(proc, db, ns.workdir / "snap")
     assert before < EVENTS, "the stream was over before the mistake: nothing tested"
-    for f in _files(db):
-        f.unlink(missing_ok=True)
+    mistake(db)
     os.killpg(proc.pid, signal.SIGCONT)
-    _stopped_with_one_line(proc, "was deleted while in use")
+    _stopped_with_one_line(proc, said)
     _check_nothing_acked_after(ns, before)
+
+
+def test_deleting_the_database_under_run_stops_it_and_nothing_is_acked_after(ns: Namespace) -> None:
+    """rm of the database (and its -wal, -shm) under a running run: it stops with exit 2 and one
+    line; no delivery is acked beyond what was committed before the deletion; the rest stays queued."""
+
+    def delete(db: Path) -> None:
+        for f in _files(db):
+            f.unlink(missing_ok=True)
+
+    _mistake_mid_stream(ns, delete, "was deleted while in use")
 
 
 def test_replacing_the_database_under_run_stops_it_and_nothing_is_acked_after(ns: Namespace) -> None:
@@ -98,16 +110,7 @@ def test_replacing_the_database_under_run_stops_it_and_nothing_is_acked_after(ns
     nothing acked beyond what was committed before; the rest stays queued."""
     other = ns.workdir / "other.db"
     assert ns.cli("init", "--consumer", "catalog", "--db", str(other)).returncode == 0
-    _publish(ns, EVENTS)
-    db = ns.db("catalog")
-    proc = ns.start_run("catalog", "--batch", "5", "--prefetch", "50")
-    _mid_stream(ns, proc)
-    before = _frozen_snapshot(proc, db, ns.workdir / "snap")
-    assert before < EVENTS, "the stream was over before the mistake: nothing tested"
-    os.replace(other, db)
-    os.killpg(proc.pid, signal.SIGCONT)
-    _stopped_with_one_line(proc, "was replaced while in use")
-    _check_nothing_acked_after(ns, before)
+    _mistake_mid_stream(ns, lambda db: os.replace(other, db), "was replaced while in use")
 
 
 def test_a_second_run_of_one_database_is_refused_in_one_line(ns: Namespace) -> None:
