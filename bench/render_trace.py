@@ -4,7 +4,7 @@
 
 *SPANS.jsonl*: the SDK's ``span.to_json()`` one a line, what
 ``OTEL_TRACES_EXPORTER=jsonl`` writes (``TRACING_TEST_KEEP=path`` keeps the
-file of tests/test_tracing_broker.py). The trace is the one of the earliest
+file of tests/broker/test_tracing_broker.py). The trace is the one of the earliest
 root span (or ``--trace``). Rows: every span of the trace in start order,
 each event's apply followed by the batch it is linked to (another trace,
 drawn hatched) and that batch's phases. One linear time axis from the

@@ -1,7 +1,15 @@
-"""Fixtures: consumer databases in tmp_path, and the test-only consumers."""
+"""Fixtures: consumer databases in tmp_path, and the test-only consumers.
+
+The tests are laid out by the package they test (``core/``, ``inbox/``,
+``outbox/``, ``service/``, ``cli/``), with the suite that needs RabbitMQ in
+``broker/`` and the whole-system suite (status, trace, console, deploy) in
+``system/``; the helpers (``*kit.py``, ``support.py``, the test-only
+consumers) stay here, beside this file.
+"""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -11,6 +19,11 @@ from support import OpenDB
 from delivery_consumer import consumers
 from delivery_consumer.contract import ConsumerSpec
 from delivery_consumer.inbox import ConsumerDB
+
+#: The suites' directories: on sys.path, so that a test module may import another
+#: suite's helpers by its name (``from test_worker import ...``) whatever the order.
+SUITES = sorted(p for p in Path(__file__).resolve().parent.iterdir() if p.is_dir() and any(p.glob("test_*.py")))
+sys.path[1:1] = [str(p) for p in SUITES if str(p) not in sys.path]
 
 # Broker fixtures (amqp_url, ns) for the tests that need RabbitMQ; cluster for partitioned ones.
 pytest_plugins = ["brokerkit", "partitionkit", "pgkit"]
@@ -22,11 +35,15 @@ BROKER_FIXTURES = frozenset({"amqp_url", "ns", "private_broker", "private_ns"})
 POSTGRES_FIXTURES = frozenset({"pg_server", "pg_url", "private_pg"})
 
 
+#: The directory of the suite that needs RabbitMQ: every test in it is marked ``broker``.
+BROKER_SUITE = Path(__file__).resolve().parent / "broker"
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test that uses a broker fixture ``broker``, so that
-    ``pytest -m "not broker"`` runs the rest without RabbitMQ."""
+    """Mark every test of ``broker/``, and every other test that uses a broker fixture,
+    ``broker``, so that ``pytest -m "not broker"`` runs the rest without RabbitMQ."""
     for item in items:
-        if BROKER_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        if BROKER_SUITE in Path(item.path).parents or BROKER_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.broker)
         if POSTGRES_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.postgres)

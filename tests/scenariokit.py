@@ -1,4 +1,4 @@
-"""The two places ``run``'s scenarios run (tests/test_worker_scenarios.py): the worker in
+"""The two places ``run``'s scenarios run (tests/service/test_worker_scenarios.py): the worker in
 this process on :class:`~delivery_consumer.service.memory_link.MemoryLink` (milliseconds),
 and ``delivery-consumer run`` against RabbitMQ (the broker suite).
 

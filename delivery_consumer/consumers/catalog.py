@@ -15,7 +15,7 @@ own table.
 
 Because the outcome depends only on the highest revision seen, any order and
 any duplication of a set of events converges to the same table
-(``tests/test_properties.py`` checks it).
+(``tests/core/test_properties.py`` checks it).
 """
 
 from __future__ import annotations

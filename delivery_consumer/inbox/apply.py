@@ -242,7 +242,7 @@ class Transaction:
         transaction is rolled back and begun again, and the batch is applied
         event by event under savepoints (:meth:`apply`): the outcomes and the
         database are those of the per-event path, which
-        ``tests/test_batch_apply.py`` checks. Parse rejections in *items*
+        ``tests/inbox/test_batch_apply.py`` checks. Parse rejections in *items*
         become rejection outcomes; recording them is the caller's.
         """
         try:

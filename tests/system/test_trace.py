@@ -16,7 +16,7 @@ from brokerkit import Namespace
 
 from delivery_consumer import errors, trace
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SAMPLES = REPO / "sample_events"
 
 FIRST = "0b1e9c1e-4a53-4f0e-9d2a-6f1f3f7b2c11"  # 01, 02 (same body) and 05 (event-id-reused)

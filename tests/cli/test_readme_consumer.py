@@ -16,7 +16,7 @@ import orjson
 import pytest
 from support import subprocess_env
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 FIRST = "01938a7e-7c00-7000-8000-000000000001"  # order-7 placed, with meta
 PAID = "01938a7e-7c00-7000-8000-000000000002"  # order-7 paid: its current event
 

@@ -15,7 +15,7 @@ from delivery_consumer import __version__, consumers
 from delivery_consumer.errors import DatabaseError
 from delivery_consumer.inbox import database
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_changelog_has_a_section_for_this_version() -> None:

@@ -2,7 +2,7 @@
 row, the dispatcher's header, the worker's batch and event spans, the
 fence's call and its ``traceparent`` header, with the SDK's
 InMemorySpanExporter. The whole path through RabbitMQ and real processes is
-tests/test_tracing_broker.py.
+tests/broker/test_tracing_broker.py.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ sdk_trace = pytest.importorskip("opentelemetry.sdk.trace")
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(params=["own", "run-immediate", "run-batched"])

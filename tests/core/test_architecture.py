@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "delivery_consumer"
+PACKAGE = Path(__file__).resolve().parents[2] / "delivery_consumer"
 
 #: (library, the only package allowed to import it). A module imports the
 #: library when it imports it or any of its submodules, at any depth of the file.

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from delivery_consumer.errors import REJECTIONS
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def readme_commands() -> list[str]:

@@ -4,7 +4,7 @@ and the other process.
 
 :class:`Recorder` keeps every request in order, with what an independent
 reader of the database saw at that moment, so each test can say which
-commit came before which ack or copy (tests/test_worker_scenarios.py runs
+commit came before which ack or copy (tests/service/test_worker_scenarios.py runs
 whole scenarios; these look at one step).
 """
 

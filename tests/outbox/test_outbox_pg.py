@@ -27,7 +27,7 @@ from delivery_consumer import config as config_lib
 from delivery_consumer import outbox
 from delivery_consumer.console.server import Console
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def readme_block(marker: str) -> str:

@@ -176,7 +176,7 @@ def test_bad_credentials_exit_2_with_one_line(ns: Namespace) -> None:
     assert "authentication failed" in done.stderr
     assert "Traceback" not in done.stderr
     assert time.monotonic() - started < 30
-    published = ns.cli("publish", str(Path(__file__).parent.parent / "sample_events"), env=env)
+    published = ns.cli("publish", str(Path(__file__).resolve().parents[2] / "sample_events"), env=env)
     assert 2 == published.returncode
     assert "authentication failed" in published.stderr
 
@@ -233,7 +233,7 @@ def test_one_shot_run_against_an_unreachable_broker_exits_2(ns: Namespace) -> No
 def test_broker_down_publish_exits_2(ns: Namespace) -> None:
     """publish with the broker unreachable: one line naming the broker, exit 2."""
     env = ns.env(DELIVERY_AMQP_URL="amqp://guest:guest@127.0.0.1:1/%2F")
-    done = ns.cli("publish", str(Path(__file__).parent.parent / "sample_events"), env=env)
+    done = ns.cli("publish", str(Path(__file__).resolve().parents[2] / "sample_events"), env=env)
     assert 2 == done.returncode
     assert "unreachable" in done.stderr
     assert "Traceback" not in done.stderr

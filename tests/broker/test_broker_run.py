@@ -7,7 +7,7 @@ from pathlib import Path
 from brokerkit import Namespace
 from support import read_rows
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SAMPLES = REPO / "sample_events"
 
 

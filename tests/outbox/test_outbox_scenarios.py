@@ -277,6 +277,6 @@ def test_sqlite_needs_nothing_new() -> None:
     code = ("import sys; from delivery_consumer import outbox; from delivery_consumer.outbox import dispatcher;"
             " print('psycopg' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     assert "False" == out.stdout.strip()
 
