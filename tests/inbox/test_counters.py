@@ -54,11 +54,12 @@ def recount(conn: sqlite3.Connection) -> None:
 
 
 def event(i: int, partition_count: int = 1, partition: int = 0) -> Envelope:
-    """Event *i* (the same body each time), keyed to *partition* of *partition_count*."""
+    """Event *i* keyed to *partition* of *partition_count*: the same body each time it is asked for
+    the same key (another key is another event, as a producer's would be)."""
     n = 0
     while partition_of(f"article-{i}-{n}", partition_count) != partition:
         n += 1
-    return env(event_id=f"00000000-0000-4000-8000-{i:012d}", article_id=f"article-{i}-{n}")
+    return env(event_id=f"00000000-0000-4000-8000-{i:06d}{n:06d}", article_id=f"article-{i}-{n}")
 
 
 def apply_at(db: ConsumerDB, when: float, batch: list[tuple[Envelope, str]], monkeypatch: Any) -> None:
@@ -104,12 +105,16 @@ CATCH_UP = st.tuples(st.just("catch-up"), st.just(0), st.just([]))
 def test_since_equals_a_scan_with_any_receipts_not_counted_yet(
     tmp_path: Path, monkeypatch: Any, cutoffs: list[int], ops: list[tuple[str, int, list[tuple[int, str]]]]) -> None:
     """Receipts at or after any cutoff, by result, equal a scan of the inbox whether the writer caught
-    up a moment ago, long ago or never (the receipts since are read from the inbox's end)."""
+    up a moment ago, long ago or never (the receipts since are read from the inbox's end), for
+    receipts written as a clock that never goes back stamps them (the bound of a clock stepped
+    back is in inbox_rowid_before's docstring)."""
     with consumers.open_db(tmp_path / f"s-{time.monotonic_ns()}.db", "catalog", create=True) as db:
         db.count_due = float("inf")  # this test says when the counters catch up
+        clock = NOW - 3 * 24 * 3600
         for op, minutes_ago, batch in ops:
             if op == "apply":
-                apply_at(db, NOW - minutes_ago * 60, [(event(i), r) for i, r in batch], monkeypatch)
+                clock = max(clock, NOW - minutes_ago * 60)
+                apply_at(db, clock, [(event(i), r) for i, r in batch], monkeypatch)
             elif op == "prune":
                 retention.prune(db, older_than_s=minutes_ago * 60, horizon_s=0, keep_event_ids=set(), now=NOW,
                                 sleep=lambda _s: None)
