@@ -55,7 +55,7 @@ def test_the_cache_equals_a_fresh_read(open_db: OpenDB, before: list[tuple[float
 def test_the_chart_draws_one_bar_per_minute_with_a_tooltip(open_db: OpenDB) -> None:
     """The SVG has a bar per category of a minute with receipts, and the hour marks."""
     db = open_db("catalog")
-    now = time.time()
+    now = 1_800_000_045.0  # 45 s into a minute: the two receipts 30 and 31 s before share a minute
     add(db, [(now - 30, "updated"), (now - 31, "stale"), (now - 3600, "updated")])
     svg = chart.svg(chart.MinuteCache().minutes(db, 3 * 3600, now), 3 * 3600, now)
     assert svg.startswith("<svg") and svg.count("<rect") == 1 + 3
