@@ -11,6 +11,8 @@ Follow an event by names: bytes -> :mod:`.envelope` -> :func:`.inbox.apply_batch
 
 from typing import TYPE_CHECKING, Any
 
+from .version import __version__
+
 if TYPE_CHECKING:
     from .service.launch import run_consumer
 
@@ -25,7 +27,3 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["__version__", "run_consumer"]
-
-#: Raised on every release that changes the database schema or the wire
-#: contract (CHANGELOG.md); a database records the release that last migrated it.
-__version__ = "0.2.0"

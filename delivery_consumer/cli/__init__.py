@@ -13,8 +13,8 @@ from typing import Any, NoReturn
 
 import click
 
-from .. import __version__
 from ..errors import DeliveryError
+from ..version import __version__
 from ._common import config_option
 
 # command name -> "module:attribute" (relative to this package)

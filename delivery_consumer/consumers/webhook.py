@@ -19,12 +19,13 @@ from urllib.parse import quote, urlsplit
 
 import orjson
 
-from .. import __version__, tracing
+from .. import tracing
 from ..contract import ConsumerSpec, ExternalBatchFn
 from ..envelope import Envelope, canonical_bytes
 from ..errors import ENDPOINT_REJECTED, ConfigError, Rejection, TransientError, safe_reason
 from ..inbox.fence import MIGRATION, Call, CallResult, apply_fenced
 from ..topology import DEFAULT_RETRY_DELAYS_MS
+from ..version import __version__
 
 if TYPE_CHECKING:
     import httpx

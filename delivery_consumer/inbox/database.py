@@ -15,13 +15,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .. import __version__, sqlite
+from .. import sqlite
 from ..contract import ConsumerSpec
 from ..dbfile import FileGuard, SerialLock
 from ..errors import DatabaseError, StoreUnavailable, WrongDatabase, safe_reason
 from ..partitions import Identity, identity_from_meta
 from ..placement import default_db
 from ..sqlite import DEFAULT_BUSY_TIMEOUT_MS, now_iso
+from ..version import __version__
 from .apply import Transaction
 
 #: Pages of WAL after which a commit runs a checkpoint (SQLite's default: 1000).
