@@ -1,10 +1,10 @@
 """What a consumer implements and what the store hands back: the types both sides share.
 
-A leaf module: it imports no other part of the package at run time, so the
-store, the registry, the worker and the metrics can all import it. A
-consumer is a :class:`ConsumerSpec`; the store applies it and answers one
-:class:`Outcome` per event; ``run`` counts each broker delivery with its
-:class:`DeliveryMark`. How a consumer is written: docs/adding-a-consumer.md.
+A leaf module: it imports only errors, envelope and event_types (type
+checking included), so the store, the registry, the worker and the metrics
+can all import it. A consumer is a :class:`ConsumerSpec`; the store applies
+it and answers one :class:`Outcome` per event; ``run`` counts each broker
+delivery with its :class:`DeliveryMark`. How a consumer is written: docs/adding-a-consumer.md.
 """
 
 from __future__ import annotations
@@ -12,16 +12,11 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .envelope import Envelope
 from .errors import Rejection, StoreUnavailable, TransientError
 from .event_types import MATERIAL, EventTypes
-
-if TYPE_CHECKING:
-    from .inbox.apply import Transaction
-    from .inbox.database import ConsumerDB
-    from .inbox.in_flight import InFlight
 
 #: A consumer's effect: receives the open connection *inside* the store's
 #: transaction and the validated envelope, changes its own tables and returns
@@ -33,11 +28,12 @@ ApplyFn = Callable[[sqlite3.Connection, Envelope], str]
 #: Applies several events at once (see ``ConsumerSpec.apply_many``).
 ApplyManyFn = Callable[[sqlite3.Connection, Sequence[Envelope]], list[str]]
 #: Applies a batch whose effect lives outside the database (the fence,
-#: ``inbox/fence.py``): the parsed deliveries (a Rejection for a body that did
-#: not parse), their delivery marks and run's hooks in, one Outcome per
-#: delivery out.
+#: ``inbox/fence.py``): the consumer's database (an ``inbox.ConsumerDB``: the
+#: inbox imports this module, so it is not named here), the parsed deliveries
+#: (a Rejection for a body that did not parse), their delivery marks and run's
+#: hooks in, one Outcome per delivery out.
 ExternalBatchFn = Callable[
-    ["ConsumerDB", Sequence["Envelope | Rejection"], Sequence["DeliveryMark"], "WorkHooks"], list["Outcome"]
+    [Any, Sequence["Envelope | Rejection"], Sequence["DeliveryMark"], "WorkHooks"], list["Outcome"]
 ]
 #: Given the options of ``run`` (``RunConfig.consumer_options``), checks them
 #: (ConfigError) and returns the batch function.
@@ -144,6 +140,15 @@ class DeliveryCount:
     crashes: int
 
 
+class DeliveryRecorder(Protocol):
+    """What counts a broker delivery: the store's write transaction (``inbox.Transaction``)."""
+
+    def record_delivery(self, key: str, event_id: str | None, *, redelivered: bool, attempt: int, outcome: str,
+                        count: bool = True, delivered_hint: int = 0) -> DeliveryCount:
+        """Count one delivery of *key* with its *outcome*; its counters after."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class DeliveryMark:
     """What :meth:`Transaction.record_delivery` needs to count one broker
@@ -156,7 +161,7 @@ class DeliveryMark:
     count: bool = True
     delivered_hint: int = 0
 
-    def record(self, tx: Transaction, event_id: str | None, outcome: str) -> DeliveryCount:
+    def record(self, tx: DeliveryRecorder, event_id: str | None, outcome: str) -> DeliveryCount:
         """Count the delivery in *tx* with its *outcome*."""
         return tx.record_delivery(
             self.key, event_id, redelivered=self.redelivered, attempt=self.attempt, outcome=outcome,
@@ -172,8 +177,9 @@ def _give_up(exc: StoreUnavailable) -> None:
 class WorkHooks:
     """What ``run`` lends an effect applied in several transactions (the fence)."""
 
-    #: Where to note the delivery being called (None: not noted).
-    in_flight: InFlight | None = None
+    #: Where to note the delivery being called (None: not noted): an
+    #: ``inbox.InFlight``, which this module cannot name (the inbox imports it).
+    in_flight: Any = None
     #: True once the process is stopping for good: start no more calls.
     abandoned: Callable[[], bool] = lambda: False
     #: Given a failure of the database as a whole, returns when it is worth
@@ -187,6 +193,7 @@ __all__ = [
     "ConsumerSpec",
     "DeliveryCount",
     "DeliveryMark",
+    "DeliveryRecorder",
     "ExternalBatchFn",
     "ExternalFactory",
     "Outcome",

@@ -20,7 +20,8 @@ from .apply import (
     receipt_of,
     unsynced_transaction,
 )
-from .database import CORE_MIGRATIONS, STORE_VERSION, ConsumerDB, inbox_rowid_before
+from .counters import inbox_rowid_before
+from .database import CORE_MIGRATIONS, STORE_VERSION, ConsumerDB
 from .in_flight import CRASHED, INTERRUPTED, OPEN_OUTCOMES, InFlight, forget_in_flight, owner_alive, process_owner
 
 __all__ = [

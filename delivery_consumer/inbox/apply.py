@@ -14,21 +14,41 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from time import monotonic
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar, Protocol
 
 import orjson
 
 from .. import sqlite
-from ..contract import ApplyFn, DeliveryCount, Outcome
+from ..contract import ApplyFn, ConsumerSpec, DeliveryCount, Outcome
 from ..envelope import Envelope
 from ..errors import EVENT_ID_REUSED, WRONG_PARTITION, DatabaseError, Rejection, TransientError, safe_reason
-from ..partitions import misplaced
+from ..partitions import Identity, misplaced
 from ..sqlite import now_iso
 from . import counters
 
-if TYPE_CHECKING:
-    from .database import ConsumerDB
+
+class Store(Protocol):
+    """What the applier needs of a consumer's database: :class:`~.database.ConsumerDB`,
+    which hands out this module's :class:`Transaction`."""
+
+    conn: sqlite3.Connection
+    path: Path
+    spec: ConsumerSpec
+    readonly: bool
+    #: The partition the database serves (None: an unpartitioned consumer).
+    partition: Identity | None
+    #: When the receipt counters are next caught up (``time.monotonic``).
+    count_due: float
+
+    def transaction(self) -> Transaction:
+        """One write transaction (``BEGIN IMMEDIATE`` ... ``COMMIT``)."""
+        ...
+
+    def check_file(self) -> None:
+        """Raise when the path no longer names the file this connection writes."""
+        ...
 
 
 #: Called inside a batch's transaction once its outcomes are known, before
@@ -38,7 +58,7 @@ BatchHook = Callable[["Transaction", list[Outcome]], None]
 
 
 def apply_batch(
-    db: ConsumerDB,
+    db: Store,
     items: Sequence[Envelope | Rejection],
     *,
     sources: Sequence[str | None] | None = None,
@@ -76,7 +96,7 @@ def apply_batch(
     return outcomes
 
 
-def apply_event(db: ConsumerDB, env: Envelope, *, source: str | None = None) -> str:
+def apply_event(db: Store, env: Envelope, *, source: str | None = None) -> str:
     """Apply one envelope in its own transaction (:func:`apply_batch` of one)
     and return its result.
 
@@ -145,7 +165,7 @@ class Transaction:
     #: Whether a commit checks that the file is still the database (ConsumerDB.check_file).
     CHECKS_FILE: ClassVar[bool] = True
 
-    def __init__(self, db: ConsumerDB, now: str = ""):
+    def __init__(self, db: Store, now: str = ""):
         self.db = db
         self.conn = db.conn
         self.spec = db.spec
@@ -456,7 +476,7 @@ def receipt_of(tx: Transaction, env: Envelope) -> str | None:
     return None if row is None else duplicate(row, env)
 
 
-def has_receipt(db: ConsumerDB, event_id: str) -> bool:
+def has_receipt(db: Store, event_id: str) -> bool:
     """Whether *event_id* has a receipt (read outside any transaction)."""
     return db.conn.execute(_RECEIPT_SELECT, (event_id,)).fetchone() is not None
 
@@ -503,17 +523,16 @@ class UnsyncedTransaction(Transaction):
             raise DatabaseError(f"{self.db.path}: cannot restore PRAGMA synchronous: {exc}") from None
 
 
-def unsynced_transaction(db: ConsumerDB) -> UnsyncedTransaction:
+def unsynced_transaction(db: Store) -> UnsyncedTransaction:
     """``with unsynced_transaction(db) as tx:`` -- see :class:`UnsyncedTransaction`."""
     if db.readonly:
         raise DatabaseError(f"{db.path}: opened read-only")
     return UnsyncedTransaction(db)
 
 
-
-
 __all__ = [
     "BatchHook",
+    "Store",
     "Transaction",
     "UnsyncedTransaction",
     "apply_batch",

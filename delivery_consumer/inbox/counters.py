@@ -96,6 +96,34 @@ def totals(conn: sqlite3.Connection) -> dict[str, int]:
     return {result: n for result, n in sorted(out.items()) if n}
 
 
+def inbox_rowid_before(conn: sqlite3.Connection, cutoff: str) -> int:
+    """A rowid bound: the receipts at or below it are those received before *cutoff*.
+
+    Receipts are appended in time order, so ``received_at < cutoff`` holds
+    for a prefix of the rowids: a binary search over the rowid finds its end
+    in ~log2(n) lookups, with no index on ``received_at``. Callers keep
+    testing ``received_at`` too: if the clock ever went back, the prefix
+    found may be off by the receipts written meanwhile (prune then keeps some
+    old receipts longer and never deletes a younger one; a count of recent
+    receipts may miss some written while the clock was behind).
+    """
+    # Two subqueries: SQLite reads one end of the b-tree for a lone min() or max(), all of it for both.
+    ((low, high),) = conn.execute("SELECT (SELECT min(rowid) FROM inbox), (SELECT max(rowid) FROM inbox)").fetchall()
+    if low is None:
+        return 0
+    high += 1  # the first rowid whose next receipt is not older than cutoff
+    while low < high:
+        middle = (low + high) // 2
+        row = conn.execute(
+            "SELECT rowid, received_at FROM inbox WHERE rowid >= ? ORDER BY rowid LIMIT 1", (middle,)
+        ).fetchone()
+        if row is None or row[1] >= cutoff:
+            high = middle
+        else:
+            low = row[0] + 1
+    return int(low) - 1
+
+
 def since(conn: sqlite3.Connection, cutoff: str) -> dict[str, int]:
     """Receipts per result received at or after *cutoff* (a stored time), exactly.
 
@@ -105,8 +133,6 @@ def since(conn: sqlite3.Connection, cutoff: str) -> dict[str, int]:
     order: :func:`inbox_rowid_before`), and the receipts not counted yet from
     the inbox's end.
     """
-    from .database import inbox_rowid_before  # database imports apply, which imports this module
-
     minute = minute_of(cutoff)
     hour = minute[:13]
     out: Counter[str] = Counter()
@@ -145,5 +171,5 @@ def per_minute(conn: sqlite3.Connection, first: str, until: str | None = None) -
     return [(minute, result, n) for (minute, result), n in out.items()]
 
 
-__all__ = ["CATCH_UP_S", "RECOUNT", "TABLES", "TOTAL", "catch_up", "minute_of", "per_minute", "rebuild", "since",
-           "subtract", "tail", "totals"]
+__all__ = ["CATCH_UP_S", "RECOUNT", "TABLES", "TOTAL", "catch_up", "inbox_rowid_before", "minute_of", "per_minute",
+           "rebuild", "since", "subtract", "tail", "totals"]

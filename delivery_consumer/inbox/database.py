@@ -166,34 +166,6 @@ _CONSUMER_VERSION_KEY = "consumer_schema_version"
 SpecLookup = Callable[[str], ConsumerSpec]
 
 
-def inbox_rowid_before(conn: sqlite3.Connection, cutoff: str) -> int:
-    """A rowid bound: the receipts at or below it are those received before *cutoff*.
-
-    Receipts are appended in time order, so ``received_at < cutoff`` holds
-    for a prefix of the rowids: a binary search over the rowid finds its end
-    in ~log2(n) lookups, with no index on ``received_at``. Callers keep
-    testing ``received_at`` too: if the clock ever went back, the prefix
-    found may be off by the receipts written meanwhile (prune then keeps some
-    old receipts longer and never deletes a younger one; a count of recent
-    receipts may miss some written while the clock was behind).
-    """
-    # Two subqueries: SQLite reads one end of the b-tree for a lone min() or max(), all of it for both.
-    ((low, high),) = conn.execute("SELECT (SELECT min(rowid) FROM inbox), (SELECT max(rowid) FROM inbox)").fetchall()
-    if low is None:
-        return 0
-    high += 1  # the first rowid whose next receipt is not older than cutoff
-    while low < high:
-        middle = (low + high) // 2
-        row = conn.execute(
-            "SELECT rowid, received_at FROM inbox WHERE rowid >= ? ORDER BY rowid LIMIT 1", (middle,)
-        ).fetchone()
-        if row is None or row[1] >= cutoff:
-            high = middle
-        else:
-            low = row[0] + 1
-    return int(low) - 1
-
-
 class ConsumerDB:
     """An open consumer database: its connection, path and consumer spec.
 
@@ -492,5 +464,4 @@ class ConsumerDB:
         return dict(self.conn.execute("SELECT key, value FROM meta").fetchall())
 
 
-__all__ = ["CORE_MIGRATIONS", "SEAL_KEY", "STORE_VERSION", "ConsumerDB", "SpecLookup",
-           "inbox_rowid_before"]
+__all__ = ["CORE_MIGRATIONS", "SEAL_KEY", "STORE_VERSION", "ConsumerDB", "SpecLookup"]
