@@ -7,7 +7,6 @@ consumer's name is a command too: ``<consumer> list|show`` of its view.
 
 from __future__ import annotations
 
-import importlib
 import sys
 from typing import Any, NoReturn
 
@@ -15,7 +14,7 @@ import click
 
 from ..errors import DeliveryError
 from ..version import __version__
-from ._common import config_option
+from ._common import LazyGroup, config_option
 
 # command name -> "module:attribute" (relative to this package)
 COMMANDS: dict[str, str] = {
@@ -39,25 +38,6 @@ COMMANDS: dict[str, str] = {
     "status": "status:status",
     "console": "console:console",
 }
-
-
-class LazyGroup(click.Group):
-    """A group whose subcommands are imported on first use."""
-
-    def __init__(self, *args: Any, lazy: dict[str, str] | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.lazy = dict(lazy or {})
-
-    def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted(set(super().list_commands(ctx)) | set(self.lazy))
-
-    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-        if cmd_name in self.lazy:
-            module_name, attr = self.lazy[cmd_name].split(":")
-            module = importlib.import_module(f"{__name__}.{module_name}")
-            command: click.Command = getattr(module, attr)
-            return command
-        return super().get_command(ctx, cmd_name)
 
 
 def hoist_config(args: list[str]) -> list[str]:

@@ -1,8 +1,9 @@
-"""Options and error handling shared by the commands."""
+"""Options, error handling and the lazily loaded group shared by the commands."""
 
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import sys
 from collections.abc import Callable
@@ -32,6 +33,25 @@ class Fatal(click.ClickException):
 
     def show(self, file: Any = None) -> None:
         click.echo(f"delivery-consumer: {self.format_message()}", err=True)
+
+
+class LazyGroup(click.Group):
+    """A group whose subcommands are imported on first use."""
+
+    def __init__(self, *args: Any, lazy: dict[str, str] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lazy = dict(lazy or {})
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | set(self.lazy))
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in self.lazy:
+            module_name, attr = self.lazy[cmd_name].split(":")
+            module = importlib.import_module(f".{module_name}", __package__)
+            command: click.Command = getattr(module, attr)
+            return command
+        return super().get_command(ctx, cmd_name)
 
 
 def handle_errors(fn: F) -> F:

@@ -36,13 +36,13 @@ from ..errors import DeliveryError, NotFound, PruneRefused
 from ..inbox import ConsumerDB
 from ..partitions import SLOT_COUNT
 from ..placement import beside, database, default_db, resolve
-from . import LazyGroup
 from ._broker import amqp_options, broker_call, topology_for
 from ._common import (
     EVENT_ID,
     EXIT_REJECTED,
     F,
     Fatal,
+    LazyGroup,
     consumer_option,
     db_option,
     emit_json,
