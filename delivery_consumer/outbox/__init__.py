@@ -13,8 +13,9 @@ so the change and the event commit together or not at all.
 
 * :mod:`.table` -- the schema (versioned, forward-only), ``connect``,
   ``transaction``, ``enqueue``, ``notify`` and the routing-key check;
-* :mod:`.db` -- the storage seam: the shared code's connection, on SQLite
-  or PostgreSQL (:mod:`.pg`: install, enqueue, claims, LISTEN/NOTIFY);
+* :mod:`.db` -- the storage seam (its interface: :mod:`.seam`): the shared
+  code's connection, on SQLite or PostgreSQL (:mod:`.pg`: install, enqueue,
+  claims, LISTEN/NOTIFY);
 * :mod:`.wake` -- a commit wakes the dispatchers on its host at once;
 * :mod:`.dispatcher` -- ``delivery-consumer dispatch``: leases, batches in
   flight, order per article, quarantine, exit when idle;

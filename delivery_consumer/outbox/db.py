@@ -1,10 +1,10 @@
 """The outbox's storage seam: one connection interface, two backends.
 
 The dispatcher, the owners' table and the operator's queries are written
-once, against :class:`OutboxDb`; SQLite (:class:`SqliteDb`, here) and
-PostgreSQL (:class:`delivery_consumer.outbox.pg.PgDb`) supply the
-connection, the transaction, the parameter style and a few SQL fragments
-that differ (a list of seqs, a timestamp in milliseconds, the claim's lock).
+once, against :class:`OutboxDb` (:mod:`.seam`, re-exported here); SQLite
+(:class:`SqliteDb`, here) and PostgreSQL (:class:`delivery_consumer.outbox.pg.PgDb`)
+supply the connection, the transaction, the parameter style and a few SQL
+fragments that differ (a list of seqs, a timestamp in milliseconds, the claim's lock).
 The SQL is written in SQLite's parameter style (``?``, ``?1``, ``:name``);
 the PostgreSQL backend rewrites it once per statement. Why one design and
 not two outboxes: docs/outbox-postgres.md.
@@ -15,95 +15,14 @@ from __future__ import annotations
 import os
 import sqlite3
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, suppress
+from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
 from ..dbfile import FileGuard
 from ..sqlite import path_of, rollback
 from . import wake
-
-
-class Cursor(Protocol):
-    """What the shared code reads of a cursor (sqlite3's and psycopg's both have it)."""
-
-    @property
-    def rowcount(self) -> int: ...
-
-    def fetchone(self) -> Any: ...
-
-    def fetchall(self) -> list[Any]: ...
-
-    def __iter__(self) -> Iterator[Any]: ...
-
-    def close(self) -> None: ...
-
-
-class WakeListener(Protocol):
-    """A dispatcher's wake-up source: :meth:`fileno` is readable when rows were committed."""
-
-    def fileno(self) -> int: ...
-
-    def drain(self) -> int: ...
-
-    def close(self) -> None: ...
-
-    @property
-    def broken(self) -> bool: ...
-
-
-class OutboxDb(Protocol):
-    """One connection to an outbox, whichever database holds it."""
-
-    @property
-    def kind(self) -> str:
-        """``sqlite`` or ``postgres``."""
-
-    @property
-    def label(self) -> str:
-        """The database for messages: a file path, or a URL without its password."""
-
-    @property
-    def seq_in_sql(self) -> str:
-        """``seq`` is one of the seqs given as one parameter (:meth:`seqs`)."""
-
-    @property
-    def body_sql(self) -> str:
-        """What the claim's scan reads of the body: ``body``, or its size (the claim then reads the bodies
-        of the rows it took apart)."""
-
-    @property
-    def created_ms_sql(self) -> str:
-        """``created_at`` as milliseconds since the epoch (an SQL expression)."""
-
-    def execute(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> Cursor: ...
-
-    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> Cursor: ...
-
-    def scan(self, sql: str, params: Sequence[Any] = (), chunk: int = 1000) -> Cursor:
-        """Rows of a long SELECT, fetched as they are read (inside a transaction)."""
-
-    def transaction(self) -> AbstractContextManager[OutboxDb]:
-        """A write transaction; database errors leave as DeliveryError (StoreUnavailable: wait)."""
-
-    def snapshot(self) -> AbstractContextManager[None]:
-        """Several reads from one snapshot."""
-
-    def seqs(self, seqs: Iterable[int]) -> Any: ...
-
-    def lock_claims(self) -> None:
-        """Inside a claim's transaction: one claim at a time per outbox."""
-
-    def reopen(self) -> OutboxDb:
-        """Another connection to the same outbox (the heartbeat thread's)."""
-
-    def listener(self) -> WakeListener | None:
-        """Wake-ups from producers' commits (None: poll only)."""
-
-    def check_alive(self) -> None:
-        """Raise DatabaseLost when the database was replaced under us (SQLite's file)."""
-
-    def close(self) -> None: ...
+from .seam import Cursor, OutboxDb, WakeListener
 
 
 class SqliteDb:

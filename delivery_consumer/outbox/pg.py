@@ -28,13 +28,13 @@ from contextlib import contextmanager, nullcontext, suppress
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Final
 
-from ..errors import DatabaseError, DeliveryError, StoreUnavailable
+from ..errors import DatabaseError, DeliveryError, OutboxError, StoreUnavailable
 from ..sqlite import now_iso
 
 if TYPE_CHECKING:
     import psycopg
 
-    from .db import Cursor, OutboxDb
+    from .seam import Cursor, OutboxDb
 
 #: The channel the outbox's trigger notifies (payload: the table's schema).
 CHANNEL: Final = "delivery_consumer_outbox"
@@ -169,8 +169,6 @@ def _transaction_open(conn: Any) -> bool:
 
     status = conn.info.transaction_status
     if status == TransactionStatus.INERROR:
-        from .table import OutboxError
-
         raise OutboxError("enqueue: the caller's transaction has failed already (roll it back)")
     return bool(status == TransactionStatus.INTRANS)
 
@@ -189,8 +187,6 @@ def driver(conn: Any) -> tuple[Any, bool]:
         raw = sa_conn.connection.driver_connection
         if isinstance(raw, psycopg.Connection):
             return raw, in_tx
-    from .table import OutboxError
-
     raise OutboxError(f"enqueue takes a sqlite3 or psycopg 3 connection, or a SQLAlchemy Session or Connection on"
                       f" psycopg, not {type(conn).__module__}.{type(conn).__name__}")
 
@@ -238,8 +234,6 @@ def enqueue_row(conn: Any, event_id: str, routing_key: str, ordering_key: str, b
     """INSERT the row in the caller's open transaction; None when added, else
     the fingerprint already stored under *event_id*."""
     from psycopg.rows import tuple_row
-
-    from .table import OutboxError
 
     psycopg = _psycopg()
     raw, in_tx = driver(conn)
@@ -396,8 +390,6 @@ class PgDb:
 
     @contextmanager
     def transaction(self) -> Iterator[OutboxDb]:
-        from .table import OutboxError
-
         psycopg = _psycopg()
         if self.in_transaction:
             raise OutboxError("outbox transactions do not nest")
