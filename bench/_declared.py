@@ -9,8 +9,6 @@ Loaded by ``DELIVERY_PLUGINS=_declared`` with ``bench/`` on ``PYTHONPATH``.
 
 from __future__ import annotations
 
-import sqlite3
-from collections.abc import Sequence
 from typing import Any
 
 from delivery_consumer.consumers import register
@@ -41,12 +39,7 @@ def _state(env: Envelope) -> tuple[str, str, int]:
     return (data["title"], data["url"], int(env.type == PUBLISHED))
 
 
-def apply(conn: sqlite3.Connection, env: Envelope) -> str:
-    return TABLE.apply(conn, env, _state(env))
-
-
-def apply_many(conn: sqlite3.Connection, envs: Sequence[Envelope]) -> list[str]:
-    return TABLE.apply_many(conn, envs, _state)
+apply, apply_many = TABLE.effect(_state)
 
 
 def declared(env: dict[str, Any]) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from typing import Any
 
 import orjson
 
+from .contract import ApplyFn, ApplyManyFn
 from .envelope import Envelope
 from .errors import REVISION_CONFLICT, ConfigError, Rejection, safe_reason
 
@@ -140,6 +141,18 @@ class RevisionTable:
                 raise self.conflict(env)
         conn.executemany(self._upsert, writes.values())
         return results
+
+    def effect(self, state_of: StateOf) -> tuple[ApplyFn, ApplyManyFn]:
+        """A consumer's ``apply`` and ``apply_many`` on this table, *state_of*
+        giving an event's state columns: :meth:`apply` and :meth:`apply_many`."""
+
+        def apply(conn: sqlite3.Connection, env: Envelope) -> str:
+            return self.apply(conn, env, state_of(env))
+
+        def apply_many(conn: sqlite3.Connection, envs: Sequence[Envelope]) -> list[str]:
+            return self.apply_many(conn, envs, state_of)
+
+        return apply, apply_many
 
 
 __all__ = ["RevisionTable", "StateOf"]

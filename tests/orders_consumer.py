@@ -9,9 +9,6 @@ each order (``state.RevisionTable``).
 
 from __future__ import annotations
 
-import sqlite3
-from collections.abc import Sequence
-
 from delivery_consumer.consumers import register
 from delivery_consumer.contract import ConsumerSpec, View
 from delivery_consumer.envelope import Envelope
@@ -46,12 +43,7 @@ def state(env: Envelope) -> tuple[str, int]:
     return (env.data["status"], env.data["totalCents"])
 
 
-def apply(conn: sqlite3.Connection, env: Envelope) -> str:
-    return TABLE.apply(conn, env, state(env))
-
-
-def apply_many(conn: sqlite3.Connection, envs: Sequence[Envelope]) -> list[str]:
-    return TABLE.apply_many(conn, envs, state)
+apply, apply_many = TABLE.effect(state)
 
 
 SPEC = ConsumerSpec(

@@ -20,9 +20,6 @@ any duplication of a set of events converges to the same table
 
 from __future__ import annotations
 
-import sqlite3
-from collections.abc import Sequence
-
 from ..contract import ConsumerSpec, View
 from ..envelope import Envelope, fingerprint
 from ..state import RevisionTable
@@ -60,14 +57,9 @@ def _state(env: Envelope) -> tuple[str, str, int]:
     return (data["title"], data["url"], int(env.type == PUBLISHED))
 
 
-def apply(conn: sqlite3.Connection, env: Envelope) -> str:
-    """Apply one material event to the projection; see the module docstring."""
-    return TABLE.apply(conn, env, _state(env))
-
-
-def apply_many(conn: sqlite3.Connection, envs: Sequence[Envelope]) -> list[str]:
-    """:func:`apply` for a batch (``RevisionTable.apply_many``)."""
-    return TABLE.apply_many(conn, envs, _state)
+#: Apply one material event to the projection (see the module docstring), and
+#: its batch form (``RevisionTable.effect``).
+apply, apply_many = TABLE.effect(_state)
 
 
 SPEC = ConsumerSpec(
