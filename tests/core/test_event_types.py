@@ -2,24 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import sqlite3
 import uuid
 from pathlib import Path
 from typing import Any
 
+import orders_consumer
 import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from delivery_consumer import envelope
-from delivery_consumer.contract import ConsumerSpec
 from delivery_consumer.errors import ConfigError, Rejection
 from delivery_consumer.event_types import MATERIAL, EventType, EventTypes
 from delivery_consumer.inbox import ConsumerDB, apply_batch
 from delivery_consumer.queries import receipt_row
-from delivery_consumer.state import RevisionTable
 
 ORDER_DATA = {
     "type": "object",
@@ -34,28 +34,9 @@ ORDER_CHANGED = EventType("order.changed", key="orderId", data=ORDER_DATA)
 ORDERS = EventTypes([ORDER, ORDER_CHANGED])
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
-TABLE = RevisionTable("orders", key="order_id", state=("status", "total_cents"))
-MIGRATIONS = ("""
-    CREATE TABLE orders (
-        order_id    TEXT PRIMARY KEY,
-        revision    INTEGER NOT NULL,
-        status      TEXT NOT NULL,
-        total_cents INTEGER NOT NULL,
-        event_id    TEXT NOT NULL,
-        occurred_at TEXT NOT NULL
-    ) STRICT;
-""",)
-
-
-def _state(env: envelope.Envelope) -> tuple[str, int]:
-    return (env.data["status"], env.data["totalCents"])
-
-
-SPEC = ConsumerSpec(
-    name="orders-test", apply=lambda conn, env: TABLE.apply(conn, env, _state(env)),
-    apply_many=lambda conn, envs: TABLE.apply_many(conn, envs, _state),
-    migrations=MIGRATIONS, event_types=ORDERS, tables=("orders",),
-)
+#: The tests' orders consumer (its table, ``RevisionTable``), taking these types.
+SPEC = dataclasses.replace(orders_consumer.SPEC, name="orders-test", event_types=ORDERS)
+MIGRATIONS, TABLE, _state = orders_consumer.MIGRATIONS, orders_consumer.TABLE, orders_consumer.state
 
 
 def order(order_id: str = "order-7", revision: int = 1, status: str = "placed", total: int = 1250,
