@@ -32,13 +32,12 @@ from .inbox import ConsumerDB
 from .sqlite import now_iso
 from .topology import (
     BROKER_HEADERS,
+    FAILURE_HEADERS,
     H_ATTEMPTS,
-    H_ATTEMPTS_SEAL,
     H_CONSUMER,
     H_ERROR_CODE,
     H_ERROR_REASON,
     H_FAILED_AT,
-    H_LAST_ERROR,
     H_ROUTING_KEY,
     Topology,
 )
@@ -49,10 +48,7 @@ H_REQUEUES = "x-requeues"
 
 #: Headers a requeued copy must not carry: its failure (a fresh attempt count)
 #: and what the broker owns (``x-death`` from a client is ignored from 4.0 on).
-DROPPED_HEADERS = frozenset({
-    H_ATTEMPTS, H_ATTEMPTS_SEAL, H_ERROR_CODE, H_ERROR_REASON, H_FAILED_AT, H_CONSUMER, H_LAST_ERROR,
-    *BROKER_HEADERS,
-})
+DROPPED_HEADERS = frozenset({*FAILURE_HEADERS, *BROKER_HEADERS})
 
 #: Code of a dead letter that carries neither our headers nor ``x-death``.
 UNKNOWN_CODE = "unknown"

@@ -32,6 +32,9 @@ H_ROUTING_KEY = "x-original-routing-key"
 H_LAST_ERROR = "x-last-error"  # a retry copy: the reason of its transient failure
 H_DELIVERY_COUNT = "x-delivery-count"  # set by quorum queues on redelivery
 H_PRODUCED_MS = "x-produced-ms"  # dispatch: the outbox row's created_at, ms since the epoch
+#: Headers a copy carries about its failure (run's retry and dead copies write
+#: them); a requeued copy starts afresh without them.
+FAILURE_HEADERS = (H_ATTEMPTS, H_ATTEMPTS_SEAL, H_ERROR_CODE, H_ERROR_REASON, H_FAILED_AT, H_CONSUMER, H_LAST_ERROR)
 #: Headers the broker owns; a copy we publish must not carry them back.
 BROKER_HEADERS = ("x-death", "x-first-death-exchange", "x-first-death-queue", "x-first-death-reason",
                   "x-last-death-exchange", "x-last-death-queue", "x-last-death-reason", H_DELIVERY_COUNT)
