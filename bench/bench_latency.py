@@ -25,7 +25,6 @@ printed with the load average.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime as dt
 import json
@@ -42,8 +41,10 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+from bench_run import bench_topology, broker_parser, delete_queues
+
 from delivery_consumer import producer
-from delivery_consumer.topology import DEFAULT_URL, Topology
+from delivery_consumer.topology import Topology
 
 #: The limit's consumer: prints one latency (ms) per message, then exits.
 BARE_CONSUMER = textwrap.dedent(
@@ -129,17 +130,6 @@ def stop(*procs: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-def delete_topology(url: str, topo: Topology) -> None:
-    import pika
-
-    conn = pika.BlockingConnection(pika.URLParameters(url))
-    ch = conn.channel()
-    for queue, _args in topo.queues():
-        ch.queue_delete(queue)
-    ch.exchange_delete(topo.exchange)
-    conn.close()
-
-
 def start(url: str, topo: Topology, work: Path) -> tuple[list[subprocess.Popen[bytes]], Path, Path]:
     """dispatch and run with their defaults (only the names are the bench's own)."""
     prod, cons = work / "producer.db", work / "catalog.db"
@@ -157,8 +147,7 @@ def start(url: str, topo: Topology, work: Path) -> tuple[list[subprocess.Popen[b
 def pipeline(url: str, tmp: Path) -> Iterator[tuple[list[subprocess.Popen[bytes]], sqlite3.Connection, Path]]:
     """``dispatch`` and ``run`` under a fresh prefix, one event through: (processes, the producer's
     connection, the consumer's database); stopped and their queues deleted afterwards."""
-    prefix = f"lat{uuid.uuid4().hex[:6]}"
-    topo = Topology(consumer="catalog", binding_keys=("material.*",), exchange=f"{prefix}.events", prefix=prefix)
+    topo = bench_topology("lat")
     procs, prod, cons = start(url, topo, tmp)
     try:
         conn = producer.open_db(prod)
@@ -171,7 +160,7 @@ def pipeline(url: str, tmp: Path) -> Iterator[tuple[list[subprocess.Popen[bytes]
             conn.close()
     finally:
         stop(*procs)
-        delete_topology(url, topo)
+        delete_queues(url, topo)
 
 
 def ours(url: str, rate: int, seconds: float) -> list[float]:
@@ -246,12 +235,10 @@ def idle(url: str, seconds: float) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = broker_parser(__doc__, messages=None)
     parser.add_argument("--rates", default="200,1000")
     parser.add_argument("--seconds", type=float, default=10.0)
-    parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--idle", type=float, default=0.0, help="only measure idle CPU over this many seconds")
-    parser.add_argument("--amqp-url", default=os.environ.get("DELIVERY_AMQP_URL", DEFAULT_URL))
     args = parser.parse_args()
     if args.idle:
         idle(args.amqp_url, args.idle)

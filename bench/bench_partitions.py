@@ -22,7 +22,6 @@ beside any figure you quote.
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import os
 import sqlite3
@@ -36,12 +35,12 @@ import uuid
 from pathlib import Path
 
 import orjson
-from bench_run import delete_queues, make_events
+from bench_run import bench_topology, broker_parser, delete_queues, make_events
 
 from delivery_consumer.amqp.publisher import Publisher
 from delivery_consumer.deliveries import OutMessage
 from delivery_consumer.partitions import partition_topologies, route, slot_headers, slots_exchange, unrouted_name
-from delivery_consumer.topology import DEFAULT_URL, Topology
+from delivery_consumer.topology import Topology
 
 
 def seed(url: str, base: Topology, bodies: list[bytes], partitions: int | None) -> float:
@@ -130,14 +129,9 @@ def consume(url: str, base: Topology, n: int, partitions: int | None, workdir: P
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--messages", type=int, default=20_000)
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--amqp-url", default=os.environ.get("DELIVERY_AMQP_URL", DEFAULT_URL))
-    args = parser.parse_args()
+    args = broker_parser(__doc__).parse_args()
     bodies = make_events(args.messages)
-    prefix = f"bench{uuid.uuid4().hex[:6]}"
-    base = Topology(consumer="catalog", binding_keys=("material.*",), exchange=f"{prefix}.events", prefix=prefix)
+    base = bench_topology()
     modes: list[tuple[str, int | None]] = [("unpartitioned run", None), ("1 partition", 1), ("2 partitions", 2),
                                            ("4 partitions", 4)]
     rates: dict[str, list[float]] = {name: [] for name, _ in modes}

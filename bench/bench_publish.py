@@ -19,26 +19,24 @@ one-confirm-per-message publisher (goal: at least 5x).
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import os
 import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import orjson
 import pika
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_run import delete_queues, make_events
+from bench_run import bench_topology, broker_parser, delete_queues, make_events
 
 from delivery_consumer.amqp.admin import declare
 from delivery_consumer.amqp.publisher import Publisher
 from delivery_consumer.deliveries import OutMessage
-from delivery_consumer.topology import DEFAULT_URL, Topology
+from delivery_consumer.topology import Topology
 
 
 def one_confirm_each(url: str, topo: Topology, bodies: list[bytes]) -> float:
@@ -82,14 +80,9 @@ def command(url: str, topo: Topology, source: Path, n: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--messages", type=int, default=20_000)
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--amqp-url", default=os.environ.get("DELIVERY_AMQP_URL", DEFAULT_URL))
-    args = parser.parse_args()
+    args = broker_parser(__doc__).parse_args()
     bodies = make_events(args.messages)
-    prefix = f"benchpub{uuid.uuid4().hex[:6]}"
-    topo = Topology(consumer="catalog", binding_keys=("material.*",), exchange=f"{prefix}.events", prefix=prefix)
+    topo = bench_topology("benchpub")
     best: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp) / "events.ndjson"

@@ -30,7 +30,6 @@ own process, every answer ``--endpoint-delay`` late, and run uses ``--batch 20
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import os
 import re
@@ -46,9 +45,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_run import delete_queues, make_events, seed
+from bench_run import bench_topology, broker_parser, delete_queues, make_events, seed
 
-from delivery_consumer.topology import DEFAULT_URL, Topology
+from delivery_consumer.topology import Topology
 
 GOAL = 0.5
 BATCH_LINE = re.compile(r"batch (\d+)-(\d+) acked")
@@ -119,16 +118,13 @@ def one_round(url: str, topo: Topology, warmup: int, window: int, workdir: Path)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = broker_parser(__doc__, messages=None)
     parser.add_argument("--warmup", type=int, default=3000)
     parser.add_argument("--window", type=int, default=1000)
-    parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--consumer", choices=["catalog", "webhook"], default="catalog")
     parser.add_argument("--endpoint-delay", type=float, default=0.05, help="webhook: seconds per answer")
-    parser.add_argument("--amqp-url", default=os.environ.get("DELIVERY_AMQP_URL", DEFAULT_URL))
     args = parser.parse_args()
-    prefix = f"bench{uuid.uuid4().hex[:6]}"
-    topo = Topology(consumer=args.consumer, binding_keys=("material.*",), exchange=f"{prefix}.events", prefix=prefix)
+    topo = bench_topology(consumer=args.consumer)
     ratios = []
     server = None
     if args.consumer == "webhook":

@@ -192,17 +192,31 @@ def ours(url: str, topo: Topology, prefetch: int, batch: int, workdir: Path) -> 
     return float(match.group(1))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--messages", type=int, default=20_000)
-    parser.add_argument("--prefetch", type=int, default=500)
-    parser.add_argument("--batch", type=int, default=250)
+def broker_parser(doc: str | None, *, messages: int | None = 20_000) -> argparse.ArgumentParser:
+    """The options every benchmark against the broker takes: ``--messages``
+    (None: it takes none), ``--repeat`` and ``--amqp-url``; it adds its own."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if messages is not None:
+        parser.add_argument("--messages", type=int, default=messages)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--amqp-url", default=os.environ.get("DELIVERY_AMQP_URL", DEFAULT_URL))
+    return parser
+
+
+def bench_topology(stem: str = "bench", consumer: str = "catalog") -> Topology:
+    """*consumer*'s topology for the material events under names of its own
+    (``<stem>`` and six random hex digits): its own exchange and queues."""
+    prefix = f"{stem}{uuid.uuid4().hex[:6]}"
+    return Topology(consumer=consumer, binding_keys=("material.*",), exchange=f"{prefix}.events", prefix=prefix)
+
+
+def main() -> None:
+    parser = broker_parser(__doc__)
+    parser.add_argument("--prefetch", type=int, default=500)
+    parser.add_argument("--batch", type=int, default=250)
     args = parser.parse_args()
     bodies = make_events(args.messages)
-    prefix = f"bench{uuid.uuid4().hex[:6]}"
-    topo = Topology(consumer="catalog", binding_keys=("material.*",), exchange=f"{prefix}.events", prefix=prefix)
+    topo = bench_topology()
     modes = [
         ("bare pika, ack per message", lambda w: bare(args.amqp_url, topo, args.messages, args.prefetch, 1)),
         (f"bare pika, multiple ack every {args.batch}",
