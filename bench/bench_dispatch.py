@@ -46,7 +46,6 @@ out.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime as dt
 import io
@@ -62,7 +61,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 import pika
@@ -71,10 +70,10 @@ from delivery_consumer import outbox
 from delivery_consumer.amqp.publisher import Publisher, StreamPublisher, properties
 from delivery_consumer.deliveries import OutMessage, PublishResult
 from delivery_consumer.errors import BrokerError
-from delivery_consumer.topology import DEFAULT_URL, Topology
+from delivery_consumer.topology import Topology
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_run import delete_queues, make_events
+from bench_run import bench_topology, broker_parser, delete_queues, make_events
 
 IDLE_S = 0.2
 DISPATCH_SPAN = re.compile(r"first claim to last mark ([0-9.]+)s")
@@ -262,10 +261,29 @@ def worker(args: list[str]) -> None:
         print(dispatched(args[2], args[3], Path(args[1]), 1000, 2))
 
 
+Side = TypeVar("Side")
+
+
+def alternating(pairs: int, n: int, order: tuple[Side, Side], new: Side, run: Callable[[Side], float],
+                label: Callable[[Side], str]) -> list[float]:
+    """*pairs* back-to-back measurements of two sides (*run*: seconds for *n*
+    messages), in *order* and then reversed, pair after pair, so that both see
+    the same load; prints each pair and returns, per pair, *new*'s rate over
+    the other side's."""
+    old = order[1] if order[0] == new else order[0]
+    first, second = order
+    ratios = []
+    for i in range(pairs):
+        seconds = {side: run(side) for side in (order if i % 2 == 0 else order[::-1])}
+        ratios.append(seconds[old] / seconds[new])
+        print(f"  pair {i + 1}  {label(first)} {n / seconds[first]:>7.0f} msg/s  {label(second)} "
+              f"{n / seconds[second]:>7.0f} msg/s  {label(new)} / {label(old)} {ratios[-1]:.2f}", flush=True)
+    return ratios
+
+
 def ab_ref(url: str, n: int, pairs: int, ref: str, db_only: bool = False) -> None:
     """This code's dispatcher against REF's, measured back to back in fresh processes."""
-    prefix = f"bench{uuid.uuid4().hex[:6]}"
-    topo = Topology(consumer="catalog", binding_keys=("material.*",), exchange=f"{prefix}.events", prefix=prefix)
+    topo = bench_topology()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         old = export(ref, work / "ref")
@@ -282,13 +300,8 @@ def ab_ref(url: str, n: int, pairs: int, ref: str, db_only: bool = False) -> Non
             return measure(url, topo, n, side, lambda: float(in_process_of(code, "dispatch", str(db), url,
                                                                             topo.exchange)))
 
-        ratios = []
         try:
-            for i in range(pairs):
-                seconds = {side: run(side) for side in (("this", ref) if i % 2 == 0 else (ref, "this"))}
-                ratios.append(seconds[ref] / seconds["this"])
-                print(f"  pair {i + 1}  this {n / seconds['this']:>7.0f} msg/s  {ref} {n / seconds[ref]:>7.0f} msg/s"
-                      f"  this / {ref} {ratios[-1]:.2f}", flush=True)
+            ratios = alternating(pairs, n, ("this", ref), "this", run, str)
         finally:
             with contextlib.suppress(pika.exceptions.AMQPError):
                 delete_queues(url, topo)
@@ -301,8 +314,7 @@ def ab_ref(url: str, n: int, pairs: int, ref: str, db_only: bool = False) -> Non
 
 def ab_depth(url: str, n: int, pairs: int) -> None:
     """depth 2 against depth 1, measured back to back so that both see the same load."""
-    prefix = f"bench{uuid.uuid4().hex[:6]}"
-    topo = Topology(consumer="catalog", binding_keys=("material.*",), exchange=f"{prefix}.events", prefix=prefix)
+    topo = bench_topology()
     with tempfile.TemporaryDirectory() as tmp:
         template = Path(tmp) / "outbox-template.db"
         make_outbox(template, make_events(n))
@@ -312,13 +324,8 @@ def ab_depth(url: str, n: int, pairs: int) -> None:
             shutil.copyfile(template, db)
             return measure(url, topo, n, f"depth {depth}", lambda: dispatched(url, topo.exchange, db, 1000, depth))
 
-        ratios = []
         try:
-            for i in range(pairs):
-                seconds = {d: run(d) for d in ((1, 2) if i % 2 == 0 else (2, 1))}
-                ratios.append(seconds[1] / seconds[2])
-                print(f"  pair {i + 1}  depth 1 {n / seconds[1]:>7.0f} msg/s  depth 2 {n / seconds[2]:>7.0f} msg/s"
-                      f"  depth 2 / depth 1 {ratios[-1]:.2f}", flush=True)
+            ratios = alternating(pairs, n, (1, 2), 2, run, lambda depth: f"depth {depth}")
         finally:
             with contextlib.suppress(pika.exceptions.AMQPError):
                 delete_queues(url, topo)
@@ -332,11 +339,8 @@ def main() -> None:
     if sys.argv[1:2] == ["--worker"]:
         worker(sys.argv[2:])
         return
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--messages", type=int, default=20_000)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser = broker_parser(__doc__)
     parser.add_argument("--batches", default="100,500,1000,2000", help="dispatch --batch sizes to measure")
-    parser.add_argument("--amqp-url", default=os.environ.get("DELIVERY_AMQP_URL", DEFAULT_URL))
     parser.add_argument("--ab-depth", type=int, default=0, metavar="PAIRS",
                         help="instead: dispatch --depth 1 vs 2 at batch 1000, PAIRS adjacent pairs (order alternating)")
     parser.add_argument("--ab-ref", metavar="REF", help="instead: this code's dispatcher vs git commit REF's")
@@ -351,8 +355,7 @@ def main() -> None:
         ab_depth(url, n, args.ab_depth)
         return
     batches = [int(b) for b in args.batches.split(",")]
-    prefix = f"bench{uuid.uuid4().hex[:6]}"
-    topo = Topology(consumer="catalog", binding_keys=("material.*",), exchange=f"{prefix}.events", prefix=prefix)
+    topo = bench_topology()
     bodies = make_events(n)
     msgs = messages(bodies, topo.exchange)
     cli = [sys.executable, "-m", "delivery_consumer"]
