@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import pika
+from brokerkit import node_env
 from prometheus_client.parser import text_string_to_metric_families
 from support import wait_until
 from webhook_server import free_port
@@ -67,27 +68,11 @@ class PrivateBroker:
         return f"http://127.0.0.1:{self.metrics_port}{DETAILED}"
 
     def env(self) -> dict[str, str]:
-        d = self.directory
-        environ = {k: v for k, v in os.environ.items() if not k.startswith(("RABBITMQ_", "DELIVERY_"))}
-        environ.update({
-            "RABBITMQ_CONF_ENV_FILE": str(d / "rabbitmq-env.conf"),  # not the shared node's /etc one
-            "RABBITMQ_NODENAME": self.node,
-            "RABBITMQ_NODE_PORT": str(self.amqp_port),
-            "RABBITMQ_DIST_PORT": str(self.dist_port),
-            "RABBITMQ_CONFIG_FILE": str(d / "rabbitmq.conf"),
-            "RABBITMQ_ADVANCED_CONFIG_FILE": str(d / "advanced.config"),
-            "RABBITMQ_ENABLED_PLUGINS_FILE": str(d / "enabled_plugins"),
-            "RABBITMQ_MNESIA_BASE": str(d / "mnesia"),
-            "RABBITMQ_LOG_BASE": str(d / "log"),
-            "RABBITMQ_PID_FILE": str(d / "pid"),
-            "ERL_EPMD_ADDRESS": "127.0.0.1",
-            "HOME": str(d),  # its own Erlang cookie, shared by the node and rabbitmqctl only
-        })
-        return environ
+        return node_env(self.directory, self.node, self.amqp_port, self.dist_port)
 
     def start(self) -> None:
         d = self.directory
-        d.mkdir(parents=True, exist_ok=True)
+        (d / "home").mkdir(parents=True, exist_ok=True)
         (d / "rabbitmq-env.conf").write_text("")
         (d / "enabled_plugins").write_text("[rabbitmq_prometheus].\n")
         (d / "rabbitmq.conf").write_text("\n".join([

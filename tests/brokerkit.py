@@ -378,6 +378,31 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def node_env(base: Path, name: str, port: int, dist_port: int) -> dict[str, str]:
+    """The environment of a private RabbitMQ node (and of ``rabbitmqctl`` for it)
+    named *name* on loopback *port* and *dist_port*, its every file in *base*:
+    none of the caller's ``RABBITMQ_``/``ERL_`` settings and none of the
+    system's files, and its own Erlang cookie (``HOME`` = *base*/home). The
+    caller makes *base*/home and writes ``rabbitmq-env.conf`` (empty: not the
+    system's NODENAME and ports), ``rabbitmq.conf`` and ``enabled_plugins``."""
+    return {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("RABBITMQ_", "ERL_", "DELIVERY_"))},
+        "HOME": str(base / "home"),
+        "RABBITMQ_CONF_ENV_FILE": str(base / "rabbitmq-env.conf"),
+        "RABBITMQ_NODENAME": name,
+        "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
+        "RABBITMQ_NODE_PORT": str(port),
+        "RABBITMQ_DIST_PORT": str(dist_port),
+        "RABBITMQ_MNESIA_BASE": str(base / "mnesia"),
+        "RABBITMQ_LOG_BASE": str(base / "log"),
+        "RABBITMQ_CONFIG_FILE": str(base / "rabbitmq.conf"),
+        "RABBITMQ_ADVANCED_CONFIG_FILE": str(base / "advanced.config"),
+        "RABBITMQ_ENABLED_PLUGINS_FILE": str(base / "enabled_plugins"),
+        "RABBITMQ_PID_FILE": str(base / "rabbitmq.pid"),
+        "ERL_EPMD_ADDRESS": "127.0.0.1",
+    }
+
+
 class RabbitNode:
     """A RabbitMQ node of the test run's own: its own node name, AMQP and
     distribution ports (free ones, chosen now), data, log and config files in
@@ -392,24 +417,10 @@ class RabbitNode:
         self.port = free_port()
         self.dist_port = free_port()
         (base / "home").mkdir(parents=True, exist_ok=True)
-        (base / "rabbitmq-env.conf").write_text("")  # not the system's NODENAME / ports
+        (base / "rabbitmq-env.conf").write_text("")
         (base / "rabbitmq.conf").write_text("")
         (base / "enabled_plugins").write_text("[].\n")
-        self.env = {
-            **{k: v for k, v in os.environ.items() if not k.startswith(("RABBITMQ_", "ERL_"))},
-            "HOME": str(base / "home"),
-            "RABBITMQ_CONF_ENV_FILE": str(base / "rabbitmq-env.conf"),
-            "RABBITMQ_NODENAME": self.name,
-            "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
-            "RABBITMQ_NODE_PORT": str(self.port),
-            "RABBITMQ_DIST_PORT": str(self.dist_port),
-            "RABBITMQ_MNESIA_BASE": str(base / "mnesia"),
-            "RABBITMQ_LOG_BASE": str(base / "log"),
-            "RABBITMQ_CONFIG_FILE": str(base / "rabbitmq.conf"),
-            "RABBITMQ_ENABLED_PLUGINS_FILE": str(base / "enabled_plugins"),
-            "RABBITMQ_PID_FILE": str(base / "rabbitmq.pid"),
-            "ERL_EPMD_ADDRESS": "127.0.0.1",
-        }
+        self.env = node_env(base, self.name, self.port, self.dist_port)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
