@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from support import OpenDB
+from support import OpenDB, closed_at_exit
 
 from delivery_consumer import consumers
 from delivery_consumer.contract import ConsumerSpec
@@ -52,18 +52,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture
 def open_db(tmp_path: Path) -> Iterator[OpenDB]:
     """Open (creating) a consumer database in tmp_path; closed at teardown."""
-    opened: list[ConsumerDB] = []
+    with closed_at_exit() as keep:
 
-    def _open(consumer: str = "catalog", name: str | None = None, **kwargs: object) -> ConsumerDB:
-        path = tmp_path / (name or f"{consumer}.db")
-        kwargs.setdefault("create", True)
-        db = consumers.open_db(path, consumer, **kwargs)  # type: ignore[arg-type]
-        opened.append(db)
-        return db
+        def _open(consumer: str = "catalog", name: str | None = None, **kwargs: object) -> ConsumerDB:
+            path = tmp_path / (name or f"{consumer}.db")
+            kwargs.setdefault("create", True)
+            return keep(consumers.open_db(path, consumer, **kwargs))  # type: ignore[arg-type]
 
-    yield _open
-    for db in opened:
-        db.close()
+        yield _open
 
 
 @pytest.fixture

@@ -7,13 +7,14 @@ puts ``tests/`` on ``sys.path`` (rootdir-relative "prepend" import mode).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sqlite3
 import sys
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -156,6 +157,26 @@ def subprocess_env(**extra: str) -> dict[str, str]:
 
 
 T = TypeVar("T")
+
+
+class _Closable(Protocol):
+    def close(self) -> object: ...
+
+
+C = TypeVar("C", bound=_Closable)
+
+
+@contextlib.contextmanager
+def closed_at_exit() -> Iterator[Callable[[C], C]]:
+    """A fixture's ``keep``: it returns what it is given and closes it when the
+    block ends (the last kept first), also when the test failed."""
+    with contextlib.ExitStack() as stack:
+
+        def keep(thing: C) -> C:
+            stack.callback(thing.close)
+            return thing
+
+        yield keep
 
 
 class _Process(Protocol):

@@ -18,6 +18,7 @@ import orjson
 import pytest
 from click.testing import CliRunner
 from outboxkit import Clock, FakePublisher, add, dispatcher, envelope, row
+from support import closed_at_exit
 
 from delivery_consumer import consumers, outbox, producer, sqlite
 from delivery_consumer.cli import main
@@ -36,16 +37,8 @@ def db_path(tmp_path: Path) -> Path:
 @pytest.fixture
 def conns(db_path: Path) -> Iterator[Callable[[], sqlite3.Connection]]:
     """Open connections to the producer database (each like a separate process)."""
-    opened: list[sqlite3.Connection] = []
-
-    def _open() -> sqlite3.Connection:
-        conn = outbox.connect(db_path)
-        opened.append(conn)
-        return conn
-
-    yield _open
-    for conn in opened:
-        conn.close()
+    with closed_at_exit() as keep:
+        yield lambda: keep(outbox.connect(db_path))
 
 
 @pytest.fixture

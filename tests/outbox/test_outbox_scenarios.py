@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from outboxkit import Clock, FakePublisher, envelope
+from support import closed_at_exit
 
 from delivery_consumer import outbox
 from delivery_consumer.amqp.publisher import PublishResult
@@ -58,27 +59,20 @@ class Backend:
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
-    opened: list[Any] = []
+    with closed_at_exit() as keep:
+        if request.param == "sqlite":
+            path = tmp_path / "producer.db"
+            app = keep(outbox.connect(path))
+            app.execute("CREATE TABLE material (name TEXT NOT NULL)")
+            yield Backend("sqlite", app, lambda: keep(outbox.open_db(path)))
+        else:
+            import psycopg
 
-    def keep(db: Any) -> Any:
-        opened.append(db)
-        return db
-
-    if request.param == "sqlite":
-        path = tmp_path / "producer.db"
-        app = keep(outbox.connect(path))
-        app.execute("CREATE TABLE material (name TEXT NOT NULL)")
-        yield Backend("sqlite", app, lambda: keep(outbox.open_db(path)))
-    else:
-        import psycopg
-
-        url = request.getfixturevalue("pg_url")
-        app = keep(psycopg.connect(url, autocommit=True))
-        outbox.install(app)
-        app.execute("CREATE TABLE material (name text NOT NULL)")
-        yield Backend("postgres", app, lambda: keep(outbox.open_db(url)))
-    for conn in reversed(opened):
-        conn.close()
+            url = request.getfixturevalue("pg_url")
+            app = keep(psycopg.connect(url, autocommit=True))
+            outbox.install(app)
+            app.execute("CREATE TABLE material (name text NOT NULL)")
+            yield Backend("postgres", app, lambda: keep(outbox.open_db(url)))
 
 
 def dispatcher(db: outbox.OutboxDb, pub: FakePublisher, clock: Clock, **config: Any) -> outbox.Dispatcher:
