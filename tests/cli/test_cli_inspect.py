@@ -90,6 +90,13 @@ def columns(line: str) -> list[str]:
     return re.split(r"\s{2,}", line.strip())
 
 
+def listed(command: str, db: Path) -> tuple[list[str], list[dict[str, Any]]]:
+    """``COMMAND list --db DB``: its text lines (exit 0 asserted) and its ``--json`` rows."""
+    text = invoke(command, "list", "--db", db)
+    assert text.exit_code == 0, text.output
+    return text.stdout.splitlines(), orjson.loads(invoke(command, "list", "--db", db, "--json").stdout)
+
+
 def replay_into(path: Path, consumer: str, tmp_path: Path) -> Path:
     """Fill *path* with SEQUENCE (and one non-JSON line) through ``replay``."""
     source = tmp_path / f"{consumer}.ndjson"
@@ -267,11 +274,8 @@ def test_inbox_group_lists_its_lazy_subcommands() -> None:
 
 def test_catalog_list_text_and_json(catalog_db: Path) -> None:
     """catalog list shows each material's latest revision, in text and as a JSON array."""
-    text = invoke("catalog", "list", "--db", catalog_db)
-    rows = orjson.loads(invoke("catalog", "list", "--db", catalog_db, "--json").stdout)
+    lines, rows = listed("catalog", catalog_db)
 
-    assert text.exit_code == 0, text.output
-    lines = text.stdout.splitlines()
     assert columns(lines[0]) == ["articleId", "revision", "published", "title", "url"]
     assert [columns(line) for line in lines[2:]] == [
         ["article-42", "2", "no", TITLE, URL],
@@ -318,11 +322,8 @@ def test_catalog_uses_the_default_catalog_database(tmp_path: Path) -> None:
 
 def test_audit_list_text_and_json(audit_db: Path) -> None:
     """audit list shows each distinct envelope once, newest first; --json includes the envelope."""
-    text = invoke("audit", "list", "--db", audit_db)
-    rows = orjson.loads(invoke("audit", "list", "--db", audit_db, "--json").stdout)
+    lines, rows = listed("audit", audit_db)
 
-    assert text.exit_code == 0, text.output
-    lines = text.stdout.splitlines()
     assert columns(lines[0]) == ["eventId", "type", "articleId", "revision", "occurredAt"]
     assert [columns(line)[0] for line in lines[2:]] == [E, D, C, B, A]
     assert [r["eventId"] for r in rows] == [E, D, C, B, A]
@@ -340,11 +341,8 @@ def test_audit_list_limit(audit_db: Path) -> None:
 
 def test_rejected_list_text_and_json(catalog_db: Path) -> None:
     """rejected list shows every rejection, newest first, in text and JSON."""
-    text = invoke("rejected", "list", "--db", catalog_db)
-    rows = orjson.loads(invoke("rejected", "list", "--db", catalog_db, "--json").stdout)
+    lines, rows = listed("rejected", catalog_db)
 
-    assert text.exit_code == 0, text.output
-    lines = text.stdout.splitlines()
     assert columns(lines[0]) == ["id", "rejectedAt", "code", "eventId", "source", "reason"]
     assert [columns(line)[2:4] for line in lines[2:]] == [
         ["malformed-json", "-"],
