@@ -57,6 +57,16 @@ def status_of(db: ConsumerDB, envelope: Envelope) -> str:
         return rej.code
 
 
+def assert_recorded_alone(db: ConsumerDB, before: dict[str, list[tuple[Any, ...]]], code: str, refused: Envelope,
+                          quoted: str) -> None:
+    """Since *before* only ``rejected`` changed: one row, *refused*'s with *code*, whose reason
+    does not quote *quoted* (a value of its body)."""
+    assert before == effect_and_inbox(db)
+    [(got, reason, event_id, fingerprint)] = rejected_rows(db)
+    assert (code, refused.event_id, refused.fingerprint) == (got, event_id, fingerprint)
+    assert reason and quoted not in reason
+
+
 # -- results of apply_event ------------------------------------------------------------
 
 
@@ -144,10 +154,8 @@ def test_event_id_reused_changes_nothing_and_is_recorded(open_db: OpenDB, consum
         apply_event(db, reused)
 
     assert EVENT_ID_REUSED == info.value.code
-    assert before == effect_and_inbox(db)
-    [(code, reason, event_id, fingerprint)] = rejected_rows(db)
-    assert (EVENT_ID_REUSED, EVENT_ID, reused.fingerprint) == (code, event_id, fingerprint)
-    assert reason and "дублей" not in reason
+    assert EVENT_ID == reused.event_id
+    assert_recorded_alone(db, before, EVENT_ID_REUSED, reused, "дублей")
 
 
 def test_revision_conflict_changes_nothing_and_is_recorded(catalog_db: ConsumerDB) -> None:
@@ -157,10 +165,7 @@ def test_revision_conflict_changes_nothing_and_is_recorded(catalog_db: ConsumerD
     conflicting = env(event_id=SECOND_ID, title="Черновик")
 
     assert REVISION_CONFLICT == status_of(catalog_db, conflicting)
-    assert before == effect_and_inbox(catalog_db)
-    [(code, reason, event_id, fingerprint)] = rejected_rows(catalog_db)
-    assert (REVISION_CONFLICT, SECOND_ID, conflicting.fingerprint) == (code, event_id, fingerprint)
-    assert reason and "Черновик" not in reason
+    assert_recorded_alone(catalog_db, before, REVISION_CONFLICT, conflicting, "Черновик")
 
 
 def test_withdrawn_at_the_published_revision_is_a_conflict(catalog_db: ConsumerDB) -> None:
