@@ -47,17 +47,21 @@ from jsonschema import Draft7Validator, FormatChecker
 from delivery_consumer import envelope
 
 
-def _fastjsonschema() -> Callable[[Any], bool]:
-    validate = envelope.validator()
+def _as_check(validate: Callable[[Any], object], invalid: type[Exception]) -> Callable[[Any], bool]:
+    """*validate*, which raises *invalid* for an envelope it refuses, as a yes/no check."""
 
     def check(obj: Any) -> bool:
         try:
             validate(obj)
-        except fastjsonschema.JsonSchemaValueException:
+        except invalid:
             return False
         return True
 
     return check
+
+
+def _fastjsonschema() -> Callable[[Any], bool]:
+    return _as_check(envelope.validator(), fastjsonschema.JsonSchemaValueException)
 
 
 def _project() -> Callable[[Any], bool]:
@@ -83,16 +87,7 @@ def _jsonschema_validator() -> Draft7Validator:
 
 
 def _jsonschema_validate() -> Callable[[Any], bool]:
-    validate = _jsonschema_validator().validate
-
-    def check(obj: Any) -> bool:
-        try:
-            validate(obj)
-        except jsonschema.ValidationError:
-            return False
-        return True
-
-    return check
+    return _as_check(_jsonschema_validator().validate, jsonschema.ValidationError)
 
 
 def _jsonschema_is_valid() -> Callable[[Any], bool]:
