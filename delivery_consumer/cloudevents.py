@@ -29,15 +29,13 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import Any, Final, Protocol
 
 import orjson
 
 from .envelope import MAX_BODY_BYTES, Envelope, decode_body, is_event_id, parse, refuse_duplicate_keys
 from .errors import INVALID_ENVELOPE, MALFORMED_JSON, UNKNOWN_TYPE, Rejection, safe_reason
-
-if TYPE_CHECKING:
-    from .event_types import EventTypes
+from .event_types import EventTypes, default_types
 
 #: ``content-type`` of an event in structured mode (JSON event format).
 STRUCTURED_CONTENT_TYPE: Final = "application/cloudevents+json"
@@ -208,8 +206,6 @@ def parse_message(
     *compression* and *max_bytes* apply to the body as there.
     """
     if types is None:
-        from .event_types import default_types  # event_types imports envelope, which this module imports
-
         types = default_types()
     if (content_type is not None or headers) and is_cloudevent(content_type, headers):
         if content_encoding is not None or compression is not None:

@@ -2,7 +2,9 @@
 
 The only place that knows how an event looks on the wire (with
 ``event_types.py``, where the declared types are compiled into the checks
-:func:`from_mapping` applies). Every refusal is a
+:func:`from_mapping` applies, and where :class:`Envelope`, the schema file
+and the field checks those need are defined: this module imports that one,
+never the other way). Every refusal is a
 :class:`~delivery_consumer.errors.Rejection` whose reason never quotes the
 payload (only field names and rules), so it is safe to log and to put in AMQP
 headers.
@@ -15,13 +17,10 @@ on the same envelopes; see docs/performance.md for the figures.
 from __future__ import annotations
 
 import hashlib
-import re
 import zlib
 from collections.abc import Callable, Mapping
-from datetime import datetime
 from functools import lru_cache
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, NamedTuple, NoReturn
+from typing import Any, Final, NoReturn
 
 import fastjsonschema
 import orjson
@@ -32,13 +31,20 @@ from .errors import (
     Rejection,
     safe_reason,
 )
-
-if TYPE_CHECKING:
-    from .event_types import EventType, EventTypes
+from .event_types import (
+    _CANONICAL,
+    Envelope,
+    EventTypes,
+    _event_id_of,
+    default_types,
+    is_event_id,
+    is_rfc3339,
+    load_schema,
+    schema_dir,
+)
 
 #: Default limit on the size of one body, in bytes (1 MiB).
 MAX_BODY_BYTES: Final = 1 << 20
-ENVELOPE_SCHEMA: Final = "envelope.schema.json"
 
 #: ``content_encoding`` values that mean "the bytes as they are" (kombu writes
 #: the charset there: ``utf-8``, or ``binary`` for bytes it did not serialize).
@@ -53,69 +59,6 @@ KOMBU_COMPRESSION_HEADER: Final = "compression"
 _KOMBU_COMPRESSIONS: Final = {"application/x-gzip": "gzip"}
 _GZIP_MAGIC: Final = b"\x1f\x8b"
 
-_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
-_FRACTION = re.compile(r"\.[0-9]+")
-
-
-class Envelope(NamedTuple):
-    """A validated event: its fields, its canonical bytes and its fingerprint.
-
-    Immutable. A NamedTuple rather than a frozen dataclass: one is built per
-    event, and a frozen dataclass's ``__init__`` calls ``object.__setattr__``
-    once per field.
-    """
-
-    event_id: str
-    type: str
-    #: The value of the type's key field (``articleId``, ``orderId``, ...).
-    key: str
-    #: 0 when the type declares no revision.
-    revision: int
-    occurred_at: str
-    data: Mapping[str, Any]
-    #: The whole envelope as decoded (``meta`` included).
-    fields: Mapping[str, Any]
-    #: The canonical JSON of the whole envelope (what a producer sends).
-    canonical: bytes
-    #: SHA-256 of the canonical JSON of the envelope without ``meta``.
-    fingerprint: str
-    #: The declaration the envelope was validated against.
-    event_type: EventType | None = None
-
-    @property
-    def article_id(self) -> str:
-        """The key, by its name for the material types."""
-        return self.key
-
-    @property
-    def key_field(self) -> str:
-        """The name of the key field (``articleId`` when the type is unknown here)."""
-        return "articleId" if self.event_type is None else self.event_type.key
-
-    @property
-    def meta(self) -> Mapping[str, str] | None:
-        """The envelope's ``meta`` (correlationId, causationId, traceparent), if any."""
-        meta: Mapping[str, str] | None = self.fields.get("meta")
-        return meta
-
-    @property
-    def title(self) -> str:
-        return str(self.data["title"])
-
-    @property
-    def url(self) -> str:
-        return str(self.data["url"])
-
-
-# For anything that came from JSON this writes exactly what
-# orjson.dumps(obj, option=OPT_SORT_KEYS) writes; the passthrough flags only
-# make Python callers' datetimes and dataclasses an error instead of a
-# silently chosen spelling.
-_CANONICAL: Final = (
-    orjson.OPT_SORT_KEYS | orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_DATACLASS
-)
-
-
 def canonical_bytes(obj: Any) -> bytes:
     """The canonical JSON of *obj*: keys sorted, no whitespace, UTF-8."""
     return orjson.dumps(obj, option=_CANONICAL)
@@ -126,62 +69,10 @@ def fingerprint(obj: Any) -> str:
     return hashlib.sha256(canonical_bytes(obj)).hexdigest()
 
 
-def schema_dir() -> Path:
-    """Where the JSON Schema files are: inside the installed package, or in
-    the source checkout's top-level ``schemas/`` when running from a clone."""
-    # The package directory itself rather than importlib.resources: the same
-    # place for any install on a file system, without importing that machinery.
-    package = Path(__file__).resolve().parent
-    shipped = package / "schemas"
-    if (shipped / ENVELOPE_SCHEMA).is_file():
-        return shipped
-    checkout = package.parent / "schemas"
-    if (checkout / ENVELOPE_SCHEMA).is_file():
-        return checkout
-    raise FileNotFoundError(
-        f"{ENVELOPE_SCHEMA} not found in {shipped} nor in {checkout}: broken install"
-    )
-
-
-@lru_cache(maxsize=1)
-def load_schema() -> dict[str, Any]:
-    """The envelope schema as a dict (read once per process)."""
-    schema: dict[str, Any] = orjson.loads((schema_dir() / ENVELOPE_SCHEMA).read_bytes())
-    return schema
-
-
 @lru_cache(maxsize=1)
 def known_types() -> frozenset[str]:
     """Event types the contract knows (the schema's ``type`` enum)."""
     return frozenset(load_schema()["properties"]["type"]["enum"])
-
-
-def is_rfc3339(value: Any) -> bool:
-    """True when *value* is an RFC 3339 date-time that names a real instant."""
-    if not isinstance(value, str) or len(value) > 64:
-        return False
-    text = value.upper()
-    if len(text) < 20 or text[10] != "T":
-        return False
-    # An offset's minutes are 00-59 (datetime would take +00:75 as 75 minutes).
-    if text[-6] in "+-" and text[-3] == ":" and text[-2:] > "59":
-        return False
-    # datetime has no leap second; RFC 3339 allows :60, which is still an instant.
-    if text[17:19] == "60":
-        text = text[:17] + "59" + text[19:]
-    # Python 3.11 accepts at most microseconds; RFC 3339 allows more digits.
-    # (The test spares the regex for the usual whole-second timestamp.)
-    if "." in text:
-        text = _FRACTION.sub(_first_fraction_digits, text, count=1)
-    try:
-        parsed = datetime.fromisoformat(text)
-    except ValueError:
-        return False
-    return parsed.tzinfo is not None
-
-
-def _first_fraction_digits(match: re.Match[str]) -> str:
-    return match.group(0)[:7]
 
 
 @lru_cache(maxsize=1)
@@ -189,64 +80,6 @@ def validator() -> Callable[[Any], Any]:
     """The envelope schema compiled by fastjsonschema (once per process);
     raises ``fastjsonschema.JsonSchemaValueException`` on a violation."""
     return fastjsonschema.compile(load_schema(), formats={"date-time": is_rfc3339})
-
-
-def _instant(occurred: str) -> bool:
-    """:func:`is_rfc3339` for a string that matched the schema's occurredAt
-    pattern; the usual ``YYYY-MM-DDTHH:MM:SSZ`` goes straight to datetime."""
-    if len(occurred) == 20 and occurred[19] == "Z" and occurred[10] == "T" and occurred[17] != "6":
-        try:
-            datetime.fromisoformat(occurred)
-        except ValueError:
-            return False
-        return True
-    return is_rfc3339(occurred)
-
-
-def is_event_id(value: object) -> bool:
-    """Whether *value* is an eventId as the contract spells it (a lowercase 8-4-4-4-12 UUID)."""
-    return isinstance(value, str) and _UUID.fullmatch(value) is not None
-
-
-def _event_id_of(obj: Mapping[str, Any]) -> str | None:
-    value = obj.get("eventId")
-    return value if is_event_id(value) else None
-
-
-def _schema_reason(exc: fastjsonschema.JsonSchemaValueException, *, key: str = "articleId") -> str:
-    """A reason naming the field and the rule, never the offending value
-    (*key*: the name of the type's key field)."""
-    field = (exc.name or "data").removeprefix("data").lstrip(".") or "envelope"
-    rule = exc.rule or "schema"
-    definition: Any = exc.rule_definition
-    value = exc.value
-    if rule == "required" and isinstance(value, dict) and isinstance(definition, list):
-        missing = [k for k in definition if k not in value]
-        where = "" if field == "envelope" else f" in {field}"
-        return f"missing field{'s' if len(missing) > 1 else ''}{where}: {', '.join(missing)}"
-    if rule == "additionalProperties" and isinstance(value, dict):
-        allowed = set((exc.definition or {}).get("properties", {}))
-        extra = sorted(str(k)[:40] for k in value if k not in allowed)
-        return f"unexpected field{'s' if len(extra) > 1 else ''}: {', '.join(extra[:5])}"
-    if rule == "type":
-        return f"{field} must be of type {definition}"
-    if rule in ("minLength", "maxLength", "minimum", "maximum"):
-        words = {
-            "minLength": "at least {} characters long",
-            "maxLength": "at most {} characters long",
-            "minimum": ">= {}",
-            "maximum": "<= {}",
-        }
-        return f"{field} must be {words[rule].format(definition)}"
-    if field == "eventId":
-        return "eventId must be a UUID in canonical lowercase form"
-    if field == "occurredAt":
-        return "occurredAt must be an RFC 3339 timestamp with an offset"
-    if field in (key, "meta.correlationId", "meta.causationId") and rule == "pattern":
-        return f"{field} must not contain control characters (U+0000 to U+001F)"
-    if field == "meta.traceparent":
-        return "meta.traceparent must be a W3C traceparent: 00-<32 hex>-<16 hex>-<2 hex>, ids not all zeros"
-    return f"{field} violates the schema rule '{rule}'"
 
 
 def decode_body(
@@ -404,7 +237,7 @@ def parse(
     if not isinstance(obj, dict):
         raise Rejection(MALFORMED_JSON, f"body is JSON but not an object ({type(obj).__name__})")
     try:
-        env = (_default_types() if types is None else types).from_mapping(obj)
+        env = (default_types() if types is None else types).from_mapping(obj)
     except Rejection:
         refuse_duplicate_keys(body, None, obj)  # a duplicate is the first thing wrong with a body
         raise
@@ -412,16 +245,10 @@ def parse(
     return env
 
 
-def _default_types() -> EventTypes:
-    from .event_types import default_types  # event_types imports this module
-
-    return default_types()
-
-
 def from_mapping(obj: Mapping[str, Any], types: EventTypes | None = None) -> Envelope:
     """Validate an already decoded envelope (a dict) and return its Envelope
     (*types*: as for :func:`parse`)."""
-    return (_default_types() if types is None else types).from_mapping(obj)
+    return (default_types() if types is None else types).from_mapping(obj)
 
 
 def body_digest(body: bytes) -> str:
