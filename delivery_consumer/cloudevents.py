@@ -33,7 +33,16 @@ from typing import Any, Final, Protocol
 
 import orjson
 
-from .envelope import MAX_BODY_BYTES, Envelope, decode_body, is_event_id, parse, refuse_duplicate_keys
+from .envelope import (
+    MAX_BODY_BYTES,
+    Envelope,
+    decode_body,
+    decoded,
+    envelope_of,
+    is_event_id,
+    parse,
+    refuse_duplicate_keys,
+)
 from .errors import INVALID_ENVELOPE, MALFORMED_JSON, UNKNOWN_TYPE, Rejection, safe_reason
 from .event_types import EventTypes, default_types
 
@@ -183,9 +192,6 @@ def _map(attributes: Mapping[str, Any], types: TypeLookup) -> dict[str, Any]:
     return envelope
 
 
-_SPECVERSION_NAME: Final = b'"specversion"'
-
-
 def parse_message(
     body: bytes,
     *,
@@ -213,15 +219,23 @@ def parse_message(
         elif len(body) > max_bytes:
             raise Rejection(INVALID_ENVELOPE, f"body is {len(body)} bytes, over the limit of {max_bytes}")
         return types.from_mapping(from_message(body, content_type, headers, types.get))
-    if content_encoding is None and compression is None and _SPECVERSION_NAME in body and len(body) <= max_bytes:
-        # No envelope has this field: a structured CloudEvent read without its properties (a file).
-        try:
-            obj = _load(body, "the body")
-        except Rejection:
-            obj = None  # envelope.parse names what is wrong with it
-        if isinstance(obj, dict) and looks_structured(obj):
-            return types.from_mapping(from_structured(obj, types.get))
+    if content_encoding is None and compression is None:
+        return parse_body(body, max_bytes, types)
     return parse(body, max_bytes=max_bytes, content_encoding=content_encoding, compression=compression, types=types)
+
+
+def parse_body(body: bytes, max_bytes: int = MAX_BODY_BYTES, types: EventTypes | None = None) -> Envelope:
+    """:func:`parse_message` of a body that has no properties (a line of a file): a structured
+    CloudEvent when its JSON object has ``specversion`` (no envelope has that field), else an envelope."""
+    if types is None:
+        types = default_types()
+    if len(body) > max_bytes:
+        raise Rejection(INVALID_ENVELOPE, f"body is {len(body)} bytes, over the limit of {max_bytes}")
+    obj = decoded(body)
+    if type(obj) is dict and looks_structured(obj):
+        refuse_duplicate_keys(body, orjson.dumps(obj), obj)
+        return types.from_mapping(from_structured(obj, types.get))
+    return envelope_of(body, obj, types)
 
 
 def _event_id_or_none(attributes: Mapping[str, Any]) -> str | None:
@@ -293,5 +307,6 @@ __all__ = [
     "is_cloudevent",
     "looks_structured",
     "media_type",
+    "parse_body",
     "parse_message",
 ]

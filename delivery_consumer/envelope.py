@@ -58,6 +58,7 @@ _COMPRESSIONS: Final = {"gzip": (47,), "x-gzip": (47,), "deflate": (47, -15)}
 KOMBU_COMPRESSION_HEADER: Final = "compression"
 _KOMBU_COMPRESSIONS: Final = {"application/x-gzip": "gzip"}
 _GZIP_MAGIC: Final = b"\x1f\x8b"
+_BACKSLASH: Final = ord("\\")
 
 def canonical_bytes(obj: Any) -> bytes:
     """The canonical JSON of *obj*: keys sorted, no whitespace, UTF-8."""
@@ -188,7 +189,9 @@ def refuse_duplicate_keys(body: bytes, canonical: bytes | None, obj: Mapping[str
         if body == canonical:  # what the toolkit's producers send: one memcmp
             return
         colons = body.count(b":")
-        if b"\\" in body:  # no escape at all, the usual case: one memchr
+        # No escape at all, the usual case: one memchr. (The byte as an int:
+        # bytes' ``in`` tries a bytes operand as an int first, a TypeError each time.)
+        if _BACKSLASH in body:
             colons += body.count(b"\\u003a") + body.count(b"\\u003A")
         if colons == canonical.count(b":"):
             return
@@ -230,14 +233,28 @@ def parse(
         body = decode_body(body, content_encoding, compression=compression, max_bytes=max_bytes)
     elif len(body) > max_bytes:
         raise Rejection(INVALID_ENVELOPE, f"body is {len(body)} bytes, over the limit of {max_bytes}")
+    return envelope_of(body, decoded(body), default_types() if types is None else types)
+
+
+def decoded(body: bytes) -> Any:
+    """The JSON value of *body* (orjson's), or the rejection naming what is wrong with it."""
     try:
-        obj = orjson.loads(body)
+        return orjson.loads(body)
     except orjson.JSONDecodeError:
         _refuse(body)
+
+
+def envelope_of(body: bytes, obj: Any, types: EventTypes) -> Envelope:
+    """The :class:`Envelope` of *body*, whose JSON value is *obj*
+    (:func:`decoded`), validated against *types*; or raise Rejection.
+
+    :func:`parse` after the size limit and the content encoding, for a
+    caller that already decoded the body (``cloudevents.parse_body``).
+    """
     if not isinstance(obj, dict):
         raise Rejection(MALFORMED_JSON, f"body is JSON but not an object ({type(obj).__name__})")
     try:
-        env = (default_types() if types is None else types).from_mapping(obj)
+        env = types.from_mapping(obj)
     except Rejection:
         refuse_duplicate_keys(body, None, obj)  # a duplicate is the first thing wrong with a body
         raise
@@ -264,6 +281,8 @@ __all__ = [
     "body_digest",
     "canonical_bytes",
     "decode_body",
+    "decoded",
+    "envelope_of",
     "fingerprint",
     "from_mapping",
     "is_event_id",

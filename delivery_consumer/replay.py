@@ -1,9 +1,10 @@
 """Apply envelopes from files straight into a consumer's database (no broker).
 
-The same path as a broker delivery: bytes -> :func:`cloudevents.parse_message` ->
-:func:`inbox.apply_batch`, ``batch`` events per transaction; results do not
-depend on the batch size. Large batches are parsed one ahead, in a thread,
-while the one before commits (docs/hot-path.md).
+The same path as a broker delivery: bytes -> :func:`cloudevents.parse_body` (what
+``parse_message`` does for a message without properties) -> :func:`inbox.apply_batch`,
+``batch`` events per transaction; results do not depend on the batch size.
+Large batches are parsed one ahead, in a thread, while the one before
+commits (docs/hot-path.md).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections import Counter
 from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from .cloudevents import parse_message
+from .cloudevents import parse_body
 from .contract import Outcome
 from .envelope import MAX_BODY_BYTES, Envelope, body_digest
 from .errors import Rejection, TransientError
@@ -84,7 +85,7 @@ def _parse_all(items: list[Item], max_bytes: int,
     digests: list[str | None] | None = None
     for i, item in enumerate(items):
         try:
-            parsed.append(parse_message(item.body, max_bytes=max_bytes, types=types))
+            parsed.append(parse_body(item.body, max_bytes, types))
         except Rejection as rej:
             parsed.append(rej)
             if digests is None:
