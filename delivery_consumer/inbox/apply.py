@@ -118,14 +118,19 @@ _RECEIPTS_SELECT = (
 )
 _RECEIPT_INSERT = (
     "INSERT INTO inbox (event_id, fingerprint, result, event_type, received_at, partition_key, meta)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?)"
+    " VALUES (?, ?, ?, ?, ?, ?, NULLIF(?, ''))"
 )
 
 
-def _meta_column(env: Envelope) -> str | None:
-    """The receipt's ``meta`` column: the envelope's ``meta`` as canonical JSON, or NULL."""
+def _meta_column(env: Envelope) -> str:
+    """The receipt's ``meta`` column: the envelope's ``meta`` as canonical JSON, or '' for NULL.
+
+    Not None: the sqlite3 module binds None only after a failed adapter
+    lookup (an AttributeError raised and cleared, per row); the statement's
+    NULLIF turns '' (never a JSON text) into NULL instead.
+    """
     meta = env.fields.get("meta")
-    return None if meta is None else orjson.dumps(meta, option=orjson.OPT_SORT_KEYS).decode()
+    return "" if meta is None else orjson.dumps(meta, option=orjson.OPT_SORT_KEYS).decode()
 
 
 class _Fallback(Exception):
