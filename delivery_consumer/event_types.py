@@ -381,16 +381,19 @@ def _data_terms(schema: Mapping[str, Any]) -> list[str] | None:
     for name in required:
         if name not in props:
             terms.append(f"{name!r} in d")
-    for name, sub in props.items():
-        term = _value_term(sub, f"d.get({name!r})" if name in required else f"d[{name!r}]")
+    for i, (name, sub) in enumerate(props.items()):
+        # The value read once, into v0, v1, ...: its first test binds it.
+        got = f"d.get({name!r})" if name in required else f"d[{name!r}]"
+        term = _value_term(sub, f"v{i}", f"(v{i} := {got})")
         if term is None:
             return None
         terms.append(term if name in required else f"({name!r} not in d or {term})")
     return terms
 
 
-def _value_term(schema: Any, v: str) -> str | None:
-    """An expression over the Python expression *v* accepting only values *schema* accepts, or None."""
+def _value_term(schema: Any, v: str, first: str) -> str | None:
+    """An expression accepting only values *schema* accepts, or None: *first*
+    the expression of the value in its first test (which binds the name *v*), *v* after."""
     if not isinstance(schema, Mapping):
         return None
     kind = schema.get("type")
@@ -400,17 +403,17 @@ def _value_term(schema: Any, v: str) -> str | None:
         return None
     if kind == "string" and rules <= {"minLength", "maxLength"}:
         low, high = bounds.get("minLength", 0), bounds.get("maxLength")
-        length = f"{low} <= len({v})" + (f" <= {high}" if high is not None else "")
-        return f"(type({v}) is str and {length})" if (low or high is not None) else f"type({v}) is str"
+        length = (f"{low} <= " if low else "") + f"len({v})" + (f" <= {high}" if high is not None else "")
+        return f"(type({first}) is str and {length})" if (low or high is not None) else f"type({first}) is str"
     if kind == "integer" and rules <= {"minimum", "maximum"}:
         low, high = bounds.get("minimum"), bounds.get("maximum")
         checks = [f"{low} <= {v}" if low is not None else "", f"{v} <= {high}" if high is not None else ""]
-        return f"(type({v}) is int" + "".join(f" and {c}" for c in checks if c) + ")"
+        return f"(type({first}) is int" + "".join(f" and {c}" for c in checks if c) + ")"
     if kind == "string" and rules == {"enum"} and isinstance(schema["enum"], list) \
-            and all(type(v) is str for v in schema["enum"]):
-        return f"(type({v}) is str and {v} in {frozenset(schema['enum'])!r})"
+            and all(type(item) is str for item in schema["enum"]):
+        return f"(type({first}) is str and {v} in {frozenset(schema['enum'])!r})"
     if kind == "boolean" and not rules:
-        return f"type({v}) is bool"
+        return f"type({first}) is bool"
     return None
 
 
@@ -521,6 +524,9 @@ class _Compiled:
         self._validator()(obj)
 
 
+_new_tuple = tuple.__new__
+
+
 def _meta_free_digest(obj: Mapping[str, Any]) -> str:
     """The fingerprint of an envelope carrying ``meta``: that of the envelope without it."""
     return hashlib.sha256(orjson.dumps({k: v for k, v in obj.items() if k != "meta"}, option=_CANONICAL)).hexdigest()
@@ -595,12 +601,12 @@ class EventTypes:
         compiled = self._compiled.get(kind) if type(kind) is str else None
         if compiled is None or not compiled.quick(obj):
             compiled = self._check(obj, digest, compiled)
-        # Positional arguments: cheaper than keywords on this path. A type
-        # without revision has no "revision" field (the schema refuses one).
-        return Envelope(
+        # tuple.__new__ is what Envelope(...) calls, without its Python frame.
+        # A type without revision has no "revision" field (the schema refuses one).
+        return _new_tuple(Envelope, (
             obj["eventId"], kind, obj[compiled.key], obj.get("revision", 0), obj["occurredAt"], obj["data"],
             obj, canonical, digest, compiled.type,
-        )
+        ))
 
     def _check(self, obj: Mapping[str, Any], digest: str, compiled: _Compiled | None) -> _Compiled:
         """The rejection of an envelope the quick check did not accept, if
