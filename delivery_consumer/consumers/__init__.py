@@ -40,7 +40,8 @@ _BUILTINS: dict[str, str] = {
     "webhook": "delivery_consumer.consumers.webhook",
 }
 _REGISTRY: dict[str, ConsumerSpec] = {}
-_plugins_loaded = False
+_modules_loaded = False
+_entry_points_loaded = False
 
 
 def register(spec: ConsumerSpec, *, replace: bool = False) -> ConsumerSpec:
@@ -57,16 +58,21 @@ def unregister(name: str) -> None:
     _REGISTRY.pop(name, None)
 
 
-def _load_plugins() -> None:
-    global _plugins_loaded
-    if _plugins_loaded:
+def _load_plugins(wanted: str | None = None) -> None:
+    """Import the ``DELIVERY_PLUGINS`` modules, then the entry points unless
+    those registered *wanted* (scanning the installed distributions takes
+    tens of milliseconds of a run's start-up)."""
+    global _modules_loaded, _entry_points_loaded
+    if not _modules_loaded:
+        _modules_loaded = True
+        for module in filter(None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(","))):
+            try:
+                importlib.import_module(module)
+            except ImportError as exc:
+                raise ConfigError(f"{PLUGINS_ENV}: cannot import {module!r}: {exc}") from None
+    if _entry_points_loaded or (wanted is not None and wanted in _REGISTRY):
         return
-    _plugins_loaded = True
-    for module in filter(None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(","))):
-        try:
-            importlib.import_module(module)
-        except ImportError as exc:
-            raise ConfigError(f"{PLUGINS_ENV}: cannot import {module!r}: {exc}") from None
+    _entry_points_loaded = True
     # Imported here, not at the top: importlib.metadata is slow to import, and
     # the built-in consumers never need it (bench/bench_replay.py measures start-up).
     from importlib.metadata import entry_points
@@ -89,7 +95,7 @@ def get(name: str) -> ConsumerSpec:
         module = importlib.import_module(_BUILTINS[name])
         spec = module.SPEC
         return register(spec)
-    _load_plugins()
+    _load_plugins(name)
     spec = _REGISTRY.get(name)
     if spec is None:
         raise ConfigError(f"unknown consumer {name!r} (known: {', '.join(names())})")
@@ -100,7 +106,7 @@ def find(name: str) -> ConsumerSpec | None:
     """The consumer called *name*, or None; ConfigError only when a plugin
     cannot be loaded (a built-in never needs the plugins)."""
     if name not in _REGISTRY and name not in _BUILTINS:
-        _load_plugins()
+        _load_plugins(name)
         if name not in _REGISTRY:
             return None
     return get(name)
