@@ -57,10 +57,13 @@ def partition_dirs(directory: Path) -> list[tuple[int, Path]]:
 
 
 def stored_identity(path: Path) -> Identity | None:
-    """The partition identity the database *path* records; None when it records none or does not exist."""
+    """The partition identity the database *path* records; None when it records none, does not exist
+    or has no tables yet (another process is creating it: a standby started beside its active run)."""
     if not path.is_file():
         return None
     with sqlite.reading(path, what="read its partition") as conn:
+        if conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'").fetchone() is None:
+            return None
         rows = conn.execute("SELECT key, value FROM meta WHERE key IN ('partition', 'partition_count')")
         return identity_from_meta(dict(rows.fetchall()))
 

@@ -4,6 +4,7 @@ directory, the same databases for the deployment view and the read commands, the
 from __future__ import annotations
 
 import shutil
+import sqlite3
 import tempfile
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from delivery_consumer import consumers
 from delivery_consumer.config import parse
 from delivery_consumer.errors import ConfigError, DatabaseError
 from delivery_consumer.partitions import Identity
-from delivery_consumer.placement import beside, database, partition_dirs, resolve
+from delivery_consumer.placement import beside, database, partition_dirs, resolve, stored_identity
 
 
 def make_partitions(directory: Path, count: int, consumer: str = "audit") -> None:
@@ -112,3 +113,22 @@ def test_the_queues_are_known_only_when_asked_for(tmp_path: Path) -> None:
     assert found.databases == ((None, tmp_path / "x.db"),) and not found.partitioned
     with pytest.raises(ConfigError, match="the queues of this database were not asked for"):
         found.topologies()
+
+
+def test_a_partition_database_being_created_records_no_partition_yet(tmp_path: Path) -> None:
+    """A standby started beside its active run reads a partition database that the run is still
+    creating (the file exists, its tables not yet committed): it records no partition yet (the count
+    then comes from the broker), never an error that stops the standby."""
+    path = tmp_path / "catalog" / "p0" / "inbox.db"
+    path.parent.mkdir(parents=True)
+    creating = sqlite3.connect(path, isolation_level=None)
+    creating.execute("PRAGMA journal_mode = WAL")
+    assert stored_identity(path) is None  # the file alone
+    creating.execute("BEGIN IMMEDIATE")
+    creating.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+    assert stored_identity(path) is None  # its tables in a transaction not committed yet
+    creating.execute("ROLLBACK")
+    creating.close()
+    path.unlink()
+    consumers.open_db(path, "catalog", create=True, partition=Identity(0, 4)).close()
+    assert stored_identity(path) == Identity(0, 4)
