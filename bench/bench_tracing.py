@@ -145,7 +145,7 @@ def only(mode: str, sampled_every: int, events: int, batch: int) -> None:
     data made beforehand from a fixed number of events: under
     ``valgrind --tool=callgrind``, the difference between two counts of
     *events* is the instructions those events cost, both threads included."""
-    data = deliveries(max(events, 3_000) + 2 * batch, batch, sampled_every)
+    data = deliveries(max(events, 10_000) + 2 * batch, batch, sampled_every)
     exporter = Drop()
     if mode == "on-own":
         provider = TracerProvider()

@@ -27,9 +27,9 @@ export thread.
 from __future__ import annotations
 
 import atexit
-import functools
 import importlib.util
 import logging
+import operator
 import os
 import random
 import re
@@ -38,7 +38,7 @@ import threading
 import time
 import weakref
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 import orjson
@@ -46,6 +46,7 @@ import orjson
 from .envelope import Envelope, canonical_bytes
 from .errors import Rejection
 from .retry import attempts_done
+from .topology import H_ATTEMPTS
 
 if TYPE_CHECKING:
     from .contract import Outcome
@@ -317,9 +318,7 @@ def _remote(api: Any, traceparent: str, tracestate: str | None) -> Any:
 #: A ParentBased sampler whose remote and local parents decide (the SDK's default delegates).
 _PARENT_DECIDES: Final = (",remoteParentSampled:AlwaysOnSampler,remoteParentNotSampled:AlwaysOffSampler,"
                           "localParentSampled:AlwaysOnSampler,localParentNotSampled:AlwaysOffSampler}")
-#: The last hex digit of a traceparent whose sampled flag is off.
-_UNSAMPLED_DIGITS: Final = frozenset("02468ace")
-#: Spans handed to an exporter at a time when a batch's spans are built in the export thread.
+#: Spans handed to an exporter at a time (at most) when a batch's spans are built in the export thread.
 _EXPORT_CHUNK: Final = 512
 
 
@@ -330,8 +329,9 @@ class _Sdk:
     its answer is not known from its description (the default, parent-based
     one follows the producer's sampled flag and samples a root)."""
 
-    __slots__ = ("api", "carrier", "default_flags", "deferred", "ids", "make_context", "on_end", "parent_decides",
-                 "random_ids", "readable", "resource", "root_on", "sampled", "sampler", "scope")
+    __slots__ = ("api", "carrier", "context_type", "default_flags", "deferred", "ids", "new_context", "new_span",
+                 "on_end", "parent_decides", "random_ids", "readable", "resource", "root_on", "sampled", "sampler",
+                 "scope", "span_type")
 
     def __init__(self, api: Any, tracer: Any, deferred: bool) -> None:
         from opentelemetry.sdk.trace import ReadableSpan
@@ -340,7 +340,8 @@ class _Sdk:
 
         self.api = api
         self.readable = ReadableSpan
-        self.carrier = _sdk_types()[0]
+        self.carrier, _, self.span_type = _sdk_types()
+        self.new_span = tuple.__new__ if self.span_type is not None else _readable_span
         #: The provider's exporters build a batch's spans in their thread (:func:`build_provider`).
         self.deferred = deferred
         self.on_end = tracer.span_processor.on_end
@@ -348,7 +349,7 @@ class _Sdk:
         self.ids = tracer.id_generator
         #: The SDK's random ids: its generator calls ``random.getrandbits``, less a Python frame here.
         self.random_ids = type(self.ids) is RandomIdGenerator
-        self.make_context = _context_maker(api)
+        self.new_context, self.context_type = _context_maker(api)
         self.sampler = tracer.sampler
         self.scope = InstrumentationScope(_SCOPE)
         self.sampled, self.default_flags = api.TraceFlags(api.TraceFlags.SAMPLED), api.TraceFlags(0)
@@ -384,18 +385,33 @@ class _Sdk:
         return api.SpanContext(trace_id, ids.generate_span_id(), False, flags, result.trace_state), attributes
 
 
-def _context_maker(api: Any) -> Callable[[tuple[int, int, bool, Any, Any, bool]], Any]:
+def _context_maker(api: Any) -> tuple[Callable[[Any, tuple[int, int, bool, Any, Any, bool]], Any], Any]:
     """What makes a SpanContext from its six fields when they are known to be
-    valid: the tuple itself when SpanContext is still the tuple it was (its
-    ``__new__`` is a Python function that checks what we checked), else its
-    constructor."""
+    valid, called with SpanContext and them: ``tuple.__new__`` when
+    SpanContext is still the tuple it was (its ``__new__`` is a Python
+    function that checks what we checked), else its constructor."""
     context = api.SpanContext
     probe = context(1, 2, False, api.TraceFlags(1))
     fields = (1, 2, False, probe.trace_flags, probe.trace_state, True)
     if (issubclass(context, tuple) and tuple(probe) == fields
             and (probe.trace_id, probe.span_id, probe.is_valid) == (1, 2, True)):
-        return functools.partial(tuple.__new__, context)
-    return lambda fields: context(*fields[:5])
+        return tuple.__new__, context
+    return lambda cls, fields: cls(*fields[:5]), context
+
+
+#: The fields of an event's span, in the order :func:`_spans` gives them (:class:`EventSpan`).
+_EVENT_FIELDS: Final = ("_name", "_context", "_parent", "_attributes", "_links", "_status", "_start_time",
+                        "_end_time", "_resource", "_instrumentation_scope")
+
+
+def _readable_span(_cls: Any, fields: tuple[Any, ...]) -> Any:
+    """An event's span as the SDK's ReadableSpan (when :class:`EventSpan` cannot be one)."""
+    from opentelemetry.sdk.trace import ReadableSpan
+    from opentelemetry.trace import SpanKind
+
+    name, context, parent, attributes, links, status, start, end, resource, scope = fields
+    return ReadableSpan(name, context, parent, resource, attributes, (), links, SpanKind.CONSUMER, None, status,
+                        start, end, scope)
 
 
 #: Providers whose every exporter builds the batches' spans itself (:func:`build_provider`).
@@ -413,13 +429,16 @@ def _sdk_of(api: Any, provider: Any, tracer: Any) -> _Sdk | None:
         return None
 
 
-def _sdk_types() -> tuple[Any, Any]:
-    """The two classes that need the SDK: a batch's span carrying what its
-    other spans are built from, and the exporter wrapper that builds them."""
+def _sdk_types() -> tuple[Any, Any, Any]:
+    """The classes that need the SDK: a batch's span carrying what its
+    other spans are built from, the exporter wrapper that builds them, and
+    an event's span (None when the SDK's ReadableSpan keeps other fields
+    than it knows)."""
     global _types
     if _types is None:
         from opentelemetry.sdk.trace import ReadableSpan
         from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+        from opentelemetry.trace import SpanKind
 
         class BatchSpan(ReadableSpan):
             """A batch's span (a complete one: an exporter that knows nothing
@@ -443,17 +462,19 @@ def _sdk_types() -> tuple[Any, Any]:
                 self.exporter = exporter
 
             def export(self, spans: Sequence[Any]) -> Any:
+                failed = False
                 out: list[Any] = []
-                for span in spans:
+                for span in spans:  # exported as they are built: they die young, the collector sees few
                     if isinstance(span, BatchSpan):
                         out.extend(span.spans())
                     else:
                         out.append(span)
-                result = SpanExportResult.SUCCESS
-                for i in range(0, len(out), _EXPORT_CHUNK):
-                    if self.exporter.export(out[i:i + _EXPORT_CHUNK]) != SpanExportResult.SUCCESS:
-                        result = SpanExportResult.FAILURE
-                return result
+                    while len(out) >= _EXPORT_CHUNK:
+                        chunk, out = out[:_EXPORT_CHUNK], out[_EXPORT_CHUNK:]
+                        failed |= self.exporter.export(chunk) != SpanExportResult.SUCCESS
+                if out:
+                    failed |= self.exporter.export(out) != SpanExportResult.SUCCESS
+                return SpanExportResult.FAILURE if failed else SpanExportResult.SUCCESS
 
             def shutdown(self) -> None:
                 self.exporter.shutdown()
@@ -462,11 +483,23 @@ def _sdk_types() -> tuple[Any, Any]:
                 flushed: bool = self.exporter.force_flush(timeout_millis)
                 return flushed
 
-        _types = (BatchSpan, Building)
+        class EventSpan(tuple[Any, ...], ReadableSpan):
+            """An event's span: a ReadableSpan whose fields are a tuple's
+            items, so that it is made in one call of ``tuple.__new__``; an
+            object as any other span (compared and hashed by identity)."""
+
+            __slots__ = ()
+            _kind, _events, _instrumentation_info = SpanKind.CONSUMER, (), None
+            __eq__, __ne__, __hash__, __repr__ = object.__eq__, object.__ne__, object.__hash__, object.__repr__
+
+        for i, field in enumerate(_EVENT_FIELDS):
+            setattr(EventSpan, field, property(operator.itemgetter(i)))
+        known = {*_EVENT_FIELDS, "_kind", "_events", "_instrumentation_info"}
+        _types = (BatchSpan, Building, EventSpan if set(vars(ReadableSpan("probe"))) <= known else None)
     return _types
 
 
-_types: tuple[Any, Any] | None = None
+_types: tuple[Any, Any, Any] | None = None
 
 
 class NoBatch:
@@ -489,16 +522,21 @@ NO_BATCH: Final = NoBatch()
 
 class _Record:
     """What a batch's spans are built from, kept from its end until they are
-    built: per event its headers, redelivered flag, eventId, type and
-    ``meta`` (not its body), and its outcome."""
+    built: a list per field of its events (their headers, redelivered flags,
+    eventIds, types and ``meta``, not their bodies; a few lists, not an
+    object per event, for the collector to walk) and their outcomes."""
 
-    __slots__ = ("attributes", "batch", "consumer", "end", "events", "links_only", "opened", "outcomes",
-                 "partition", "phases", "sdk", "start", "status")
+    __slots__ = ("attributes", "batch", "consumer", "end", "event_ids", "headers", "links_only", "metas", "opened",
+                 "outcomes", "partition", "phases", "redelivered", "sdk", "start", "status", "types")
 
     def __init__(self, sdk: _Sdk, batch: Any, consumer: str, partition: int | None, start: int, end: int) -> None:
         self.sdk, self.batch, self.consumer, self.partition = sdk, batch, consumer, partition
         self.start, self.end = start, end
-        self.events: list[tuple[dict[str, Any] | None, bool, str | None, str | None, Any]] = []
+        self.headers: tuple[dict[str, Any] | None, ...] = ()
+        self.redelivered: tuple[bool, ...] = ()
+        self.event_ids: tuple[str | None, ...] = ()
+        self.types: tuple[str | None, ...] = ()
+        self.metas: tuple[dict[str, Any] | None, ...] = ()
         self.outcomes: Sequence[Outcome] = ()
         self.opened: dict[str, Any] = {}
         self.phases: list[tuple[str, int, int]] = []
@@ -510,12 +548,24 @@ class _Record:
 def _traceparent_of(headers: Mapping[str, Any] | None, meta: Any) -> tuple[str | None, str | None]:
     """The producer's ``traceparent`` (header, else ``meta``) and its header
     ``tracestate``: :func:`parent_traceparent` on what a record keeps."""
-    if headers:
-        value = _header(headers, TRACEPARENT)
-        if value is not None and _TRACEPARENT.fullmatch(value):
-            return value, _header(headers, TRACESTATE)
-    value = meta.get(TRACEPARENT) if isinstance(meta, dict) else None
-    return (value, None) if isinstance(value, str) and _TRACEPARENT.fullmatch(value) else (None, None)
+    own = meta.get(TRACEPARENT) if meta else None
+    return _from_headers(headers, own)[:2] if headers else (own, None)
+
+
+def _from_headers(headers: Mapping[str, Any], own: str | None) -> tuple[str | None, str | None, int]:
+    """The ``traceparent`` of a delivery with *headers* whose envelope's
+    ``meta`` has *own* (which its schema checked, with :data:`_TRACEPARENT`'s
+    pattern): the header's when it is one (checked unless it is the same),
+    and then its ``tracestate``; and the delivery's attempt."""
+    attempt = attempts_done(headers) + 1 if H_ATTEMPTS in headers else 1
+    value = headers.get(TRACEPARENT)
+    if value is None:
+        return own, None, attempt
+    if type(value) is bytes:
+        value = value.decode("ascii", "replace")
+    if value == own or (type(value) is str and _TRACEPARENT.fullmatch(value)):
+        return value, _header(headers, TRACESTATE), attempt
+    return own, None, attempt
 
 
 def _count_results(attributes: dict[str, Any], statuses: Sequence[str | None]) -> None:
@@ -524,31 +574,31 @@ def _count_results(attributes: dict[str, Any], statuses: Sequence[str | None]) -
         attributes[f"delivery_consumer.results.{result}"] = n
 
 
-_MISSING: Final = object()
-_UNSAMPLED: Final = object()
-
-
-def _parent_of(sdk: _Sdk, key: str | tuple[str | None, str | None] | None) -> Any:
-    """The producer's span context for a ``traceparent`` (or a pair of
-    ``traceparent`` and ``tracestate``), with its trace id and trace state:
-    None when there is none or it is invalid, :data:`_UNSAMPLED` when its
-    trace is not sampled."""
-    traceparent, tracestate = key if isinstance(key, tuple) else (key, None)
-    if not isinstance(traceparent, str) or not _TRACEPARENT.fullmatch(traceparent):
-        return None
-    if traceparent[54] in _UNSAMPLED_DIGITS:
-        return _UNSAMPLED
+def _parent_of(sdk: _Sdk, traceparent: str | None, tracestate: str | None) -> tuple[Any, int, Any]:
+    """The producer's span context for a checked *traceparent* (and its
+    *tracestate*), its trace id and trace state: None for the context when
+    there is none (or it is not one after all), False when its trace is not
+    sampled."""
+    if traceparent is None:
+        return None, 0, None
+    try:  # version, trace id, parent id and flags: 26 bytes, one int
+        whole = int.from_bytes(bytes.fromhex(traceparent.replace("-", " ")))
+    except ValueError:  # an envelope made without its schema: no parent rather than no spans
+        return None, 0, None
+    flags = whole & 0xFF
+    if not flags & 1:
+        return False, 0, None
     api = sdk.api
-    flags = _flags.get(traceparent[53:55])
-    if flags is None:
-        flags = _flags[traceparent[53:55]] = api.TraceFlags(int(traceparent[53:55], 16))
+    trace_id = (whole >> 72) & _ID128
     state = api.TraceState.from_header([tracestate]) if tracestate else api.DEFAULT_TRACE_STATE
-    trace_id = int(traceparent[3:35], 16)
-    return sdk.make_context((trace_id, int(traceparent[36:52], 16), True, flags, state, True)), trace_id, state
+    fields = (trace_id, (whole >> 8) & _ID64, True, sdk.sampled if flags == 1 else api.TraceFlags(flags), state, True)
+    return sdk.new_context(sdk.context_type, fields), trace_id, state
 
 
-#: TraceFlags by their two hex digits.
-_flags: dict[str, Any] = {}
+_ID64: Final = (1 << 64) - 1
+_ID128: Final = (1 << 128) - 1
+#: Not a key of any event's producer context (:func:`_spans`).
+_NO_KEY: Final = object()
 
 
 def _spans(record: _Record, carrier: Any) -> list[Any]:
@@ -556,24 +606,27 @@ def _spans(record: _Record, carrier: Any) -> list[Any]:
     producer's context, linked to the batch; or, in links mode, a link of
     the batch's span), its phases and the batch's own (*carrier*, unless it
     gets the events as links). Every event's span is built here, so this
-    loop is written for speed: locals, one dict display per span, the
-    producers' contexts parsed once per batch."""
+    loop is written for speed: locals, one dict display and two tuples per
+    span, the batch's span ids at once, a producer's context parsed once
+    for the events in a row that it enqueued."""
     sdk = record.sdk
-    api, sampled, make = sdk.api, sdk.sampled, sdk.make_context
-    readable, resource, scope = sdk.readable, sdk.resource, sdk.scope
-    getrandbits = random.getrandbits if sdk.random_ids else None
+    api, sampled, new_context, context_type = sdk.api, sdk.sampled, sdk.new_context, sdk.context_type
+    new_span, span_type, resource, scope = sdk.new_span, sdk.span_type, sdk.resource, sdk.scope
     new_id, new_trace = sdk.ids.generate_span_id, sdk.ids.generate_trace_id
     batch, consumer, partition, start, now = record.batch, record.consumer, record.partition, record.start, record.end
     kind = api.SpanKind.CONSUMER
     unset = api.Status(api.StatusCode.UNSET)
-    links_only, opened, outcomes = record.links_only, record.opened, record.outcomes
+    links_only, opened, outcomes, count = record.links_only, record.opened, record.outcomes, len(record.event_ids)
     statuses: list[str | None] = [outcome.status for outcome in outcomes]
     _count_results(record.attributes, statuses)
     rejections: list[Rejection | None] = [outcome.rejection for outcome in outcomes]
-    missing = len(record.events) - len(outcomes)  # an abandoned batch: no outcome for any event
+    missing = count - len(outcomes)  # an abandoned batch: no outcome for any event
     if missing > 0:
         statuses += [None] * missing
         rejections += [None] * missing
+    # The SDK's random ids are random.getrandbits(64): the batch's all at once (0, the invalid id, is replaced).
+    span_ids: Iterable[int] = (memoryview(random.randbytes(8 * count)).cast("Q").tolist() if sdk.random_ids
+                               else iter(new_id, None))
     fast_root = sdk.root_on and not opened
     fast_child = sdk.parent_decides and not opened
     link = (api.Link(batch, {}),)
@@ -581,20 +634,23 @@ def _spans(record: _Record, carrier: Any) -> list[Any]:
     out: list[Any] = []
     links: list[Any] = []
     errors: dict[str, Any] = {}
-    remote: dict[Any, Any] = {}  # a producer's request often enqueues several events
     names: dict[str | None, str] = {}
-    for (headers, redelivered, event_id, type_, meta), result, rejection in zip(record.events, statuses, rejections,
-                                                                                strict=True):
-        if headers:  # a header may carry the context, and a tracestate; a retry counts its attempts
-            key: Any = _traceparent_of(headers, meta)
-            attempt = attempts_done(headers) + 1
+    last: Any = _NO_KEY
+    parent: Any = None
+    trace_id, state = 0, no_state
+    for headers, redelivered, event_id, type_, meta, result, rejection, span_id in zip(
+            record.headers, record.redelivered, record.event_ids, record.types, record.metas, statuses, rejections,
+            span_ids, strict=False):
+        traceparent = meta.get(TRACEPARENT) if meta else None  # checked by the envelope's schema
+        if headers:  # the dispatcher's traceparent (most often the same), a tracestate, a retry's attempts
+            traceparent, tracestate, attempt = _from_headers(headers, traceparent)
+            key = traceparent if tracestate is None else (traceparent, tracestate)
         else:
-            key = meta.get(TRACEPARENT) if type(meta) is dict else None
-            attempt = 1
-        found = remote.get(key, _MISSING)
-        if found is _MISSING:
-            found = remote[key] = _parent_of(sdk, key)
-        if found is _UNSAMPLED:
+            key, tracestate, attempt = traceparent, None, 1
+        if key != last:
+            last = key
+            parent, trace_id, state = _parent_of(sdk, traceparent, tracestate)
+        if parent is False:
             continue  # the producer's trace is not sampled: no span to record
         attributes: dict[str, Any] = {"delivery_consumer.consumer": consumer, "delivery_consumer.attempt": attempt,
                       "messaging.message.id": event_id, "delivery_consumer.result": result}
@@ -614,31 +670,28 @@ def _spans(record: _Record, carrier: Any) -> list[Any]:
         if links_only:
             del attributes["delivery_consumer.consumer"]
             attributes.pop("delivery_consumer.partition", None)
-            links.append(api.Link(api.INVALID_SPAN_CONTEXT if found is None else found[0], attributes))
+            links.append(api.Link(api.INVALID_SPAN_CONTEXT if parent is None else parent, attributes))
             continue
         name = names.get(type_)
         if name is None:
             name = names[type_] = f"{consumer} apply" if type_ is None else f"{consumer} apply {type_}"
-        span_id = (getrandbits(64) if getrandbits is not None else 0) or new_id()  # 0 is the invalid id
-        if found is None:
-            parent = None
+        if parent is None:
             if fast_root:
-                context = make((new_trace(), span_id, False, sampled, no_state, True))
+                context = new_context(context_type, (new_trace(), span_id or new_id(), False, sampled, no_state, True))
             else:
                 context = _slow_context(sdk, opened, event_id, None, name, attributes)
+        elif fast_child:
+            context = new_context(context_type, (trace_id, span_id or new_id(), False, sampled, state, True))
         else:
-            parent, trace_id, state = found
-            if fast_child:
-                context = make((trace_id, span_id, False, sampled, state, True))
-            else:
-                context = _slow_context(sdk, opened, event_id, parent, name, attributes)
+            context = _slow_context(sdk, opened, event_id, parent, name, attributes)
         if context is not None:
-            out.append(readable(name, context, parent, resource, attributes, (), link, kind, None, status, start,
-                                now, scope))
+            out.append(new_span(span_type, (name, context, parent, attributes, link, status, start, now, resource,
+                                            scope)))
     if batch.trace_flags.sampled:
-        internal = api.SpanKind.INTERNAL
+        readable, internal = sdk.readable, api.SpanKind.INTERNAL
         for name, begin, finish in record.phases:
-            context = make((batch.trace_id, new_id(), False, batch.trace_flags, batch.trace_state, True))
+            context = new_context(context_type, (batch.trace_id, new_id(), False, batch.trace_flags,
+                                                 batch.trace_state, True))
             out.append(readable(name, context, batch, resource, {}, (), (), internal, None, unset, begin, finish,
                                 scope))
         out.append(carrier if not links else readable(
@@ -782,9 +835,13 @@ class Batch(NoBatch):
             self._end_through_api(phases, status, now)
             return
         record = _Record(sdk, self._context, self._consumer, self._partition, self._start, now)
-        record.events = [(d.headers, d.redelivered, p.event_id, p.type, p.fields.get("meta"))
-                         if isinstance(p, Envelope) else (d.headers, d.redelivered, p.event_id, None, None)
-                         for d, p in zip(self._items, self._parsed, strict=False)]
+        # Tuples: the collector stops walking one once it has seen that it holds no container it tracks.
+        items, envelopes = self._items, self._parsed
+        record.headers = tuple([d.headers for d in items])
+        record.redelivered = tuple([d.redelivered for d in items])
+        record.event_ids = tuple([p.event_id for p in envelopes])
+        record.types = tuple([p.type if type(p) is Envelope else None for p in envelopes])
+        record.metas = tuple([p.fields.get("meta") if type(p) is Envelope else None for p in envelopes])
         record.outcomes, record.opened, record.phases = self._outcomes, self._open, phases
         record.attributes, record.status, record.links_only = self._attributes, status, _links_only
         carrier = sdk.carrier(record, f"{self._consumer} batch", self._context, None, sdk.resource,
