@@ -522,12 +522,15 @@ NO_BATCH: Final = NoBatch()
 
 class _Record:
     """What a batch's spans are built from, kept from its end until they are
-    built: a list per field of its events (their headers, redelivered flags,
-    eventIds, types and ``meta``, not their bodies; a few lists, not an
-    object per event, for the collector to walk) and their outcomes."""
+    built: a tuple per field of its events (their headers, redelivered
+    flags, eventIds, types and ``meta``, not their bodies) and of their
+    outcomes (statuses, rejections). A few tuples of strings and untracked
+    dicts, not objects per event: records wait for the export thread long
+    enough to reach the collector's oldest generation, whose every
+    collection walks the whole heap of the process."""
 
     __slots__ = ("attributes", "batch", "consumer", "end", "event_ids", "headers", "links_only", "metas", "opened",
-                 "outcomes", "partition", "phases", "redelivered", "sdk", "start", "status", "types")
+                 "partition", "phases", "redelivered", "rejections", "sdk", "start", "status", "statuses", "types")
 
     def __init__(self, sdk: _Sdk, batch: Any, consumer: str, partition: int | None, start: int, end: int) -> None:
         self.sdk, self.batch, self.consumer, self.partition = sdk, batch, consumer, partition
@@ -537,9 +540,10 @@ class _Record:
         self.event_ids: tuple[str | None, ...] = ()
         self.types: tuple[str | None, ...] = ()
         self.metas: tuple[dict[str, Any] | None, ...] = ()
-        self.outcomes: Sequence[Outcome] = ()
+        self.statuses: tuple[str, ...] = ()
+        self.rejections: tuple[Rejection | None, ...] = ()
         self.opened: dict[str, Any] = {}
-        self.phases: list[tuple[str, int, int]] = []
+        self.phases: tuple[tuple[str, int, int], ...] = ()
         self.attributes: dict[str, Any] = {}
         self.status: Any = None
         self.links_only = False
@@ -616,14 +620,14 @@ def _spans(record: _Record, carrier: Any) -> list[Any]:
     batch, consumer, partition, start, now = record.batch, record.consumer, record.partition, record.start, record.end
     kind = api.SpanKind.CONSUMER
     unset = api.Status(api.StatusCode.UNSET)
-    links_only, opened, outcomes, count = record.links_only, record.opened, record.outcomes, len(record.event_ids)
-    statuses: list[str | None] = [outcome.status for outcome in outcomes]
-    _count_results(record.attributes, statuses)
-    rejections: list[Rejection | None] = [outcome.rejection for outcome in outcomes]
-    missing = count - len(outcomes)  # an abandoned batch: no outcome for any event
+    links_only, opened, count = record.links_only, record.opened, len(record.event_ids)
+    _count_results(record.attributes, record.statuses)
+    statuses: tuple[str | None, ...] = record.statuses
+    rejections = record.rejections
+    missing = count - len(statuses)  # an abandoned batch: no outcome for any event
     if missing > 0:
-        statuses += [None] * missing
-        rejections += [None] * missing
+        statuses += (None,) * missing
+        rejections += (None,) * missing
     # The SDK's random ids are random.getrandbits(64): the batch's all at once (0, the invalid id, is replaced).
     span_ids: Iterable[int] = (memoryview(random.randbytes(8 * count)).cast("Q").tolist() if sdk.random_ids
                                else iter(new_id, None))
@@ -842,7 +846,10 @@ class Batch(NoBatch):
         record.event_ids = tuple([p.event_id for p in envelopes])
         record.types = tuple([p.type if type(p) is Envelope else None for p in envelopes])
         record.metas = tuple([p.fields.get("meta") if type(p) is Envelope else None for p in envelopes])
-        record.outcomes, record.opened, record.phases = self._outcomes, self._open, phases
+        outcomes = self._outcomes
+        record.statuses = tuple([o.result if o.result is not None else o.status for o in outcomes])
+        record.rejections = tuple([o.rejection for o in outcomes])
+        record.opened, record.phases = self._open, tuple(phases)
         record.attributes, record.status, record.links_only = self._attributes, status, _links_only
         carrier = sdk.carrier(record, f"{self._consumer} batch", self._context, None, sdk.resource,
                               self._attributes, (), (), api.SpanKind.CONSUMER, None, status, self._start, now,
