@@ -331,7 +331,7 @@ class _Sdk:
 
     __slots__ = ("api", "carrier", "context_type", "default_flags", "deferred", "ids", "new_context", "new_span",
                  "on_end", "parent_decides", "random_ids", "readable", "resource", "root_on", "sampled", "sampler",
-                 "scope", "span_type")
+                 "scope")
 
     def __init__(self, api: Any, tracer: Any, deferred: bool) -> None:
         from opentelemetry.sdk.trace import ReadableSpan
@@ -340,8 +340,9 @@ class _Sdk:
 
         self.api = api
         self.readable = ReadableSpan
-        self.carrier, _, self.span_type = _sdk_types()
-        self.new_span = tuple.__new__ if self.span_type is not None else _readable_span
+        self.carrier, _, event_span = _sdk_types()
+        #: An event's span from its fields (:data:`_EVENT_FIELDS`).
+        self.new_span: Callable[[tuple[Any, ...]], Any] = event_span or _readable_span
         #: The provider's exporters build a batch's spans in their thread (:func:`build_provider`).
         self.deferred = deferred
         self.on_end = tracer.span_processor.on_end
@@ -404,7 +405,7 @@ _EVENT_FIELDS: Final = ("_name", "_context", "_parent", "_attributes", "_links",
                         "_end_time", "_resource", "_instrumentation_scope")
 
 
-def _readable_span(_cls: Any, fields: tuple[Any, ...]) -> Any:
+def _readable_span(fields: tuple[Any, ...]) -> Any:
     """An event's span as the SDK's ReadableSpan (when :class:`EventSpan` cannot be one)."""
     from opentelemetry.sdk.trace import ReadableSpan
     from opentelemetry.trace import SpanKind
@@ -485,10 +486,12 @@ def _sdk_types() -> tuple[Any, Any, Any]:
 
         class EventSpan(tuple[Any, ...], ReadableSpan):
             """An event's span: a ReadableSpan whose fields are a tuple's
-            items, so that it is made in one call of ``tuple.__new__``; an
-            object as any other span (compared and hashed by identity)."""
+            items, so that it is made in one call (``tuple.__new__``, no
+            ``__init__`` in Python); an object as any other span (compared
+            and hashed by identity)."""
 
             __slots__ = ()
+            __init__ = object.__init__
             _kind, _events, _instrumentation_info = SpanKind.CONSUMER, (), None
             __eq__, __ne__, __hash__, __repr__ = object.__eq__, object.__ne__, object.__hash__, object.__repr__
 
@@ -578,29 +581,7 @@ def _count_results(attributes: dict[str, Any], statuses: Sequence[str | None]) -
         attributes[f"delivery_consumer.results.{result}"] = n
 
 
-def _parent_of(sdk: _Sdk, traceparent: str | None, tracestate: str | None) -> tuple[Any, int, Any]:
-    """The producer's span context for a checked *traceparent* (and its
-    *tracestate*), its trace id and trace state: None for the context when
-    there is none (or it is not one after all), False when its trace is not
-    sampled."""
-    if traceparent is None:
-        return None, 0, None
-    try:  # version, trace id, parent id and flags: 26 bytes, one int
-        whole = int.from_bytes(bytes.fromhex(traceparent.replace("-", " ")))
-    except ValueError:  # an envelope made without its schema: no parent rather than no spans
-        return None, 0, None
-    flags = whole & 0xFF
-    if not flags & 1:
-        return False, 0, None
-    api = sdk.api
-    trace_id = (whole >> 72) & _ID128
-    state = api.TraceState.from_header([tracestate]) if tracestate else api.DEFAULT_TRACE_STATE
-    fields = (trace_id, (whole >> 8) & _ID64, True, sdk.sampled if flags == 1 else api.TraceFlags(flags), state, True)
-    return sdk.new_context(sdk.context_type, fields), trace_id, state
-
-
 _ID64: Final = (1 << 64) - 1
-_ID128: Final = (1 << 128) - 1
 #: Not a key of any event's producer context (:func:`_spans`).
 _NO_KEY: Final = object()
 
@@ -615,7 +596,8 @@ def _spans(record: _Record, carrier: Any) -> list[Any]:
     for the events in a row that it enqueued."""
     sdk = record.sdk
     api, sampled, new_context, context_type = sdk.api, sdk.sampled, sdk.new_context, sdk.context_type
-    new_span, span_type, resource, scope = sdk.new_span, sdk.span_type, sdk.resource, sdk.scope
+    new_span, resource, scope = sdk.new_span, sdk.resource, sdk.scope
+    from_bytes, fromhex = int.from_bytes, bytes.fromhex
     new_id, new_trace = sdk.ids.generate_span_id, sdk.ids.generate_trace_id
     batch, consumer, partition, start, now = record.batch, record.consumer, record.partition, record.start, record.end
     kind = api.SpanKind.CONSUMER
@@ -651,9 +633,21 @@ def _spans(record: _Record, carrier: Any) -> list[Any]:
             key = traceparent if tracestate is None else (traceparent, tracestate)
         else:
             key, tracestate, attempt = traceparent, None, 1
-        if key != last:
-            last = key
-            parent, trace_id, state = _parent_of(sdk, traceparent, tracestate)
+        if key != last:  # else the producer's context of the event before
+            last, parent = key, None
+            if traceparent is not None:
+                try:  # version 00, trace id, parent id and flags: 26 bytes, one int
+                    whole = from_bytes(fromhex(traceparent.replace("-", " ")))
+                except ValueError:  # an envelope made without its schema: no parent rather than no spans
+                    pass
+                else:
+                    if not whole & 1:  # the sampled flag
+                        parent = False
+                    else:
+                        trace_id, flags = whole >> 72, whole & 0xFF
+                        state = no_state if tracestate is None else api.TraceState.from_header([tracestate])
+                        parent = new_context(context_type, (trace_id, (whole >> 8) & _ID64, True, sampled if flags == 1
+                                                            else api.TraceFlags(flags), state, True))
         if parent is False:
             continue  # the producer's trace is not sampled: no span to record
         attributes: dict[str, Any] = {"delivery_consumer.consumer": consumer, "delivery_consumer.attempt": attempt,
@@ -689,8 +683,7 @@ def _spans(record: _Record, carrier: Any) -> list[Any]:
         else:
             context = _slow_context(sdk, opened, event_id, parent, name, attributes)
         if context is not None:
-            out.append(new_span(span_type, (name, context, parent, attributes, link, status, start, now, resource,
-                                            scope)))
+            out.append(new_span((name, context, parent, attributes, link, status, start, now, resource, scope)))
     if batch.trace_flags.sampled:
         readable, internal = sdk.readable, api.SpanKind.INTERNAL
         for name, begin, finish in record.phases:
