@@ -39,19 +39,18 @@ import time
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import orjson
 
 from .envelope import Envelope, canonical_bytes
-from .errors import Rejection
+from .errors import Rejection, TransientError
 from .retry import attempts_done
 from .topology import H_ATTEMPTS
 
 if TYPE_CHECKING:
     from .contract import Outcome
     from .deliveries import Delivery
-    from .inbox.fence import CallResult
     from .partitions import Identity
 
 log = logging.getLogger("delivery_consumer.tracing")
@@ -931,17 +930,31 @@ def mark_commit() -> None:
         current.mark_commit()
 
 
+class CallOutcome(Protocol):
+    """What a fenced call came back with, as its span records it (the
+    fence's CallResult is one)."""
+
+    @property
+    def provider_id(self) -> str | None: ...
+    @property
+    def status(self) -> int | None: ...
+    @property
+    def failure(self) -> Rejection | TransientError | None: ...
+    @property
+    def ambiguous(self) -> bool: ...
+
+
 class _NoCall:
     __slots__ = ()
 
-    def __enter__(self) -> Callable[[CallResult], None]:
+    def __enter__(self) -> Callable[[CallOutcome], None]:
         return _ignore
 
     def __exit__(self, *_exc: object) -> None:
         return None
 
 
-def _ignore(_result: CallResult) -> None:
+def _ignore(_result: CallOutcome) -> None:
     return None
 
 
@@ -954,11 +967,11 @@ class _Call:
     def __init__(self, span: Any, scope: Any) -> None:
         self._span, self._scope = span, scope
 
-    def __enter__(self) -> Callable[[CallResult], None]:
+    def __enter__(self) -> Callable[[CallOutcome], None]:
         self._scope.__enter__()
         return self._result
 
-    def _result(self, result: CallResult) -> None:
+    def _result(self, result: CallOutcome) -> None:
         span = self._span
         if result.status is not None:
             span.set_attribute("http.response.status_code", result.status)
@@ -982,7 +995,7 @@ class _Call:
 def external_call(step: str, key: str, env: Envelope) -> _NoCall | _Call:
     """Trace one fenced external call as a child of its event's span (made
     current, so :func:`http_headers` sends its context); ``with`` it, and call
-    what it gives with the CallResult."""
+    what it gives with the call's outcome (a :class:`CallOutcome`)."""
     current = getattr(_local, "batch", None)
     if current is None:
         return _NO_CALL
@@ -1001,6 +1014,7 @@ __all__ = [
     "TRACEPARENT",
     "TRACESTATE",
     "Batch",
+    "CallOutcome",
     "NoBatch",
     "batch",
     "build_provider",

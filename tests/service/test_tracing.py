@@ -7,6 +7,7 @@ tests/broker/test_tracing_broker.py.
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 import threading
@@ -429,3 +430,43 @@ def test_another_api_implementation_gets_the_same_spans_through_the_api(tmp_path
     (broken,) = named["catalog apply"]
     assert trace.StatusCode.ERROR == broken.status.status_code
     assert 1 == batch.attributes["delivery_consumer.results.malformed-json"]
+
+
+def test_a_header_that_is_no_traceparent_leaves_the_producer_context_of_the_body(
+        tmp_path: Path, spans: InMemorySpanExporter) -> None:
+    """A garbled traceparent header (and its tracestate) is ignored: the event's
+    span is a child of the context in the body's meta; a header equal to it is that context."""
+    worker, _io = make_worker(tmp_path)
+    own = "00-" + "7" * 32 + "-" + "8" * 16 + "-01"
+    garbled = new_event(article_id="a-1", meta={"traceparent": own})
+    same = new_event(article_id="a-2", meta={"traceparent": own})
+    worker.process([delivery(1, body(garbled), headers={"traceparent": b"00-XYZ-01", "tracestate": "shop=7"}),
+                    delivery(2, body(same), headers={"traceparent": own})])
+    applied = by_name(spans)["catalog apply material.published"]
+    assert 2 == len(applied)
+    for span in applied:
+        assert (int("7" * 32, 16), int("8" * 16, 16)) == (span.context.trace_id, span.parent.span_id)
+        assert "" == span.context.trace_state.to_header()
+
+
+def test_an_event_span_is_a_readable_span_as_exporters_take_it(tmp_path: Path, spans: InMemorySpanExporter) -> None:
+    """An event's span is a ReadableSpan: it serializes with to_json (the jsonl
+    exporter), and two spans are two objects (equal only to themselves, hashable)."""
+    worker, _io = make_worker(tmp_path)
+    worker.process([delivery(1, body(new_event(article_id="a-1"))), delivery(2, body(new_event(article_id="a-2")))])
+    first, second = by_name(spans)["catalog apply material.published"]
+    assert isinstance(first, sdk_trace.ReadableSpan)
+    dumped = orjson.loads(first.to_json())
+    assert ("catalog apply material.published", "SpanKind.CONSUMER") == (dumped["name"], dumped["kind"])
+    assert "updated" == dumped["attributes"]["delivery_consumer.result"]
+    assert first == first and first != second and 2 == len({first, second})
+    assert first.context != second.context
+
+
+def test_tracing_imports_nothing_of_the_inbox() -> None:
+    """The fence calls tracing, never the other way: tracing.py imports no module of the inbox."""
+    tree = ast.parse((REPO / "delivery_consumer" / "tracing.py").read_text("utf-8"))
+    imported = {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    assert [] == sorted(name for name in imported if name.lstrip(".").startswith("inbox")
+                        or name.startswith("delivery_consumer.inbox"))
