@@ -7,7 +7,6 @@ tests/broker/test_tracing_broker.py.
 
 from __future__ import annotations
 
-import ast
 import subprocess
 import sys
 import threading
@@ -462,11 +461,3 @@ def test_an_event_span_is_a_readable_span_as_exporters_take_it(tmp_path: Path, s
     assert first == first and first != second and 2 == len({first, second})
     assert first.context != second.context
 
-
-def test_tracing_imports_nothing_of_the_inbox() -> None:
-    """The fence calls tracing, never the other way: tracing.py imports no module of the inbox."""
-    tree = ast.parse((REPO / "delivery_consumer" / "tracing.py").read_text("utf-8"))
-    imported = {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-    assert [] == sorted(name for name in imported if name.lstrip(".").startswith("inbox")
-                        or name.startswith("delivery_consumer.inbox"))
