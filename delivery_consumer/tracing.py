@@ -319,6 +319,9 @@ _PARENT_DECIDES: Final = (",remoteParentSampled:AlwaysOnSampler,remoteParentNotS
                           "localParentSampled:AlwaysOnSampler,localParentNotSampled:AlwaysOffSampler}")
 #: Spans handed to an exporter at a time (at most) when a batch's spans are built in the export thread.
 _EXPORT_CHUNK: Final = 512
+#: Built spans are exported as soon as there are this many: the fewer alive at once, the fewer
+#: the garbage collector moves to its oldest generation, whose collections walk the whole heap.
+_EXPORT_SOON: Final = 128
 
 
 class _Sdk:
@@ -464,16 +467,15 @@ def _sdk_types() -> tuple[Any, Any, Any]:
             def export(self, spans: Sequence[Any]) -> Any:
                 failed = False
                 out: list[Any] = []
-                for span in spans:  # exported as they are built: they die young, the collector sees few
+                for n, span in enumerate(spans, 1):
                     if isinstance(span, BatchSpan):
                         out.extend(span.spans())
                     else:
                         out.append(span)
-                    while len(out) >= _EXPORT_CHUNK:
-                        chunk, out = out[:_EXPORT_CHUNK], out[_EXPORT_CHUNK:]
-                        failed |= self.exporter.export(chunk) != SpanExportResult.SUCCESS
-                if out:
-                    failed |= self.exporter.export(out) != SpanExportResult.SUCCESS
+                    if len(out) >= _EXPORT_SOON or (out and n == len(spans)):
+                        for i in range(0, len(out), _EXPORT_CHUNK):
+                            failed |= self.exporter.export(out[i:i + _EXPORT_CHUNK]) != SpanExportResult.SUCCESS
+                        out = []
                 return SpanExportResult.FAILURE if failed else SpanExportResult.SUCCESS
 
             def shutdown(self) -> None:

@@ -461,3 +461,30 @@ def test_an_event_span_is_a_readable_span_as_exporters_take_it(tmp_path: Path, s
     assert first == first and first != second and 2 == len({first, second})
     assert first.context != second.context
 
+
+
+def test_run_providers_exporter_gets_a_big_batchs_spans_in_bounded_chunks(tmp_path: Path) -> None:
+    """A batch of 600 events reaches run's exporter whole, in calls of at most 512 spans."""
+    from opentelemetry.sdk.trace.export import SpanExportResult
+
+    class Sizes(InMemorySpanExporter):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: list[int] = []
+
+        def export(self, spans: Any) -> SpanExportResult:
+            self.calls.append(len(spans))
+            return super().export(spans)
+
+    exporter = Sizes()
+    provider = tracing.build_provider(batched=[exporter])
+    tracing.set_provider(provider)
+    try:
+        worker, _io = make_worker(tmp_path)
+        worker.process([delivery(i, body(new_event(article_id=f"a-{i}"))) for i in range(1, 601)])
+        tracing.flush()
+    finally:
+        tracing.set_provider(None)
+        provider.shutdown()
+    assert 600 + 5 == sum(exporter.calls)  # the events, the four phases and the batch
+    assert 2 <= len(exporter.calls) and max(exporter.calls) <= 512
