@@ -38,7 +38,7 @@ import threading
 import time
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import orjson
@@ -452,10 +452,11 @@ def _sdk_types() -> tuple[Any, Any, Any]:
                 super().__init__(*args)
                 self.record: _Record | None = record
 
-            def spans(self) -> list[Any]:
-                """The batch's spans: its own, its phases', its events' (once)."""
+            def spans(self, sink: Callable[[list[Any]], None] | None = None) -> list[Any]:
+                """The batch's spans: its own, its phases', its events' (once);
+                those given to *sink* as they are built are not in the list."""
                 record, self.record = self.record, None
-                return [] if record is None else _spans(record, self)
+                return [] if record is None else _spans(record, self, sink)
 
         class Building(SpanExporter):
             """An exporter that builds each batch's spans from its record, in
@@ -466,16 +467,23 @@ def _sdk_types() -> tuple[Any, Any, Any]:
 
             def export(self, spans: Sequence[Any]) -> Any:
                 failed = False
+
+                def send(built: list[Any]) -> None:
+                    nonlocal failed
+                    for i in range(0, len(built), _EXPORT_CHUNK):
+                        failed |= self.exporter.export(built[i:i + _EXPORT_CHUNK]) != SpanExportResult.SUCCESS
+
                 out: list[Any] = []
-                for n, span in enumerate(spans, 1):
+                for span in spans:
                     if isinstance(span, BatchSpan):
-                        out.extend(span.spans())
+                        out.extend(span.spans(send))
                     else:
                         out.append(span)
-                    if len(out) >= _EXPORT_SOON or (out and n == len(spans)):
-                        for i in range(0, len(out), _EXPORT_CHUNK):
-                            failed |= self.exporter.export(out[i:i + _EXPORT_CHUNK]) != SpanExportResult.SUCCESS
+                    if len(out) >= _EXPORT_SOON:
+                        send(out)
                         out = []
+                if out:
+                    send(out)
                 return SpanExportResult.FAILURE if failed else SpanExportResult.SUCCESS
 
             def shutdown(self) -> None:
@@ -587,14 +595,16 @@ _ID64: Final = (1 << 64) - 1
 _NO_KEY: Final = object()
 
 
-def _spans(record: _Record, carrier: Any) -> list[Any]:
+def _spans(record: _Record, carrier: Any, sink: Callable[[list[Any]], None] | None = None) -> list[Any]:
     """Build a batch's spans from its *record*: one per event (a child of its
     producer's context, linked to the batch; or, in links mode, a link of
     the batch's span), its phases and the batch's own (*carrier*, unless it
     gets the events as links). Every event's span is built here, so this
     loop is written for speed: locals, one dict display and two tuples per
     span, the batch's span ids at once, a producer's context parsed once
-    for the events in a row that it enqueued."""
+    for the events in a row that it enqueued. With a *sink*, the events'
+    spans are given to it as soon as :data:`_EXPORT_SOON` are built, and the
+    rest returned."""
     sdk = record.sdk
     api, sampled, new_context, context_type = sdk.api, sdk.sampled, sdk.new_context, sdk.context_type
     new_span, resource, scope = sdk.new_span, sdk.resource, sdk.scope
@@ -612,8 +622,10 @@ def _spans(record: _Record, carrier: Any) -> list[Any]:
         statuses += (None,) * missing
         rejections += (None,) * missing
     # The SDK's random ids are random.getrandbits(64): the batch's all at once (0, the invalid id, is replaced).
-    span_ids: Iterable[int] = (memoryview(random.randbytes(8 * count)).cast("Q").tolist() if sdk.random_ids
-                               else iter(new_id, None))
+    span_ids: Sequence[int] = (memoryview(random.randbytes(8 * count)).cast("Q").tolist() if sdk.random_ids
+                               else [new_id() for _ in range(count)])
+    columns = (record.headers, record.redelivered, record.event_ids, record.types, record.metas, statuses, rejections,
+               span_ids)
     fast_root = sdk.root_on and not opened
     fast_child = sdk.parent_decides and not opened
     link = (api.Link(batch, {}),)
@@ -625,66 +637,73 @@ def _spans(record: _Record, carrier: Any) -> list[Any]:
     last: Any = _NO_KEY
     parent: Any = None
     trace_id, state = 0, no_state
-    for headers, redelivered, event_id, type_, meta, result, rejection, span_id in zip(
-            record.headers, record.redelivered, record.event_ids, record.types, record.metas, statuses, rejections,
-            span_ids, strict=False):
-        traceparent = meta.get(TRACEPARENT) if meta else None  # checked by the envelope's schema
-        if headers:  # the dispatcher's traceparent (most often the same), a tracestate, a retry's attempts
-            traceparent, tracestate, attempt = _from_headers(headers, traceparent)
-            key = traceparent if tracestate is None else (traceparent, tracestate)
-        else:
-            key, tracestate, attempt = traceparent, None, 1
-        if key != last:  # else the producer's context of the event before
-            last, parent = key, None
-            if traceparent is not None:
-                try:  # version 00, trace id, parent id and flags: 26 bytes, one int
-                    whole = from_bytes(fromhex(traceparent.replace("-", " ")))
-                except ValueError:  # an envelope made without its schema: no parent rather than no spans
-                    pass
-                else:
-                    if not whole & 1:  # the sampled flag
-                        parent = False
-                    else:
-                        trace_id, flags = whole >> 72, whole & 0xFF
-                        state = no_state if tracestate is None else api.TraceState.from_header([tracestate])
-                        parent = new_context(context_type, (trace_id, (whole >> 8) & _ID64, True, sampled if flags == 1
-                                                            else api.TraceFlags(flags), state, True))
-        if parent is False:
-            continue  # the producer's trace is not sampled: no span to record
-        attributes: dict[str, Any] = {"delivery_consumer.consumer": consumer, "delivery_consumer.attempt": attempt,
-                      "messaging.message.id": event_id, "delivery_consumer.result": result}
-        if event_id is None:
-            del attributes["messaging.message.id"]
-        if result is None:
-            del attributes["delivery_consumer.result"]
-        if partition is not None:
-            attributes["delivery_consumer.partition"] = partition
-        if redelivered:
-            attributes["delivery_consumer.redelivered"] = True
-        status = unset
-        if rejection is not None:
-            status = errors.get(rejection.code)
-            if status is None:
-                status = errors[rejection.code] = api.Status(api.StatusCode.ERROR, rejection.code)
-        if links_only:
-            del attributes["delivery_consumer.consumer"]
-            attributes.pop("delivery_consumer.partition", None)
-            links.append(api.Link(api.INVALID_SPAN_CONTEXT if parent is None else parent, attributes))
-            continue
-        name = names.get(type_)
-        if name is None:
-            name = names[type_] = f"{consumer} apply" if type_ is None else f"{consumer} apply {type_}"
-        if parent is None:
-            if fast_root:
-                context = new_context(context_type, (new_trace(), span_id or new_id(), False, sampled, no_state, True))
+    for low in range(0, count, _EXPORT_SOON):  # slices, for the sink
+        high = low + _EXPORT_SOON
+        for headers, redelivered, event_id, type_, meta, result, rejection, span_id in zip(
+                *[column[low:high] for column in columns], strict=True):
+            traceparent = meta.get(TRACEPARENT) if meta else None  # checked by the envelope's schema
+            if headers:  # the dispatcher's traceparent (most often the same), a tracestate, a retry's attempts
+                traceparent, tracestate, attempt = _from_headers(headers, traceparent)
+                key = traceparent if tracestate is None else (traceparent, tracestate)
             else:
-                context = _slow_context(sdk, opened, event_id, None, name, attributes)
-        elif fast_child:
-            context = new_context(context_type, (trace_id, span_id or new_id(), False, sampled, state, True))
-        else:
-            context = _slow_context(sdk, opened, event_id, parent, name, attributes)
-        if context is not None:
-            out.append(new_span((name, context, parent, attributes, link, status, start, now, resource, scope)))
+                key, tracestate, attempt = traceparent, None, 1
+            if key != last:  # else the producer's context of the event before
+                last, parent = key, None
+                if traceparent is not None:
+                    try:  # version 00, trace id, parent id and flags: 26 bytes, one int
+                        whole = from_bytes(fromhex(traceparent.replace("-", " ")))
+                    except ValueError:  # an envelope made without its schema: no parent rather than no spans
+                        pass
+                    else:
+                        if not whole & 1:  # the sampled flag
+                            parent = False
+                        else:
+                            trace_id, flags = whole >> 72, whole & 0xFF
+                            state = no_state if tracestate is None else api.TraceState.from_header([tracestate])
+                            fields = (trace_id, (whole >> 8) & _ID64, True,
+                                      sampled if flags == 1 else api.TraceFlags(flags), state, True)
+                            parent = new_context(context_type, fields)
+            if parent is False:
+                continue  # the producer's trace is not sampled: no span to record
+            attributes: dict[str, Any] = {"delivery_consumer.consumer": consumer,
+                                          "delivery_consumer.attempt": attempt, "messaging.message.id": event_id,
+                                          "delivery_consumer.result": result}
+            if event_id is None:
+                del attributes["messaging.message.id"]
+            if result is None:
+                del attributes["delivery_consumer.result"]
+            if partition is not None:
+                attributes["delivery_consumer.partition"] = partition
+            if redelivered:
+                attributes["delivery_consumer.redelivered"] = True
+            status = unset
+            if rejection is not None:
+                status = errors.get(rejection.code)
+                if status is None:
+                    status = errors[rejection.code] = api.Status(api.StatusCode.ERROR, rejection.code)
+            if links_only:
+                del attributes["delivery_consumer.consumer"]
+                attributes.pop("delivery_consumer.partition", None)
+                links.append(api.Link(api.INVALID_SPAN_CONTEXT if parent is None else parent, attributes))
+                continue
+            name = names.get(type_)
+            if name is None:
+                name = names[type_] = f"{consumer} apply" if type_ is None else f"{consumer} apply {type_}"
+            if parent is None:
+                if fast_root:
+                    context = new_context(context_type, (new_trace(), span_id or new_id(), False, sampled, no_state,
+                                                         True))
+                else:
+                    context = _slow_context(sdk, opened, event_id, None, name, attributes)
+            elif fast_child:
+                context = new_context(context_type, (trace_id, span_id or new_id(), False, sampled, state, True))
+            else:
+                context = _slow_context(sdk, opened, event_id, parent, name, attributes)
+            if context is not None:
+                out.append(new_span((name, context, parent, attributes, link, status, start, now, resource, scope)))
+        if sink is not None and len(out) >= _EXPORT_SOON:
+            sink(out)
+            out = []
     if batch.trace_flags.sampled:
         readable, internal = sdk.readable, api.SpanKind.INTERNAL
         for name, begin, finish in record.phases:
