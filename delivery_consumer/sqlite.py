@@ -39,19 +39,21 @@ _ENVIRONMENT_CODES = {5: DATABASE_BUSY, 6: DATABASE_BUSY, 8: "database-read-only
 def now_iso(when: float | None = None) -> str:
     """UTC time as ``YYYY-MM-DDTHH:MM:SS.mmmZ``, the form every table stores (sorts as text)."""
     global _last_second
-    when = time.time() if when is None else when
-    second = int(when)
-    # Every transaction stamps its receipts: format the date and time once
-    # per second, not once per transaction.
+    if when is None:
+        when = time.time()
+    # Every transaction stamps its receipts: the date and time are formatted
+    # once per second, the milliseconds taken from a table.
     cached = _last_second
-    if second != cached[0] or when < 0:
-        cached = (second, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(when)))
+    if int(when) != cached[0] or when < 0:
+        cached = (int(when), time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(when)))
         if when >= 0:
             _last_second = cached
-    return cached[1] + f".{int(when % 1 * 1000):03d}Z"
+    return cached[1] + _MILLIS[int(when % 1 * 1000)]
 
 
 _last_second: tuple[int, str] = (-1, "")
+#: ``.000Z`` ... ``.999Z``: the end of every stored time.
+_MILLIS = tuple(f".{ms:03d}Z" for ms in range(1000))
 
 
 @overload
