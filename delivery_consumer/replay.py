@@ -111,6 +111,11 @@ def _apply_parsed(db: ConsumerDB, parsed: list[Envelope | Rejection], sources: l
 def _apply_chunk(db: ConsumerDB, items: list[Item], batch: int, max_bytes: int) -> Iterator[tuple[Item, Outcome]]:
     """Parse *items* at once, then apply them *batch* per transaction."""
     parsed, digests = _parse_all(items, max_bytes, db.spec.event_types)
+    if batch == 1:  # no slices: this runs once per event
+        for i, item in enumerate(items):
+            (outcome,) = _apply_parsed(db, [parsed[i]], [item.location], None if digests is None else [digests[i]])
+            yield item, outcome
+        return
     sources: list[str | None] = [item.location for item in items]
     for start in range(0, len(items), batch):
         end = start + batch
