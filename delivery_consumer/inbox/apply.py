@@ -34,6 +34,8 @@ class Store(Protocol):
     which hands out this module's :class:`Transaction`."""
 
     conn: sqlite3.Connection
+    #: A cursor of *conn* for the transaction's own statements.
+    cursor: sqlite3.Cursor
     path: Path
     spec: ConsumerSpec
     readonly: bool
@@ -166,13 +168,14 @@ class Transaction:
     showed in the profile (bench/bench_replay.py).
     """
 
-    __slots__ = ("_known", "apply_many_fn", "conn", "db", "effect", "now", "spec")
+    __slots__ = ("_cursor", "_known", "apply_many_fn", "conn", "db", "effect", "now", "spec")
     #: Whether a commit checks that the file is still the database (ConsumerDB.check_file).
     CHECKS_FILE: ClassVar[bool] = True
 
     def __init__(self, db: Store, now: str = ""):
         self.db = db
         self.conn = db.conn
+        self._cursor = db.cursor
         self.spec = db.spec
         self.now = now
         #: The effect of one event (the consumer's ``apply`` unless a caller of
@@ -184,7 +187,7 @@ class Transaction:
 
     def __enter__(self) -> Transaction:
         try:
-            self.conn.execute("BEGIN IMMEDIATE")
+            self._cursor.execute("BEGIN IMMEDIATE")
             self.now = now_iso()
         except sqlite3.Error as exc:
             sqlite.rollback(self.conn)
@@ -201,7 +204,7 @@ class Transaction:
                 if monotonic() >= db.count_due:  # the receipt counters, at most every CATCH_UP_S
                     counters.catch_up(self.conn)
                     db.count_due = monotonic() + counters.CATCH_UP_S
-                self.conn.execute("COMMIT")
+                self._cursor.execute("COMMIT")
             except sqlite3.Error as error:
                 exc = error
             except BaseException:
@@ -367,9 +370,9 @@ class Transaction:
         ``--batch 1``): the same answers and writes, in fewer steps. The
         effect is the consumer's ``apply``, which answers one event as its
         ``apply_many`` would."""
-        conn = self.conn
+        cursor = self._cursor
         event_id = env.event_id
-        row = conn.execute(_RECEIPT_SELECT, (event_id,)).fetchone()
+        row = cursor.execute(_RECEIPT_SELECT, (event_id,)).fetchone()
         if row is not None:
             try:
                 return Outcome(event_id, result=duplicate(row, env))
@@ -379,11 +382,11 @@ class Transaction:
         if part is not None and misplaced(env.key, part):
             raise _Fallback  # the per-event path words the rejection
         try:
-            result = self.effect(conn, env)
+            result = self.effect(self.conn, env)
         except Exception as exc:
             raise _Fallback(env, self._failure(env, exc)) from None
         try:
-            conn.execute(_RECEIPT_INSERT, (event_id, env.fingerprint, result, env.type, self.now, env.key,
+            cursor.execute(_RECEIPT_INSERT, (event_id, env.fingerprint, result, env.type, self.now, env.key,
                                            _meta_column(env)))
         except Exception as exc:  # an effect's bad result (None) fails here, as in the per-event path
             if isinstance(exc, sqlite3.Error) and not isinstance(exc, sqlite3.IntegrityError):

@@ -177,6 +177,9 @@ class ConsumerDB:
 
     def __init__(self, conn: sqlite3.Connection, path: Path, spec: ConsumerSpec, readonly: bool):
         self.conn = conn
+        #: The store's own statements of a transaction (BEGIN, receipts, COMMIT) run on
+        #: this one cursor: ``conn.execute`` makes a cursor per statement.
+        self.cursor = conn.cursor()
         self.path = path
         self.spec = spec
         self.readonly = readonly
