@@ -81,6 +81,8 @@ class RevisionTable:
         )
 
     def _row(self, env: Envelope, state: Sequence[Any]) -> tuple[Any, ...]:
+        if self._with_event_id and self._with_occurred_at:  # the usual table: no tail to build
+            return (env.key, env.revision, *state, env.event_id, env.occurred_at)
         tail = (env.event_id,) * self._with_event_id + (env.occurred_at,) * self._with_occurred_at
         return (env.key, env.revision, *state, *tail)
 
@@ -127,7 +129,10 @@ class RevisionTable:
         writes: dict[str, tuple[Any, ...]] = {}
         results: list[str] = []
         for env in envs:
-            revision, state = self._revision_of(env), tuple(state_of(env))
+            revision = env.revision
+            if revision < 1:
+                self._revision_of(env)  # raises
+            state = tuple(state_of(env))
             current = stored.get(env.key)
             if current is None or revision > current[0]:
                 stored[env.key] = (revision, *state)
