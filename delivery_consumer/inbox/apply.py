@@ -132,7 +132,12 @@ def _meta_column(env: Envelope) -> str:
     NULLIF turns '' (never a JSON text) into NULL instead.
     """
     meta = env.fields.get("meta")
-    return "" if meta is None else orjson.dumps(meta, option=orjson.OPT_SORT_KEYS).decode()
+    return "" if meta is None else _meta_json(meta)
+
+
+def _meta_json(meta: object) -> str:
+    """*meta* as canonical JSON."""
+    return orjson.dumps(meta, option=orjson.OPT_SORT_KEYS).decode()
 
 
 class _Fallback(Exception):
@@ -348,8 +353,10 @@ class Transaction:
                         raise _Fallback(env, self._failure(env, exc)) from None
             # Inside the try: an effect's bad result (None) fails here, as
             # the per-event path's receipt INSERT does.
+            # _meta_column, inline: one call less per event.
             conn.executemany(_RECEIPT_INSERT, [
-                (env.event_id, env.fingerprint, result, env.type, now, env.key, _meta_column(env))
+                (env.event_id, env.fingerprint, result, env.type, now, env.key,
+                 "" if (meta := env.fields.get("meta")) is None else _meta_json(meta))
                 for env, result in zip(fresh, results, strict=True)
             ])
         except _Fallback:
