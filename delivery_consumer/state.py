@@ -104,7 +104,9 @@ class RevisionTable:
     def apply(self, conn: sqlite3.Connection, env: Envelope, state: Sequence[Any]) -> str:
         """Apply *env* with *state* (the state columns' values) to the table;
         returns ``updated``, ``stale`` or ``same-state``, raises the conflict."""
-        revision = self._revision_of(env)
+        revision = env.revision
+        if revision < 1:
+            self._revision_of(env)  # raises
         if conn.execute(self._upsert, self._row(env, state)).rowcount:
             return "updated"
         row = conn.execute(self._select, (env.key,)).fetchone()
