@@ -15,6 +15,8 @@ import time
 from collections import Counter
 from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass, field
+from itertools import islice
+from operator import attrgetter
 
 from .cloudevents import parse_body
 from .contract import Outcome
@@ -243,16 +245,31 @@ def replay(
     if read_ahead and batch >= PARSE_AHEAD_MIN_BATCH:
         yield from _replay_parsing_ahead(db, items, batch, max_bytes)
         return
-    chunk = max(batch, read_ahead)
-    # Lean on purpose: at --batch 1 this runs once per event (bench/bench_replay.py).
+    chunk = -(-max(batch, read_ahead) // batch) * batch  # whole batches
+    # A chunk is taken at once (islice), not an item at a time: at --batch 1
+    # this loop served every event (bench/bench_replay.py).
+    source = iter(items)
     pending: list[Item] = []
+    while True:
+        pending += islice(source, chunk - len(pending))
+        if not pending:
+            return
+        end = _chunk_end(pending, batch)
+        yield from _apply_chunk(db, pending[:end], batch, max_bytes)
+        del pending[:end]
+
+
+def _chunk_end(pending: list[Item], batch: int) -> int:
+    """How many of *pending* to apply now: all of them, or up to the first
+    whole batch that brings the bodies to :data:`READ_AHEAD_BYTES`."""
+    if sum(map(len, map(_body, pending))) < READ_AHEAD_BYTES:
+        return len(pending)
     size = 0
-    for item in items:
-        pending.append(item)
+    for end, item in enumerate(pending, 1):
         size += len(item.body)
-        if len(pending) % batch == 0 and (len(pending) >= chunk or size >= READ_AHEAD_BYTES):
-            yield from _apply_chunk(db, pending, batch, max_bytes)
-            pending = []
-            size = 0
-    if pending:
-        yield from _apply_chunk(db, pending, batch, max_bytes)
+        if end % batch == 0 and size >= READ_AHEAD_BYTES:
+            return end
+    return len(pending)
+
+
+_body = attrgetter("body")
