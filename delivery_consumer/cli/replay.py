@@ -138,9 +138,7 @@ def replay(consumer: str | None, db_path: Path | None, batch: int, max_bytes: in
             # thread that reads ahead has stopped before the bar is finished.
             outcomes = stack.enter_context(closing(replay_lib.replay(
                 db, items, batch=batch, max_bytes=max_bytes, read_ahead=read_ahead)))
-            for item, outcome in outcomes:
-                summary.add(outcome)
-                lines.add(item, outcome)
+            lines.take(outcomes, summary)
         except TransientError as exc:
             lines.flush()
             click.echo(summary.line(), err=True)
@@ -167,6 +165,23 @@ class _Lines:
         self.block = 1 if interactive else BLOCK_LINES
         self.text: list[str] = []
         self.json: list[bytes] = []
+
+    def take(self, outcomes: Iterator[tuple[sources_lib.Item, Outcome]], summary: replay_lib.Summary) -> None:
+        """Count every outcome in *summary* and add its line. The usual one
+        (a result, as text) is counted and written here, without the calls of
+        :meth:`Summary.add`, :meth:`add` and :func:`_text_line`: one per event."""
+        results = summary.results
+        for item, outcome in outcomes:
+            result = outcome.result
+            if result is None or self.as_json:
+                summary.add(outcome)
+                self.add(item, outcome)
+                continue
+            results[result] += 1
+            text = self.text
+            text.append(f"{outcome.event_id or '-'} {result}")
+            if len(text) >= self.block:
+                self.flush()
 
     def add(self, item: sources_lib.Item, outcome: Outcome) -> None:
         if self.as_json:
