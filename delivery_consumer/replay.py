@@ -135,7 +135,7 @@ class _ParsedAhead:
     transaction runs its statements, each of which also releases the GIL:
     a busy parser would take it at every statement and make the writer wait.
     Only for sources that never block for long (files): :meth:`close` waits
-    for the thread, which stops at the next item.
+    for the thread, which stops once it has read the batch it is reading.
     """
 
     def __init__(self, items: Iterable[Item], batch: int, max_bytes: int, types: EventTypes):
@@ -175,13 +175,10 @@ class _ParsedAhead:
         while True:
             self._asked.acquire()
             try:
-                items: list[Item] = []
-                while len(items) < self._batch and not self._closed:  # closed: take no more
-                    item = next(self._items, None)
-                    if item is None:
-                        break
-                    items.append(item)
-                if self._closed:
+                if self._closed:  # take no more
+                    return
+                items = list(islice(self._items, self._batch))
+                if self._closed:  # while reading: that batch is not wanted
                     return
                 parsed, digests = _parse_all(items, self._max_bytes, self._types)
             except BaseException as exc:  # handed to the replaying thread, which raises it
