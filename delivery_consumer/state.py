@@ -135,10 +135,11 @@ class RevisionTable:
             if revision < 1:
                 self._revision_of(env)  # raises
             state = tuple(state_of(env))
-            current = stored.get(env.key)
+            key = env.key  # read once: a field of a NamedTuple is not a cheap read
+            current = stored.get(key)
             if current is None or revision > current[0]:
-                stored[env.key] = (revision, *state)
-                writes[env.key] = self._row(env, state)
+                stored[key] = (revision, *state)
+                writes[key] = self._row(env, state)
                 results.append("updated")
             elif revision < current[0]:
                 results.append("stale")

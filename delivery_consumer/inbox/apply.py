@@ -319,16 +319,17 @@ class Transaction:
             if isinstance(item, Rejection):
                 outcomes.append(Outcome(item.event_id, rejection=item))
                 continue
-            row = known.get(item.event_id)
+            event_id = item.event_id  # read once: a field of a NamedTuple is not a cheap read
+            row = known.get(event_id)
             if row is not None:
                 try:
-                    outcomes.append(Outcome(item.event_id, result=duplicate(row, item)))
+                    outcomes.append(Outcome(event_id, result=duplicate(row, item)))
                 except Rejection as rej:
-                    outcomes.append(Outcome(item.event_id, rejection=rej))
+                    outcomes.append(Outcome(event_id, rejection=rej))
                 continue
-            index = first.get(item.event_id)
+            index = first.get(event_id)
             if index is None:
-                first[item.event_id] = len(fresh)
+                first[event_id] = len(fresh)
                 outcomes.append(len(fresh))
                 fresh.append(item)
             elif fresh[index].fingerprint == item.fingerprint:
