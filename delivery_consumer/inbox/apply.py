@@ -366,10 +366,13 @@ class Transaction:
             if isinstance(exc, sqlite3.Error) and not isinstance(exc, sqlite3.IntegrityError):
                 raise
             raise _Fallback from None
+        # Outcome's arguments by position: called by keyword from C
+        # (type.__call__), its __init__ takes the slower path that matches names.
+        fresh_ids = [env.event_id for env in fresh]
         return [
             o if isinstance(o, Outcome)
-            else Outcome(fresh[o].event_id, result=results[o]) if o >= 0
-            else Outcome(fresh[~o].event_id, result="duplicate:" + results[~o])
+            else Outcome(fresh_ids[o], results[o]) if o >= 0
+            else Outcome(fresh_ids[~o], "duplicate:" + results[~o])
             for o in outcomes
         ]
 
