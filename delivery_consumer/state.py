@@ -130,6 +130,7 @@ class RevisionTable:
         # new keys get their rowids in the order apply() would give them.
         writes: dict[str, tuple[Any, ...]] = {}
         results: list[str] = []
+        usual = self._with_event_id and self._with_occurred_at  # _row's usual table, built inline below
         for env in envs:
             revision = env.revision
             if revision < 1:
@@ -139,7 +140,7 @@ class RevisionTable:
             current = stored.get(key)
             if current is None or revision > current[0]:
                 stored[key] = (revision, *state)
-                writes[key] = self._row(env, state)
+                writes[key] = (key, revision, *state, env.event_id, env.occurred_at) if usual else self._row(env, state)
                 results.append("updated")
             elif revision < current[0]:
                 results.append("stale")
