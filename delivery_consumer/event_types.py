@@ -351,11 +351,6 @@ def _compile(schema: Mapping[str, Any], name: str = "") -> Callable[[Any], Any]:
     return validate
 
 
-def _uuid_search(regex: str) -> Callable[[str], bool]:
-    search = _pattern(regex)
-    return lambda text: search(text) is not None
-
-
 def _pattern(regex: str) -> Callable[[str], re.Match[str] | None]:
     """*regex* as fastjsonschema applies it (search; every unescaped ``$`` ends the string)."""
     return re.compile(re.sub(r"(?<!\\)\$", r"\\Z", regex)).search
@@ -450,7 +445,7 @@ def quick_check(event_type: EventType) -> Callable[[Mapping[str, Any]], bool]:
     required = {"eventId", "type", event_type.key, "occurredAt", "data", *(["revision"] if event_type.revision else [])}
     namespace: dict[str, Any] = {
         "UUID_BYTES": _UUID_BYTES, "UUID_SHAPE": _UUID_SHAPE, "meta_ok": _meta_check(),
-        "event_id_ok": _is_uuid if event_id["pattern"] == _UUID_PATTERN else _uuid_search(event_id["pattern"]),
+        "event_id_ok": _pattern(event_id["pattern"]),
         "key_ok": _pattern(key["pattern"]), "occurred_ok": _occurred_check(occurred["pattern"]),
     }
     data = _data_terms(event_type.data_schema())
@@ -468,7 +463,7 @@ def quick_check(event_type: EventType) -> Callable[[Mapping[str, Any]], bool]:
         data = ["data_ok(d)"]
     # _is_uuid, inline (no call per event) when the pattern is the shipped one
     uuid_ok = ("event_id.isascii() and event_id.encode().translate(UUID_BYTES) == UUID_SHAPE"
-               if event_id["pattern"] == _UUID_PATTERN else "event_id_ok(event_id)")
+               if event_id["pattern"] == _UUID_PATTERN else "event_id_ok(event_id) is not None")
     terms = [
         # its own type only: a check is asked for the type the envelope names, but stands alone
         f"obj.get('type') == {event_type.name!r}",

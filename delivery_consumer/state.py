@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 import sqlite3
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import orjson
 
@@ -86,10 +86,9 @@ class RevisionTable:
         tail = (env.event_id,) * self._with_event_id + (env.occurred_at,) * self._with_occurred_at
         return (env.key, env.revision, *state, *tail)
 
-    def _revision_of(self, env: Envelope) -> int:
-        if env.revision < 1:
-            raise ConfigError(f"{self.table}: events of type {env.type} carry no revision (declare revision=True)")
-        return env.revision
+    def _no_revision(self, env: Envelope) -> NoReturn:
+        """Refuse *env*, whose type carries no revision (its revision reads 0)."""
+        raise ConfigError(f"{self.table}: events of type {env.type} carry no revision (declare revision=True)")
 
     def conflict(self, env: Envelope) -> Rejection:
         """The rejection of *env*, whose revision is stored with another state."""
@@ -106,7 +105,7 @@ class RevisionTable:
         returns ``updated``, ``stale`` or ``same-state``, raises the conflict."""
         revision = env.revision
         if revision < 1:
-            self._revision_of(env)  # raises
+            self._no_revision(env)
         if conn.execute(self._upsert, self._row(env, state)).rowcount:
             return "updated"
         row = conn.execute(self._select, (env.key,)).fetchone()
@@ -134,7 +133,7 @@ class RevisionTable:
         for env in envs:
             revision = env.revision
             if revision < 1:
-                self._revision_of(env)  # raises
+                self._no_revision(env)
             state = tuple(state_of(env))
             key = env.key  # read once: a field of a NamedTuple is not a cheap read
             current = stored.get(key)
