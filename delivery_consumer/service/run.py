@@ -223,7 +223,9 @@ def _run(config: RunConfig, observer_factory: ObserverFactory | None,
     while not link.closed:
         try:
             if not parent_end.poll(0.1):
-                if not process.is_alive():
+                # Gone: what it sent before it ended is in the pipe now (its Failed may
+                # have come between the poll and this check), so look once more.
+                if not process.is_alive() and not parent_end.poll(0):
                     break
                 continue
             message = parent_end.recv()
