@@ -21,7 +21,10 @@ the process, minus its encoding and the network).
   sampling at the producer, ``traceparent`` flags ``00`` for the others):
   an event of an unsampled trace gets no span;
 * ``links`` -- ``on`` with ``DELIVERY_TRACE_EVENTS=links``: every event a
-  link of its batch's span (with its result and attempt) instead of a span.
+  link of its batch's span (with its result and attempt) instead of a span;
+* ``plain`` -- ``on`` with the SDK's fast path off (``DELIVERY_TRACE_FAST=0``,
+  as with an SDK outside the tested versions): the same spans, each started
+  and ended through the API.
 
 The modes alternate within a round; each round's ratio is the mode's figure
 over the ``off`` figure of the same round (paired), and the median and the
@@ -137,6 +140,7 @@ MODES = {
     "on-own": "span per event, a provider of the process's own (built at the batch's end)",
     "on-10%": "span per event, 1 producer trace in 10 sampled",
     "links": "events as links of the batch span",
+    "plain": "span per event, run's provider, every span through the API (the fast path off)",
 }
 
 
@@ -154,6 +158,7 @@ def only(mode: str, sampled_every: int, events: int, batch: int) -> None:
         provider = tracing.build_provider([exporter])
     tracing.set_provider(None if mode == "off" else provider)
     tracing.events_as_links(mode == "links")
+    tracing.fast_path(mode != "plain")
     with tempfile.TemporaryDirectory(prefix="bench-tracing-") as tmp:
         one_run(data[:2], Path(tmp))
         one_run(data[2:2 + events // batch], Path(tmp))
@@ -173,7 +178,7 @@ def main() -> None:
     parser.add_argument("--only", choices=["off", *MODES],
                         help="one pass of this mode over --events, nothing printed: for a count of instructions")
     args = parser.parse_args()
-    every = {"off": 1, "on": 1, "on-own": 1, "on-10%": 10, "links": 1}
+    every = {"off": 1, "on": 1, "on-own": 1, "on-10%": 10, "links": 1, "plain": 1}
     if args.only:
         only(args.only, every[args.only], args.events, args.batch)
         return
@@ -187,17 +192,20 @@ def main() -> None:
         for mode in every:  # warm-up: imports, schema compilation, each path once
             tracing.set_provider({"off": None, "on-own": own}.get(mode, ours))
             tracing.events_as_links(mode == "links")
+            tracing.fast_path(mode != "plain")
             one_run(data[mode][:4], Path(tmp))
         for round_ in range(args.repeat):
             for mode in every:
                 tracing.set_provider({"off": None, "on-own": own}.get(mode, ours))
                 tracing.events_as_links(mode == "links")
+                tracing.fast_path(mode != "plain")
                 figures[mode].append(one_run(data[mode], Path(tmp)))
                 rate, cpu, process_cpu = figures[mode][-1]
                 print(f"round {round_ + 1} {mode:>6}: {rate:,.0f} events/s, CPU/event {cpu:.1f} us (thread), "
                       f"{process_cpu:.1f} us (process)", flush=True)
     tracing.set_provider(None)
     tracing.events_as_links(False)
+    tracing.fast_path(True)
     ours.shutdown()
     own.shutdown()
     off = figures["off"]

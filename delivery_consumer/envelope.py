@@ -9,8 +9,9 @@ never the other way). Every refusal is a
 payload (only field names and rules), so it is safe to log and to put in AMQP
 headers.
 
-Schema validator: ``fastjsonschema`` (the schema compiled to Python code once
-per process). ``bench/bench_validate.py`` compares it with ``jsonschema``
+Schema validator: ``fastjsonschema``, each declared type's envelope schema
+compiled to Python code (``event_types.py``), behind a quick check generated
+for the type. ``bench/bench_validate.py`` compares it with ``jsonschema``
 on the same envelopes; see docs/performance.md for the figures.
 """
 
@@ -18,11 +19,9 @@ from __future__ import annotations
 
 import hashlib
 import zlib
-from collections.abc import Callable, Mapping
-from functools import lru_cache
+from collections.abc import Mapping
 from typing import Any, Final, NoReturn
 
-import fastjsonschema
 import orjson
 
 from .errors import (
@@ -68,19 +67,6 @@ def canonical_bytes(obj: Any) -> bytes:
 def fingerprint(obj: Any) -> str:
     """Lowercase hex SHA-256 of the canonical JSON of *obj*."""
     return hashlib.sha256(canonical_bytes(obj)).hexdigest()
-
-
-@lru_cache(maxsize=1)
-def known_types() -> frozenset[str]:
-    """Event types the contract knows (the schema's ``type`` enum)."""
-    return frozenset(load_schema()["properties"]["type"]["enum"])
-
-
-@lru_cache(maxsize=1)
-def validator() -> Callable[[Any], Any]:
-    """The envelope schema compiled by fastjsonschema (once per process);
-    raises ``fastjsonschema.JsonSchemaValueException`` on a violation."""
-    return fastjsonschema.compile(load_schema(), formats={"date-time": is_rfc3339})
 
 
 def decode_body(
@@ -287,11 +273,9 @@ __all__ = [
     "from_mapping",
     "is_event_id",
     "is_rfc3339",
-    "known_types",
     "load_schema",
     "parse",
     "refuse_duplicate_keys",
     "safe_reason",
     "schema_dir",
-    "validator",
 ]

@@ -6,14 +6,26 @@ crash at each step of the delivery protocol does to *their* consumer::
     DELIVERY_CRASH_AT=after-commit delivery-consumer run --consumer catalog
     DELIVERY_CRASH_AT=after-commit:3   # on the third time the point is reached
 
-Points in ``run`` (see service/worker.py): ``before-commit``, ``after-commit``
-(committed, not acked), ``after-retry-confirm`` and ``after-dead-confirm``
-(the copy is confirmed by the broker, the original not acked yet), and
-``connection-awaiting-confirm`` (the connection process alone, a copy
-published and its confirm awaited: what a ``kill -9`` of the main PID does).
-Points of the fence protocol (inbox/fence.py, the webhook consumer):
-``webhook-after-claim`` (the keys are claimed, nothing called) and
-``webhook-after-call`` (the endpoint answered, nothing recorded yet).
+The points, by the process that reaches them:
+
+* ``run`` (service/worker.py): ``before-commit``, ``after-commit``
+  (committed, not acked), ``after-retry-confirm`` and ``after-dead-confirm``
+  (the copy is confirmed by the broker, the original not acked yet), and
+  ``connection-awaiting-confirm`` (service/link.py: the connection
+  process alone, a copy published and its confirm awaited: what a
+  ``kill -9`` of the main PID does);
+* the fence (inbox/fence.py, the webhook consumer): ``webhook-after-claim``
+  (the keys are claimed, nothing called) and ``webhook-after-call`` (the
+  endpoint answered, nothing recorded yet);
+* ``dispatch`` (outbox/dispatcher.py): ``dispatch-before-publish`` (rows
+  claimed, nothing sent), ``dispatch-after-confirm`` (the broker confirmed
+  a batch, its rows not marked) and ``dispatch-mid-batch`` (half of a
+  confirmed batch marked, in the marking transaction);
+* ``dead requeue`` and ``dead purge`` (deadletters.py):
+  ``requeue-after-confirm`` (the copy confirmed, the dead message not
+  acked), ``requeue-after-ack`` and ``purge-after-ack`` (acked, its
+  rejection row not marked resolved yet).
+
 With the variable unset, :func:`crashpoint` is a dictionary lookup.
 ``DELIVERY_PAUSE_AT`` names points where the process stops itself instead
 (:func:`pausepoint`): ``repartition-before-switch`` (the databases are moved,

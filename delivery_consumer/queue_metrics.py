@@ -27,6 +27,7 @@ from typing import Any
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from .errors import BrokerError
 from .topology import Topology
 
 #: A scrape must not hang on a broker that does not answer.
@@ -46,8 +47,7 @@ class QueueCollector(Collector):
         self._answer: dict[str, Any] | None = None
 
     def _ask(self, queues: list[str]) -> None:
-        from .amqp.admin import queue_counts
-        from .errors import BrokerError
+        from .amqp.admin import queue_counts  # pika, only when the broker is asked
 
         try:
             answer: dict[str, Any] | None = queue_counts(

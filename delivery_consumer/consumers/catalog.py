@@ -6,8 +6,8 @@ Ordering is by ``revision``, never by arrival or ``occurredAt``:
   (``material.withdrawn`` writes ``published = 0`` and keeps the title and
   url of its own revision);
 * a lower revision -> nothing changes, ``stale``;
-* the same revision -> compare the fingerprint of the domain state
-  (articleId, title, url, published): equal -> ``same-state``, different ->
+* the same revision -> compare the stored domain state (title, url,
+  published) with the event's: equal -> ``same-state``, different ->
   rejection ``revision-conflict`` (two facts claim the same version).
 
 The ordering is ``state.RevisionTable``'s, which any consumer can use on its
@@ -21,7 +21,7 @@ any duplication of a set of events converges to the same table
 from __future__ import annotations
 
 from ..contract import ConsumerSpec, View
-from ..envelope import Envelope, fingerprint
+from ..envelope import Envelope
 from ..state import RevisionTable
 
 PUBLISHED = "material.published"
@@ -43,13 +43,6 @@ MIGRATIONS = (
 
 #: The projection's revision-aware state (``state.py``: the one implementation).
 TABLE = RevisionTable("catalog", key="article_id", state=("title", "url", "published"))
-
-
-def state_fingerprint(article_id: str, title: str, url: str, published: bool) -> str:
-    """Fingerprint of the domain state of one material at one revision."""
-    return fingerprint(
-        {"articleId": article_id, "title": title, "url": url, "published": bool(published)}
-    )
 
 
 def _state(env: Envelope) -> tuple[str, str, int]:

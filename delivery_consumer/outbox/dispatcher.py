@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, Protocol
 
 from .. import tracing
-from ..errors import DeliveryError, TransientError, safe_reason
+from ..deliveries import OutMessage
+from ..errors import BrokerUnavailable, DeliveryError, TransientError, safe_reason
 from ..faults import crashpoint
 from ..partitions import slot_headers
 from ..plural import count
@@ -34,7 +35,7 @@ from .db import OutboxDb, WakeListener, as_db
 from .table import MAX_ERROR_CHARS, routing_key_problem
 
 if TYPE_CHECKING:
-    from ..deliveries import OutMessage, PublishResult
+    from ..deliveries import PublishResult
 
 log = logging.getLogger("delivery_consumer.dispatch")
 
@@ -435,9 +436,6 @@ class Dispatcher:
         broker is unreachable and the backoff was waited). Raises BrokerFatal
         (every lease in flight released).
         """
-        from ..deliveries import OutMessage
-        from ..errors import BrokerUnavailable
-
         while self._unmarked:  # published before the database went away: their marks come first
             rows, results = self._unmarked[0]
             self._settle(rows, results, retry=False)
@@ -466,7 +464,7 @@ class Dispatcher:
             rows = self.claim()  # a busy database raises here; what is in flight stays in flight
             if not rows:
                 break
-            self._send(rows, OutMessage)
+            self._send(rows)
         if not self._inflight:
             return 0
         rows, ticket = self._inflight[0]
@@ -481,7 +479,7 @@ class Dispatcher:
                 break
             more = self.claim()
             if more:
-                self._send(more, OutMessage)
+                self._send(more)
         try:
             with _logged_if_slow(f"the confirms of a batch of {len(rows)}"):
                 results = self.publisher.collect(ticket)
@@ -505,16 +503,16 @@ class Dispatcher:
         self._outage(lost)
         return len(rows)
 
-    def _send(self, rows: list[Claimed], message: type[OutMessage]) -> None:
-        """Send *rows* behind the batches in flight (*message*: OutMessage, imported lazily)."""
+    def _send(self, rows: list[Claimed]) -> None:
+        """Send *rows* behind the batches in flight."""
         if not self.stats.batches and not self._inflight:
             self.stats.first_claim = time.perf_counter()
         crashpoint("dispatch-before-publish")
         exchange = self.config.exchange
         try:
-            ticket = self.publisher.send([message(routing_key=r.routing_key, body=r.body, exchange=exchange,
-                                                  message_id=r.event_id, headers=self._headers(r))
-                                          for r in rows])
+            ticket = self.publisher.send([OutMessage(routing_key=r.routing_key, body=r.body, exchange=exchange,
+                                                     message_id=r.event_id, headers=self._headers(r))
+                                             for r in rows])
         except BaseException:
             self._abandon(rows)
             raise

@@ -34,16 +34,19 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(params=["own", "run-immediate", "run-batched"])
+@pytest.fixture(params=["own", "run-immediate", "run-batched", "own-plain", "run-batched-plain"])
 def spans(request: pytest.FixtureRequest) -> Iterator[InMemorySpanExporter]:
-    """An SDK tracer provider (in-memory exporter) that tracing.py uses, for this test only:
+    """An SDK tracer provider (in-memory exporter) that the tracing hooks use, for this test only:
     a process's own (spans built when a batch ends), or run's (tracing.build_provider: built
-    by the exporter, at once or in the batch processor's thread; read after tracing.flush)."""
+    by the exporter, at once or in the batch processor's thread; read after tracing.flush);
+    with the SDK's fast path, or ``-plain``: every span started and ended through the API."""
     exporter = InMemorySpanExporter()
-    if request.param == "own":
+    assert tracing.fast_path(not request.param.endswith("-plain")) or request.param.endswith("-plain")
+    kind = request.param.removesuffix("-plain")
+    if kind == "own":
         provider = sdk_trace.TracerProvider()
         provider.add_span_processor(SimpleSpanProcessor(exporter))
-    elif request.param == "run-immediate":
+    elif kind == "run-immediate":
         provider = tracing.build_provider(immediate=[exporter])
     else:
         provider = tracing.build_provider(batched=[exporter])
@@ -51,6 +54,7 @@ def spans(request: pytest.FixtureRequest) -> Iterator[InMemorySpanExporter]:
     yield exporter
     tracing.set_provider(None)
     provider.shutdown()
+    tracing.fast_path(True)
 
 
 def producer_tracer() -> Any:
