@@ -42,6 +42,13 @@ def pending_layout(path: Path) -> str | None:
     return _meta_value(path, PENDING_KEY)
 
 
+def pending_words(layout: str) -> tuple[str, str]:
+    """A pending layout (:func:`pending_layout`) in words, and the ``repartition`` option that finishes it."""
+    if layout == "unpartitioned":
+        return "one unpartitioned consumer", "--unpartitioned"
+    return f"{layout} partition" + ("" if layout == "1" else "s"), f"--partitions {layout}"
+
+
 def finish(paths: list[Path]) -> None:
     """Record in every database of the new layout that its repartition has finished."""
     for path in paths:

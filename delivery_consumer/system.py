@@ -445,12 +445,12 @@ def _layout_problems(dep: Deployment, name: str, found: list[tuple[str | None, P
     """Messages a repartition strands or misplaces: in a queue of the former layout, nothing consumes
     them; while one has not finished, the queues it shares with the former layout hold messages routed
     by the former count (the runs refuse to start until it has moved them)."""
-    from .partition_store import pending_layout
+    from .partition_store import pending_layout, pending_words
 
     partitioned = any(partition for partition, _, _ in found)
-    now = f"{len(found)} partitions" if partitioned else "unpartitioned consumer"
-    again = f"delivery-consumer repartition --consumer {name} " + (
-        f"--partitions {len(found)}" if partitioned else "--unpartitioned")
+    now, option = pending_words(str(len(found)) if partitioned else "unpartitioned")
+    now = f"its {now}" if partitioned else "the unpartitioned consumer"
+    again = f"delivery-consumer repartition --consumer {name} {option}"
     try:
         pending = next((p for _, path, _ in found if path.exists() and (p := pending_layout(path))), None)
     except DeliveryError:
@@ -459,14 +459,15 @@ def _layout_problems(dep: Deployment, name: str, found: list[tuple[str | None, P
         queues = [*former, *(q for _, _, topo in found for q in (topo.queue, *(
             topo.retry_queue(i) for i in range(len(topo.retry_delays_ms)))))]
         held = sum(state.ready for q in dict.fromkeys(queues) if (state := counts.get(q)) is not None)
-        problems.append(f"{name}: its repartition to {pending} has not finished: {_count(held, 'message')} routed by "
-                        f"the former layout not moved to their partitions yet, and its runs refuse to start; {again}")
+        problems.append(f"{name}: its repartition to {pending_words(pending)[0]} has not finished: its runs refuse to "
+                        f"start, and what its queues hold ({_count(held, 'message')}) was routed by the former "
+                        f"layout and is not in its partitions' handover queues yet; {again}")
         return
     for queue, what in former.items():
         left = counts.get(queue)
         if left is not None and left.ready:
             problems.append(
-                f"{name}: {_count(left.ready, 'message')} in {queue}, a queue of {what}, not of its {now}: nothing "
+                f"{name}: {_count(left.ready, 'message')} in {queue}, a queue of {what}, not of {now}: nothing "
                 f"consumes it; {again} moves them to their partitions")
 
 

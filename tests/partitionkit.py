@@ -62,33 +62,46 @@ def model(events: list[dict[str, Any]]) -> dict[str, tuple[int, str, int]]:
 
 
 class LivePublisher(threading.Thread):
-    """A producer that goes on publishing while the test acts: events of *articles* articles, in
-    revision order per article, through the namespace's exchange with their slot headers, in
-    confirmed batches, until :meth:`finish`. :attr:`confirmed` is every event the broker confirmed, in
-    publishing order (each was the newest of its article when published); :attr:`rate` (events/s,
-    None: as fast as confirms come) may be changed meanwhile."""
+    """A producer that goes on publishing while the test acts: events of *keys* articles (*kind*
+    ``material``) or orders (``order``, the orders consumer's own types, keyed by ``orderId``), in
+    revision order per key, through the namespace's exchange with their slot headers, in confirmed
+    batches, until :meth:`finish`. :attr:`confirmed` is every event the broker confirmed, in
+    publishing order (each was the newest of its key when published); :attr:`rate` (events/s, None:
+    as fast as confirms come) may be changed meanwhile."""
 
-    def __init__(self, ns: Namespace, *, articles: int, batch: int = 250, rate: float | None = None,
-                 seed: int = 23) -> None:
+    def __init__(self, ns: Namespace, *, keys: int, kind: str = "material", batch: int = 250,
+                 rate: float | None = None, seed: int = 23) -> None:
         super().__init__(name="live-publisher", daemon=True)
         self.ns = ns
-        self.articles = articles
+        self.keys = keys
+        self.kind = kind
         self.batch = batch
         self.rate = rate
         self.confirmed: list[dict[str, Any]] = []
         self.error: str | None = None
         self._rnd = random.Random(seed)
-        self._revision = [0] * articles
+        self._revision = [0] * keys
         self._made = 0
         self._halt = threading.Event()
 
+    @property
+    def field(self) -> str:
+        """The key field of the events."""
+        return "orderId" if self.kind == "order" else "articleId"
+
     def _next(self) -> dict[str, Any]:
-        a = self._made % self.articles
+        a = self._made % self.keys
         self._made += 1
         self._revision[a] += 1
         revision = self._revision[a]
+        event_id = str(uuid.UUID(int=self._rnd.getrandbits(128), version=4))
+        if self.kind == "order":
+            return {"eventId": event_id, "type": "order.placed" if revision == 1 else "order.changed",
+                    "orderId": f"order-{a}", "revision": revision, "occurredAt": "2026-12-01T10:00:00Z",
+                    "data": {"status": self._rnd.choice(["placed", "paid", "shipped"]),
+                             "totalCents": self._rnd.randrange(10_000)}}
         return {
-            "eventId": str(uuid.UUID(int=self._rnd.getrandbits(128), version=4)),
+            "eventId": event_id,
             "type": "material.withdrawn" if self._rnd.random() < 0.1 else "material.published",
             "articleId": f"article-{a}",
             "revision": revision,
@@ -103,7 +116,7 @@ class LivePublisher(threading.Thread):
                 events = [self._next() for _ in range(self.batch)]
                 results = pub.publish([
                     OutMessage(routing_key=e["type"], body=orjson.dumps(e), exchange=self.ns.exchange,
-                               message_id=e["eventId"], headers=slot_headers(e["articleId"])) for e in events])
+                               message_id=e["eventId"], headers=slot_headers(e[self.field])) for e in events])
                 bad = [r for r in results if not r.ok]
                 if bad:
                     self.error = f"publish failed: {bad[:3]}"
@@ -204,6 +217,8 @@ class Cluster:
                 topo = self.ns.topology(self.consumer, partition=k)
                 for queue, _ in topo.queues():
                     ch.queue_delete(queue)
+                ch.queue_delete(topo.handover_queue)
+            ch.queue_delete(f"{base}.handover")
             ch.queue_delete(f"{base}.unrouted")
             ch.queue_delete(f"{base}.partitions")
             ch.exchange_delete(f"{base}.slots")

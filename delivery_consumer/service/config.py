@@ -11,7 +11,7 @@ from .. import consumers
 from ..envelope import MAX_BODY_BYTES
 from ..errors import ConfigError
 from ..inbox import ConsumerDB
-from ..partition_store import PENDING_KEY
+from ..partition_store import PENDING_KEY, pending_words
 from ..partitions import Identity
 from ..placement import database
 from ..topology import DEFAULT_DELIVERY_LIMIT, DEFAULT_EXCHANGE, DEFAULT_PREFIX, DEFAULT_RETRY_DELAYS_MS, Topology
@@ -73,10 +73,10 @@ class RunConfig:
         pending = db.meta().get(PENDING_KEY)
         if pending is not None:
             db.close()
-            target = "--unpartitioned" if pending == "unpartitioned" else f"--partitions {pending}"
-            raise ConfigError(f"{path}: the repartition of {self.consumer} to {pending} has not finished (its queues "
+            words, option = pending_words(pending)
+            raise ConfigError(f"{path}: the repartition of {self.consumer} to {words} has not finished (its queues "
                               f"are not switched yet): run delivery-consumer repartition --consumer {self.consumer} "
-                              f"{target} again, then start the runs")
+                              f"{option} again, then start the runs")
         log = logging.getLogger("delivery_consumer.run")
         if db.created:  # a first start, or a --db with a typo: the operator sees where state now lives
             log.warning("%s: no database was there; created a new, empty one for %s", db.path.resolve(), self.consumer)

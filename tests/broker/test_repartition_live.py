@@ -1,18 +1,25 @@
-"""repartition with 20,000 events waiting and a producer that never stops, growing then shrinking, with a
-ledger: every published event applied exactly once, in revision order per article, nothing dead-lettered."""
+"""repartition with events waiting (20,000) and a producer that never stops -- growing, shrinking, to and from one
+unpartitioned consumer -- with a ledger: every published event applied exactly once, in revision order per key,
+nothing dead-lettered."""
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 
+import orders_consumer  # noqa: F401  (registers the orders consumer in this process: its topology)
 import pytest
-from brokerkit import Namespace
+from brokerkit import Namespace, RunProcess
 from partitionkit import Cluster, LivePublisher, wait_until
 from support import count_rows, read_rows
 
 from delivery_consumer.amqp.admin import queue_counts
+from delivery_consumer.partitions import partition_of
+from delivery_consumer.topology import Topology
 
 #: Events waiting in the partition queues when repartition starts.
 WAITING = 20_000
@@ -27,7 +34,7 @@ def live(ns: Namespace) -> Iterator[tuple[Cluster, LivePublisher]]:
     the broker objects of every count the test goes through deleted."""
     cluster = Cluster(ns, "catalog", 2)
     cluster.declare()
-    publisher = LivePublisher(ns, articles=ARTICLES)
+    publisher = LivePublisher(ns, keys=ARTICLES)
     yield cluster, publisher
     publisher.finish()
     cluster.stop()
@@ -104,3 +111,121 @@ def test_repartition_with_20000_waiting_under_a_live_producer_keeps_every_articl
     assert {q: s.ready for q, s in states.items() if s is not None} == dict.fromkeys(states, 0)
     assert _left(ns, range(cluster.count, 4), handovers=range(4)) == []
     assert ns.count(f"{ns.prefix}.catalog.unrouted") == 0
+
+
+# -- shrinking, and to and from one unpartitioned consumer, with the orders consumer's own types ----------
+
+#: More than a quorum queue hands a reader without a prefetch limit (2,000): what stranded messages before.
+SHRINK_WAITING = 3_000
+ORDERS = 150
+
+
+def _layout(ns: Namespace, count: int | None) -> list[Topology]:
+    return [ns.topology("orders")] if count is None else [ns.topology("orders", partition=k) for k in range(count)]
+
+
+def _dbs(ns: Namespace, count: int | None) -> list[Path]:
+    root = ns.workdir / "state" / "orders"
+    return [root / "inbox.db"] if count is None else [root / f"p{k}" / "inbox.db" for k in range(count)]
+
+
+def _start(ns: Namespace, count: int | None) -> list[RunProcess]:
+    """A run per partition (one for the unpartitioned consumer), each consuming."""
+    procs = []
+    for k in range(count or 1):
+        where = [] if count is None else ["--partition", str(k), "--partitions", str(count)]
+        proc = RunProcess([sys.executable, "-m", "delivery_consumer", "run", "--consumer", "orders", *where],
+                          cwd=ns.workdir, env=ns.env())
+        ns.started.append(proc)
+        procs.append(proc)
+    for proc in procs:
+        proc.wait_for_log("consuming ", timeout=120)
+    return procs
+
+
+def _stop(procs: list[RunProcess]) -> None:
+    for proc in procs:
+        proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        _out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-3000:]
+
+
+def _receipts(ns: Namespace, count: int | None) -> int:
+    return sum(count_rows(path, "inbox") for path in _dbs(ns, count))
+
+
+@pytest.fixture
+def orders(ns: Namespace, monkeypatch: pytest.MonkeyPatch) -> Iterator[LivePublisher]:
+    """Every CLI process loads the orders consumer; a producer of order events, not started yet;
+    afterwards it is stopped and every queue of the layouts a test goes through is deleted."""
+    monkeypatch.setenv("DELIVERY_PLUGINS", "orders_consumer")
+    publisher = LivePublisher(ns, keys=ORDERS, kind="order")
+    yield publisher
+    publisher.finish()
+    Cluster(ns, "orders", 4).delete()
+
+
+@pytest.mark.broker
+@pytest.mark.parametrize("counts", [(4, 2, 1), (None, 3, None)], ids=["4-2-1", "unpartitioned-3-unpartitioned"])
+def test_shrinking_and_to_and_from_unpartitioned_strand_nothing_under_a_live_producer(
+        ns: Namespace, orders: LivePublisher, counts: tuple[int | None, ...]) -> None:
+    """The orders consumer (its own types, keyed by orderId) shrunk step by step, or split and merged back
+    into one unpartitioned consumer, each time with the runs stopped, more than 2,000 events waiting in
+    each layout and the producer going on: repartition finishes every time (exit 0) and leaves no queue of
+    the former layout; in the end every confirmed event has exactly one receipt, `updated`, in revision
+    order per order, the orders table holds each order's last revision, and nothing was rejected."""
+    publisher = orders
+    first, *steps = counts
+    declared = ns.cli("topology", "declare", "--consumer", "orders",
+                      *([] if first is None else ["--partitions", str(first)]))
+    assert declared.returncode == 0, declared.stderr
+    procs = _start(ns, first)
+    publisher.rate = STEADY
+    publisher.start()
+    wait_until("the runs applying the producer's events", lambda: _receipts(ns, first) >= 500, 120, procs)
+    current = first
+    for target in steps:
+        _stop(procs)
+        publisher.rate = None
+        queues = [t.queue for t in _layout(ns, current)]
+        wait_until(f"{SHRINK_WAITING} events waiting", lambda q=queues: sum(  # type: ignore[misc]
+            s.ready for s in queue_counts(ns.url, q).values() if s is not None) >= SHRINK_WAITING, 300)
+        publisher.rate = STEADY
+        done = ns.cli("repartition", "--consumer", "orders",
+                      *(["--unpartitioned"] if target is None else ["--partitions", str(target)]), timeout=600)
+        assert done.returncode == 0, done.stderr
+        kept = {q for t in _layout(ns, target) for q in (*(n for n, _ in t.queues()), t.handover_queue)}
+        former = [q for t in _layout(ns, current) for q in (*(n for n, _ in t.queues()), t.handover_queue)]
+        former += [f"{ns.prefix}.orders.unrouted"] if target is None else []
+        assert [q for q, s in queue_counts(ns.url, former).items() if s is not None and q not in kept] == []
+        current = target
+        procs = _start(ns, current)
+        wanted = len(publisher.confirmed) + 2 * STEADY
+        wait_until("the producer publishing to the new runs", lambda n=wanted: len(publisher.confirmed) >= n,  # type: ignore[misc]
+                   120, procs)
+    events = publisher.finish()
+    wait_until("every confirmed event applied", lambda: _receipts(ns, current) >= len(events), 600, procs)
+    _stop(procs)
+
+    revision = {e["eventId"]: e["revision"] for e in events}
+    last = {e["orderId"]: e for e in events}
+    results: Counter[str] = Counter()
+    table: dict[str, tuple[int, str, int]] = {}
+    for k, path in enumerate(_dbs(ns, current)):
+        seen: dict[str, int] = {}
+        for _rowid, event_id, key, result in read_rows(path, "inbox", "rowid, event_id, partition_key, result"):
+            assert current is None or partition_of(key, current) == k, f"{key} in p{k}"
+            assert revision[event_id] > seen.get(key, 0), f"{key}: revision {revision[event_id]} after {seen[key]}"
+            seen[key] = revision[event_id]
+            results[result] += 1
+        table.update({order: (rev, status, cents) for order, rev, status, cents in read_rows(
+            path, "orders", "order_id, revision, status, total_cents")})
+        assert count_rows(path, "rejected") == 0
+    assert results == {"updated": len(events)}, results
+    assert sum(results.values()) == len(revision)  # one receipt per event: eventIds are unique in the inbox
+    assert table == {o: (e["revision"], e["data"]["status"], e["data"]["totalCents"]) for o, e in last.items()}
+    final = _layout(ns, current)
+    states = queue_counts(ns.url, [q for t in final for q in (t.queue, t.dead_queue, t.handover_queue)])
+    assert {q: s.ready for q, s in states.items() if s is not None} == {q: 0 for t in final
+                                                                        for q in (t.queue, t.dead_queue)}

@@ -236,8 +236,8 @@ def test_status_reports_a_message_in_a_queue_of_the_former_count_and_repartition
     home = ns.topology("catalog", partition=partition_of(str(stray["articleId"]), 2))
     assert ns.count(home.handover_queue) == 1
     after = orjson.loads(dc(config, "status", "--json").stdout)["problems"]
-    assert after == [f"catalog/p{home.partition}: 1 message waits in {home.handover_queue} (moved there by repartition, "
-                     "applied first) and no consumer is connected"], after
+    assert after == [f"catalog/p{home.partition}: 1 message waits in {home.handover_queue} (moved there by "
+                     "repartition, applied first) and no consumer is connected"], after
 
 
 @pytest.mark.broker
@@ -316,3 +316,41 @@ def test_an_old_queue_it_cannot_delete_is_named_and_a_second_run_finishes(cluste
     from delivery_consumer.amqp.admin import queue_counts
 
     assert queue_counts(ns.url, [old_dead]) == {old_dead: None}
+
+
+@pytest.mark.broker
+def test_an_interrupted_repartition_is_refused_by_run_named_by_status_and_finished_by_a_second(
+        cluster: Cluster) -> None:
+    """repartition killed after it moved the databases, before it switched the queues (events published
+    meanwhile wait in the old ones): run refuses the new databases in one line naming the command that
+    finishes, status says the repartition has not finished, and a second repartition finishes it -- every
+    event applied once in its new partition, `updated`."""
+    from deploykit import dc, write_deployment
+
+    ns = cluster.ns
+    events = make_events(4 * ARTICLES, ARTICLES, seed=41)
+    before, meanwhile = events[: 2 * ARTICLES], events[2 * ARTICLES:]
+    consume(cluster, before, len(before))
+    paused = _repartition_paused(ns, 3)
+    cluster.publish(meanwhile)
+    paused.kill()
+    paused.communicate(timeout=60)
+
+    refused = ns.cli("run", "--consumer", "catalog", "--partition", "0", "--partitions", "3")
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert ("the repartition of catalog to 3 partitions has not finished (its queues are not switched yet)"
+            in refused.stderr
+            and "delivery-consumer repartition --consumer catalog --partitions 3 again" in refused.stderr)
+    config = write_deployment(ns.workdir, ns=ns, consumers=("catalog",), partitions={"catalog": 3})
+    shown = dc(config, "status", "--json")
+    assert shown.returncode == 1
+    problems = orjson.loads(shown.stdout)["problems"]
+    assert any(p.startswith("catalog: its repartition to 3 partitions has not finished") for p in problems), problems
+
+    again = ns.cli("repartition", "--consumer", "catalog", "--partitions", "3")
+    assert again.returncode == 0, again.stderr
+    assert f"{len(meanwhile)} messages of the former layout moved" in again.stderr, again.stderr
+    cluster.count = 3
+    _apply_everything(cluster, events)
+    assert cluster.check_exactly_once(events) == {"updated": len(events)}
+    assert orjson.loads(dc(config, "status", "--json").stdout)["problems"] == []
