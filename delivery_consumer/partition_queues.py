@@ -195,8 +195,13 @@ class _Placer:
 
 
 class _Mover:
-    """Moves sources a window at a time: copies published (confirmed), then the originals acked; the
-    messages a source defers stay held by its reader until :meth:`finish`."""
+    """Moves sources a window at a time: copies published (confirmed), then the originals acked.
+
+    Acks are cumulative (``multiple``), one per window: a quorum queue turns each ack into a command
+    of its own, and on RabbitMQ 3.10 a burst of them beyond its client's soft limit is held back in
+    the channel and lost when the channel closes -- the messages then come back (seen: 100+ single
+    acks in a row, then a close). A source that defers messages acks up to its first deferred one,
+    and the rest, held by its reader, with one ack in :meth:`finish`."""
 
     def __init__(self, url: str, placer: _Placer, publisher: Publisher, moved: Moved, window: int,
                  readers: ExitStack) -> None:
@@ -204,27 +209,18 @@ class _Mover:
         self.readers = readers
         self.deferred: list[tuple[WindowReader, str, list[tuple[HeldMessage, str | None, str]]]] = []
 
-    def _send(self, reader: WindowReader, queue: str, placed: list[tuple[HeldMessage, str | None, str]], *,
-              each: bool) -> bool:
-        """Publish copies of *placed* and ack the originals (each one, or the window at once); False when
-        a copy failed (it and what follows stay in the queue)."""
+    def _send(self, queue: str, placed: list[tuple[HeldMessage, str | None, str]]) -> bool:
+        """Publish copies of *placed* (confirmed); False when one failed (named in :attr:`Moved.left`)."""
         results = self.publisher.publish([_copy(msg, "", target, {}) for msg, _e, target in placed])
-        done = 0
-        for (msg, event_id, target), result in zip(placed, results, strict=True):
+        for (_msg, event_id, target), result in zip(placed, results, strict=True):
             if not result.ok:
                 self.moved.left.append((event_id, f"in {queue}: copy to {target} {result.status}: {result.reason}"))
-                break
-            if each:
-                reader.ack(msg.tag)
-            done = msg.tag
+                return False
             if target == queue:
                 self.moved.kept += 1
             else:
                 self.moved.into[target] += 1
-        if done and not each:
-            reader.ack_taken(done)
-        reader.flush()
-        return not placed or done == placed[-1][0].tag
+        return True
 
     def move(self, source: _Source) -> None:
         reader = WindowReader(self.url, source.queue, name=f"delivery-consumer repartition {source.old.consumer}")
@@ -238,7 +234,7 @@ class _Mover:
             self.readers.callback(reader.close)
             self.deferred.append((reader, source.queue, later))
         else:
-            reader.close()  # what was not moved returns to the head of the queue, in order
+            reader.close()  # what was not acked returns to the head of the queue, in order
 
     def _move(self, reader: WindowReader, source: _Source) -> list[tuple[HeldMessage, str | None, str]]:
         remaining = source.cutoff
@@ -249,11 +245,16 @@ class _Mover:
             if not held:
                 break
             now: list[tuple[HeldMessage, str | None, str]] = []
+            acked = 0 if later else held[-1].tag  # once one is deferred, nothing is acked before finish()
             for msg in held:
                 event_id, target, wait = self.placer.place(msg, source)
+                if wait and not later:
+                    acked = now[-1][0].tag if now else 0
                 (later if wait else now).append((msg, event_id, target))
-            if not self._send(reader, source.queue, now, each=source.defers):
-                return []
+            if not self._send(source.queue, now):
+                return []  # nothing of this window acked: it returns to the queue, in order
+            if acked:
+                reader.ack_taken(acked)
             for waiting, _queue, _later in self.deferred:  # their heartbeats: they hold messages meanwhile
                 waiting.flush()
             if remaining is not None:
@@ -263,11 +264,11 @@ class _Mover:
         return later
 
     def finish(self) -> None:
-        """Move what the sources deferred, each source's in its order, after everything else."""
+        """Move what the sources deferred, each source's in its order, after everything else; then ack
+        everything those sources' readers took."""
         for reader, queue, later in self.deferred:
-            for start in range(0, len(later), self.window):
-                if not self._send(reader, queue, later[start:start + self.window], each=True):
-                    break
+            if all(self._send(queue, later[start:start + self.window]) for start in range(0, len(later), self.window)):
+                reader.ack_taken()
 
 
 def _sources(base: Topology, old: int | None, new: int | None, *, relayout: bool, rerun: bool,
@@ -303,8 +304,7 @@ def switch_layout(url: str, base: Topology, old: int | None, new: int | None) ->
     queues (and their handover queues) first, then the new bindings, then the old ones removed, so
     that every event reaches at least one of the two layouts meanwhile (one reaching both is applied
     once: the second copy is a duplicate)."""
-    from .amqp.admin import declare, delete_unused_queues
-    from .amqp.mover import exchange_exists
+    from .amqp.admin import declare, delete_unused_queues, exchange_exists
 
     if old != new and old is not None:
         delete_unused_queues(url, [base.count_marker])  # it records the old count; empty, never consumed
@@ -335,8 +335,10 @@ def move_layout(url: str, base: Topology, old: int | None, new: int | None, *, r
     its handover queue before anything published after the switch. A queue in use by a consumer is
     not touched: :attr:`Moved.left` or :attr:`Moved.stuck` names it.
     """
-    from .amqp.admin import queue_counts
-    from .amqp.mover import delete_exchanges, delete_queue
+    from .amqp.admin import delete_exchanges, delete_unused_queues, queue_counts
+
+    def delete_queue(queue: str) -> bool:
+        return not delete_unused_queues(url, [queue])
 
     name = "delivery-consumer repartition"
     new_layout = layout(base, new)
@@ -362,7 +364,7 @@ def move_layout(url: str, base: Topology, old: int | None, new: int | None, *, r
         mover.finish()
         obsolete = [s for s in _sources(base, old, new, relayout=True, rerun=True, states=states) if s.cutoff is None]
         for _ in range(_PASSES):  # what reached them after they were emptied (a retry copy's delay ended)
-            obsolete = [s for s in obsolete if not delete_queue(url, s.queue, name=name)]
+            obsolete = [s for s in obsolete if not delete_queue(s.queue)]
             if not obsolete or moved.left:
                 break
             for source in obsolete:
@@ -372,11 +374,11 @@ def move_layout(url: str, base: Topology, old: int | None, new: int | None, *, r
             continue
         if queue in handovers:
             if not state.ready and not state.consumers:
-                delete_queue(url, queue, name=name)
+                delete_queue(queue)
             continue
         moved.stuck[queue] = state
     if new is None and unrouted not in moved.stuck:
-        delete_exchanges(url, [slots_exchange(base), unrouted])
+        delete_exchanges(url, [slots_exchange(base), unrouted], name=name)
     return moved
 
 
@@ -385,39 +387,48 @@ def reroute(url: str, base: Topology, *, dry_run: bool = False, window: int = MO
 
     Each message's slot comes from its body's key (its type's key field); the copy goes to the
     consumer's slots exchange with the slot headers (mandatory, confirmed), and only then is the
-    original removed. A body without a key, or a copy that is not confirmed, stays in the queue.
-    The queue is read a window at a time by one exclusive reader (:class:`amqp.mover.WindowReader`):
-    any number of messages.
+    original removed. A body without a key stays in the queue (a copy of it goes to the queue's
+    tail: a window is acked as a whole, see :class:`_Mover`); a copy that is not confirmed stops the
+    command, that message and those after it left in place. The queue is read a window at a time by
+    one exclusive reader (:class:`amqp.mover.WindowReader`): any number of messages.
     """
     types = _types_of(base)
     done: list[Rerouted] = []
     name = f"delivery-consumer reroute {base.consumer}"
-    with WindowReader(url, unrouted_name(base), name=name) as queue, Publisher(url, name=name) as publisher:
+    queue_name = unrouted_name(base)
+    with WindowReader(url, queue_name, name=name) as queue, Publisher(url, name=name) as publisher:
         total = queue.open()
-        while len(done) < total:
-            held = queue.take(min(window, total - len(done)))
+        taken = 0
+        while taken < total:
+            held = queue.take(min(window, total - taken))
             if not held:
                 break
-            sending: list[tuple[HeldMessage, str | None, OutMessage]] = []
+            taken += len(held)
+            sending: list[tuple[HeldMessage, Rerouted, OutMessage]] = []
             for msg in held:
                 event_id, key, why = _key_of(msg, types)
-                if key is None:
-                    done.append(Rerouted(event_id, f"left: {why}"))
-                elif dry_run:
-                    done.append(Rerouted(event_id, f"would go to slot {slot_of(key)}"))
+                if dry_run:
+                    slot = f"would go to slot {slot_of(key)}" if key is not None else f"left: {why}"
+                    done.append(Rerouted(event_id, slot))
+                elif key is None:
+                    sending.append((msg, Rerouted(event_id, f"left: {why}"), _copy(msg, "", queue_name, {})))
                 else:
-                    sending.append((msg, event_id, _copy(msg, slots_exchange(base), msg.routing_key,
-                                                         slot_headers(key))))
-            results = publisher.publish([copy for *_, copy in sending])
-            for (msg, event_id, _sent), result in zip(sending, results, strict=True):
-                if result.ok:
-                    queue.ack(msg.tag)
-                    done.append(Rerouted(event_id, "rerouted"))
-                else:
-                    done.append(Rerouted(event_id, f"left: {result.status} {result.reason}"))
-            if len(held) < window:
+                    sending.append((msg, Rerouted(event_id, "rerouted"),
+                                    _copy(msg, slots_exchange(base), msg.routing_key, slot_headers(key))))
+            if dry_run:
+                continue
+            acked, failed = 0, ""
+            for (msg, outcome, _sent), result in zip(sending, publisher.publish([c for *_, c in sending]), strict=True):
+                if failed or not result.ok:
+                    failed = failed or f"{result.status} {result.reason}"
+                    done.append(Rerouted(outcome.event_id, f"left: {failed}"))
+                    continue
+                done.append(outcome)
+                acked = msg.tag
+            if acked:
+                queue.ack_taken(acked)
+            if acked != held[-1].tag:
                 break
-        queue.flush()
     return done
 
 

@@ -12,23 +12,20 @@ nothing gets at most *n*, so a reader told to take the first *n* messages of a
 queue that is still being published to never touches the (n+1)th.
 
 What is not acked when the connection goes (a crash, a copy that was not
-confirmed) returns to the head of the queue in its order (the broker does so
-on a closed channel; a ``basic.nack`` with requeue is not used: a quorum queue
-may requeue a multiple nack out of order).
+confirmed) returns to the head of the queue in its order: the broker does so
+for a closed channel. ``basic.nack`` or ``basic.reject`` with requeue is never
+used: a quorum queue puts such a message at its tail (seen on RabbitMQ 3.10.8),
+behind newer events of its key.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from contextlib import suppress
-from typing import Any
 
 import pika
-import pika.exceptions as pex
 
-from ..errors import BrokerError, BrokerUnavailable
-from .connection import FAILURES, classify, parameters
+from ..errors import BrokerError
+from .connection import FAILURES
 from .dead_queue import DeadQueue, HeldMessage
 
 
@@ -71,23 +68,10 @@ class WindowReader(DeadQueue):
         if limit <= 0:
             return []
         self._held = []
-        started = last_arrival = time.monotonic()
-        next_check = 0.0
-        seen = 0
         try:
             self._channel.basic_qos(prefetch_count=min(limit, 65535))
             tag = self._channel.basic_consume(self.queue, self._on_message, auto_ack=False, exclusive=True)
-            while len(self._held) < limit:
-                self._conn.process_data_events(time_limit=0.02)
-                now = time.monotonic()
-                if len(self._held) != seen:
-                    seen, last_arrival = len(self._held), now
-                if now >= next_check:
-                    next_check = now + 0.05
-                    if now - last_arrival >= self._settle_s and self._ready() == 0:
-                        break
-                if now - started > self._timeout_s:
-                    raise BrokerUnavailable(f"timed out after {self._timeout_s:g}s reading {self.queue}")
+            self._gather(limit, lambda _seen, quiet: quiet >= self._settle_s and self._ready() == 0)
             self._channel.basic_cancel(tag)  # delivers what was in flight before the cancel-ok
         except FAILURES as exc:
             raise self._error(exc) from None
@@ -113,65 +97,4 @@ class WindowReader(DeadQueue):
             raise self._error(exc) from None
 
 
-def delete_queue(url: str, queue: str, *, name: str = "delivery-consumer move") -> bool:
-    """Delete *queue* if it is empty and has no consumer (checked just before: quorum queues refuse the
-    ``if-empty`` and ``if-unused`` flags); True when it is gone (or never was)."""
-    conn: Any = None
-    try:
-        conn = pika.BlockingConnection(parameters(url, name=name))
-        channel = conn.channel()
-        try:
-            frame = channel.queue_declare(queue, passive=True)
-        except pex.ChannelClosedByBroker as exc:
-            if exc.reply_code == 404:
-                return True
-            raise
-        if frame.method.message_count or frame.method.consumer_count:
-            return False
-        channel.queue_delete(queue)
-        return True
-    except FAILURES as exc:
-        raise classify(exc, url=url) from None
-    finally:
-        if conn is not None and conn.is_open:
-            with suppress(*FAILURES):
-                conn.close()
-
-
-def exchange_exists(url: str, exchange: str, *, name: str = "delivery-consumer move") -> bool:
-    """Whether *exchange* exists (a passive declare)."""
-    conn: Any = None
-    try:
-        conn = pika.BlockingConnection(parameters(url, name=name))
-        try:
-            conn.channel().exchange_declare(exchange, passive=True)
-        except pex.ChannelClosedByBroker as exc:
-            if exc.reply_code == 404:
-                return False
-            raise
-        return True
-    except FAILURES as exc:
-        raise classify(exc, url=url) from None
-    finally:
-        if conn is not None and conn.is_open:
-            with suppress(*FAILURES):
-                conn.close()
-
-
-def delete_exchanges(url: str, exchanges: Sequence[str], *, name: str = "delivery-consumer move") -> None:
-    """Delete *exchanges* (those that do not exist are skipped)."""
-    conn: Any = None
-    try:
-        conn = pika.BlockingConnection(parameters(url, name=name))
-        channel = conn.channel()
-        for exchange in exchanges:
-            channel.exchange_delete(exchange)
-    except FAILURES as exc:
-        raise classify(exc, url=url) from None
-    finally:
-        if conn is not None and conn.is_open:
-            with suppress(*FAILURES):
-                conn.close()
-
-
-__all__ = ["WindowReader", "delete_exchanges", "delete_queue", "exchange_exists"]
+__all__ = ["WindowReader"]

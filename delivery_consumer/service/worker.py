@@ -24,7 +24,6 @@ from ..envelope import KOMBU_COMPRESSION_HEADER, Envelope, body_digest, is_event
 from ..errors import (
     DELIVERY_LIMIT,
     FORWARDED,
-    WRONG_PARTITION,
     DatabaseLost,
     DeliveryError,
     Rejection,
@@ -33,7 +32,7 @@ from ..errors import (
 )
 from ..faults import crashpoint
 from ..inbox import ConsumerDB, InFlight, Transaction, apply_batch, has_receipt
-from ..partitions import partition_of
+from ..partitions import delivery_outcome, forwarded_to
 from ..plural import count
 from ..retry import RetryPolicy, reconnect_delay_s
 from ..topology import H_ATTEMPTS, H_DELIVERY_COUNT, H_PRODUCED_MS
@@ -364,11 +363,9 @@ class Worker(threading.Thread):
 
     def _home(self, outcome: Outcome, parsed: Envelope | Rejection) -> int | None:
         """The partition a misplaced event belongs to (rejected ``wrong-partition`` here), else None."""
-        part = self.db.partition if self.db is not None else None
-        if (part is None or outcome.rejection is None or outcome.rejection.code != WRONG_PARTITION
-                or not isinstance(parsed, Envelope)):
-            return None
-        return partition_of(parsed.key, part.count)
+        return forwarded_to(outcome.rejection.code if outcome.rejection is not None else None,
+                            parsed.key if isinstance(parsed, Envelope) else None,
+                            self.db.partition if self.db is not None else None)
 
     def _copy_for(self, d: Delivery, outcome: Outcome, parsed: Envelope | Rejection) -> Copy | None:
         """The copy *outcome* calls for: an event of another partition is forwarded to that partition's
@@ -455,7 +452,7 @@ class Worker(threading.Thread):
                     outcome.event_id,
                     redelivered=d.redelivered,
                     attempt=self.copies.attempts(d) + 1,
-                    outcome=outcome.status if home is None else f"{FORWARDED}:p{home}",
+                    outcome=delivery_outcome(outcome.status, home),
                     # a duplicate was delivered at least once before (its receipt says so)
                     delivered_hint=max(_int_header(d.headers, H_DELIVERY_COUNT) + 1,
                                        2 if outcome.status.startswith("duplicate:") else 1),

@@ -61,7 +61,8 @@ def test_repartition_with_20000_waiting_under_a_live_producer_keeps_every_articl
     layout), the new runs start. In the end every confirmed event has exactly one receipt, in its
     article's partition, answered `updated` (none `stale`: each was the newest of its article when
     published, so none was applied after a newer one), the receipts of each article are in revision
-    order, the catalog holds each article's last revision, and nothing was dead-lettered or rejected."""
+    order, the catalog holds each article's last revision, nothing was dead-lettered or rejected, and no
+    run received an event of another partition."""
     cluster, publisher = live
     ns = cluster.ns
     for k in range(cluster.count):
@@ -106,6 +107,7 @@ def test_repartition_with_20000_waiting_under_a_live_producer_keeps_every_articl
             assert revision[event_id] > seen.get(key, 0), f"{key}: revision {revision[event_id]} after {seen[key]}"
             seen[key] = revision[event_id]
         assert count_rows(cluster.db(k), "rejected") == 0
+        assert count_rows(cluster.db(k), "deliveries", "last_outcome LIKE 'forwarded:%'") == 0  # none misplaced
     final = [ns.topology("catalog", partition=k) for k in range(cluster.count)]
     states = queue_counts(ns.url, [q for t in final for q in (t.queue, t.dead_queue)])
     assert {q: s.ready for q, s in states.items() if s is not None} == dict.fromkeys(states, 0)
@@ -222,6 +224,7 @@ def test_shrinking_and_to_and_from_unpartitioned_strand_nothing_under_a_live_pro
         table.update({order: (rev, status, cents) for order, rev, status, cents in read_rows(
             path, "orders", "order_id, revision, status, total_cents")})
         assert count_rows(path, "rejected") == 0
+        assert count_rows(path, "deliveries", "last_outcome LIKE 'forwarded:%'") == 0  # none reached a run misplaced
     assert results == {"updated": len(events)}, results
     assert sum(results.values()) == len(revision)  # one receipt per event: eventIds are unique in the inbox
     assert table == {o: (e["revision"], e["data"]["status"], e["data"]["totalCents"]) for o, e in last.items()}
