@@ -14,6 +14,8 @@ published and its confirm awaited: what a ``kill -9`` of the main PID does).
 Points of the fence protocol (inbox/fence.py, the webhook consumer):
 ``webhook-after-claim`` (the keys are claimed, nothing called) and
 ``webhook-after-call`` (the endpoint answered, nothing recorded yet).
+``repartition-copied``: ``repartition`` has the copies of a window of messages
+confirmed in their new queues, the originals not acked yet.
 With the variable unset, :func:`crashpoint` is a dictionary lookup.
 ``DELIVERY_PAUSE_AT`` names points where the process stops itself instead
 (:func:`pausepoint`): ``repartition-before-switch`` (the databases are moved,

@@ -23,6 +23,7 @@ from .deliveries import OutMessage
 from .envelope import KOMBU_COMPRESSION_HEADER, MAX_BODY_BYTES
 from .errors import Rejection
 from .event_types import EventTypes
+from .faults import crashpoint
 from .partitions import (
     SLOT_COUNT,
     partition_of,
@@ -253,6 +254,7 @@ class _Mover:
                 (later if wait else now).append((msg, event_id, target))
             if not self._send(source.queue, now):
                 return []  # nothing of this window acked: it returns to the queue, in order
+            crashpoint("repartition-copied")
             if acked:
                 reader.ack_taken(acked)
             for waiting, _queue, _later in self.deferred:  # their heartbeats: they hold messages meanwhile

@@ -10,6 +10,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import orders_consumer  # noqa: F401  (registers the orders consumer in this process: its topology)
 import pytest
@@ -98,6 +99,13 @@ def test_repartition_with_20000_waiting_under_a_live_producer_keeps_every_articl
     sys.stdout.write(f"repartition with {WAITING} waiting: " + ", ".join(f"{k} {v:.1f}s" for k, v in took.items())
                      + f"; {len(events)} events\n")
 
+    _check_ledger(cluster, events)
+
+
+def _check_ledger(cluster: Cluster, events: list[dict[str, Any]]) -> None:
+    """Every event one receipt in its article's partition, `updated`, in revision order per article; the
+    catalog the model's; nothing rejected, dead-lettered or misplaced; no queue of a former layout left."""
+    ns = cluster.ns
     results = cluster.check_exactly_once(events)
     assert results == {"updated": len(events)}, results
     revision = {e["eventId"]: e["revision"] for e in events}
@@ -113,6 +121,46 @@ def test_repartition_with_20000_waiting_under_a_live_producer_keeps_every_articl
     assert {q: s.ready for q, s in states.items() if s is not None} == dict.fromkeys(states, 0)
     assert _left(ns, range(cluster.count, 4), handovers=range(4)) == []
     assert ns.count(f"{ns.prefix}.catalog.unrouted") == 0
+
+
+@pytest.mark.broker
+def test_repartition_killed_while_moving_is_finished_by_a_second_with_nothing_lost_or_out_of_order(
+        live: tuple[Cluster, LivePublisher]) -> None:
+    """2 -> 3 with 6,000 events waiting and the producer going on: repartition is killed (SIGKILL) right after
+    the copies of its third window are confirmed, before their originals are acked. The runs refuse to
+    start; a second repartition finishes; the ledger holds as above (the copies made twice are answered
+    `duplicate`, never applied twice nor out of order)."""
+    cluster, publisher = live
+    ns = cluster.ns
+    for k in range(cluster.count):
+        cluster.start(k)
+    publisher.rate = STEADY
+    publisher.start()
+    wait_until("the runs applying the producer's events", lambda: cluster.receipts() >= 500, 120, cluster.procs)
+    cluster.stop()
+    cluster.procs.clear()
+    publisher.rate = None
+    wait_until("6,000 events waiting", lambda: _waiting(cluster) >= 6_000, 300)
+    publisher.rate = STEADY
+    killed = ns.cli("repartition", "--consumer", "catalog", "--partitions", "3",
+                    env=ns.env(DELIVERY_CRASH_AT="repartition-copied:3"), timeout=600)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert "crash point repartition-copied reached" in killed.stderr
+    refused = ns.cli("run", "--consumer", "catalog", "--partition", "0", "--partitions", "3")
+    assert refused.returncode == 2 and "has not finished" in refused.stderr, refused.stderr
+    again = ns.cli("repartition", "--consumer", "catalog", "--partitions", "3", timeout=600)
+    assert again.returncode == 0, again.stderr
+    cluster.count = 3
+    for k in range(cluster.count):
+        cluster.start(k)
+    wanted = len(publisher.confirmed) + 2 * STEADY
+    wait_until("the producer publishing to the new runs", lambda: len(publisher.confirmed) >= wanted, 120,
+               cluster.procs)
+    events = publisher.finish()
+    wait_until("every confirmed event applied", lambda: cluster.receipts() >= len(events), 600, cluster.procs)
+    cluster.stop()
+    cluster.procs.clear()
+    _check_ledger(cluster, events)
 
 
 # -- shrinking, and to and from one unpartitioned consumer, with the orders consumer's own types ----------
