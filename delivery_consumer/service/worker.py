@@ -370,9 +370,7 @@ class Worker(threading.Thread):
     def _copy_for(self, d: Delivery, outcome: Outcome, parsed: Envelope | Rejection) -> Copy | None:
         """The copy *outcome* calls for: an event of another partition is forwarded to that partition's
         queue, in the order it came (never dead-lettered: a repartition or a producer put it here)."""
-        home = self._home(outcome, parsed)
-        if home is not None:
-            assert outcome.rejection is not None
+        if outcome.rejection is not None and (home := self._home(outcome, parsed)) is not None:
             return self.copies.forward(d, outcome.rejection, home)
         return self.copies.for_outcome(d, outcome)
 
