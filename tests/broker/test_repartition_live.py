@@ -15,7 +15,7 @@ from typing import Any
 import orders_consumer  # noqa: F401  (registers the orders consumer in this process: its topology)
 import pytest
 from brokerkit import Namespace, RunProcess
-from partitionkit import Cluster, LivePublisher, wait_until
+from partitionkit import Cluster, LivePublisher, make_events, wait_until
 from support import count_rows, read_rows
 
 from delivery_consumer.amqp.admin import queue_counts
@@ -280,3 +280,40 @@ def test_shrinking_and_to_and_from_unpartitioned_strand_nothing_under_a_live_pro
     states = queue_counts(ns.url, [q for t in final for q in (t.queue, t.dead_queue, t.handover_queue)])
     assert {q: s.ready for q, s in states.items() if s is not None} == {q: 0 for t in final
                                                                         for q in (t.queue, t.dead_queue)}
+
+
+@pytest.mark.broker
+def test_a_run_that_dies_while_applying_its_handover_queue_is_followed_by_one_that_finishes_it_first(
+        live: tuple[Cluster, LivePublisher]) -> None:
+    """2 -> 4 with 8,000 events waiting, then 2,000 newer ones published to the new queues before any run
+    starts; partition 0's first run dies (SIGKILL) right after its second commit, inside its handover queue,
+    nothing acked. The next run of partition 0 applies the rest of the handover queue before its queue: every
+    event exactly once, `updated` (none `stale`), in revision order per article."""
+    cluster, _publisher = live
+    ns = cluster.ns
+    events = make_events(10_000, ARTICLES, seed=43)
+    early, late = events[:8_000], events[8_000:]
+    for k in range(cluster.count):  # the databases
+        cluster.start(k)
+    cluster.stop()
+    cluster.procs.clear()
+    cluster.publish(early)
+    done = ns.cli("repartition", "--consumer", "catalog", "--partitions", "4", timeout=600)
+    assert done.returncode == 0, done.stderr
+    cluster.count = 4
+    cluster.publish(late)
+    handover = ns.topology("catalog", partition=0).handover_queue
+    assert ns.count(handover) > 500
+    dying = RunProcess([sys.executable, "-m", "delivery_consumer", "run", "--consumer", "catalog", "--partition", "0",
+                        "--partitions", "4"], cwd=ns.workdir, env=ns.env(DELIVERY_CRASH_AT="after-commit:2"))
+    ns.started.append(dying)
+    _out, err = dying.communicate(timeout=120)
+    assert dying.returncode == -signal.SIGKILL and "crash point after-commit reached" in err, err[-2000:]
+    assert f"consuming {handover} first" in err
+    assert ns.count(handover) > 0  # what it had not acked went back
+    for k in range(cluster.count):
+        cluster.start(k)
+    wait_until("every event applied", lambda: cluster.receipts() >= len(events), 300, cluster.procs)
+    cluster.stop()
+    cluster.procs.clear()
+    _check_ledger(cluster, events)
