@@ -26,8 +26,8 @@ from ._common import EXIT_OK, EXIT_REJECTED, Fatal, consumer_option, handle_erro
 @handle_errors
 def repartition(consumer: str, amqp_url: str, exchange: str, queue_prefix: str, count: int | None,
                 unpartitioned: bool, root: Path) -> None:
-    """Move a consumer to COUNT partitions (or back to one unpartitioned
-    consumer): its databases and its queues.
+    """Move a consumer to --partitions N partitions (or, --unpartitioned,
+    back to one unpartitioned consumer): its databases and its queues.
 
     Stop every run of the consumer first; its producers may go on publishing,
     and its queues may hold any number of messages. Refused while any of its
