@@ -37,9 +37,11 @@ def live(ns: Namespace) -> Iterator[tuple[Cluster, LivePublisher]]:
     cluster.declare()
     publisher = LivePublisher(ns, keys=ARTICLES)
     yield cluster, publisher
-    publisher.finish()
-    cluster.stop()
-    cluster.delete(counts=(4,))
+    try:
+        publisher.finish()
+    finally:
+        cluster.stop()
+        cluster.delete(counts=(4,))
 
 
 def _waiting(cluster: Cluster) -> int:
@@ -212,8 +214,10 @@ def orders(ns: Namespace, monkeypatch: pytest.MonkeyPatch) -> Iterator[LivePubli
     monkeypatch.setenv("DELIVERY_PLUGINS", "orders_consumer")
     publisher = LivePublisher(ns, keys=ORDERS, kind="order")
     yield publisher
-    publisher.finish()
-    Cluster(ns, "orders", 4).delete()
+    try:
+        publisher.finish()
+    finally:
+        Cluster(ns, "orders", 4).delete()
 
 
 @pytest.mark.broker
