@@ -50,6 +50,9 @@ DELIVERY_LIMIT: Final = "delivery-limit"
 ENDPOINT_REJECTED: Final = "endpoint-rejected"
 OUTCOME_UNKNOWN: Final = "outcome-unknown"
 WRONG_PARTITION: Final = "wrong-partition"
+#: Not a rejection: the outcome ``run`` records (``forwarded:p<k>``) for an event of partition k that
+#: reached another partition's queue and was sent on to its own.
+FORWARDED: Final = "forwarded"
 
 #: Every rejection code, with its meaning in one line (docs/envelope.md's table of
 #: codes lists exactly these; ``trace`` counts exactly these as rejections).
@@ -68,7 +71,7 @@ REJECTIONS: Final[Mapping[str, str]] = MappingProxyType({
     OUTCOME_UNKNOWN: "a call to an endpoint that is not idempotent may have had its effect: not repeated on a guess",
     # Applied here, the article's state would be split in two files (a producer
     # that computes the slot differently, bindings that disagree with the databases).
-    WRONG_PARTITION: "a partition's database refuses an article of another partition",
+    WRONG_PARTITION: "a partition's database refuses an article of another partition (run forwards it to its own)",
 })
 #: Every rejection code, in the registry's order.
 REJECTION_CODES: Final = tuple(REJECTIONS)

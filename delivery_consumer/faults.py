@@ -24,7 +24,9 @@ The points, by the process that reaches them:
 * ``dead requeue`` and ``dead purge`` (deadletters.py):
   ``requeue-after-confirm`` (the copy confirmed, the dead message not
   acked), ``requeue-after-ack`` and ``purge-after-ack`` (acked, its
-  rejection row not marked resolved yet).
+  rejection row not marked resolved yet);
+* ``repartition`` (partition_queues.py): ``repartition-copied`` (a window's
+  copies confirmed in their new queues, the originals not acked yet).
 
 With the variable unset, :func:`crashpoint` is a dictionary lookup.
 ``DELIVERY_PAUSE_AT`` names points where the process stops itself instead

@@ -59,6 +59,8 @@ class Metrics(Observer):
         self.retries = Counter("delivery_retries", "Copies sent to a retry tier.", base, registry=r)
         self.dead_letters = Counter("delivery_dead_letters", "Copies sent to the dead-letter queue, by code.",
                                     [*base, "code"], registry=r)
+        self.forwarded = Counter("delivery_forwarded", "Events of another partition sent on to their partition's "
+                                 "queue.", base, registry=r)
         self.apply_seconds = Histogram("delivery_apply_seconds", "Time to apply and commit one batch.",
                                        base, buckets=_LATENCY_BUCKETS, registry=r)
         self.batch_size = Histogram("delivery_batch_size", "Deliveries per transaction.", base,
@@ -100,6 +102,8 @@ class Metrics(Observer):
     def copy_published(self, kind: str, code: str) -> None:
         if kind == "retry":
             self.retries.labels(*self._base).inc()
+        elif kind == "forward":
+            self.forwarded.labels(*self._base).inc()
         else:
             self.dead_letters.labels(*self._base, code).inc()
 

@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .errors import ConfigError
+from .errors import FORWARDED, WRONG_PARTITION, ConfigError
 from .topology import Binding, Route, Topology
 
 #: Slots of the hash space. Fixed forever: changing it moves every article.
@@ -171,6 +171,19 @@ def misplaced(key: str, identity: Identity, field: str = "articleId") -> str | N
     return f"{field} belongs to partition {home} of {identity.count}, this database is partition {identity.partition}"
 
 
+def forwarded_to(code: str | None, key: str | None, identity: Identity | None) -> int | None:
+    """The partition ``run`` sends an event on to: its *key*'s, when the partition *identity* refused it
+    as another partition's (rejection *code* ``wrong-partition``); None for any other outcome."""
+    if identity is None or key is None or code != WRONG_PARTITION:
+        return None
+    return partition_of(key, identity.count)
+
+
+def delivery_outcome(status: str, home: int | None) -> str:
+    """What a delivery's record says: its outcome's *status*, or ``forwarded:p<home>``."""
+    return status if home is None else f"{FORWARDED}:p{home}"
+
+
 def identity_from_meta(meta: Mapping[str, str]) -> Identity | None:
     """The partition identity recorded in a database's meta table, if any."""
     if "partition" not in meta:
@@ -184,7 +197,9 @@ __all__ = [
     "Identity",
     "check_count",
     "check_partition",
+    "delivery_outcome",
     "explain",
+    "forwarded_to",
     "identity_from_meta",
     "misplaced",
     "partition_of",

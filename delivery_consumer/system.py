@@ -24,7 +24,7 @@ from . import consumers as registry
 from .config import ConsumerEntry, Deployment
 from .durations import age as age_text
 from .durations import format as format_duration
-from .errors import DeliveryError, NotFound
+from .errors import FORWARDED, DeliveryError, NotFound
 from .inbox import ConsumerDB, counters
 from .partitions import partition_of, partition_topology, unrouted_name
 from .plural import count as _count
@@ -351,8 +351,13 @@ def _consumer_db_status(db: ConsumerDB, now: float) -> Row:
             "SELECT max(received_at) FROM (SELECT received_at FROM inbox ORDER BY rowid DESC LIMIT 1000)").fetchone()
         unresolved = dict_rows(conn.execute(
             "SELECT code, count(*) AS n FROM rejected WHERE resolved_at IS NULL GROUP BY code ORDER BY code"))
+        # Events of other partitions this one's run sent on to theirs (misplaced: run records forwarded:p<k>).
+        forwarded, last_forwarded = conn.execute(
+            "SELECT count(*), max(last_at) FROM deliveries WHERE last_at >= ? AND last_outcome LIKE ?",
+            (now_iso(now - HOUR_S), f"{FORWARDED}:%")).fetchone()
     return {"receiptsLastMinute": last_minute, "receiptsLastHour": last_hour, "newestReceivedAt": newest,
-            "newestAgeSeconds": age_s(newest, now), "unresolvedRejections": {r["code"]: r["n"] for r in unresolved}}
+            "newestAgeSeconds": age_s(newest, now), "unresolvedRejections": {r["code"]: r["n"] for r in unresolved},
+            "forwardedLastHour": forwarded, "lastForwardedAt": last_forwarded}
 
 
 def unacknowledged(dep: Deployment, queue: str) -> int | None:
@@ -378,12 +383,14 @@ def unacknowledged(dep: Deployment, queue: str) -> int | None:
 def _queue_figures(dep: Deployment, label: str, topo: Topology, counts: dict[str, Any], asked: bool,
                    problems: list[str], shared: Any = None) -> Row:
     """The figures of one consumer's (or partition's) queues, and the problems they show."""
-    main, dead = counts.get(topo.queue), counts.get(topo.dead_queue)
+    main, dead, handover = counts.get(topo.queue), counts.get(topo.dead_queue), counts.get(topo.handover_queue)
+    waiting = handover.ready if handover else 0
     item: Row = {"queue": topo.queue, "deadQueue": topo.dead_queue,
-                 "ready": main.ready if main else None,
+                 "ready": main.ready + waiting if main else None,
                  "unacked": unacknowledged(dep, topo.queue) if main else None,
-                 "consumersConnected": main.consumers if main else None,
-                 "deadLetters": dead.ready if dead else None, "deadByCode": {}, "deadGroups": []}
+                 "consumersConnected": main.consumers + (handover.consumers if handover else 0) if main else None,
+                 "deadLetters": dead.ready if dead else None, "deadByCode": {}, "deadGroups": [],
+                 "handover": {"queue": topo.handover_queue, "ready": waiting} if handover else None}
     if asked and main is None:
         item["queueNote"] = "no queue yet (topology declare)"
     if dead is not None and dead.ready:
@@ -397,27 +404,71 @@ def _queue_figures(dep: Deployment, label: str, topo: Topology, counts: dict[str
             item["deadGroups"] = groups
         codes = ", ".join(f"{n} {c}" for c, n in (item["deadByCode"] or {}).items()) or "codes not read"
         problems.append(f"{label}: {_count(dead.ready, 'dead letter')} in {topo.dead_queue} ({codes})")
-    if main is not None and main.ready > dep.backlog_max and main.consumers == 0:
-        problems.append(f"{label}: {_count(main.ready, 'message')} {'waits' if main.ready == 1 else 'wait'} in "
-                        f"{topo.queue} and no consumer is connected")
+    if main is not None and item["ready"] > dep.backlog_max and item["consumersConnected"] == 0:
+        where = [f"{topo.queue}"] if main.ready else []
+        where += [f"{topo.handover_queue} (moved there by repartition, applied first)"] if waiting else []
+        problems.append(f"{label}: {_count(item['ready'], 'message')} {'waits' if item['ready'] == 1 else 'wait'} "
+                        f"in {' and '.join(where)} and no consumer is connected")
     return item
 
 
 def _former_queues(dep: Deployment, name: str, found: list[tuple[str | None, Path, Topology]]) -> dict[str, str]:
-    """Queue -> what it served, of the layouts a partitioned consumer had before: its unpartitioned
-    queues, and those of partitions its databases' former count had beyond the current one."""
+    """Queue -> what it served, of the layout a consumer had before its last repartition (stranded
+    there: nothing consumes them): the unpartitioned queues of a partitioned consumer, those of the
+    partitions its databases' former count had beyond the current one (every partition's, and the
+    unrouted queue, for a consumer merged back into one), each with its handover queue."""
     from .partition_store import repartitioned_from
 
     base = dep.placement(name).topology()
-    out = {q: "the unpartitioned consumer" for q, _ in base.queues()}
+    partitioned = any(partition for partition, _, _ in found)
+    out: dict[str, str] = {}
+    if partitioned:
+        out.update({q: "the unpartitioned consumer" for q in _queues_of(base)})
     try:
         former = next((repartitioned_from(path) for _, path, _ in found if path.exists()), None)
     except DeliveryError:
         former = None
     if former is not None and former.isdigit():
-        for k in range(len(found), int(former)):
-            out.update({q: f"its former {former} partitions" for q, _ in partition_topology(base, k).queues()})
+        for k in range(len(found) if partitioned else 0, int(former)):
+            out.update({q: f"its former {former} partitions" for q in _queues_of(partition_topology(base, k))})
+        if not partitioned:
+            out[unrouted_name(base)] = f"its former {former} partitions"
     return out
+
+
+def _queues_of(topo: Topology) -> list[str]:
+    return [*(q for q, _ in topo.queues()), topo.handover_queue]
+
+
+def _layout_problems(dep: Deployment, name: str, found: list[tuple[str | None, Path, Topology]],
+                     former: dict[str, str], counts: dict[str, Any], problems: list[str]) -> None:
+    """Messages a repartition strands or misplaces: in a queue of the former layout, nothing consumes
+    them; while one has not finished, the queues it shares with the former layout hold messages routed
+    by the former count (the runs refuse to start until it has moved them)."""
+    from .partition_store import pending_layout, pending_words
+
+    partitioned = any(partition for partition, _, _ in found)
+    now, option = pending_words(str(len(found)) if partitioned else "unpartitioned")
+    now = f"its {now}" if partitioned else "the unpartitioned consumer"
+    again = f"delivery-consumer repartition --consumer {name} {option}"
+    try:
+        pending = next((p for _, path, _ in found if path.exists() and (p := pending_layout(path))), None)
+    except DeliveryError:
+        pending = None
+    if pending is not None:
+        queues = [*former, *(q for _, _, topo in found for q in (topo.queue, *(
+            topo.retry_queue(i) for i in range(len(topo.retry_delays_ms)))))]
+        held = sum(state.ready for q in dict.fromkeys(queues) if (state := counts.get(q)) is not None)
+        problems.append(f"{name}: its repartition to {pending_words(pending)[0]} has not finished: its runs refuse to "
+                        f"start, and what its queues hold ({_count(held, 'message')}) was routed by the former "
+                        f"layout and is not in its partitions' handover queues yet; {again}")
+        return
+    for queue, what in former.items():
+        left = counts.get(queue)
+        if left is not None and left.ready:
+            problems.append(
+                f"{name}: {_count(left.ready, 'message')} in {queue}, a queue of {what}, not of {now}: nothing "
+                f"consumes it; {again} moves them to their partitions")
 
 
 def notes(row: Row) -> str | None:
@@ -446,9 +497,11 @@ def status(dep: Deployment, *, now: float | None = None, broker: bool = True, sh
     broker_error = None
     layout = {name: dep.placement(name).topologies() for name in dep.consumers}
     partitioned = {name for name, found in layout.items() if any(partition for partition, _, _ in found)}
-    former = {name: _former_queues(dep, name, layout[name]) for name in partitioned}
+    former = {name: _former_queues(dep, name, layout[name]) for name in dep.consumers}
     if broker and dep.consumers:
-        queues = [q for found in layout.values() for _, _, topo in found for q in (topo.queue, topo.dead_queue)]
+        queues = [q for found in layout.values() for _, _, topo in found
+                  for q in (topo.queue, topo.dead_queue, topo.handover_queue, *(
+                      topo.retry_queue(i) for i in range(len(topo.retry_delays_ms))))]
         queues += [unrouted_name(dep.placement(name).topology()) for name in partitioned]
         queues += [q for found in former.values() for q in found]
         try:
@@ -500,13 +553,15 @@ def status(dep: Deployment, *, now: float | None = None, broker: bool = True, sh
             if waiting is not None and waiting.ready:
                 problems.append(f"{name}: {_count(waiting.ready, 'message')} in {queue} reached no partition "
                                 f"(no slot header?); after the fix: delivery-consumer reroute --consumer {name}")
-            for queue, what in former[name].items():
-                left = counts.get(queue)
-                if left is not None and left.ready:
-                    problems.append(
-                        f"{name}: {_count(left.ready, 'message')} in {queue}, a queue of {what}, not of its "
-                        f"{len(layout[name])} partitions: nothing consumes it; delivery-consumer repartition "
-                        f"--consumer {name} --partitions {len(layout[name])} moves them to their partitions")
+        for row in rows:
+            if row.get("forwardedLastHour"):
+                problems.append(
+                    f"{_label(entry, row['partition'])}: {_count(row['forwardedLastHour'], 'event')} of other "
+                    f"partitions reached {row['queue']} in the last hour (the last at {row['lastForwardedAt']}) and "
+                    "went on to their own: a producer computing another slot, or bindings that disagree with the "
+                    "partition count")
+        if asked:
+            _layout_problems(dep, name, layout[name], former[name], counts, problems)
         out_consumers.append(item)
     out_producers = []
     for name, producer in dep.producers.items():

@@ -30,6 +30,8 @@ H_CONSUMER = "x-consumer"
 H_FAILED_AT = "x-failed-at"
 H_ROUTING_KEY = "x-original-routing-key"
 H_LAST_ERROR = "x-last-error"  # a retry copy: the reason of its transient failure
+#: On an event forwarded by a partition's run to its own partition: the queue it reached first.
+H_FORWARDED_FROM = "x-forwarded-from"
 H_DELIVERY_COUNT = "x-delivery-count"  # set by quorum queues on redelivery
 H_PRODUCED_MS = "x-produced-ms"  # dispatch: the outbox row's created_at, ms since the epoch
 #: Headers a copy carries about its failure (run's retry and dead copies write
@@ -84,22 +86,34 @@ class Topology:
         delay = self.retry_delays_ms[min(tier, len(self.retry_delays_ms) - 1)]
         return f"{self.queue}.retry.{delay}ms"
 
+    @property
+    def handover_queue(self) -> str:
+        """Where ``repartition`` leaves the messages of this queue's keys that waited in the queues
+        of the former layout: ``run`` applies them before anything of its own queue, and then
+        deletes it (docs/partitions.md, "Changing the count"). Not one of :meth:`queues`: it
+        exists only between a repartition and the first run after it."""
+        return f"{self.queue}.handover"
+
+    def main_arguments(self) -> dict[str, Any]:
+        """The declare arguments of the main queue (and of its handover queue)."""
+        return {
+            "x-queue-type": "quorum",
+            "x-delivery-limit": self.delivery_limit,
+            "x-dead-letter-exchange": "",
+            "x-dead-letter-routing-key": self.dead_queue,
+            "x-dead-letter-strategy": "at-least-once",
+            "x-overflow": "reject-publish",
+            **({"x-single-active-consumer": True} if self.partition is not None else {}),
+            **self.extra_queue_args,
+        }
+
     def queues(self) -> list[tuple[str, dict[str, Any]]]:
         """Every queue with its declare arguments, the dead queue first (it
         must exist before anything can dead-letter into it)."""
         quorum: dict[str, Any] = {"x-queue-type": "quorum"}
         at_least_once = {"x-dead-letter-strategy": "at-least-once", "x-overflow": "reject-publish"}
-        main = {
-            **quorum,
-            "x-delivery-limit": self.delivery_limit,
-            "x-dead-letter-exchange": "",
-            "x-dead-letter-routing-key": self.dead_queue,
-            **at_least_once,
-            **({"x-single-active-consumer": True} if self.partition is not None else {}),
-            **self.extra_queue_args,
-        }
         dead: dict[str, Any] = {"x-queue-type": "classic"}  # why classic: docs/amqp.md, "Queues"
-        result: list[tuple[str, dict[str, Any]]] = [(self.dead_queue, dead), (self.queue, main)]
+        result: list[tuple[str, dict[str, Any]]] = [(self.dead_queue, dead), (self.queue, self.main_arguments())]
         if self.partition_count is not None:  # first: a wrong count fails before anything is declared
             result.insert(0, (self.count_marker, {"x-queue-type": "classic", "x-max-length": self.partition_count}))
         for delay in dict.fromkeys(self.retry_delays_ms):

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from .contract import ConsumerSpec
-from .errors import REJECTIONS, NotFound
+from .errors import FORWARDED, REJECTIONS, NotFound
 from .inbox import ConsumerDB
 from .plural import count
 from .queries import dict_rows, reads
@@ -115,6 +115,8 @@ def _status(receipt: Row | None, rejections: list[Row], deliveries: Row) -> tupl
         why = "being handled, or the process died while handling it"
     elif outcome == "requeued":
         why = "requeued from the dead queue, not delivered since"
+    elif isinstance(outcome, str) and outcome.startswith(f"{FORWARDED}:"):
+        why = f"it belongs to partition {outcome.partition(':')[2]}: forwarded to it"
     elif isinstance(outcome, str) and outcome.startswith("transient:"):
         why = f"failed transiently ({outcome.partition(':')[2]}), waiting for a retry"
     else:

@@ -15,6 +15,8 @@ import random
 import signal
 import subprocess
 import sys
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -27,7 +29,9 @@ import pytest
 from brokerkit import Namespace, RunProcess, wait_for_broker
 from support import count_rows, read_rows, wait_until
 
-from delivery_consumer.partitions import SLOT_COUNT, partition_of
+from delivery_consumer.amqp.publisher import Publisher
+from delivery_consumer.deliveries import OutMessage
+from delivery_consumer.partitions import SLOT_COUNT, partition_of, slot_headers
 
 
 def make_events(n: int, articles: int, seed: int = 7) -> list[dict[str, Any]]:
@@ -55,6 +59,81 @@ def model(events: list[dict[str, Any]]) -> dict[str, tuple[int, str, int]]:
     for e in events:
         out[e["articleId"]] = (e["revision"], e["data"]["title"], int(e["type"] == "material.published"))
     return out
+
+
+class LivePublisher(threading.Thread):
+    """A producer that goes on publishing while the test acts: events of *keys* articles (*kind*
+    ``material``) or orders (``order``, the orders consumer's own types, keyed by ``orderId``), in
+    revision order per key, through the namespace's exchange with their slot headers, in confirmed
+    batches, until :meth:`finish`. :attr:`confirmed` is every event the broker confirmed, in
+    publishing order (each was the newest of its key when published); :attr:`rate` (events/s, None:
+    as fast as confirms come) may be changed meanwhile."""
+
+    def __init__(self, ns: Namespace, *, keys: int, kind: str = "material", batch: int = 250,
+                 rate: float | None = None, seed: int = 23) -> None:
+        super().__init__(name="live-publisher", daemon=True)
+        self.ns = ns
+        self.keys = keys
+        self.kind = kind
+        self.batch = batch
+        self.rate = rate
+        self.confirmed: list[dict[str, Any]] = []
+        self.error: str | None = None
+        self._rnd = random.Random(seed)
+        self._revision = [0] * keys
+        self._made = 0
+        self._halt = threading.Event()
+
+    @property
+    def field(self) -> str:
+        """The key field of the events."""
+        return "orderId" if self.kind == "order" else "articleId"
+
+    def _next(self) -> dict[str, Any]:
+        a = self._made % self.keys
+        self._made += 1
+        self._revision[a] += 1
+        revision = self._revision[a]
+        event_id = str(uuid.UUID(int=self._rnd.getrandbits(128), version=4))
+        if self.kind == "order":
+            return {"eventId": event_id, "type": "order.placed" if revision == 1 else "order.changed",
+                    "orderId": f"order-{a}", "revision": revision, "occurredAt": "2026-12-01T10:00:00Z",
+                    "data": {"status": self._rnd.choice(["placed", "paid", "shipped"]),
+                             "totalCents": self._rnd.randrange(10_000)}}
+        return {
+            "eventId": event_id,
+            "type": "material.withdrawn" if self._rnd.random() < 0.1 else "material.published",
+            "articleId": f"article-{a}",
+            "revision": revision,
+            "occurredAt": "2026-12-01T10:00:00Z",
+            "data": {"title": f"Материал {a}, редакция {revision}", "url": f"https://example.org/a/{a}"},
+        }
+
+    def run(self) -> None:
+        with Publisher(self.ns.url, exchanges=[self.ns.exchange], name="test live publisher") as pub:
+            while not self._halt.is_set():
+                began = time.monotonic()
+                events = [self._next() for _ in range(self.batch)]
+                results = pub.publish([
+                    OutMessage(routing_key=e["type"], body=orjson.dumps(e), exchange=self.ns.exchange,
+                               message_id=e["eventId"], headers=slot_headers(e[self.field])) for e in events])
+                bad = [r for r in results if not r.ok]
+                if bad:
+                    self.error = f"publish failed: {bad[:3]}"
+                    return
+                self.confirmed.extend(events)
+                rate = self.rate
+                if rate is not None:  # pace the batches: a producer, not a flood
+                    self._halt.wait(max(0.0, began + len(events) / rate - time.monotonic()))
+
+    def finish(self, timeout: float = 60.0) -> list[dict[str, Any]]:
+        """Stop after the batch under way; every confirmed event."""
+        self._halt.set()
+        if self.is_alive():
+            self.join(timeout)
+        assert not self.is_alive(), "the publisher did not stop"
+        assert self.error is None, self.error
+        return self.confirmed
 
 
 @dataclass
@@ -138,6 +217,8 @@ class Cluster:
                 topo = self.ns.topology(self.consumer, partition=k)
                 for queue, _ in topo.queues():
                     ch.queue_delete(queue)
+                ch.queue_delete(topo.handover_queue)
+            ch.queue_delete(f"{base}.handover")
             ch.queue_delete(f"{base}.unrouted")
             ch.queue_delete(f"{base}.partitions")
             ch.exchange_delete(f"{base}.slots")
@@ -180,4 +261,4 @@ def cluster(ns: Namespace, request: pytest.FixtureRequest) -> Iterator[Cluster]:
     c.delete()
 
 
-__all__ = ["SLOT_COUNT", "Cluster", "cluster", "make_events", "model", "wait_until"]
+__all__ = ["SLOT_COUNT", "Cluster", "LivePublisher", "cluster", "make_events", "model", "wait_until"]

@@ -1,4 +1,4 @@
-"""One-shot administrative calls: declare a topology, count queues, delete unused ones.
+"""One-shot administrative calls: declare a topology, count queues, delete unused ones and exchanges.
 
 Queue counts come from a passive declare per queue, which needs no plugin:
 ready messages and consumers (the unacknowledged count is only in the
@@ -8,8 +8,8 @@ metrics and ``repartition``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from contextlib import suppress
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,12 +41,8 @@ class QueueCount:
 def queue_counts(url: str, queues: Sequence[str], *, name: str = "delivery-consumer status",
                  timeout_s: float = 10.0) -> dict[str, QueueCount | None]:
     """Ready messages and consumers of each queue; None for a queue that does not exist."""
-    params = parameters(url, name=name)
-    params.socket_timeout = params.stack_timeout = params.blocked_connection_timeout = timeout_s
     out: dict[str, QueueCount | None] = {}
-    conn: Any = None
-    try:
-        conn = pika.BlockingConnection(params)
+    with _connection(url, name, timeout_s=timeout_s) as conn:
         channel = conn.channel()
         for queue in queues:
             try:
@@ -58,13 +54,45 @@ def queue_counts(url: str, queues: Sequence[str], *, name: str = "delivery-consu
                 channel = conn.channel()  # a refused passive declare closes the channel
                 continue
             out[queue] = QueueCount(int(frame.method.message_count), int(frame.method.consumer_count))
+    return out
+
+
+@contextmanager
+def _connection(url: str, name: str, *, timeout_s: float | None = None) -> Iterator[Any]:
+    """A short connection for one administrative call; pika's failures leave classified."""
+    params = parameters(url, name=name)
+    if timeout_s is not None:
+        params.socket_timeout = params.stack_timeout = params.blocked_connection_timeout = timeout_s
+    conn: Any = None
+    try:
+        conn = pika.BlockingConnection(params)
+        yield conn
     except FAILURES as exc:
         raise classify(exc, url=url) from None
     finally:
         if conn is not None and conn.is_open:
             with suppress(*FAILURES):
                 conn.close()
-    return out
+
+
+def exchange_exists(url: str, exchange: str, *, name: str = "delivery-consumer topology") -> bool:
+    """Whether *exchange* exists (a passive declare)."""
+    with _connection(url, name) as conn:
+        try:
+            conn.channel().exchange_declare(exchange, passive=True)
+        except pex.ChannelClosedByBroker as exc:
+            if exc.reply_code == 404:
+                return False
+            raise
+        return True
+
+
+def delete_exchanges(url: str, exchanges: Sequence[str], *, name: str = "delivery-consumer topology") -> None:
+    """Delete *exchanges* (deleting one that does not exist does nothing)."""
+    with _connection(url, name) as conn:
+        channel = conn.channel()
+        for exchange in exchanges:
+            channel.exchange_delete(exchange)
 
 
 def delete_unused_queues(url: str, queues: Sequence[str]) -> list[str]:

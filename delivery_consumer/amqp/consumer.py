@@ -7,6 +7,14 @@ retry and dead-letter copies (on a confirm channel) when asked from the loop
 thread. Delivery tags belong to one channel: each channel gets a
 *generation* and an ack for an older one is dropped, never sent (see
 docs/amqp.md).
+
+After a ``repartition`` the queue may have a *handover queue* beside it
+(``<queue>.handover``): the messages of this queue's keys that waited in the
+former layout's queues, older than anything in the queue itself. Each channel
+first asks for it; when it is there, its messages are consumed first, all of
+them (their count is known: nothing publishes to it any more), and only then
+the queue; once every one of them is acked it is deleted
+(docs/partitions.md, "Changing the count").
 """
 
 from __future__ import annotations
@@ -31,6 +39,8 @@ from .declare import Steps, declare_steps
 from .publisher import confirm_mode, properties, take_confirmed
 
 log = logging.getLogger("delivery_consumer.broker")
+#: How often a run waits to look again at a handover queue another consumer is applying.
+HANDOVER_RECHECK_S = 2.0
 
 
 @dataclass
@@ -74,6 +84,17 @@ class ConsumerIO:
         self._pub_seq = 0
         self._pub_pending: dict[int, _PendingCopies] = {}
         self._consumer_tag: str | None = None
+        #: False once told to stop receiving: later deliveries stay unacked and return
+        #: to the head of their queue, in order, when the connection closes.
+        self._receiving = True
+        self._probe: Any = None  # a channel for the handover queue (a refused passive declare closes it)
+        self._phase = "main"  # "probe" -> ("handover" ->) "main", per channel
+        self._handover_tag: str | None = None
+        self._handover_total = 0
+        self._handover_received = 0
+        self._handover_last = 0  # delivery tag of the last handover message received
+        self._handover_done = False  # every handover message received: delete it once all are acked
+        self._acked = 0  # the highest delivery tag acked on the live channel
         self.generation = 0
         self._live_generation = 0  # 0 while no channel is consuming
         self._stopping = False
@@ -149,7 +170,7 @@ class ConsumerIO:
     def _on_consume_channel(self, channel: Any) -> None:
         self._channel = channel
         channel.add_on_close_callback(self._on_channel_closed)
-        channel.add_on_cancel_callback(lambda _f: self._reconnect("the broker cancelled the consumer"))
+        channel.add_on_cancel_callback(self._on_cancelled)
         Steps(
             declare_steps(channel, [self.topology]),
             lambda: self._conn.channel(on_open_callback=self._on_pub_channel) if self._conn else None,
@@ -172,20 +193,115 @@ class ConsumerIO:
         gen = self.generation
         self._on_channel_cb(gen)
         self._live_generation = gen
-        self._consumer_tag = self._channel.basic_consume(
-            self.topology.queue,
-            lambda _ch, method, props, body: self._deliver(gen, method, props, body),
-            auto_ack=False,
-        )
+        self._phase, self._acked = "probe", 0
+        self._handover_tag, self._handover_done = None, False
+        self._handover_total = self._handover_received = self._handover_last = 0
         if self._outage is not None:
             log.warning("broker reachable again after %.0fs (%d attempts)",
                         time.monotonic() - self._outage_since, self._failures)
             self._outage = None
         self._failures = 0
         self._ever_consumed = True
+        if self._conn is not None:
+            self._conn.channel(on_open_callback=lambda channel: self._on_probe_channel(gen, channel))
+
+    # -- the handover queue a repartition left, before the queue --
+    def _on_probe_channel(self, gen: int, channel: Any) -> None:
+        if gen != self._live_generation:
+            channel.close()
+            return
+        self._probe = channel
+        channel.add_on_close_callback(lambda _ch, reason: self._on_probe_closed(gen, reason))
+        self._ask_handover(gen)
+
+    def _ask_handover(self, gen: int) -> None:
+        probe = self._probe
+        if gen != self._live_generation or self._phase != "probe" or probe is None or not probe.is_open:
+            return
+        probe.queue_declare(self.topology.handover_queue, passive=True, callback=lambda f: self._on_handover(gen, f))
+
+    def _on_probe_closed(self, gen: int, reason: BaseException) -> None:
+        self._probe = None
+        if gen != self._live_generation or self._stopping or isinstance(reason, pex.ChannelClosedByClient):
+            return
+        if isinstance(reason, pex.ChannelClosedByBroker) and reason.reply_code == 404:
+            self._consume_main(gen)  # no handover queue (the usual case), or it is gone
+            return
+        log.error("channel closed: %s", classify(reason, url=self.url))
+        self._close()
+
+    def _on_handover(self, gen: int, frame: Any) -> None:
+        if gen != self._live_generation or self._phase != "probe":
+            return
+        queue, ready, consumers = self.topology.handover_queue, frame.method.message_count, frame.method.consumer_count
+        if consumers:  # another run applies it: a standby of this partition elsewhere waits for it to finish
+            log.info("%s is being applied by another consumer; waiting for it before consuming %s", queue,
+                     self.topology.queue)
+            self.ioloop.call_later(HANDOVER_RECHECK_S, lambda: self._ask_handover(gen))
+            return
+        if not ready:
+            self._probe.queue_delete(queue, callback=lambda _f: self._consume_main(gen))
+            return
+        if not self._receiving:
+            return
+        self._phase, self._handover_total = "handover", ready
+        self._handover_tag = self._channel.basic_consume(
+            queue, lambda _ch, method, props, body: self._deliver_handover(gen, method, props, body), auto_ack=False)
+        log.info("consuming %s first: %d messages repartition moved here, older than those in %s (prefetch %d, "
+                 "channel generation %d)", queue, ready, self.topology.queue, self.prefetch, gen)
+
+    def _deliver_handover(self, gen: int, method: Any, props: Any, body: bytes) -> None:
+        if not self._receiving:
+            return
+        self._handover_received += 1
+        self._handover_last = method.delivery_tag
+        self._deliver(gen, method, props, body)
+        if self._handover_received >= self._handover_total and not self._handover_done:
+            # Every one of them is here (nothing publishes to it): the queue's messages come after them.
+            self._handover_done = True
+            self._consume_main(gen)
+            self._drop_handover(gen)
+
+    def _drop_handover(self, gen: int) -> None:
+        """Delete the handover queue once every message taken from it is acked (it is empty then)."""
+        channel, tag = self._channel, self._handover_tag
+        if (gen != self._live_generation or not self._handover_done or tag is None or self._acked < self._handover_last
+                or channel is None or not channel.is_open):
+            return
+        self._handover_tag = None
+        queue = self.topology.handover_queue
+
+        def delete(_frame: Any) -> None:
+            probe = self._probe
+            if probe is not None and probe.is_open:
+                probe.queue_delete(queue, callback=lambda _f: log.info("%s applied and deleted", queue))
+
+        channel.basic_cancel(tag, callback=delete)
+
+    def _consume_main(self, gen: int) -> None:
+        if gen != self._live_generation or self._phase == "main" or not self._receiving:
+            return
+        self._phase = "main"
+        self._consumer_tag = self._channel.basic_consume(
+            self.topology.queue,
+            lambda _ch, method, props, body: self._deliver(gen, method, props, body),
+            auto_ack=False,
+        )
         log.info("consuming %s (prefetch %d, channel generation %d)", self.topology.queue, self.prefetch, gen)
 
+    def _on_cancelled(self, frame: Any) -> None:
+        if self._handover_tag is not None and frame.method.consumer_tag == self._handover_tag:
+            # Its handover queue was deleted under it (another run applied it): ask again.
+            self._handover_tag = None
+            if self._phase == "handover":
+                self._phase = "probe"
+                self._ask_handover(self._live_generation)
+            return
+        self._reconnect("the broker cancelled the consumer")
+
     def _deliver(self, gen: int, method: Any, props: Any, body: bytes) -> None:
+        if not self._receiving:
+            return  # unacked: back to the head of its queue, in order, when the connection closes
         self._on_delivery(
             Delivery(
                 generation=gen,
@@ -215,8 +331,8 @@ class ConsumerIO:
 
     def _on_closed(self, _conn: Any, reason: BaseException) -> None:
         gen, self._live_generation = self._live_generation, 0
-        self._conn = self._channel = self._pub = None
-        self._consumer_tag = None
+        self._conn = self._channel = self._pub = self._probe = None
+        self._consumer_tag = self._handover_tag = None
         why = str(classify(reason, url=self.url))
         for pending in list(self._pub_pending.values()):
             self._settle(pending, f"connection lost before the confirm: {why}")
@@ -271,6 +387,9 @@ class ConsumerIO:
             log.info("dropping ack of tag %d from channel generation %d (channel gone)", tag, generation)
             return
         channel.basic_ack(tag, multiple=multiple)
+        self._acked = max(self._acked, tag)
+        if self._handover_done:
+            self._drop_handover(generation)
 
     def publish_now(self, generation: int, messages: Sequence[OutMessage]) -> Future[None]:
         """Publish *messages* on the confirm channel; the future resolves when
@@ -329,7 +448,7 @@ class ConsumerIO:
             pending.future.set_result(None)
 
     def _cancel(self) -> None:
-        channel = self._channel
-        if channel is not None and channel.is_open and self._consumer_tag is not None:
-            channel.basic_cancel(self._consumer_tag)
-            self._consumer_tag = None
+        # Not basic.cancel: pika rejects (requeue) what arrives between a cancel and its cancel-ok, and
+        # a quorum queue puts a rejected message at its tail, behind newer events of its key. What
+        # arrives now stays unacked and returns to the head of the queue, in order, with the connection.
+        self._receiving = False

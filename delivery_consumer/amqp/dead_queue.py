@@ -11,6 +11,7 @@ of our own (see docs/amqp.md).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
@@ -117,21 +118,9 @@ class DeadQueue:
         none arrived for a moment. Dead letters that arrive later stay at the
         tail, after everything returned here.
         """
-        started = last_arrival = time.monotonic()
-        seen = len(self._held)
-        next_check = 0.0
         try:
-            while max_messages is None or len(self._held) < max_messages:
-                self._conn.process_data_events(time_limit=0.02)
-                now = time.monotonic()
-                if len(self._held) != seen:
-                    seen, last_arrival = len(self._held), now
-                if now >= next_check:
-                    next_check = now + 0.05
-                    if self._ready() == 0 and (seen >= self.count_at_open or now - last_arrival >= self._settle_s):
-                        break
-                if now - started > self._timeout_s:
-                    raise BrokerUnavailable(f"timed out after {self._timeout_s:g}s reading {self.queue}")
+            self._gather(max_messages, lambda seen, quiet: self._ready() == 0 and (
+                seen >= self.count_at_open or quiet >= self._settle_s))
         except FAILURES as exc:
             raise self._error(exc) from None
         held = self._held if max_messages is None else self._held[:max_messages]
@@ -139,6 +128,24 @@ class DeadQueue:
         # exactly the messages that were there when it attached.
         self.complete = len(held) >= self.count_at_open
         return list(held)
+
+    def _gather(self, until: int | None, enough: Callable[[int, float], bool]) -> None:
+        """Receive until *until* messages are held, or until *enough* (messages held, seconds since the
+        last one arrived) says so, asked every 50 ms; BrokerUnavailable past the reader's timeout."""
+        started = last_arrival = time.monotonic()
+        seen = len(self._held)
+        next_check = 0.0
+        while until is None or len(self._held) < until:
+            self._conn.process_data_events(time_limit=0.02)
+            now = time.monotonic()
+            if len(self._held) != seen:
+                seen, last_arrival = len(self._held), now
+            if now >= next_check:
+                next_check = now + 0.05
+                if enough(seen, now - last_arrival):
+                    break
+            if now - started > self._timeout_s:
+                raise BrokerUnavailable(f"timed out after {self._timeout_s:g}s reading {self.queue}")
 
     def poll(self) -> list[HeldMessage]:
         """Messages that arrived since the last :meth:`read` or :meth:`poll`."""

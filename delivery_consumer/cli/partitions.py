@@ -9,11 +9,9 @@ from pathlib import Path
 import click
 
 from ..errors import DeliveryError
-from ..partition_queues import Rerouted
-from ..partition_store import repartitioned_from, split_merge
-from ..partitions import SLOT_COUNT, partition_topologies, partition_topology, route, unrouted_name
+from ..partition_store import finish, pending_layout, repartitioned_from, split_merge
+from ..partitions import SLOT_COUNT, unrouted_name
 from ..placement import resolve
-from ..topology import Binding, Route, Topology
 from ._broker import amqp_options, topology_for
 from ._common import EXIT_OK, EXIT_REJECTED, Fatal, consumer_option, handle_errors
 
@@ -21,122 +19,102 @@ from ._common import EXIT_OK, EXIT_REJECTED, Fatal, consumer_option, handle_erro
 @click.command()
 @consumer_option(required=True)
 @amqp_options
-@click.option("--partitions", "count", required=True, type=click.IntRange(1, SLOT_COUNT),
-              help="The new partition count.")
+@click.option("--partitions", "count", type=click.IntRange(1, SLOT_COUNT), help="The new partition count.")
+@click.option("--unpartitioned", is_flag=True, help="Merge the partitions into one unpartitioned consumer.")
 @click.option("--state", "root", type=click.Path(path_type=Path), default=Path("state"), show_default=True,
               help="Directory holding <consumer>/p<k>/inbox.db.")
 @handle_errors
-def repartition(consumer: str, amqp_url: str, exchange: str, queue_prefix: str, count: int, root: Path) -> None:
-    """Move a partitioned consumer to COUNT partitions: its databases and its queues.
+def repartition(consumer: str, amqp_url: str, exchange: str, queue_prefix: str, count: int | None,
+                unpartitioned: bool, root: Path) -> None:
+    """Move a consumer to --partitions N partitions (or, --unpartitioned,
+    back to one unpartitioned consumer): its databases and its queues.
 
-    Refused unless every queue of the consumer (each partition's queue,
-    retry tiers and dead queue, and the unrouted queue) is empty and has no
-    consumer: stop the producers' dispatch, let the runs drain the queues,
-    stop them, then run this. Every article's catalog row, receipts and
-    fence rows move to their new partition; the new slot bindings are
-    declared before the old ones are removed. Whatever reached the old
-    queues meanwhile is then moved to its new partition by its key, and
-    queues no longer needed are deleted. Run it again if it was interrupted
-    or could not finish (it says so, exit 2).
+    Stop every run of the consumer first; its producers may go on publishing,
+    and its queues may hold any number of messages. Refused while any of its
+    queues has a consumer. Every article's catalog row, receipts and fence
+    rows move to their new partition; the new queues and slot bindings are
+    declared before the old ones are removed; then every message the former
+    layout's queues hold is moved by its key to its new partition's handover
+    queue, which that partition's run applies before its own queue, so each
+    article's events stay in order. Run it again if it was interrupted or
+    could not finish (it says so, exit 2): the runs refuse to start until it
+    has.
     """
-    from ..amqp.admin import declare, delete_unused_queues, queue_counts
+    from ..amqp.admin import queue_counts
     from ..errors import BrokerError
     from ..faults import pausepoint
+    from ..partition_queues import describe, layout, move_layout, switch_layout
 
+    if (count is None) != unpartitioned:
+        raise click.UsageError("give --partitions N or --unpartitioned")
     base = topology_for(consumer, exchange, queue_prefix)
     paths = resolve(consumer, root=root).checked()
-    unpartitioned = paths is None
+    plain = root / consumer / "inbox.db"
     if paths is None:
-        if not (root / consumer / "inbox.db").is_file():
+        if not plain.is_file():
             raise Fatal(f"{root / consumer}: no database of {consumer} here (inbox.db or p0/inbox.db ...)")
-        paths = [root / consumer / "inbox.db"]
-    old = len(paths)
-    previous: int | None = None if unpartitioned else old
-    # The databases are at COUNT already (done before, or interrupted after the swap): finish the broker side.
-    switched = old == count and not unpartitioned
-    if switched:
-        meta_from = repartitioned_from(paths[0])
-        unpartitioned = meta_from == "unpartitioned"
-        previous = None if unpartitioned else int(meta_from) if meta_from is not None else old
-    olds: list[tuple[Topology, int | None, int]] = [(base, None, 1)] if unpartitioned else [
-        (partition_topology(base, k), k, previous or old) for k in range(previous or old)]
-    old_queues = [q for t in partition_topologies(base, max(old, previous or 0)) + [t for t, _, _ in olds]
-                  for q, _ in t.queues()]
-    old_queues.append(unrouted_name(base))
+        paths = [plain]
+    current = None if paths == [plain] else len(paths)
     try:
-        states = queue_counts(amqp_url, list(dict.fromkeys(old_queues)), name="delivery-consumer repartition")
+        pending = pending_layout(paths[0])
+        recorded = repartitioned_from(paths[0])
+    except DeliveryError as exc:
+        raise Fatal(str(exc)) from None
+    # The databases are at the target already (done before, or interrupted after the swap): the broker side.
+    switched = current == count
+    previous = current
+    if switched and recorded is not None:
+        previous = None if recorded == "unpartitioned" else int(recorded)
+    relayout = not switched or (pending is not None and previous != count)
+    queues = [q for t in layout(base, previous) + layout(base, count)
+              for q in (*(name for name, _ in t.queues()), t.handover_queue)]
+    try:
+        states = queue_counts(amqp_url, list(dict.fromkeys([*queues, unrouted_name(base)])),
+                              name="delivery-consumer repartition")
     except BrokerError as exc:
         raise Fatal(str(exc)) from None
-    # Once switched, messages in the old queues are what this command moves; a consumer still holds them.
-    busy = [f"{q} ({_n(s.ready, 'message')}, {_n(s.consumers, 'consumer')})" for q, s in states.items()
-            if s is not None and (s.consumers or (s.ready and not switched))]
+    busy = [f"{q} ({_n(s.consumers, 'consumer')})" for q, s in states.items() if s is not None and s.consumers]
     if busy:
-        raise Fatal(f"refused: drain the queues and stop every run first; still busy: {', '.join(busy)}")
+        raise Fatal(f"refused: stop every run of {consumer} first; still consumed: {', '.join(busy)}")
     if not switched:
         try:
-            moved = split_merge(consumer, count, root)
+            done = split_merge(consumer, count, root)
         except DeliveryError as exc:
             raise Fatal(str(exc)) from None
-        for k, tables in sorted(moved.rows.items()):
+        for k, tables in sorted(done.rows.items()):
             rows = ", ".join(f"{n} {t}" for t, n in sorted(tables.items()))
-            click.echo(f"p{k}: {rows}")
-        click.echo(f"{consumer}: databases moved from {old} to {count} partitions; the old ones are in {moved.backup}",
-                   err=True)
+            click.echo(f"{'inbox.db' if count is None else f'p{k}'}: {rows}")
+        click.echo(f"{consumer}: databases moved from {describe(current)} to {describe(count)}; the old ones are in "
+                   f"{done.backup}", err=True)
     pausepoint("repartition-before-switch")
-    marker = partition_topologies(base, count)[0].count_marker
-    current = {q for t in partition_topologies(base, count) for q, _ in t.queues()}
     try:
-        delete_unused_queues(amqp_url, [marker])  # it records the old count; empty, never consumed
-        routes = [route(base, count, previous=previous)]
-        if unpartitioned and states.get(base.queue) is not None:  # its events now go through the slots only
-            routes.append(Route(unbind=tuple(Binding(base.exchange, base.queue, key) for key in base.binding_keys)))
-        declare(amqp_url, partition_topologies(base, count), routes=routes)
-        stranded = _move_stranded(amqp_url, base, count, olds)
-        obsolete = [q for t, _, _ in olds for q, _ in t.queues() if q not in current and q != marker]
-        kept = delete_unused_queues(amqp_url, obsolete)
-        left = queue_counts(amqp_url, kept, name="delivery-consumer repartition") if kept else {}
+        switch_layout(amqp_url, base, previous, count)
+        moved = move_layout(amqp_url, base, previous, count, relayout=relayout, rerun=switched)
     except BrokerError as exc:
-        raise Fatal(f"{exc} (the databases are at {count} partitions: run repartition again)") from None
-    if stranded:
-        click.echo(f"{consumer}: {stranded}", err=True)
-    if kept:
-        held = ", ".join(f"{q} ({_n(s.ready, 'message')}, {_n(s.consumers, 'consumer')})"
-                         for q, s in left.items() if s is not None)
-        raise Fatal(f"{consumer}: switched to {count} partitions, but queues of the old partitions are not empty or "
-                    f"in use: {held}; stop what consumes them and run repartition --consumer {consumer} "
-                    f"--partitions {count} again (it moves what they hold to the new partitions)")
-    click.echo(f"{consumer}: queues {base.prefix}.{consumer}.p0 .. p{count - 1} routed by slot mod {count}"
-               + (f"; {_n(len(obsolete), 'queue')} of the old partitions deleted" if obsolete else ""), err=True)
+        raise Fatal(f"{exc} (the databases are at {describe(count)}: run repartition again)") from None
+    if moved.moved or moved.kept:
+        into = ", ".join(f"{q} {n}" for q, n in sorted(moved.into.items()))
+        click.echo(f"{consumer}: {_n(moved.moved, 'message')} of the former layout moved to their partitions by key"
+                   + (f" ({into})" if into else "") + (f"; {moved.kept} dead letters kept in place" if moved.kept
+                                                        else ""), err=True)
+    again = f"delivery-consumer repartition --consumer {consumer} " + (
+        "--unpartitioned" if count is None else f"--partitions {count}")
+    if moved.left or moved.stuck:
+        held = [f"{q} ({_n(s.ready, 'message')}, {_n(s.consumers, 'consumer')})" for q, s in moved.stuck.items()]
+        held += [f"{event_id or '-'} {why}" for event_id, why in moved.left[:5]]
+        raise Fatal(f"{consumer}: switched to {describe(count)}, but not finished: {'; '.join(held)}; stop what "
+                    f"consumes them and run {again} again (the runs refuse to start until it has finished)")
+    try:
+        finish(resolve(consumer, root=root).checked() or [plain])
+    except DeliveryError as exc:
+        raise Fatal(str(exc)) from None
+    routed = (f"queue {base.queue} bound to {base.exchange}" if count is None
+              else f"queues {base.prefix}.{consumer}.p0 .. p{count - 1} routed by slot mod {count}")
+    click.echo(f"{consumer}: {routed}; start its runs", err=True)
 
 
 def _n(n: int, what: str) -> str:
     return f"{n} {what}" + ("" if n == 1 else "s")
-
-
-def _move_stranded(url: str, base: Topology, count: int, olds: list[tuple[Topology, int | None, int]]) -> str:
-    """Move what the old queues (and the unrouted queue) hold after the switch to the new partitions;
-    what was done, in a few words ("" when they were empty)."""
-    from ..amqp.admin import queue_counts
-    from ..partition_queues import move_stranded, reroute
-
-    unrouted = unrouted_name(base)
-    queues = [(t, k, n, q) for t, k, n in olds for q, _ in t.queues() if q != t.count_marker]
-    states = queue_counts(url, [q for *_, q in queues] + [unrouted], name="delivery-consumer repartition")
-    done: list[Rerouted] = []
-    for topo, k, n, queue in queues:
-        state = states.get(queue)
-        if state is not None and state.ready:
-            done += move_stranded(url, base, queue, count, old=k, old_count=n, dead=queue == topo.dead_queue)
-    waiting = states.get(unrouted)
-    if waiting is not None and waiting.ready:
-        done += reroute(url, base)
-    moved = sum(1 for d in done if d.outcome.startswith(("moved", "rerouted")))
-    left = [d for d in done if d.outcome.startswith("left")]
-    if not moved and not left:
-        return ""
-    return (f"{_n(moved, 'message')} that reached the old queues meanwhile moved to the new partitions by key"
-            + (f"; {len(left)} left: " + ", ".join(f"{d.event_id or '-'} ({d.outcome[6:]})" for d in left[:5])
-               if left else ""))
 
 
 @click.command()

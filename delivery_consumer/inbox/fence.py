@@ -26,7 +26,7 @@ from ..contract import DeliveryMark, Outcome, WorkHooks
 from ..envelope import Envelope
 from ..errors import OUTCOME_UNKNOWN, REVISION_CONFLICT, FenceError, Rejection, StoreUnavailable, TransientError
 from ..faults import crashpoint
-from ..partitions import misplaced
+from ..partitions import delivery_outcome, forwarded_to, misplaced
 from ..sqlite import now_iso
 from .apply import Transaction, apply_batch, duplicate, receipt_of, unsynced_transaction
 from .database import ConsumerDB
@@ -446,8 +446,11 @@ class _Completion:
         # Deliveries answered without a call first, then the called ones, in order.
         called = [isinstance(self.answers.get(id(item)), _Plan) for item in self.parsed]
         order = [i for i, c in enumerate(called) if not c] + [i for i, c in enumerate(called) if c]
-        for i in order:
-            self.marks[i].record(tx, outcomes[i].event_id, outcomes[i].status)
+        for i in order:  # an event of another partition: run forwards it (partitions.forwarded_to)
+            item, rejection = self.parsed[i], outcomes[i].rejection
+            home = forwarded_to(rejection.code if rejection is not None else None,
+                                item.key if isinstance(item, Envelope) else None, tx.db.partition)
+            self.marks[i].record(tx, outcomes[i].event_id, delivery_outcome(outcomes[i].status, home))
         if self.hooks.in_flight is not None:
             self.hooks.in_flight.clear(tx)
 

@@ -9,7 +9,9 @@ from typing import Any
 
 from .. import consumers
 from ..envelope import MAX_BODY_BYTES
+from ..errors import ConfigError
 from ..inbox import ConsumerDB
+from ..partition_store import PENDING_KEY, pending_words
 from ..partitions import Identity
 from ..placement import database
 from ..topology import DEFAULT_DELIVERY_LIMIT, DEFAULT_EXCHANGE, DEFAULT_PREFIX, DEFAULT_RETRY_DELAYS_MS, Topology
@@ -68,6 +70,13 @@ class RunConfig:
         path = self.database_path()
         db = consumers.open_db(path, self.consumer, create=True, partition=self.partition,
                                unpartitioned=self.partition is None)
+        pending = db.meta().get(PENDING_KEY)
+        if pending is not None:
+            db.close()
+            words, option = pending_words(pending)
+            raise ConfigError(f"{path}: the repartition of {self.consumer} to {words} has not finished (its queues "
+                              f"are not switched yet): run delivery-consumer repartition --consumer {self.consumer} "
+                              f"{option} again, then start the runs")
         log = logging.getLogger("delivery_consumer.run")
         if db.created:  # a first start, or a --db with a typo: the operator sees where state now lives
             log.warning("%s: no database was there; created a new, empty one for %s", db.path.resolve(), self.consumer)

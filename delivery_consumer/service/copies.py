@@ -1,11 +1,12 @@
 """The copies ``run`` publishes instead of losing a message: to a retry tier
-after a transient failure, to the dead queue after a rejection. Each carries
-its attempt count sealed with the consumer's key, and only a count so sealed
-is read back (retry.py)."""
+after a transient failure, to the dead queue after a rejection, to its own
+partition's queue for a message of another partition. Each carries its attempt
+count sealed with the consumer's key, and only a count so sealed is read back
+(retry.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..contract import Outcome
@@ -23,6 +24,7 @@ from ..topology import (
     H_ERROR_CODE,
     H_ERROR_REASON,
     H_FAILED_AT,
+    H_FORWARDED_FROM,
     H_LAST_ERROR,
     H_ROUTING_KEY,
     Topology,
@@ -38,10 +40,10 @@ def seal_key(db: ConsumerDB) -> bytes | None:
 
 @dataclass(slots=True)
 class Copy:
-    kind: str  # "retry" | "dead"
+    kind: str  # "retry" | "dead" | "forward"
     delivery: Delivery
     message: OutMessage
-    rejection: Rejection | None  # what to record in `rejected` (dead copies)
+    rejection: Rejection | None  # what to record in `rejected` (dead copies); why (forwarded ones)
     attempts: int
 
 
@@ -103,6 +105,23 @@ class CopyMaker:
             content_encoding=d.content_encoding,
         )
         return Copy("dead", d, message, rejection, attempt)
+
+    def forward(self, d: Delivery, rejection: Rejection, partition: int) -> Copy:
+        """*d*, an event of partition *partition* that reached this one, sent on to that partition's queue
+        as it came (its attempts unchanged; the broker's redelivery headers left behind)."""
+        home = replace(self.topology, partition=partition, partition_count=None)
+        headers = {k: v for k, v in d.headers.items() if k not in BROKER_HEADERS}
+        headers.setdefault(H_ROUTING_KEY, d.routing_key)
+        headers[H_FORWARDED_FROM] = self.topology.queue
+        message = OutMessage(
+            routing_key=home.queue,
+            body=d.body,
+            message_id=d.message_id or rejection.event_id,
+            headers=headers,
+            content_type=d.content_type or "application/json",
+            content_encoding=d.content_encoding,
+        )
+        return Copy("forward", d, message, rejection, self.attempts(d))
 
     def _headers(self, d: Delivery, attempts: int) -> dict[str, Any]:
         """*d*'s headers for a copy carrying *attempts*, sealed (without a key: no seal)."""

@@ -21,9 +21,18 @@ from ..cloudevents import parse_message
 from ..contract import DeliveryMark, Outcome, WorkHooks
 from ..deliveries import Delivery, Observer, OutMessage, delivery_key
 from ..envelope import KOMBU_COMPRESSION_HEADER, Envelope, body_digest, is_event_id
-from ..errors import DELIVERY_LIMIT, DatabaseLost, DeliveryError, Rejection, StoreOutage, StoreUnavailable
+from ..errors import (
+    DELIVERY_LIMIT,
+    FORWARDED,
+    DatabaseLost,
+    DeliveryError,
+    Rejection,
+    StoreOutage,
+    StoreUnavailable,
+)
 from ..faults import crashpoint
 from ..inbox import ConsumerDB, InFlight, Transaction, apply_batch, has_receipt
+from ..partitions import delivery_outcome, forwarded_to
 from ..plural import count
 from ..retry import RetryPolicy, reconnect_delay_s
 from ..topology import H_ATTEMPTS, H_DELIVERY_COUNT, H_PRODUCED_MS
@@ -61,6 +70,8 @@ class Stats:
     rejected: Counter[str] = field(default_factory=Counter)
     retried: int = 0
     dead_lettered: Counter[str] = field(default_factory=Counter)
+    #: Events of another partition sent on to theirs.
+    forwarded: int = 0
     batches: int = 0
     acked: int = 0
     last_commit: float = 0.0
@@ -76,7 +87,9 @@ class Stats:
         span = self.last_ack - self.first_delivery if self.acked else 0.0
         rate = f" ({self.acked / self.busy_s:.0f}/s)" if self.busy_s > 0 else ""  # idle time aside
         return (f"{count(self.acked, 'delivery', 'deliveries')} acked in {count(self.batches, 'batch', 'batches')}: "
-                f"{done}; {self.retried} retried, {sum(self.dead_lettered.values())} dead-lettered; first delivery "
+                f"{done}; {self.retried} retried, {sum(self.dead_lettered.values())} dead-lettered"
+                + (f", {self.forwarded} forwarded to their partitions" if self.forwarded else "")
+                + "; first delivery "
                 f"to last ack {span:.3f}s, {self.busy_s:.3f}s busy{rate}")
 
 
@@ -341,12 +354,25 @@ class Worker(threading.Thread):
         self.observer.batch_committed(outcomes, time.perf_counter() - started, self.stats.last_commit)
         if self.observer.wants_ages:
             _observe_ages(self.observer, items, parsed, outcomes, self.stats.last_commit)
-        copies = [c for c in (self.copies.for_outcome(d, o) for d, o in zip(items, outcomes, strict=True)) if c]
+        copies = [c for c in (self._copy_for(d, o, p) for d, o, p in zip(items, outcomes, parsed, strict=True)) if c]
         if copies and not self._publish_copies(gen, copies):
             return False
         self._settle(gen, items, outcomes)
         trace.end()
         return True
+
+    def _home(self, outcome: Outcome, parsed: Envelope | Rejection) -> int | None:
+        """The partition a misplaced event belongs to (rejected ``wrong-partition`` here), else None."""
+        return forwarded_to(outcome.rejection.code if outcome.rejection is not None else None,
+                            parsed.key if isinstance(parsed, Envelope) else None,
+                            self.db.partition if self.db is not None else None)
+
+    def _copy_for(self, d: Delivery, outcome: Outcome, parsed: Envelope | Rejection) -> Copy | None:
+        """The copy *outcome* calls for: an event of another partition is forwarded to that partition's
+        queue, in the order it came (never dead-lettered: a repartition or a producer put it here)."""
+        if outcome.rejection is not None and (home := self._home(outcome, parsed)) is not None:
+            return self.copies.forward(d, outcome.rejection, home)
+        return self.copies.for_outcome(d, outcome)
 
     def _answered(self, parsed: Envelope | Rejection) -> bool:
         assert self.db is not None
@@ -415,15 +441,16 @@ class Worker(threading.Thread):
             return db.spec.external(self.config.consumer_options)(db, parsed, marks, self._hooks())
 
         def count_deliveries(tx: Transaction, outcomes: list[Outcome]) -> None:
-            for d, outcome in zip(items, outcomes, strict=True):
+            for d, outcome, p in zip(items, outcomes, parsed, strict=True):
                 if not isolated and self._first_and_applied(d, outcome):
                     continue  # its receipt says it all: delivered once, applied (see below)
+                home = self._home(outcome, p)
                 tx.record_delivery(
                     delivery_key(d),
                     outcome.event_id,
                     redelivered=d.redelivered,
                     attempt=self.copies.attempts(d) + 1,
-                    outcome=outcome.status,
+                    outcome=delivery_outcome(outcome.status, home),
                     # a duplicate was delivered at least once before (its receipt says so)
                     delivered_hint=max(_int_header(d.headers, H_DELIVERY_COUNT) + 1,
                                        2 if outcome.status.startswith("duplicate:") else 1),
@@ -516,7 +543,14 @@ class Worker(threading.Thread):
         crashpoint("after-dead-confirm" if dead else "after-retry-confirm")
         for c in copies:
             self.observer.copy_published(c.kind, c.rejection.code if c.rejection else "retry")
-            if c.kind == "retry":
+            if c.kind == "forward":
+                assert c.rejection is not None
+                self.stats.forwarded += 1
+                log.warning("event %s forwarded to %s: %s", c.rejection.event_id or "-", c.message.routing_key,
+                            c.rejection.reason,
+                            extra={"eventId": c.rejection.event_id, "outcome": FORWARDED, "reason": c.rejection.reason,
+                                   "deliveryTag": c.delivery.tag, "queue": c.message.routing_key})
+            elif c.kind == "retry":
                 self.stats.retried += 1
                 log.warning("event %s attempt %d failed transiently; retry copy sent to %s",
                             c.message.message_id or "-", c.attempts, c.message.routing_key,

@@ -124,8 +124,8 @@ def test_consumers_with_different_counts_share_the_exchange(cluster: Cluster, co
 
 def test_an_event_without_a_slot_waits_in_unrouted_until_rerouted(cluster: Cluster) -> None:
     """A message without the slot headers reaches no partition: it waits in <consumer>.unrouted (also
-    when another consumer took it, so no return could tell), repartition refuses until it is gone, and
-    reroute sends it to its article's partition."""
+    when another consumer took it, so no return could tell), and reroute sends it to its article's
+    partition."""
     from delivery_consumer.amqp.publisher import Publisher
     from delivery_consumer.deliveries import OutMessage
 
@@ -138,12 +138,6 @@ def test_an_event_without_a_slot_waits_in_unrouted_until_rerouted(cluster: Clust
     assert result.ok  # audit took it: the broker returns nothing
     unrouted = f"{ns.prefix}.catalog.unrouted"
     wait_until("the message in unrouted", lambda: ns.count(unrouted) == 1, 30)
-    for k in range(PARTITIONS):
-        cluster.start(k)
-    cluster.stop()  # creates the partition databases
-    refused = ns.cli("repartition", "--consumer", "catalog", "--partitions", "4")
-    assert refused.returncode == 2 and f"{unrouted} (1 message, 0 consumers)" in refused.stderr
-
     moved = ns.cli("reroute", "--consumer", "catalog")  # back through the slot route, by its articleId
     assert moved.returncode == 0, moved.stderr
     assert moved.stdout.split() == ["rerouted", event["eventId"]]
@@ -168,3 +162,73 @@ def test_another_count_is_refused_by_the_broker(cluster: Cluster) -> None:
     ran = ns.cli("run", "--consumer", "catalog", "--partition", "0", "--partitions", "4", "--db",
                  str(ns.workdir / "other.db"))
     assert ran.returncode == 2 and "partitioned with another count" in ran.stderr, ran.stderr
+
+
+def test_an_event_of_another_partition_is_forwarded_in_order_and_status_names_it(cluster: Cluster) -> None:
+    """Events whose producer sent another partition's slot headers reach the wrong partition's run: it
+    forwards each, in the order they came, to its own partition, where all are applied `updated` (none
+    `stale`); nothing is dead-lettered or rejected; trace says where each went; status names the
+    partition that received them and why it happens."""
+    from deploykit import dc, write_deployment
+
+    from delivery_consumer.amqp.publisher import Publisher
+    from delivery_consumer.deliveries import OutMessage
+    from delivery_consumer.partitions import slot_headers
+
+    ns = cluster.ns
+    events = make_events(60, 6, seed=31)
+    home = partition_of(events[0]["articleId"], PARTITIONS)
+    stray = [e for e in events if e["articleId"] == events[0]["articleId"]]
+    elsewhere = next(f"x-{i}" for i in range(100) if partition_of(f"x-{i}", PARTITIONS) != home)
+    with Publisher(ns.url, exchanges=[ns.exchange]) as pub:
+        results = pub.publish([OutMessage(e["type"], orjson.dumps(e), ns.exchange, e["eventId"], headers=slot_headers(
+            elsewhere if e in stray else e["articleId"])) for e in events])
+    assert all(r.ok for r in results)
+    runs = [cluster.start(k) for k in range(PARTITIONS)]
+    wait_until("every receipt", lambda: cluster.receipts() >= len(events), 120, runs)
+    cluster.stop()
+    assert cluster.check_exactly_once(events) == {"updated": len(events)}
+    assert all(count_rows(cluster.db(k), "rejected") == 0 for k in range(PARTITIONS))
+    assert [ns.count(ns.topology("catalog", partition=k).dead_queue) for k in range(PARTITIONS)] == [0] * PARTITIONS
+    forwarded = read_rows(cluster.db(1 - home), "deliveries", "event_id, last_outcome")
+    assert forwarded == sorted((e["eventId"], f"forwarded:p{home}") for e in stray)
+    assert "forwarded to their partitions" in runs[1 - home].output()[1]
+
+    traced = ns.cli("trace", "--consumer", "catalog", stray[-1]["eventId"])
+    assert traced.returncode == 0, traced.stderr
+    assert f"it belongs to partition p{home}: forwarded to it" in traced.stdout, traced.stdout
+    config = write_deployment(ns.workdir, ns=ns, consumers=("catalog",), partitions={"catalog": PARTITIONS})
+    shown = dc(config, "status", "--json")
+    assert shown.returncode == 1, shown.stdout
+    [problem] = orjson.loads(shown.stdout)["problems"]
+    assert problem.startswith(f"catalog/p{1 - home}: {len(stray)} events of other partitions reached "
+                              f"{ns.prefix}.catalog.p{1 - home} in the last hour"), problem
+    assert "a producer computing another slot" in problem
+
+
+def test_reroute_moves_more_than_a_quorum_queue_hands_one_reader(cluster: Cluster) -> None:
+    """2,500 messages without slot headers wait in the unrouted queue (a quorum queue gives a reader without a
+    prefetch limit 2,000 at most): reroute moves every one to its article's partition, in order per
+    article."""
+    from delivery_consumer.amqp.admin import queue_counts
+    from delivery_consumer.amqp.publisher import Publisher
+    from delivery_consumer.deliveries import OutMessage
+
+    ns = cluster.ns
+    events = make_events(2_500, 50, seed=37)
+    with Publisher(ns.url, exchanges=[ns.exchange]) as pub:
+        assert all(r.ok for r in pub.publish([OutMessage(e["type"], orjson.dumps(e), ns.exchange, e["eventId"])
+                                              for e in events]))
+    unrouted = f"{ns.prefix}.catalog.unrouted"
+    wait_until("every message in unrouted", lambda: ns.count(unrouted) == len(events), 60)
+    moved = ns.cli("reroute", "--consumer", "catalog")
+    assert moved.returncode == 0, moved.stderr
+    assert f"{len(events)} of {len(events)} messages from {unrouted} rerouted" in moved.stderr
+    queues = [ns.topology("catalog", partition=k).queue for k in range(PARTITIONS)]
+    states = queue_counts(ns.url, [unrouted, *queues])
+    assert states[unrouted] is not None and states[unrouted].ready == 0
+    assert sum(s.ready for q, s in states.items() if q in queues and s is not None) == len(events)
+    runs = [cluster.start(k) for k in range(PARTITIONS)]
+    wait_until("every receipt", lambda: cluster.receipts() >= len(events), 120, runs)
+    cluster.stop()
+    assert cluster.check_exactly_once(events) == {"updated": len(events)}

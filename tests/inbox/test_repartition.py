@@ -66,7 +66,7 @@ def test_repartition_4_8_2_keeps_the_ledger(cluster: Cluster) -> None:
     holder = cluster.start(2)
     refused = cluster.ns.cli("repartition", "--consumer", "catalog", "--partitions", "8")
     assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
-    assert "refused: drain the queues and stop every run first" in refused.stderr
+    assert "refused: stop every run of catalog first; still consumed: " in refused.stderr
     os.kill(holder.pid, signal.SIGTERM)
     holder.communicate(timeout=60)
     cluster.procs.clear()
@@ -182,8 +182,7 @@ def test_events_published_in_repartitions_window_are_moved_not_stranded(cluster:
     os.kill(paused.pid, signal.SIGCONT)
     _out, err = paused.communicate(timeout=300)
     assert paused.returncode == 0, err
-    elsewhere = sum(partition_of(str(e["articleId"]), count) != partition_of(str(e["articleId"]), 4) for e in window)
-    assert 0 < elsewhere and f"{elsewhere} messages that reached the old queues meanwhile moved" in err, err
+    assert f"{len(window)} messages of the former layout moved to their partitions by key" in err, err
 
     from delivery_consumer.amqp.admin import queue_counts
 
@@ -200,7 +199,8 @@ def test_events_published_in_repartitions_window_are_moved_not_stranded(cluster:
 def test_status_reports_a_message_in_a_queue_of_the_former_count_and_repartition_moves_it(
         cluster: Cluster, tmp_path: Path) -> None:
     """After 4 -> 2, a message in a queue of the former 4 partitions makes status red with the fix
-    (repartition again), and running it again moves the message to its article's partition."""
+    (repartition again), and running it again moves the message to its article's partition (its
+    handover queue, which status shows waiting for that partition's run)."""
     from deploykit import dc, write_deployment
 
     from delivery_consumer.amqp.admin import declare
@@ -232,11 +232,12 @@ def test_status_reports_a_message_in_a_queue_of_the_former_count_and_repartition
 
     again = dc(config, "repartition", "--consumer", "catalog", "--partitions", "2")
     assert again.returncode == 0, again.stderr
-    assert "1 message that reached the old queues meanwhile moved" in again.stderr, again.stderr
-    home = ns.topology("catalog", partition=partition_of(str(stray["articleId"]), 2)).queue
-    assert ns.count(home) == 1
+    assert "1 message of the former layout moved to their partitions by key" in again.stderr, again.stderr
+    home = ns.topology("catalog", partition=partition_of(str(stray["articleId"]), 2))
+    assert ns.count(home.handover_queue) == 1
     after = orjson.loads(dc(config, "status", "--json").stdout)["problems"]
-    assert after == [f"catalog/p{home[-1]}: 1 message waits in {home} and no consumer is connected"], after
+    assert after == [f"catalog/p{home.partition}: 1 message waits in {home.handover_queue} (moved there by "
+                     "repartition, applied first) and no consumer is connected"], after
 
 
 @pytest.mark.broker
@@ -257,7 +258,7 @@ def test_an_unpartitioned_consumers_window_is_moved_and_its_queue_unbound(undecl
     os.kill(paused.pid, signal.SIGCONT)
     _out, err = paused.communicate(timeout=300)
     assert paused.returncode == 0, err
-    assert f"{len(window)} messages that reached the old queues meanwhile moved" in err, err
+    assert f"{len(window)} messages of the former layout moved to their partitions by key" in err, err
     from delivery_consumer.amqp.admin import queue_counts
 
     assert queue_counts(ns.url, [f"{ns.prefix}.catalog"]) == {f"{ns.prefix}.catalog": None}
@@ -269,8 +270,9 @@ def test_an_unpartitioned_consumers_window_is_moved_and_its_queue_unbound(undecl
 @pytest.mark.broker
 def test_a_publisher_that_goes_on_across_repartitions_switch_loses_and_doubles_nothing(cluster: Cluster) -> None:
     """A publisher started inside repartition's window and still publishing across the switch (4 -> 8): every
-    event ends with exactly one receipt in its new partition and the catalog holds each article's last
-    revision (an event moved behind a newer one of its article is answered stale, never applied)."""
+    event ends with exactly one receipt in its new partition, `updated` (none `stale`: an article's events
+    moved from the old queues are applied before those routed after the switch), and the catalog holds each
+    article's last revision."""
     ns = cluster.ns
     events = make_events(6 * ARTICLES, ARTICLES, seed=17)
     before, stream = events[: ARTICLES], events[ARTICLES:]
@@ -289,7 +291,7 @@ def test_a_publisher_that_goes_on_across_repartitions_switch_loses_and_doubles_n
     cluster.count = 8
     _apply_everything(cluster, events)
     results = cluster.check_exactly_once(events)
-    assert set(results) <= {"updated", "stale"} and sum(results.values()) == len(events), results
+    assert results == {"updated": len(events)}, results
 
 
 @pytest.mark.broker
@@ -315,3 +317,41 @@ def test_an_old_queue_it_cannot_delete_is_named_and_a_second_run_finishes(cluste
     from delivery_consumer.amqp.admin import queue_counts
 
     assert queue_counts(ns.url, [old_dead]) == {old_dead: None}
+
+
+@pytest.mark.broker
+def test_an_interrupted_repartition_is_refused_by_run_named_by_status_and_finished_by_a_second(
+        cluster: Cluster) -> None:
+    """repartition killed after it moved the databases, before it switched the queues (events published
+    meanwhile wait in the old ones): run refuses the new databases in one line naming the command that
+    finishes, status says the repartition has not finished, and a second repartition finishes it -- every
+    event applied once in its new partition, `updated`."""
+    from deploykit import dc, write_deployment
+
+    ns = cluster.ns
+    events = make_events(4 * ARTICLES, ARTICLES, seed=41)
+    before, meanwhile = events[: 2 * ARTICLES], events[2 * ARTICLES:]
+    consume(cluster, before, len(before))
+    paused = _repartition_paused(ns, 3)
+    cluster.publish(meanwhile)
+    paused.kill()
+    paused.communicate(timeout=60)
+
+    refused = ns.cli("run", "--consumer", "catalog", "--partition", "0", "--partitions", "3")
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert ("the repartition of catalog to 3 partitions has not finished (its queues are not switched yet)"
+            in refused.stderr
+            and "delivery-consumer repartition --consumer catalog --partitions 3 again" in refused.stderr)
+    config = write_deployment(ns.workdir, ns=ns, consumers=("catalog",), partitions={"catalog": 3})
+    shown = dc(config, "status", "--json")
+    assert shown.returncode == 1
+    problems = orjson.loads(shown.stdout)["problems"]
+    assert any(p.startswith("catalog: its repartition to 3 partitions has not finished") for p in problems), problems
+
+    again = ns.cli("repartition", "--consumer", "catalog", "--partitions", "3")
+    assert again.returncode == 0, again.stderr
+    assert f"{len(meanwhile)} messages of the former layout moved" in again.stderr, again.stderr
+    cluster.count = 3
+    _apply_everything(cluster, events)
+    assert cluster.check_exactly_once(events) == {"updated": len(events)}
+    assert orjson.loads(dc(config, "status", "--json").stdout)["problems"] == []
