@@ -22,6 +22,7 @@ import orjson
 
 from .. import sqlite
 from ..contract import ApplyFn, ConsumerSpec, DeliveryCount, Outcome
+from ..dbfile import ContentTags
 from ..envelope import Envelope
 from ..errors import EVENT_ID_REUSED, WRONG_PARTITION, DatabaseError, Rejection, TransientError, safe_reason
 from ..partitions import Identity, misplaced
@@ -43,6 +44,9 @@ class Store(Protocol):
     partition: Identity | None
     #: When the receipt counters are next caught up (``time.monotonic``).
     count_due: float
+    #: The content tags of the file's one writer (None: not watched): a new one goes
+    #: into the header with each catch-up (dbfile.ContentTags).
+    tags: ContentTags | None
 
     def transaction(self) -> Transaction:
         """One write transaction (``BEGIN IMMEDIATE`` ... ``COMMIT``)."""
@@ -209,6 +213,8 @@ class Transaction:
                 if monotonic() >= db.count_due:  # the receipt counters, at most every CATCH_UP_S
                     counters.catch_up(self.conn)
                     db.count_due = monotonic() + counters.CATCH_UP_S
+                    if db.tags is not None:
+                        self._cursor.execute(f"PRAGMA application_id = {db.tags.next()}")
                 self._cursor.execute("COMMIT")
             except sqlite3.Error as error:
                 exc = error

@@ -9,16 +9,18 @@ older one up to date under one write lock. Transactions on it:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from .. import sqlite
 from ..contract import ConsumerSpec
-from ..dbfile import FileGuard, SerialLock
-from ..errors import DatabaseError, StoreUnavailable, WrongDatabase, safe_reason
+from ..dbfile import ContentTags, FileGuard, SerialLock, check_one_name, open_elsewhere
+from ..errors import DatabaseError, StoreUnavailable, TakenOver, WrongDatabase, safe_reason
 from ..partitions import Identity, identity_from_meta
 from ..placement import default_db
 from ..sqlite import DEFAULT_BUSY_TIMEOUT_MS, now_iso
@@ -158,6 +160,9 @@ CORE_MIGRATIONS: tuple[str, ...] = (
 STORE_VERSION = len(CORE_MIGRATIONS)
 #: The ``meta`` key of the consumer's seal key (hex), made by the first writable open.
 SEAL_KEY = "seal_key"
+#: The ``meta`` key of the database's identity (32 hex digits), made by the first writable open:
+#: a copy or a backup of it has the same, a new database another (restores: ``acked.py``).
+DATABASE_ID = "database_id"
 #: The ``meta`` key naming the release that last migrated the database ("delivery-consumer X.Y.Z").
 SCHEMA_BY_KEY = "schema_by"
 _CONSUMER_VERSION_KEY = "consumer_schema_version"
@@ -192,6 +197,10 @@ class ConsumerDB:
         self.guard: FileGuard | None = None
         #: When (time.monotonic) the next commit folds new receipts into the counters.
         self.count_due = 0.0
+        #: Set once another run took the database over from this frozen one (WriterLock.superseded).
+        self.superseded: threading.Event | None = None
+        #: The content tags of the file's one writer (:meth:`watch_content`); None for others.
+        self.tags: ContentTags | None = None
         self._serial: SerialLock | None = None
 
     # -- opening ---------------------------------------------------------------
@@ -208,6 +217,7 @@ class ConsumerDB:
         busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS,
         partition: Identity | None = None,
         unpartitioned: bool = False,
+        empty_ok: bool = False,
     ) -> ConsumerDB:
         """Open (and with ``create`` make) the database of the consumer *spec*.
 
@@ -216,7 +226,11 @@ class ConsumerDB:
         by *lookup*. Raises :class:`DatabaseError` for a missing, foreign,
         corrupt, newer or other consumer's database -- and, with *partition*,
         for a database of another partition or count (a new one records
-        *partition*); with *unpartitioned*, for any partition's.
+        *partition*); with *unpartitioned*, for any partition's. An existing
+        file that holds no database (0 bytes, no tables: a failed recovery, a
+        truncated copy) is refused unless *empty_ok* (``init``, or the writer
+        lock that made the file just now), and a writable open refuses a file
+        with more than one name (hard links: SQLite journals per name).
         """
         consumer = spec.name if spec is not None else None
         if path is None:
@@ -240,10 +254,23 @@ class ConsumerDB:
             except OSError as exc:
                 raise DatabaseError(f"{path}: cannot create its directory: {exc.strerror or exc}") from None
         checked = path
+        if exists and not readonly:
+            try:
+                check_one_name(path)
+            except FileNotFoundError:
+                exists = False
+
+        was_empty = [False]
 
         def refuse_foreign(conn: sqlite3.Connection) -> None:
             # Before the switch to WAL, which is persistent: refusing must not modify the file.
-            cls._recorded_consumer(conn, checked)
+            was_empty[0] = cls._recorded_consumer(conn, checked) is None
+            if was_empty[0] and exists and not empty_ok and not open_elsewhere(checked):
+                raise DatabaseError(
+                    f"{checked}: this file holds no database ({checked.stat().st_size} bytes, no tables) where one "
+                    f"was expected: not adopted as a new one. A failed recovery or copy leaves such a file: restore "
+                    f"a backup or recover the old file (docs/failures.md, \"Restores\"); if a new, empty database "
+                    f"is meant, delete the file (run creates one) or run init on it")
 
         conn = sqlite.connect(path, readonly=readonly, busy_timeout_ms=busy_timeout_ms,
                               check=None if readonly else refuse_foreign, pragmas=() if readonly else _WRITER_PRAGMAS)
@@ -264,7 +291,7 @@ class ConsumerDB:
                 cls._check_consumer_version(conn, path, spec)
             db = cls(conn, path, spec, readonly)
             db.partition = identity_from_meta(db.meta())
-            db.created = not exists
+            db.created = not exists or was_empty[0]
             if not readonly:
                 db.guard = FileGuard(path)
         return db
@@ -371,6 +398,7 @@ class ConsumerDB:
             # of an older release gets one now.
             conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES (?, ?)",
                          (SEAL_KEY, os.urandom(32).hex()))  # not secrets: start-up time counts
+            conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES (?, ?)", (DATABASE_ID, os.urandom(16).hex()))
             row = conn.execute(
                 "SELECT value FROM meta WHERE key = ?", (_CONSUMER_VERSION_KEY,)
             ).fetchone()
@@ -391,17 +419,46 @@ class ConsumerDB:
         return self.spec.name
 
     def close(self) -> None:
+        # SQLite's connection first: closing a descriptor of the file while it is
+        # open would release its locks (dbfile.release_fd).
         self.conn.close()
         if self._serial is not None:
             self._serial.close()
+        if self.guard is not None:
+            self.guard.close()
 
     def serial(self) -> SerialLock:
         """``with db.serial():`` -- one process at a time in the block, across
-        connections and processes (an ``flock`` on ``<db>.serial.lock``): for a
-        protocol whose steps span several transactions (the fence)."""
+        connections, processes and every name of the file (an OFD lock on a byte
+        of the database file itself): for a protocol whose steps span several
+        transactions (the fence)."""
         if self._serial is None:
-            self._serial = SerialLock(Path(f"{self.path}.serial.lock"))
+            self._serial = SerialLock(self.path, self.guard.identity if self.guard is not None else None)
         return self._serial
+
+    def watch_content(self) -> None:
+        """From now on, notice a copy written over the file (the file's one writer calls it):
+        a new tag in the header, checkpointed into the file at once; every commit's
+        check then reads the main file's tag whenever the file was written
+        (dbfile.FileGuard). The tag changes again at most every second a commit is made."""
+        if self.guard is None or self.readonly:
+            return
+        tags = self.guard.watch()
+        with self.transaction() as tx:
+            tx.conn.execute(f"PRAGMA application_id = {tags.next()}")
+        self.tags = tags
+        with contextlib.suppress(sqlite3.Error):  # a busy checkpoint is done later by a commit
+            self.conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        self.check_file()
+
+    def database_id(self) -> str:
+        """The database's identity (:data:`DATABASE_ID`; "" for a database opened read-only before it had one)."""
+        row = self.conn.execute("SELECT value FROM meta WHERE key = ?", (DATABASE_ID,)).fetchone()
+        return str(row[0]) if row else ""
+
+    def high_water(self) -> int:
+        """The rowid of the newest receipt: receipts only ever go up it (prune keeps the newest)."""
+        return int(self.conn.execute("SELECT coalesce(max(rowid), 0) FROM inbox").fetchone()[0])
 
     def __enter__(self) -> ConsumerDB:
         return self
@@ -428,6 +485,9 @@ class ConsumerDB:
         committed into a lost file is acknowledged or reported."""
         if self.guard is not None:
             self.guard.check()
+        if self.superseded is not None and self.superseded.is_set():
+            raise TakenOver(f"{self.path}: another run took this database over while this one was frozen (its "
+                            f"note {self.path}.lock names it); stopped: nothing written since is acknowledged")
 
     def check_integrity(self, limit_s: float) -> bool:
         """``PRAGMA quick_check``, given at most *limit_s* seconds: raise
@@ -467,4 +527,4 @@ class ConsumerDB:
         return dict(self.conn.execute("SELECT key, value FROM meta").fetchall())
 
 
-__all__ = ["CORE_MIGRATIONS", "SEAL_KEY", "STORE_VERSION", "ConsumerDB", "SpecLookup"]
+__all__ = ["CORE_MIGRATIONS", "DATABASE_ID", "SEAL_KEY", "STORE_VERSION", "ConsumerDB", "SpecLookup"]

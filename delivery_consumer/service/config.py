@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import consumers
+from .. import acked, consumers
 from ..envelope import MAX_BODY_BYTES
 from ..inbox import ConsumerDB
 from ..partitions import Identity
@@ -47,6 +47,12 @@ class RunConfig:
     #: The longest the integrity check at open may take (ConsumerDB.check_integrity);
     #: a larger file is used unchecked, with a warning.
     integrity_check_s: float = 10.0
+    #: A standby takes over from a holder proven frozen (stopped, no heartbeat)
+    #: after this many seconds of silence; None: never (docs/failures.md).
+    take_over_after_s: float | None = 60.0
+    #: Open a database older than what was acknowledged from it (a restored
+    #: backup), or a new one where receipts were acknowledged: the loss is logged.
+    accept_loss: bool = False
 
     def topology(self) -> Topology:
         return consumers.topology(
@@ -63,16 +69,22 @@ class RunConfig:
             return self.db_path
         return database(self.consumer, self.partition.partition if self.partition else None, None)
 
-    def open_db(self) -> ConsumerDB:
-        """The run's database, checked to be this consumer's (and partition's)."""
+    def open_db(self, *, made_now: bool = False, check: bool = True) -> ConsumerDB:
+        """The run's database, checked to be this consumer's (and partition's), not older
+        than what was acknowledged from it (acked.py), and (*check*) not damaged.
+        *made_now*: the writer lock made the file just now (an empty file is ours)."""
         path = self.database_path()
         db = consumers.open_db(path, self.consumer, create=True, partition=self.partition,
-                               unpartitioned=self.partition is None)
+                               unpartitioned=self.partition is None, empty_ok=made_now)
         log = logging.getLogger("delivery_consumer.run")
         if db.created:  # a first start, or a --db with a typo: the operator sees where state now lives
             log.warning("%s: no database was there; created a new, empty one for %s", db.path.resolve(), self.consumer)
         try:
-            if not db.check_integrity(self.integrity_check_s):
+            said = acked.judge(path, db.database_id(), db.high_water(), created=db.created,
+                               accept_loss=self.accept_loss)
+            if said:
+                log.warning("%s", said)
+            if check and not db.check_integrity(self.integrity_check_s):
                 log.warning("%s: integrity check not finished within %gs: the file is used unchecked (check it "
                             "offline: sqlite3 %s 'PRAGMA integrity_check')", db.path, self.integrity_check_s, db.path)
         except BaseException:

@@ -51,8 +51,9 @@ def test_the_writer_lock_is_exclusive_and_names_its_holder(tmp_path: Path) -> No
     (replays) share it with each other but not with an exclusive one; released on close."""
     path = tmp_path / "c.db"
     first, second, third = WriterLock(path), WriterLock(path), WriterLock(path)
-    first.acquire(1234, "run")
-    with pytest.raises(DatabaseInUse, match=r"in use by pid 1234 \(run\)"):
+    me = os.getpid()
+    first.acquire(me, "run")
+    with pytest.raises(DatabaseInUse, match=rf"in use by pid {me} \(run\)"):
         second.acquire(99, "run")
     with pytest.raises(DatabaseInUse):
         second.acquire(99, "replay", shared=True)
@@ -60,10 +61,10 @@ def test_the_writer_lock_is_exclusive_and_names_its_holder(tmp_path: Path) -> No
     second.acquire(7, "replay", shared=True)
     third.acquire(8, "replay", shared=True)
     with pytest.raises(DatabaseInUse, match="replay"):
-        first.acquire(1234, "run")
+        first.acquire(me, "run")
     second.release()
     third.release()
-    first.acquire(1234, "run")
+    first.acquire(me, "run")
     first.release()
 
 
