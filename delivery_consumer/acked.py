@@ -80,8 +80,8 @@ def judge(db_path: Path | str, database: str, newest: int, *, created: bool, acc
         what = (f"this database is older than what was acknowledged from it: its newest receipt is number "
                 f"{newest}, but receipts up to number {record.rowid} were acknowledged (last at {record.at}, "
                 f"{where}) -- a restore of an older backup?")
-    elif created:
-        what = (f"a new, empty database was made here, but receipts up to number {record.rowid} were acknowledged "
+    elif created or newest == 0:
+        what = (f"a new, empty database is here, but receipts up to number {record.rowid} were acknowledged "
                 f"into database {record.database} at this path (last at {record.at}, {where}) -- was it deleted?")
     else:
         return (f"{db_path}: another database than the one last acknowledged into at this path ({database}, not "
@@ -90,9 +90,9 @@ def judge(db_path: Path | str, database: str, newest: int, *, created: bool, acc
         return (f"{db_path}: {what}; accepting the loss (--accept-loss): the events acknowledged after its newest "
                 f"receipt are applied again if they come again, and gone if they do not")
     raise DatabaseError(
-        f"{db_path}: {what} The events acknowledged after it are no longer in the queue. Replay them from a "
-        f"source (delivery-consumer replay, the producers' outbox) and start with --accept-loss, or accept the "
-        f"loss now: run --accept-loss (logged)")
+        f"{db_path}: {what} The events acknowledged after it are no longer in the queue: replay them from a "
+        f"source (delivery-consumer replay, the producers' outbox) and start again, or accept the loss: run "
+        f"--accept-loss (logged)")
 
 
 __all__ = ["SUFFIX", "Acked", "judge", "read", "record_path", "write"]

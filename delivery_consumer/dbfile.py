@@ -197,14 +197,17 @@ class FileGuard:
         self.tags: ContentTags | None = None
         self._written = (st.st_mtime_ns, st.st_size)
 
-    def watch(self) -> ContentTags:
-        """Watch the content from now on (the writer's); the tags it sets go in the returned list."""
+    def watch(self, tags: ContentTags | None = None) -> ContentTags:
+        """Watch the content from now on (the writer's); the tags it sets go in the returned
+        list -- *tags*, when given (the writer's before), which the file must still carry."""
         fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         if identity_of(os.fstat(fd)) != self.identity:
             os.close(fd)  # never opened by SQLite: nothing of it can be lost
             self.check()
         self._fd = fd
-        self.tags = ContentTags(read_tag(fd) or 0)
+        self.tags = tags or ContentTags(read_tag(fd) or 0)
+        if tags is not None:
+            self._check_content()
         return self.tags
 
     def check(self) -> None:
@@ -384,6 +387,17 @@ def open_elsewhere(path: Path | str) -> bool:
     return False
 
 
+def _the_run_of(pid: int) -> tuple[int, str, None]:
+    """The process to name for the holder *pid*: the run it is the worker of, when it is one."""
+    with suppress(OSError, IndexError, ValueError):
+        parent = int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+        words = Path(f"/proc/{parent}/cmdline").read_bytes().split(b"\0")
+        if any(w.endswith(b"delivery_consumer") or w.endswith(b"delivery-consumer") for w in words) \
+                and b"run" in words:
+            return parent, "run", None
+    return pid, "", None
+
+
 class Holder:
     """Who holds a database, as its note and ``/proc`` say."""
 
@@ -492,7 +506,7 @@ class WriterLock(_FileLock):
         if state == liveness.GONE and identity is not None:  # no note, or a stale one: ask /proc who holds it
             holders = _holders(identity, self._generations())
             if holders:
-                pid, what, silent = min(holders.values()), "", None
+                pid, what, silent = _the_run_of(min(holders.values()))
                 state = liveness.process_state(pid, None)[0]
         return Holder(pid, what, silent, state)
 

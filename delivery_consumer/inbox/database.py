@@ -436,14 +436,16 @@ class ConsumerDB:
             self._serial = SerialLock(self.path, self.guard.identity if self.guard is not None else None)
         return self._serial
 
-    def watch_content(self) -> None:
+    def watch_content(self, tags: ContentTags | None = None) -> None:
         """From now on, notice a copy written over the file (the file's one writer calls it):
         a new tag in the header, checkpointed into the file at once; every commit's
         check then reads the main file's tag whenever the file was written
-        (dbfile.FileGuard). The tag changes again at most every second a commit is made."""
+        (dbfile.FileGuard). The tag changes again at most every second a commit is made.
+        *tags*: those of this writer's connection before (opened again after a disk
+        failure): the file must still carry one of them."""
         if self.guard is None or self.readonly:
             return
-        tags = self.guard.watch()
+        tags = self.guard.watch(tags)
         with self.transaction() as tx:
             tx.conn.execute(f"PRAGMA application_id = {tags.next()}")
         self.tags = tags

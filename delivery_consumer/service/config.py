@@ -77,11 +77,12 @@ class RunConfig:
         db = consumers.open_db(path, self.consumer, create=True, partition=self.partition,
                                unpartitioned=self.partition is None, empty_ok=made_now)
         log = logging.getLogger("delivery_consumer.run")
-        if db.created:  # a first start, or a --db with a typo: the operator sees where state now lives
-            log.warning("%s: no database was there; created a new, empty one for %s", db.path.resolve(), self.consumer)
         try:
             said = acked.judge(path, db.database_id(), db.high_water(), created=db.created,
                                accept_loss=self.accept_loss)
+            if db.created:  # a first start, or a --db with a typo: the operator sees where state now lives
+                log.warning("%s: no database was there; created a new, empty one for %s", db.path.resolve(),
+                            self.consumer)
             if said:
                 log.warning("%s", said)
             if check and not db.check_integrity(self.integrity_check_s):

@@ -238,6 +238,7 @@ class Worker(threading.Thread):
         connection sees it (a remounted disk), under the writer lock taken again; a
         file that is still damaged on a disk that reads is DatabaseError (exit 2)."""
         old = self.db
+        tags = old.tags if old is not None else None
         if old is not None:
             self.db = None
             with suppress(Exception):
@@ -250,12 +251,12 @@ class Worker(threading.Thread):
             db.close()
             raise DatabaseLost(f"{db.path}: the database file is another one after the disk came back; stopped")
         try:
+            if self.lock is not None:  # still this writer's content (not a copy written over it)?
+                db.superseded = self.lock.superseded
+                db.watch_content(tags)
             if not db.check_integrity(self.config.integrity_check_s):
                 log.warning("%s: reopened; its integrity check did not finish in %gs", db.path,
                             self.config.integrity_check_s)
-            if self.lock is not None:
-                db.superseded = self.lock.superseded
-                db.watch_content()
         except BaseException:
             db.close()
             raise

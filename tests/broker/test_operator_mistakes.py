@@ -260,3 +260,14 @@ def test_dispatch_stops_when_its_database_is_deleted(ns: Namespace) -> None:
     assert proc.returncode == 2, err
     assert len([line for line in err.splitlines() if "was deleted while in use" in line]) == 1, err
     assert ns.count(ns.topology("catalog").queue) == 20
+
+
+def test_a_backup_copied_over_the_live_file_stops_run_and_nothing_is_acked_after(ns: Namespace) -> None:
+    """cp of a backup (taken before the run started) over the running run's file -- same inode,
+    other content: run stops with exit 2 and one line saying the content was replaced; nothing is
+    acked beyond what was committed before; the rest stays queued."""
+    db = ns.db("catalog")
+    assert ns.cli("init", "--consumer", "catalog", "--db", str(db)).returncode == 0
+    backup = ns.workdir / "backup.db"
+    shutil.copyfile(db, backup)
+    _mistake_mid_stream(ns, lambda live: shutil.copyfile(backup, live), "content was replaced while in use")
