@@ -273,6 +273,9 @@ class _FileLock:
                     raise DatabaseError(f"{path}: no such database") from None
                 fd = self._create(path)
             except OSError as exc:
+                if exc.errno not in (errno.EACCES, errno.EROFS, errno.EPERM, errno.EISDIR):
+                    raise StoreUnavailable(f"{path}: cannot open the database file now: {exc.strerror}",
+                                           code="io-error") from None
                 try:  # a read-only file or disk: a read lock needs no write access
                     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
                 except OSError:

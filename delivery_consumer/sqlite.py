@@ -169,12 +169,16 @@ def reading(path: Path | str, *, what: str = "read it") -> Iterator[sqlite3.Conn
 @contextmanager
 def closed_on_failure(conn: sqlite3.Connection, path: Path | str) -> Iterator[sqlite3.Connection]:
     """Close *conn* when the block raises (a connection being prepared is
-    nobody's yet); an sqlite3 error leaves as DatabaseError naming *path*."""
+    nobody's yet); an sqlite3 error leaves as DatabaseError naming *path* --
+    StoreUnavailable when it is the environment's (disk full, I/O, busy)."""
     try:
         yield conn
     except sqlite3.Error as exc:
         conn.close()
-        raise DatabaseError(f"{path}: cannot use this database: {exc}") from None
+        error = translate(exc, path)
+        if isinstance(error, StoreUnavailable):  # the disk's fault (full, I/O, busy): wait, not refuse
+            raise StoreUnavailable(f"{path}: cannot use this database now: {exc}", code=error.code) from None
+        raise type(error)(f"{path}: cannot use this database: {exc}") from None
     except BaseException:
         conn.close()
         raise

@@ -421,11 +421,16 @@ class ConsumerDB:
     def close(self) -> None:
         # SQLite's connection first: closing a descriptor of the file while it is
         # open would release its locks (dbfile.release_fd).
-        self.conn.close()
-        if self._serial is not None:
-            self._serial.close()
-        if self.guard is not None:
-            self.guard.close()
+        try:
+            # The store's cursor holds its last statement: while one is not finalized, SQLite
+            # keeps the connection (and its descriptors of the file) open after close.
+            self.cursor.close()
+            self.conn.close()
+        finally:
+            if self._serial is not None:
+                self._serial.close()
+            if self.guard is not None:
+                self.guard.close()
 
     def serial(self) -> SerialLock:
         """``with db.serial():`` -- one process at a time in the block, across

@@ -22,7 +22,7 @@ from typing import Any, Protocol, TypeVar
 from .. import acked, tracing
 from ..cloudevents import parse_message
 from ..contract import DeliveryMark, Outcome, WorkHooks
-from ..dbfile import WriterLock
+from ..dbfile import ContentTags, WriterLock
 from ..deliveries import Delivery, Observer, OutMessage, delivery_key
 from ..envelope import KOMBU_COMPRESSION_HEADER, Envelope, body_digest, is_event_id
 from ..errors import (
@@ -153,10 +153,13 @@ class Worker(threading.Thread):
         self._outage: float | None = None
         self._outage_tries = 0
         self._outage_code = ""
+        self._outage_said = ""
         #: The database's writer lock, held by this process (set by worker_main; None in memory).
         self.lock: WriterLock | None = None
         #: The database must be opened again before the next try (an I/O error, a "malformed" read).
         self._reopen = False
+        #: The content tags of the connection closed after an I/O error: the file must still carry one.
+        self._tags: ContentTags | None = None
         self._acked_at = 0.0
         self._acked_rowid = -1
         self._looked_at = 0.0
@@ -233,23 +236,32 @@ class Worker(threading.Thread):
         self.in_flight = InFlight(db)
         return db
 
+    def _let_go(self) -> None:
+        """Close the database and its lock's descriptor after an I/O error, at once: a
+        filesystem that failed can only be mounted again once no process holds a file of
+        it (the kernel would give the failed one back); opened again before the next try."""
+        if self._reopen:
+            return
+        self._reopen = True
+        old = self.db
+        if old is not None:
+            self._tags = old.tags
+            self.db, self.in_flight = None, None
+            with suppress(Exception):  # its disk failed: closing may fail too
+                old.close()
+        if self.lock is not None:
+            self.lock.close()
+        log.warning("%s: closed after an I/O error, so that the disk can be mounted again; opened again when "
+                    "it works", self.config.database_path())
+
     def _open_again(self) -> None:
         """After an I/O error or a "malformed" read: open the database again, as a new
         connection sees it (a remounted disk), under the writer lock taken again; a
         file that is still damaged on a disk that reads is DatabaseError (exit 2)."""
-        old = self.db
-        tags = old.tags if old is not None else None
-        if old is not None:
-            self.db = None
-            with suppress(Exception):
-                old.close()
+        tags = self._tags
         if self.lock is not None:
             self.lock.take_again(os.getppid(), "run")
         db = self.config.open_db(check=False)
-        if old is not None and old.guard is not None and db.guard is not None \
-                and db.guard.identity != old.guard.identity:
-            db.close()
-            raise DatabaseLost(f"{db.path}: the database file is another one after the disk came back; stopped")
         try:
             if self.lock is not None:  # still this writer's content (not a copy written over it)?
                 db.superseded = self.lock.superseded
@@ -470,14 +482,14 @@ class Worker(threading.Thread):
             except DatabaseMalformed as exc:
                 if start and not self._reopen:
                     raise  # a file that reads as damaged at open, on a disk that works: the check says so
-                self._reopen = True
+                self._let_go()
                 if not self._wait_for_store(StoreUnavailable(f"{exc} (after a disk failure?)", code="io-error"),
                                             gen, start=start):
                     return None
                 continue
             except StoreUnavailable as exc:
                 if exc.code == "io-error":
-                    self._reopen = True
+                    self._let_go()
                 if not self._wait_for_store(exc, gen, start=start):
                     return None
                 continue
@@ -502,9 +514,9 @@ class Worker(threading.Thread):
                 log.error("database unusable (%s): holding deliveries unacked, no attempt spent, nothing "
                           "dead-lettered; retrying with backoff, giving up after %.0fs", exc, limit)
             self.observer.store_health(False)
-        elif exc.code != self._outage_code:
+        elif exc.code != self._outage_code or str(exc) != self._outage_said:
             log.error("database still unusable, now: %s", exc)
-        self._outage_code = exc.code
+        self._outage_code, self._outage_said = exc.code, str(exc)
         if now - self._outage >= limit:
             raise StoreOutage(f"the database has been unusable for {now - self._outage:.0f}s "
                                 f"(--store-outage-limit {limit:g}s): {exc}")
