@@ -311,11 +311,14 @@ def inbox_stats(consumer: str | None, db_path: Path | None, as_json: bool) -> No
               help="Prune even if the dead queue cannot be read (broker down): only unresolved rejections "
                    "then protect receipts; broker-side delivery-limit dead letters have none.")
 @click.option("--dry-run", is_flag=True, help="Count what would go; delete nothing.")
+@click.option("--trust-clock", is_flag=True,
+              help="Prune although this clock and the receipts' disagree by more than the horizon, or their "
+                   "times jump (ages are counted from the newest receipt when it is older than now).")
 @json_option
 @handle_errors
 def inbox_prune(consumer: str | None, db_path: Path | None, amqp_url: str, exchange: str, queue_prefix: str,
                 partition: int | None, older_than: float, horizon: float, batch: int, without_dead_queue: bool,
-                dry_run: bool, as_json: bool) -> None:
+                dry_run: bool, trust_clock: bool, as_json: bool) -> None:
     """Delete old receipts, delivery records and resolved rejections, in small batches.
 
     Never a receipt younger than the redelivery horizon (a shorter
@@ -358,8 +361,8 @@ def inbox_prune(consumer: str | None, db_path: Path | None, amqp_url: str, excha
             report = broker_call(retention.prune, db, older_than_s=older_than, horizon_s=horizon,
                                   keep_event_ids=keep, refresh_keep=refresh,
                                   dead_queue=topology.dead_queue if keep is not None else None,
-                                  batch=batch, dry_run=dry_run)
-        except PruneRefused as exc:  # pragma: no cover - checked above
+                                  batch=batch, dry_run=dry_run, trust_clock=trust_clock)
+        except PruneRefused as exc:  # the clocks disagree (the age was checked above)
             raise Fatal(f"refused: {exc}") from None
         if keep is not None:
             report.dead_letters = len(snapshot.letters)

@@ -78,16 +78,20 @@ def _metrics_factory(consumer: str, partition: int | None = None) -> Callable[[]
 
 
 def _metrics_server(consumer: str, port: int, host: str, queues: tuple[str, Topology] | None = None,
-                    partition: int | None = None) -> Callable[[], Any]:
+                    partition: int | None = None, db_path: Path | None = None) -> Callable[[], Any]:
     """``/metrics`` served by run's connection process, which answers while the
     worker is busy or stuck. *queues* (url, topology): also the queue depths,
-    asked at scrape time. *partition*: every series is labelled with it."""
+    asked at scrape time. *partition*: every series is labelled with it.
+    *db_path*: also who holds the database and how long it has been silent."""
 
     def serve() -> Any:
         from ..errors import ConfigError
-        from ..metrics import RunExposition
+        from ..metrics import RunExposition, WriterCollector
 
-        collectors = []
+        collectors: list[Any] = []
+        if db_path is not None:
+            labels = {"consumer": consumer, **({"partition": str(partition)} if partition is not None else {})}
+            collectors.append(WriterCollector(db_path, labels))
         if queues is not None:
             from ..queue_metrics import QueueCollector
 
@@ -192,7 +196,8 @@ def run(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue
     observer_factory = serve = None
     if metrics_port is not None:
         observer_factory = _metrics_factory(consumer, partition)
-        serve = _metrics_server(consumer, metrics_port, metrics_host, (amqp_url, config.topology()), partition)
+        serve = _metrics_server(consumer, metrics_port, metrics_host, (amqp_url, config.topology()), partition,
+                                config.database_path())
     try:
         code = run_consumer(config, observer_factory, serve)
     except BrokerError as exc:

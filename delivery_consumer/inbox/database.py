@@ -163,6 +163,8 @@ SEAL_KEY = "seal_key"
 #: The ``meta`` key of the database's identity (32 hex digits), made by the first writable open:
 #: a copy or a backup of it has the same, a new database another (restores: ``acked.py``).
 DATABASE_ID = "database_id"
+#: The ``meta`` key of the newest receipt's rowid as prune found it before deleting (ConsumerDB.high_water).
+HIGH_WATER = "high_water"
 #: The ``meta`` key naming the release that last migrated the database ("delivery-consumer X.Y.Z").
 SCHEMA_BY_KEY = "schema_by"
 _CONSUMER_VERSION_KEY = "consumer_schema_version"
@@ -197,6 +199,8 @@ class ConsumerDB:
         self.guard: FileGuard | None = None
         #: When (time.monotonic) the next commit folds new receipts into the counters.
         self.count_due = 0.0
+        #: Wall clock minus monotonic clock at open (inbox/apply.py notes a jump of the wall clock).
+        self.clock_base = time.time() - time.monotonic()
         #: Set once another run took the database over from this frozen one (WriterLock.superseded).
         self.superseded: threading.Event | None = None
         #: The content tags of the file's one writer (:meth:`watch_content`); None for others.
@@ -464,8 +468,11 @@ class ConsumerDB:
         return str(row[0]) if row else ""
 
     def high_water(self) -> int:
-        """The rowid of the newest receipt: receipts only ever go up it (prune keeps the newest)."""
-        return int(self.conn.execute("SELECT coalesce(max(rowid), 0) FROM inbox").fetchone()[0])
+        """The rowid of the newest receipt ever written: receipts only go up the rowid, and
+        prune, which may delete the newest, records it first (:func:`keep_high_water`)."""
+        return int(self.conn.execute(
+            "SELECT max(coalesce((SELECT max(rowid) FROM inbox), 0),"
+            " coalesce((SELECT CAST(value AS INTEGER) FROM meta WHERE key = ?), 0))", (HIGH_WATER,)).fetchone()[0])
 
     def __enter__(self) -> ConsumerDB:
         return self
@@ -534,4 +541,15 @@ class ConsumerDB:
         return dict(self.conn.execute("SELECT key, value FROM meta").fetchall())
 
 
-__all__ = ["CORE_MIGRATIONS", "DATABASE_ID", "SEAL_KEY", "STORE_VERSION", "ConsumerDB", "SpecLookup"]
+def keep_high_water(conn: sqlite3.Connection) -> None:
+    """Record the newest receipt's rowid before receipts are deleted (inside the transaction):
+    once the table is empty SQLite numbers receipts from 1 again."""
+    (newest,) = conn.execute("SELECT max(rowid) FROM inbox").fetchone()
+    if newest is not None:
+        conn.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE"
+                     " SET value = CAST(max(CAST(value AS INTEGER), CAST(excluded.value AS INTEGER)) AS TEXT)",
+                     (HIGH_WATER, str(newest)))
+
+
+__all__ = ["CORE_MIGRATIONS", "DATABASE_ID", "HIGH_WATER", "SEAL_KEY", "STORE_VERSION", "ConsumerDB", "SpecLookup",
+           "keep_high_water"]
