@@ -168,6 +168,8 @@ HIGH_WATER = "high_water"
 #: The ``meta`` key naming the release that last migrated the database ("delivery-consumer X.Y.Z").
 SCHEMA_BY_KEY = "schema_by"
 _CONSUMER_VERSION_KEY = "consumer_schema_version"
+#: The ``meta`` key of the consumer's own tables' schema version (how many of its migrations ran).
+CONSUMER_VERSION_KEY = _CONSUMER_VERSION_KEY
 
 #: Resolves the consumer a database records to its spec (the registry's ``get``).
 SpecLookup = Callable[[str], ConsumerSpec]
