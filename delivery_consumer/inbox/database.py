@@ -208,6 +208,9 @@ class ConsumerDB:
         #: The content tags of the file's one writer (:meth:`watch_content`); None for others.
         self.tags: ContentTags | None = None
         self._serial: SerialLock | None = None
+        #: The whole integrity check still running in the background (nothing is acknowledged
+        #: before it passed: the worker asks it); None when the file was checked at open.
+        self.integrity: IntegrityCheck | None = None
 
     # -- opening ---------------------------------------------------------------
 
@@ -508,39 +511,88 @@ class ConsumerDB:
     def check_integrity(self, limit_s: float) -> bool:
         """``PRAGMA quick_check``, given at most *limit_s* seconds: raise
         DatabaseError (one line: how to recover) when the file is damaged;
-        False when the check did not finish in time (not checked), True when
-        it passed. quick_check reads every page once (O(size)); it does not
-        compare indexes with their tables (integrity_check does, slower)."""
-        deadline = time.monotonic() + limit_s
-
-        def over_time() -> bool:
-            return time.monotonic() > deadline
-
-        self.conn.set_progress_handler(over_time, 10_000)
-        try:
-            rows = self.conn.execute("PRAGMA quick_check(3)").fetchall()
-        except sqlite3.Error as exc:
-            if over_time():
-                return False
-            error = sqlite.translate(exc, self.path)
-            if isinstance(error, StoreUnavailable):  # the disk's fault (I/O, busy): not a damaged file
-                raise error from None
-            problems = [str(exc)]
-        else:
-            problems = [line for row in rows for line in str(row[0]).splitlines()
-                        if line.strip() and line != "ok" and not line.startswith("***")]
-        finally:
-            self.conn.set_progress_handler(None, 0)
+        False when the check did not finish in time (not checked yet: see
+        :class:`IntegrityCheck`), True when it passed. quick_check reads every
+        page once (O(size)); it does not compare indexes with their tables
+        (integrity_check does, slower). The bound is real: the check is one
+        instruction of SQLite's, so no progress handler runs inside it, and
+        it is interrupted (``sqlite3_interrupt``) from a timer instead."""
+        problems, finished = quick_check(self.conn, self.path, limit_s)
         if problems:
-            raise DatabaseError(
-                f"{self.path}: the database is damaged ({safe_reason(problems[0], 120)}); not written into: "
-                f"recover it with sqlite3 {self.path} '.recover' | sqlite3 recovered.db (then check it and put "
-                f"it in place), or restore a backup")
-        return True
+            raise damaged(self.path, problems[0])
+        return finished
 
     def meta(self) -> dict[str, str]:
         """The database's identity and versions."""
         return dict(self.conn.execute("SELECT key, value FROM meta").fetchall())
+
+
+def quick_check(conn: sqlite3.Connection, path: Path, limit_s: float | None) -> tuple[list[str], bool]:
+    """``PRAGMA quick_check(3)`` on *conn*, interrupted after *limit_s* (None: no limit):
+    the problems it found, and whether it finished. A failure of the disk is StoreUnavailable."""
+    timer = threading.Timer(limit_s, conn.interrupt) if limit_s is not None else None
+    if timer is not None:
+        timer.daemon = True
+        timer.start()
+    try:
+        rows = conn.execute("PRAGMA quick_check(3)").fetchall()
+    except sqlite3.Error as exc:
+        if timer is not None and not timer.is_alive() and "interrupt" in str(exc):
+            return [], False
+        error = sqlite.translate(exc, path)
+        if isinstance(error, StoreUnavailable):  # the disk's fault (I/O, busy): not a damaged file
+            raise error from None
+        return [str(exc)], True
+    finally:
+        if timer is not None:
+            timer.cancel()
+    return [line for row in rows for line in str(row[0]).splitlines()
+            if line.strip() and line != "ok" and not line.startswith("***")], True
+
+
+def damaged(path: Path, problem: str) -> DatabaseError:
+    """The one line for a database that failed its integrity check: what, and how to recover."""
+    return DatabaseError(
+        f"{path}: the database is damaged ({safe_reason(problem, 120)}); not written into: recover it with "
+        f"delivery-consumer inbox recover --db {path} --to recovered.db (then check it and put it in place "
+        f"while no run is up), or restore a backup (docs/failures.md, \"Restores\")")
+
+
+class IntegrityCheck:
+    """The whole ``quick_check`` of a database file, in a thread of its own on a read-only
+    connection: what a run that could not check its file within its bound, or a standby
+    watching the file it may take over, finishes while it consumes or waits. :meth:`verdict`
+    says whether it is done, and raises when it found the file damaged."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.identity = FileGuard(path).identity
+        self.started = time.monotonic()
+        self.done = threading.Event()
+        self.seconds = 0.0
+        self.problem: str | None = None
+        self.unavailable: str | None = None
+        threading.Thread(target=self._check, name="delivery-integrity", daemon=True).start()
+
+    def _check(self) -> None:
+        try:
+            with sqlite.reading(self.path, what="check it") as conn:
+                problems, _finished = quick_check(conn, self.path, None)
+            self.problem = problems[0] if problems else None
+        except (DatabaseError, StoreUnavailable, sqlite3.Error) as exc:
+            self.unavailable = str(exc)
+        finally:
+            self.seconds = time.monotonic() - self.started
+            self.done.set()
+
+    def verdict(self) -> bool:
+        """True once the check passed (or could not run: the disk's fault, said by the writes);
+        False while it runs; DatabaseError when it found the file damaged."""
+        if not self.done.is_set():
+            return False
+        if self.problem is not None:
+            raise damaged(self.path, self.problem)
+        return True
 
 
 def keep_high_water(conn: sqlite3.Connection) -> None:
@@ -553,5 +605,5 @@ def keep_high_water(conn: sqlite3.Connection) -> None:
                      (HIGH_WATER, str(newest)))
 
 
-__all__ = ["CORE_MIGRATIONS", "DATABASE_ID", "HIGH_WATER", "SEAL_KEY", "STORE_VERSION", "ConsumerDB", "SpecLookup",
-           "keep_high_water"]
+__all__ = ["CORE_MIGRATIONS", "DATABASE_ID", "HIGH_WATER", "SEAL_KEY", "STORE_VERSION", "ConsumerDB",
+           "IntegrityCheck", "SpecLookup", "damaged", "keep_high_water", "quick_check"]

@@ -10,6 +10,7 @@ from typing import Any
 from .. import acked, consumers
 from ..envelope import MAX_BODY_BYTES
 from ..inbox import ConsumerDB
+from ..inbox.database import IntegrityCheck
 from ..partitions import Identity
 from ..placement import database
 from ..topology import DEFAULT_DELIVERY_LIMIT, DEFAULT_EXCHANGE, DEFAULT_PREFIX, DEFAULT_RETRY_DELAYS_MS, Topology
@@ -44,8 +45,8 @@ class RunConfig:
     #: error...) before run exits for a supervisor to act; meanwhile it
     #: holds its deliveries and retries with backoff.
     store_outage_limit_s: float = 600.0
-    #: The longest the integrity check at open may take (ConsumerDB.check_integrity);
-    #: a larger file is used unchecked, with a warning.
+    #: The longest the integrity check at open may take (ConsumerDB.check_integrity); a
+    #: larger file is checked whole in the background, and nothing is acked before it passed.
     integrity_check_s: float = 10.0
     #: A standby takes over from a holder proven frozen (stopped, no heartbeat)
     #: after this many seconds of silence; None: never (docs/failures.md).
@@ -69,10 +70,13 @@ class RunConfig:
             return self.db_path
         return database(self.consumer, self.partition.partition if self.partition else None, None)
 
-    def open_db(self, *, made_now: bool = False, check: bool = True) -> ConsumerDB:
+    def open_db(self, *, made_now: bool = False, check: bool | IntegrityCheck = True) -> ConsumerDB:
         """The run's database, checked to be this consumer's (and partition's), not older
-        than what was acknowledged from it (acked.py), and (*check*) not damaged.
-        *made_now*: the writer lock made the file just now (an empty file is ours)."""
+        than what was acknowledged from it (acked.py), and (*check*) not damaged: within
+        ``integrity_check_s``, or else by the whole check in the background
+        (``db.integrity``), before the first ack. *check* may be a standby's check of the
+        file it watched while it waited: taken over as it is. *made_now*: the writer lock
+        made the file just now (an empty file is ours)."""
         path = self.database_path()
         db = consumers.open_db(path, self.consumer, create=True, partition=self.partition,
                                unpartitioned=self.partition is None, empty_ok=made_now)
@@ -85,9 +89,15 @@ class RunConfig:
                             self.consumer)
             if said:
                 log.warning("%s", said)
-            if check and not db.check_integrity(self.integrity_check_s):
-                log.warning("%s: integrity check not finished within %gs: the file is used unchecked (check it "
-                            "offline: sqlite3 %s 'PRAGMA integrity_check')", db.path, self.integrity_check_s, db.path)
+            if isinstance(check, IntegrityCheck):  # a standby's, of the file it was watching
+                if db.guard is None or check.identity != db.guard.identity:
+                    db.integrity = IntegrityCheck(db.path)  # it watched another file: check this one
+                elif not check.verdict():  # still running: the first ack waits for it
+                    db.integrity = check
+            elif check and not db.check_integrity(self.integrity_check_s):
+                db.integrity = IntegrityCheck(db.path)
+                log.warning("%s: integrity check not finished within %gs: checking the whole file in the "
+                            "background; nothing is acknowledged before it passed", db.path, self.integrity_check_s)
         except BaseException:
             db.close()
             raise

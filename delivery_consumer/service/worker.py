@@ -36,6 +36,7 @@ from ..errors import (
 )
 from ..faults import crashpoint
 from ..inbox import ConsumerDB, InFlight, Transaction, apply_batch, has_receipt
+from ..inbox.database import IntegrityCheck
 from ..plural import count
 from ..retry import RetryPolicy, reconnect_delay_s
 from ..topology import H_ATTEMPTS, H_DELIVERY_COUNT, H_PRODUCED_MS
@@ -161,6 +162,8 @@ class Worker(threading.Thread):
         #: The content tags of the connection closed after an I/O error: the file must still carry one.
         self._tags: ContentTags | None = None
         self._acked_at = 0.0
+        #: A standby's whole check of the file it watched while it waited (worker_main sets it).
+        self.watched: IntegrityCheck | None = None
         self._acked_rowid = -1
         self._looked_at = 0.0
 
@@ -225,7 +228,7 @@ class Worker(threading.Thread):
 
     def _open_db(self) -> ConsumerDB:
         made_now = self.lock is not None and self.lock.created
-        db = self.config.open_db(made_now=made_now)
+        db = self.config.open_db(made_now=made_now, check=self.watched or True)
         try:
             if self.lock is not None:  # the file's one writer: watch its content, know when taken over
                 db.superseded = self.lock.superseded
@@ -450,6 +453,8 @@ class Worker(threading.Thread):
         if outcomes is None:
             return False
         self.stats.last_commit = time.time()
+        if self.db is not None and self.db.integrity is not None and not self._checked():
+            return False
         trace.committed(outcomes)
         crashpoint("after-commit")
         self.observer.batch_committed(outcomes, time.perf_counter() - started, self.stats.last_commit)
@@ -460,6 +465,24 @@ class Worker(threading.Thread):
             return False
         self._settle(gen, items, outcomes)
         trace.end()
+        return True
+
+    def _checked(self) -> bool:
+        """Wait, listening to the connection, for the whole integrity check of the file (run
+        in the background because it took longer than the bound at open) before the first
+        ack; False when stopping meanwhile. DatabaseError when it found the file damaged."""
+        assert self.db is not None and self.db.integrity is not None
+        check = self.db.integrity
+        told = False
+        while not check.verdict():
+            if not told:
+                log.info("%s: first ack waits for the whole integrity check (running for %.1fs)", self.db.path,
+                         time.monotonic() - check.started)
+                told = True
+            if self._pause(_IDLE_WAIT_S):
+                return False
+        log.info("%s: integrity check passed in %.1fs", self.db.path, check.seconds)
+        self.db.integrity = None
         return True
 
     def _answered(self, parsed: Envelope | Rejection) -> bool:

@@ -19,6 +19,7 @@ from ..dbfile import LOCK_POLL_S, Holder, WriterLock, frozen_inside, holder_stat
 from ..deliveries import ObserverFactory, OutMessage
 from ..errors import BrokerUnavailable, DeliveryError, StoreOutage
 from ..inbox import forget_in_flight
+from ..inbox.database import IntegrityCheck
 from .config import RunConfig
 from .messages import (
     Ack,
@@ -237,7 +238,10 @@ def worker_main(config: RunConfig, conn: Connection, parent_end: Connection,
     except DeliveryError as exc:
         conn.send(Failed(str(exc)))
         return
+    watched: IntegrityCheck | None = None
     if not active:
+        with suppress(DeliveryError, OSError):  # checked whole while waiting: a takeover does not wait for it
+            watched = IntegrityCheck(config.database_path())
         told: list[str] = []
         frozen: list[Holder] = []
 
@@ -264,6 +268,7 @@ def worker_main(config: RunConfig, conn: Connection, parent_end: Connection,
     worker = Worker(config, observer)
     worker.io = proxy
     worker.lock = lock
+    worker.watched = watched
 
     def orphaned() -> None:
         # Nothing can be acked any more: finish what is in hand, start nothing

@@ -180,7 +180,7 @@ def test_a_standby_waits_for_the_database_and_takes_over_after_kill_9(cluster: C
 
 def test_a_damaged_database_is_refused_at_open_with_how_to_recover(ns: Namespace) -> None:
     """A file whose inbox index has a page of garbage fails integrity_check; run refuses it
-    at open (exit 2, one line naming .recover and a backup) and acks nothing."""
+    at open (exit 2, one line naming inbox recover and a backup) and acks nothing."""
     source = ns.workdir / "events.ndjson"
     source.write_bytes(b"".join(orjson.dumps(e) + b"\n" for e in make_events(3000, 300)))
     db = ns.db("catalog")
@@ -205,7 +205,8 @@ def test_a_damaged_database_is_refused_at_open_with_how_to_recover(ns: Namespace
     done = ns.run_until_idle("catalog", idle=1.0, timeout=60)
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "is damaged" in lines[0] and ".recover" in lines[0] and "backup" in lines[0], done.stderr
+    assert len(lines) == 1 and "is damaged" in lines[0] and "inbox recover" in lines[0] and "backup" in lines[0], \
+        done.stderr
     assert ns.count(ns.topology("catalog").queue) == 10
 
 

@@ -76,7 +76,7 @@ def test_the_writer_lock_is_exclusive_and_names_its_holder(tmp_path: Path) -> No
 
 def test_the_integrity_check_passes_a_sound_file_and_refuses_a_damaged_page(tmp_path: Path) -> None:
     """quick_check passes a sound database; garbage in a page of the inbox index is refused
-    with one line saying how to recover (.recover, a backup)."""
+    with one line saying how to recover (inbox recover, a backup)."""
     path = tmp_path / "c.db"
     db = _open(path)
     apply_batch(db, [env(event_id=str(uuid.uuid4()), article_id=f"a{i}", revision=1) for i in range(2000)])
@@ -91,7 +91,7 @@ def test_the_integrity_check_passes_a_sound_file_and_refuses_a_damaged_page(tmp_
         f.seek((root - 1) * page_size)
         f.write(b"\xa5" * page_size)
     db = _open(path)
-    with pytest.raises(DatabaseError, match=r"is damaged .*\.recover.*backup") as raised:
+    with pytest.raises(DatabaseError, match=r"is damaged .*inbox recover.*backup") as raised:
         db.check_integrity(10.0)
     assert "\n" not in str(raised.value)
     db.close()
