@@ -141,6 +141,10 @@ def _metrics_server(consumer: str, port: int, host: str, queues: tuple[str, Topo
 @click.option("--accept-loss", is_flag=True,
               help="Start on a database older than what was acknowledged from it (a restored backup), or on a "
                    "new one where receipts were acknowledged: the loss is logged (docs/failures.md, Restores).")
+@click.option("--integrity-check-limit", "integrity_check_s", default=spelled(RunConfig.integrity_check_s),
+              show_default=True, type=Duration(positive=True),
+              help="The longest the integrity check at start may hold it up; a larger file is checked whole in "
+                   "the background and nothing is acknowledged before the check passed.")
 @click.option("--take-over-after", "take_over_after_s", default=spelled(RunConfig.take_over_after_s or 0),
               show_default=True, type=Duration(),
               help="A partition's standby takes over from a holder proven frozen (stopped, no heartbeat) after "
@@ -158,7 +162,7 @@ def _metrics_server(consumer: str, port: int, host: str, queues: tuple[str, Topo
 def run(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue_prefix: str, prefetch: int,
         batch: int, batch_wait_ms: int, max_attempts: int, retry_delays: tuple[int, ...], delivery_limit: int,
         max_crashes: int, exit_when_idle: float | None, store_outage_limit_s: float, max_bytes: int,
-        accept_loss: bool, take_over_after_s: float, log_level: str, log_format: str, metrics_port: int | None,
+        accept_loss: bool, integrity_check_s: float, take_over_after_s: float, log_level: str, log_format: str, metrics_port: int | None,
         metrics_host: str,
         partition: int | None, partitions: int | None,
         consumer_options: dict[str, Any]) -> None:
@@ -189,7 +193,7 @@ def run(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue
         retry_delays_ms=retry_delays, delivery_limit=delivery_limit, max_crashes=max_crashes,
         exit_when_idle_s=exit_when_idle, max_bytes=max_bytes, log_each_event=log_format == "json",
         consumer_options=consumer_options, store_outage_limit_s=store_outage_limit_s,
-        accept_loss=accept_loss, take_over_after_s=take_over_after_s or None,
+        accept_loss=accept_loss, take_over_after_s=take_over_after_s or None, integrity_check_s=integrity_check_s,
         partition=partition_identity(consumer, partition, partitions, db_path,
                                      broker=(amqp_url, topology_for(consumer, exchange, queue_prefix))),
     )

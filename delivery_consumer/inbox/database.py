@@ -564,9 +564,10 @@ class IntegrityCheck:
     watching the file it may take over, finishes while it consumes or waits. :meth:`verdict`
     says whether it is done, and raises when it found the file damaged."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, on_done: Callable[[IntegrityCheck], None] = lambda _check: None) -> None:
         self.path = path
         self.identity = FileGuard(path).identity
+        self._on_done = on_done
         self.started = time.monotonic()
         self.done = threading.Event()
         self.seconds = 0.0
@@ -584,6 +585,7 @@ class IntegrityCheck:
         finally:
             self.seconds = time.monotonic() - self.started
             self.done.set()
+            self._on_done(self)
 
     def verdict(self) -> bool:
         """True once the check passed (or could not run: the disk's fault, said by the writes);

@@ -241,7 +241,9 @@ def worker_main(config: RunConfig, conn: Connection, parent_end: Connection,
     watched: IntegrityCheck | None = None
     if not active:
         with suppress(DeliveryError, OSError):  # checked whole while waiting: a takeover does not wait for it
-            watched = IntegrityCheck(config.database_path())
+            watched = IntegrityCheck(config.database_path(), on_done=lambda check: log.info(
+                "standby: %s checked whole in %.1fs: %s", check.path, check.seconds,
+                "damaged" if check.problem else "sound" if check.unavailable is None else check.unavailable))
         told: list[str] = []
         frozen: list[Holder] = []
 
