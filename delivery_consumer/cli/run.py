@@ -162,9 +162,8 @@ def _metrics_server(consumer: str, port: int, host: str, queues: tuple[str, Topo
 def run(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue_prefix: str, prefetch: int,
         batch: int, batch_wait_ms: int, max_attempts: int, retry_delays: tuple[int, ...], delivery_limit: int,
         max_crashes: int, exit_when_idle: float | None, store_outage_limit_s: float, max_bytes: int,
-        accept_loss: bool, integrity_check_s: float, take_over_after_s: float, log_level: str, log_format: str, metrics_port: int | None,
-        metrics_host: str,
-        partition: int | None, partitions: int | None,
+        accept_loss: bool, integrity_check_s: float, take_over_after_s: float, log_level: str, log_format: str,
+        metrics_port: int | None, metrics_host: str, partition: int | None, partitions: int | None,
         consumer_options: dict[str, Any]) -> None:
     """Consume a consumer's queue: apply, commit, then acknowledge.
 
