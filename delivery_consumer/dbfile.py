@@ -559,6 +559,12 @@ class WriterLock(_FileLock):
                 return True
         return False
 
+    def taken_over(self) -> bool:
+        """Whether the note names another process than this holder: a standby took the
+        database over while this one was frozen."""
+        pid = read_note(self.db_path)[0]
+        return self._note is not None and pid is not None and pid != self._note[0]
+
     def take_again(self, pid: int, what: str) -> None:
         """Take the lock again on the file the path names now (after a remount the
         old descriptor locks a file of a filesystem that is gone); DatabaseInUse when
@@ -587,8 +593,7 @@ class WriterLock(_FileLock):
                     continue
                 except OSError:
                     continue
-                pid, _what, _silent = read_note(self.db_path)
-                if self._note is not None and pid is not None and pid != self._note[0]:
+                if self.taken_over():
                     self.superseded.set()
 
         threading.Thread(target=loop, name="delivery-heartbeat", daemon=True).start()

@@ -20,7 +20,7 @@ from pathlib import Path
 from .. import sqlite
 from ..contract import ConsumerSpec
 from ..dbfile import ContentTags, FileGuard, SerialLock, check_one_name, open_elsewhere
-from ..errors import DatabaseError, StoreUnavailable, TakenOver, WrongDatabase, safe_reason
+from ..errors import DatabaseError, DatabaseLost, StoreUnavailable, TakenOver, WrongDatabase, safe_reason
 from ..partitions import Identity, identity_from_meta
 from ..placement import default_db
 from ..sqlite import DEFAULT_BUSY_TIMEOUT_MS, now_iso
@@ -203,6 +203,9 @@ class ConsumerDB:
         self.count_due = 0.0
         #: Wall clock minus monotonic clock at open (inbox/apply.py notes a jump of the wall clock).
         self.clock_base = time.time() - time.monotonic()
+        #: Whether another run took the database over (WriterLock.taken_over): asked when the
+        #: content check fails, since the new holder's tags are not this writer's.
+        self.taken_over: Callable[[], bool] | None = None
         #: Set once another run took the database over from this frozen one (WriterLock.superseded).
         self.superseded: threading.Event | None = None
         #: The content tags of the file's one writer (:meth:`watch_content`); None for others.
@@ -503,7 +506,14 @@ class ConsumerDB:
         Every synced commit calls it (:class:`Transaction`), so that nothing
         committed into a lost file is acknowledged or reported."""
         if self.guard is not None:
-            self.guard.check()
+            try:
+                self.guard.check()
+            except DatabaseLost:
+                if self.taken_over is not None and self.taken_over():  # the new holder's tags, not a copy
+                    self.superseded = self.superseded or threading.Event()
+                    self.superseded.set()
+                else:
+                    raise
         if self.superseded is not None and self.superseded.is_set():
             raise TakenOver(f"{self.path}: another run took this database over while this one was frozen (its "
                             f"note {self.path}.lock names it); stopped: nothing written since is acknowledged")

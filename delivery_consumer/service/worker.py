@@ -231,7 +231,7 @@ class Worker(threading.Thread):
         db = self.config.open_db(made_now=made_now, check=self.watched or True)
         try:
             if self.lock is not None:  # the file's one writer: watch its content, know when taken over
-                db.superseded = self.lock.superseded
+                db.superseded, db.taken_over = self.lock.superseded, self.lock.taken_over
                 db.watch_content()
         except BaseException:
             db.close()
@@ -267,7 +267,7 @@ class Worker(threading.Thread):
         db = self.config.open_db(check=False)
         try:
             if self.lock is not None:  # still this writer's content (not a copy written over it)?
-                db.superseded = self.lock.superseded
+                db.superseded, db.taken_over = self.lock.superseded, self.lock.taken_over
                 db.watch_content(tags)
             if not db.check_integrity(self.config.integrity_check_s):
                 log.warning("%s: reopened; its integrity check did not finish in %gs", db.path,
