@@ -14,7 +14,7 @@ import click
 import orjson
 
 from ..consumers import open_db as open_consumer_db
-from ..errors import ConfigError, DatabaseError, DeliveryError, WrongDatabase
+from ..errors import ConfigError, DatabaseError, DeliveryError, StoreUnavailable, WrongDatabase
 from ..inbox import ConsumerDB
 
 if TYPE_CHECKING:
@@ -147,6 +147,8 @@ def open_db(
         return open_consumer_db(db_path, consumer, create=create, readonly=readonly, empty_ok=empty_ok)
     except (DatabaseError, ConfigError) as exc:
         raise Fatal(_from_file(db_path) + str(exc)) from None
+    except StoreUnavailable as exc:  # the disk's fault (full, busy, read-only): said as it is
+        raise Fatal(_from_file(db_path) + exc.reason) from None
 
 
 # -- the deployment file ---------------------------------------------------------
