@@ -88,6 +88,14 @@ def _db_files(db: Path) -> list[Path]:
     return [db, Path(f"{db}-wal"), Path(f"{db}-shm")]
 
 
+def _put_back(db: Path, kept: Path, how: Any) -> None:
+    """Put the files kept in *kept* in place of the database *db* (and its -wal, -shm)."""
+    for f in _db_files(db):
+        f.unlink(missing_ok=True)
+    for f in kept.iterdir():
+        how(f, db.parent / f.name)
+
+
 def delete_the_database(proc: RunProcess, db: Path, backup: Path) -> bool | None:
     """Freeze the run, back its database up as it is, delete it, let the run go on:
     True when it stopped by itself with one line (or, idle with nothing to commit,
@@ -118,28 +126,33 @@ def delete_the_database(proc: RunProcess, db: Path, backup: Path) -> bool | None
           f"({count_rows(backup / db.name, 'inbox')} receipts)")
     if not good:
         print(f"  delete the database: exit {proc.returncode}, {len(lines)} lines saying so:\n{err[-1500:]}")
-    for f in _db_files(db):
-        f.unlink(missing_ok=True)
-    for f in backup.iterdir():
-        shutil.copy(f, db.parent / f.name)
+    _put_back(db, backup, shutil.copy)
     return good
 
 
-def start_a_second_run(ns: Namespace, consumer: str, env: dict[str, str], first: RunProcess) -> bool:
-    """A second run of the same database: refused in one line naming the first, exit 2."""
-    second = ns.start_run(consumer, "--exit-when-idle", "2", env=env)
+def second_run_refused(ns: Namespace, consumer: str, env: dict[str, str], first: RunProcess, what: str,
+                       *args: str, also: str = "") -> bool:
+    """A second run of the database (*args*: how it reaches it): refused in one line naming the
+    first (or saying *also*), exit 2."""
+    second = ns.start_run(consumer, *args, "--exit-when-idle", "2", env=env)
     try:
         _out, err = second.communicate(timeout=60)
     except subprocess.TimeoutExpired:
         os.killpg(second.pid, signal.SIGKILL)
         second.communicate()
-        print("  second run: still running after 60 s")
+        print(f"  {what}: still running after 60 s")
         return False
     lines = err.strip().splitlines()
-    good = second.returncode == 2 and len(lines) == 1 and f"in use by pid {first.pid}" in lines[0]
+    good = second.returncode == 2 and len(lines) == 1 and (
+        f"in use by pid {first.pid}" in lines[0] or bool(also and also in lines[0]))
     if not good:
-        print(f"  second run: exit {second.returncode}:\n{err[-1500:]}")
+        print(f"  {what}: exit {second.returncode}:\n{err[-1500:]}")
     return good
+
+
+def start_a_second_run(ns: Namespace, consumer: str, env: dict[str, str], first: RunProcess) -> bool:
+    """A second run of the same database: refused in one line naming the first, exit 2."""
+    return second_run_refused(ns, consumer, env, first, "second run")
 
 
 def hard_link_the_database(ns: Namespace, consumer: str, env: dict[str, str], first: RunProcess, db: Path) -> bool:
@@ -150,22 +163,10 @@ def hard_link_the_database(ns: Namespace, consumer: str, env: dict[str, str], fi
     link = db.parent / "hard-link.db"
     os.link(db, link)
     try:
-        second = ns.start_run(consumer, "--db", str(link), "--exit-when-idle", "2", env=env)
-        try:
-            _out, err = second.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(second.pid, signal.SIGKILL)
-            second.communicate()
-            print("  run through a hard link: still running after 60 s")
-            return False
+        return second_run_refused(ns, consumer, env, first, "run through a hard link", "--db", str(link),
+                                  also="2 names")
     finally:
         link.unlink(missing_ok=True)
-    lines = err.strip().splitlines()
-    good = second.returncode == 2 and len(lines) == 1 and (f"in use by pid {first.pid}" in lines[0]
-                                                          or "2 names" in lines[0])
-    if not good:
-        print(f"  run through a hard link: exit {second.returncode}:\n{err[-1500:]}")
-    return good
 
 
 def keep_an_older_copy(db: Path, older: Path) -> None:
@@ -208,10 +209,7 @@ def restore_a_backup(ns: Namespace, consumer: str, env: dict[str, str], proc: Ru
     print(f"  backup restored: {'refused' if good else f'exit {done.returncode}'}; the database put back")
     if not good:
         print(f"  restore a backup:\n{done.stderr[-1500:]}")
-    for f in _db_files(db):
-        f.unlink(missing_ok=True)
-    for f in current.iterdir():
-        shutil.move(f, db.parent / f.name)
+    _put_back(db, current, shutil.move)
     return good
 
 

@@ -31,7 +31,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import suppress
 from pathlib import Path
 
@@ -339,45 +339,13 @@ class _FileLock:
             release_fd(fd, self.identity)
 
 
-def _holders(identity: tuple[int, int], bytes_: range) -> dict[int, int]:
-    """The pids (in this pid namespace) whose descriptors hold a lock on one of *bytes_* of the
-    file *identity*: byte -> pid. Read from ``/proc/<pid>/fdinfo``; empty when unknown."""
-    dev = f"{os.major(identity[0]):02x}:{os.minor(identity[0]):02x}:{identity[1]}"
-    found: dict[int, int] = {}
+def _descriptors_elsewhere(identity: tuple[int, int]) -> Iterator[tuple[int, str]]:
+    """(pid, descriptor) of every process of this pid namespace but this one that has the file
+    *identity* open, read from ``/proc``."""
     try:
-        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()]
     except OSError:
-        return found
-    for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for name in fds:
-            try:
-                if identity_of(os.stat(f"/proc/{pid}/fd/{name}")) != identity:
-                    continue
-                with open(f"/proc/{pid}/fdinfo/{name}", encoding="ascii", errors="replace") as f:
-                    text = f.read()
-            except OSError:
-                continue
-            for line in text.splitlines():
-                words = line.split()
-                if line.startswith("lock:") and "OFDLCK" in words and dev in words:
-                    start = int(words[words.index(dev) + 1])
-                    if start in bytes_:
-                        found[start] = int(pid)
-    return found
-
-
-def open_elsewhere(path: Path | str) -> bool:
-    """Whether another process (of this pid namespace) has the file *path* open:
-    an empty database file that another process has open is being made by it."""
-    try:
-        identity = identity_of(os.stat(path))
-        pids = [p for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()]
-    except OSError:
-        return False
+        return
     for pid in pids:
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
@@ -386,8 +354,37 @@ def open_elsewhere(path: Path | str) -> bool:
         for name in fds:
             with suppress(OSError):
                 if identity_of(os.stat(f"/proc/{pid}/fd/{name}")) == identity:
-                    return True
-    return False
+                    yield pid, name
+
+
+def _holders(identity: tuple[int, int], bytes_: range) -> dict[int, int]:
+    """The pids (in this pid namespace, this one's aside) whose descriptors hold a lock on one
+    of *bytes_* of the file *identity*: byte -> pid. Read from ``/proc/<pid>/fdinfo``."""
+    dev = f"{os.major(identity[0]):02x}:{os.minor(identity[0]):02x}:{identity[1]}"
+    found: dict[int, int] = {}
+    for pid, name in _descriptors_elsewhere(identity):
+        try:
+            with open(f"/proc/{pid}/fdinfo/{name}", encoding="ascii", errors="replace") as f:
+                text = f.read()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            words = line.split()
+            if line.startswith("lock:") and "OFDLCK" in words and dev in words:
+                start = int(words[words.index(dev) + 1])
+                if start in bytes_:
+                    found[start] = pid
+    return found
+
+
+def open_elsewhere(path: Path | str) -> bool:
+    """Whether another process (of this pid namespace) has the file *path* open:
+    an empty database file that another process has open is being made by it."""
+    try:
+        identity = identity_of(os.stat(path))
+    except OSError:
+        return False
+    return next(_descriptors_elsewhere(identity), None) is not None
 
 
 def _the_run_of(pid: int) -> tuple[int, str, None]:
