@@ -67,13 +67,14 @@ def filesystem_now(directory: Path) -> float | None:
         return None
 
 
-def check_clock(db: ConsumerDB, now: float, horizon_s: float) -> None:
+def check_clock(db: ConsumerDB, now: float, horizon_s: float, *, own_clock: bool = True) -> None:
     """Refuse (PruneRefused, one line) when ages cannot be judged: this process's clock and
     the system's (a new file's time) disagree by more than the horizon; the newest receipt is
     in this clock's future by more than the horizon (this clock is behind, or the consumer's
     was ahead); or the writer recorded a jump of its clock by more than the horizon after
-    receipts that are still there (their times are off by it: ``meta.clock_jump``)."""
-    system = filesystem_now(Path(db.path).parent)
+    receipts that are still there (their times are off by it: ``meta.clock_jump``).
+    *own_clock* False: *now* was given by the caller, not read from this process's clock."""
+    system = filesystem_now(Path(db.path).parent) if own_clock else None
     if system is not None and abs(now - system) > horizon_s:
         raise PruneRefused(
             f"this process's clock ({now_iso(now)}) and the system's ({now_iso(system)}, a new file's time) disagree "
@@ -222,9 +223,10 @@ def prune(
     if batch < 1:
         raise ValueError("batch must be >= 1")
     started = time.monotonic()
+    own_clock = now is None
     now = time.time() if now is None else now
     if not trust_clock:
-        check_clock(db, now, horizon_s)
+        check_clock(db, now, horizon_s, own_clock=own_clock)
     cutoff = now_iso(now - older_than_s)
     report = PruneReport(db.consumer, str(db.path), cutoff, older_than_s, horizon_s, dry_run, dead_queue)
     if keep_event_ids is None:

@@ -436,7 +436,8 @@ class ConsumerDB:
         try:
             # The store's cursor holds its last statement: while one is not finalized, SQLite
             # keeps the connection (and its descriptors of the file) open after close.
-            self.cursor.close()
+            with contextlib.suppress(sqlite3.ProgrammingError):  # its connection closed already
+                self.cursor.close()
             self.conn.close()
         finally:
             if self._serial is not None:
