@@ -88,22 +88,26 @@ def test_a_frozen_active_is_named_and_its_standby_takes_over_safely(cluster: Clu
 
 def _alert_fires_on(series_line: str, tmp_path: object) -> None:
     """DeliveryWriterFrozen fires (promtool) on the standby's series, its silence growing as
-    scraped, with the holder's label; not while the holder heartbeats."""
+    scraped, with the holder's label; not for a holder that is silent but not stopped (a hung
+    worker is DeliveryWorkerStuck's)."""
     from pathlib import Path
 
     labels = series_line.split("{", 1)[1].split("}", 1)[0]
     pairs = dict(part.split("=", 1) for part in labels.split(","))
     exp = {k: v.strip('"') for k, v in pairs.items()} | {"severity": "page"}
     series = f"delivery_writer_heartbeat_age_seconds{{{labels}}}"
+    stopped = f"delivery_writer_stopped{{{labels}}}"
     (rule,) = [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]
                if r.get("alert") == "DeliveryWriterFrozen"]
-    annotations = {"summary": f"{exp['consumer']}: pid {exp['holder']} holds the database and has not heartbeated "
-                              "for 5m 5s", "description": rule["annotations"]["description"]}
+    annotations = {"summary": f"{exp['consumer']}: pid {exp['holder']} holds the database, stopped, and has not "
+                              "heartbeated for 5m 5s", "description": rule["annotations"]["description"]}
     test = {"rule_files": [str(RULES)], "evaluation_interval": "1m", "tests": [
-        {"interval": "1m", "input_series": [{"series": series, "values": "5+60x5"}],
+        {"interval": "1m", "input_series": [{"series": series, "values": "5+60x5"},
+                                            {"series": stopped, "values": "1x5"}],
          "alert_rule_test": [{"eval_time": "5m", "alertname": "DeliveryWriterFrozen", "exp_alerts": [
              {"exp_labels": exp, "exp_annotations": annotations}]}]},
-        {"interval": "1m", "input_series": [{"series": series, "values": "1x5"}],
+        {"interval": "1m", "input_series": [{"series": series, "values": "5+60x5"},
+                                            {"series": stopped, "values": "0x5"}],
          "alert_rule_test": [{"eval_time": "5m", "alertname": "DeliveryWriterFrozen", "exp_alerts": []}]},
     ]}
     path = Path(str(tmp_path)) / "frozen.test.yml"
