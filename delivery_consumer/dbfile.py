@@ -301,6 +301,16 @@ class _FileLock:
             os.close(fd)  # someone else made it meanwhile: open theirs
             return os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except OSError as exc:
+            if exc.errno in (errno.EPERM, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+                os.close(fd)  # a filesystem without hard links: made under its name, locked just after
+                with suppress(OSError):
+                    os.unlink(temp)
+                try:
+                    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+                except FileExistsError:
+                    return os.open(path, os.O_RDWR | os.O_CLOEXEC)
+                self.created = True
+                return fd
             os.close(fd)
             raise StoreUnavailable(f"{path}: cannot create the database file: {exc.strerror}",
                                    code="cannot-open") from None
