@@ -19,7 +19,15 @@ and operator mistakes:
   final ledger is exact only if nothing was acked that the backup lacks;
 * a second ``run`` of the same database started beside it: it must be
   refused in one line (exit 2) without consuming; the first is then stopped
-  at random as above.
+  at random as above;
+* the database hard-linked under a running ``run`` and a second ``run``
+  started through the link: refused in one line (exit 2: the file is in use,
+  or has two names), the link removed, the first stopped at random;
+* a backup restored: ``run`` stopped by SIGTERM and an older copy of its
+  database (taken after an earlier round) put in its place, as an operator
+  restoring last night's backup: the next ``run`` must refuse it in one line
+  (exit 2, older than what was acknowledged) and consume nothing; the
+  operator then puts the database back.
 
 After every kill no process of that run may be alive 5 s later. Finally
 ``run`` drains the queue and the ledger is printed: events, receipts, effects
@@ -73,11 +81,19 @@ from webhook_server import WebhookServer
 from delivery_consumer.topology import DEFAULT_URL
 
 ACTIONS = ("kill -9 main PID", "kill -9 group", "SIGTERM")
-MISTAKES = ("delete the database", "start a second run")
+MISTAKES = ("delete the database", "start a second run", "hard-link the database", "restore a backup")
 
 
 def _db_files(db: Path) -> list[Path]:
     return [db, Path(f"{db}-wal"), Path(f"{db}-shm")]
+
+
+def _put_back(db: Path, kept: Path, how: Any) -> None:
+    """Put the files kept in *kept* in place of the database *db* (and its -wal, -shm)."""
+    for f in _db_files(db):
+        f.unlink(missing_ok=True)
+    for f in kept.iterdir():
+        how(f, db.parent / f.name)
 
 
 def delete_the_database(proc: RunProcess, db: Path, backup: Path) -> bool | None:
@@ -110,27 +126,90 @@ def delete_the_database(proc: RunProcess, db: Path, backup: Path) -> bool | None
           f"({count_rows(backup / db.name, 'inbox')} receipts)")
     if not good:
         print(f"  delete the database: exit {proc.returncode}, {len(lines)} lines saying so:\n{err[-1500:]}")
-    for f in _db_files(db):
-        f.unlink(missing_ok=True)
-    for f in backup.iterdir():
-        shutil.copy(f, db.parent / f.name)
+    _put_back(db, backup, shutil.copy)
     return good
 
 
-def start_a_second_run(ns: Namespace, consumer: str, env: dict[str, str], first: RunProcess) -> bool:
-    """A second run of the same database: refused in one line naming the first, exit 2."""
-    second = ns.start_run(consumer, "--exit-when-idle", "2", env=env)
+def second_run_refused(ns: Namespace, consumer: str, env: dict[str, str], first: RunProcess, what: str,
+                       *args: str, also: str = "") -> bool:
+    """A second run of the database (*args*: how it reaches it): refused in one line naming the
+    first (or saying *also*), exit 2."""
+    second = ns.start_run(consumer, *args, "--exit-when-idle", "2", env=env)
     try:
         _out, err = second.communicate(timeout=60)
     except subprocess.TimeoutExpired:
         os.killpg(second.pid, signal.SIGKILL)
         second.communicate()
-        print("  second run: still running after 60 s")
+        print(f"  {what}: still running after 60 s")
         return False
     lines = err.strip().splitlines()
-    good = second.returncode == 2 and len(lines) == 1 and f"in use by pid {first.pid}" in lines[0]
+    good = second.returncode == 2 and len(lines) == 1 and (
+        f"in use by pid {first.pid}" in lines[0] or bool(also and also in lines[0]))
     if not good:
-        print(f"  second run: exit {second.returncode}:\n{err[-1500:]}")
+        print(f"  {what}: exit {second.returncode}:\n{err[-1500:]}")
+    return good
+
+
+def start_a_second_run(ns: Namespace, consumer: str, env: dict[str, str], first: RunProcess) -> bool:
+    """A second run of the same database: refused in one line naming the first, exit 2."""
+    return second_run_refused(ns, consumer, env, first, "second run")
+
+
+def hard_link_the_database(ns: Namespace, consumer: str, env: dict[str, str], first: RunProcess, db: Path) -> bool:
+    """A hard link to the running run's database and a second run through it: refused in one
+    line (the file in use by the first, or with two names), exit 2; the link is removed."""
+    if not db.exists():
+        return True
+    link = db.parent / "hard-link.db"
+    os.link(db, link)
+    try:
+        return second_run_refused(ns, consumer, env, first, "run through a hard link", "--db", str(link),
+                                  also="2 names")
+    finally:
+        link.unlink(missing_ok=True)
+
+
+def keep_an_older_copy(db: Path, older: Path) -> None:
+    """After a round (no run up), keep the first copy of the database: the backup a later round restores."""
+    if older.exists() or not db.exists():
+        return
+    older.mkdir()
+    for f in _db_files(db)[:2]:
+        if f.exists():
+            shutil.copy(f, older / f.name)
+
+
+def restore_a_backup(ns: Namespace, consumer: str, env: dict[str, str], proc: RunProcess, db: Path,
+                     older: Path) -> bool | None:
+    """SIGTERM the run and restore the older copy in place of its database: the next run must
+    refuse it in one line and consume nothing; the database is then put back. None when no
+    older copy lacks acknowledged receipts yet (the run is then stopped as usual)."""
+    from delivery_consumer import acked
+
+    record = acked.read(db)
+    if not older.exists() or record is None or count_rows(older / db.name, "inbox") >= record.rowid:
+        return None
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(60)
+    proc.communicate()
+    current = ns.workdir / "current"
+    shutil.rmtree(current, ignore_errors=True)
+    current.mkdir()
+    for f in _db_files(db):
+        if f.exists():
+            shutil.move(f, current / f.name)
+    for f in older.iterdir():
+        shutil.copy(f, db.parent / f.name)
+    queue = ns.topology(consumer).queue
+    waiting = ns.count(queue)
+    done = ns.run_until_idle(consumer, env=env, idle=2, timeout=120)
+    lines = done.stderr.strip().splitlines()
+    good = (done.returncode == 2 and len(lines) == 1 and "older than what was acknowledged" in lines[0]
+            and ns.count(queue) == waiting)
+    print(f"  backup restored: {'refused' if good else f'exit {done.returncode}'}; the database put back")
+    if not good:
+        print(f"  restore a backup:\n{done.stderr[-1500:]}")
+    _put_back(db, current, shutil.move)
     return good
 
 
@@ -175,9 +254,16 @@ def chaos(ns: Namespace, consumer: str, n: int, rounds: int, rng: random.Random)
                 if handled is not None:
                     mistakes_wrong += not handled
                     continue
+            if action == "restore a backup":
+                handled = restore_a_backup(ns, consumer, env, proc, ns.db(consumer), ns.workdir / "older")
+                if handled is not None:
+                    mistakes_wrong += not handled
+                    continue
             if action in MISTAKES:  # then the run is stopped as usual
                 if action == "start a second run":
                     mistakes_wrong += not start_a_second_run(ns, consumer, env, proc)
+                elif action == "hard-link the database":
+                    mistakes_wrong += not hard_link_the_database(ns, consumer, env, proc, ns.db(consumer))
                 action = rng.choice(ACTIONS)
                 actions[action] += 1
             if action == "kill -9 main PID":
@@ -192,6 +278,7 @@ def chaos(ns: Namespace, consumer: str, n: int, rounds: int, rng: random.Random)
                 leftovers += 1
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
+            keep_an_older_copy(ns.db(consumer), ns.workdir / "older")
         done = ns.run_until_idle(consumer, env=env, idle=3, timeout=600)
         return report(ns, consumer, events, bad, server, actions, leftovers, done.returncode, mistakes_wrong)
     finally:

@@ -19,7 +19,7 @@ The whole tree (every class derives from :class:`DeliveryError`)::
     ├── TransientError            retry later
     │   └── StoreUnavailable      the database as a whole failed
     ├── DatabaseError             the database cannot be used (exit 2)
-    │   ├── WrongDatabase, DatabaseLost, DatabaseInUse
+    │   ├── WrongDatabase, DatabaseLost, DatabaseInUse, DatabaseMalformed, TakenOver
     │   └── StoreOutage           unusable past run's outage limit (exit 75)
     ├── ConfigError               configuration or usage (exit 2)
     ├── NotFound                  no record with that key (exit 1)
@@ -158,13 +158,25 @@ class DatabaseLost(DatabaseError):
 
 
 class DatabaseInUse(DatabaseError):
-    """Another process writes this database (it holds ``<db>.lock``)."""
+    """Another process writes this database (it holds the lock on the file)."""
+
+
+class DatabaseMalformed(DatabaseError):
+    """SQLite read the file as damaged ("database disk image is malformed"). Either
+    the file is, or the disk under it failed: ``run`` reopens it and checks it before
+    it calls it damaged (docs/failures.md)."""
+
 
 
 class StoreOutage(DatabaseError):
     """The database stayed unusable as a whole past ``run``'s outage limit.
     Not a configuration error: ``run`` exits 75 (EX_TEMPFAIL) so that a
     supervisor restarts it, where a DatabaseError exits 2."""
+
+
+class TakenOver(StoreOutage):
+    """A standby took over this run's database while this run was frozen; it stops
+    (exit 75: restarted, it waits as a standby)."""
 
 
 class ConfigError(DeliveryError):

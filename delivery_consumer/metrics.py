@@ -17,13 +17,17 @@ a batch leaves that timestamp behind; the scrape still answers.
 
 from __future__ import annotations
 
+import logging
+import sys
 import threading
 from collections import Counter as Tally
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
@@ -122,6 +126,50 @@ class Metrics(Observer):
         return generate_latest(self.registry).decode("utf-8")
 
 
+class _QuietServer(ThreadingHTTPServer):
+    """A scraper that gave up (its timeout passed while the queue depths were asked)
+    closed its end: that is its business, not a traceback in run's log."""
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        error = sys.exc_info()[1]
+        if isinstance(error, (ConnectionError, TimeoutError)):
+            return
+        logging.getLogger("delivery_consumer.metrics").warning(
+            "a metrics scrape from %s failed: %s: %s", client_address[0] if client_address else "?",
+            type(error).__name__, error)
+
+
+class WriterCollector(Collector):
+    """The writer of the run's database as its note says, asked at scrape time:
+    ``delivery_writer_heartbeat_age_seconds{holder}`` (how long the holder has not
+    touched its note) and ``delivery_writer_stopped{holder}`` (1 when that process
+    is stopped: SIGSTOP, a debugger). What a standby reports of a frozen active."""
+
+    def __init__(self, db_path: Path, labels: dict[str, str]) -> None:
+        self.db_path = db_path
+        self.labels = labels
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        from . import liveness
+        from .dbfile import read_note
+
+        pid, _what, silent = read_note(self.db_path)
+        if pid is None or silent is None:
+            return
+        names = [*self.labels, "holder"]
+        values = [*self.labels.values(), str(pid)]
+        age = GaugeMetricFamily("delivery_writer_heartbeat_age_seconds", "Seconds since the process that holds "
+                                "the database last touched its note (<db>.lock, about every second).",
+                                labels=names)
+        age.add_metric(values, round(silent, 1))
+        stopped = GaugeMetricFamily("delivery_writer_stopped", "1 when the process that holds the database is "
+                                    "stopped (SIGSTOP, a debugger): frozen, it holds the database and acks nothing.",
+                                    labels=names)
+        stopped.add_metric(values, 1.0 if liveness.process_state(pid, None)[0] == liveness.STOPPED else 0.0)
+        yield age
+        yield stopped
+
+
 class RunExposition:
     """``/metrics`` of ``run``, served by its connection process.
 
@@ -190,7 +238,7 @@ class RunExposition:
             def log_message(self, format: str, *args: Any) -> None:
                 pass
 
-        server = ThreadingHTTPServer((addr, port), Handler)
+        server = _QuietServer((addr, port), Handler)
         server.daemon_threads = True
         self._server = server
         threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()

@@ -15,6 +15,16 @@ event can still arrive:
   without ``resolved_at``): such a copy is in the dead queue or waits for a
   decision; ``dead requeue`` and ``dead purge`` resolve it.
 
+Ages are judged by the receipts' own order as much as by a clock: only a
+prefix of the receipts in their order (the rowid) is deleted, never one
+written after a younger one (a clock that went back). When this process's
+clock and the system's disagree by more than the horizon (a faked clock), when the newest receipt is in
+this clock's future by more than the horizon, or the writer recorded that
+its clock jumped by more than the horizon after receipts still there
+(``meta.clock_jump``: the receipts before the jump would look aged), the
+prune is refused (``trust_clock`` overrides it). Why: docs/operating.md,
+"Retention".
+
 Old ``deliveries`` rows go with the same rules (their ``last_at`` older than
 the cutoff), and so do ``rejected`` rows resolved before the cutoff. Unresolved
 rejections are never pruned.
@@ -27,21 +37,66 @@ gets the write lock between batches and keeps committing.
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .durations import format as format_duration
 from .errors import PruneRefused
-from .inbox import ConsumerDB, counters, inbox_rowid_before
-from .sqlite import now_iso
+from .inbox import CLOCK_JUMP, ConsumerDB, counters, inbox_rowid_before, keep_high_water
+from .sqlite import age_s, now_iso
 
 DAY_S = 86400
 #: Default redelivery horizon: receipts younger than this are never pruned.
 DEFAULT_HORIZON_S = 7 * DAY_S
 #: Rows per delete transaction.
 DEFAULT_BATCH = 500
+
+
+def filesystem_now(directory: Path) -> float | None:
+    """The system's time as the kernel stamps a new file in *directory* (None: cannot write there):
+    a clock of its own, which a process's faked or skewed clock does not change."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".prune-clock-") as probe:
+            return os.fstat(probe.fileno()).st_mtime
+    except OSError:
+        return None
+
+
+def check_clock(db: ConsumerDB, now: float, horizon_s: float, *, own_clock: bool = True) -> None:
+    """Refuse (PruneRefused, one line) when ages cannot be judged: this process's clock and
+    the system's (a new file's time) disagree by more than the horizon; the newest receipt is
+    in this clock's future by more than the horizon (this clock is behind, or the consumer's
+    was ahead); or the writer recorded a jump of its clock by more than the horizon after
+    receipts that are still there (their times are off by it: ``meta.clock_jump``).
+    *own_clock* False: *now* was given by the caller, not read from this process's clock."""
+    system = filesystem_now(Path(db.path).parent) if own_clock else None
+    if system is not None and abs(now - system) > horizon_s:
+        raise PruneRefused(
+            f"this process's clock ({now_iso(now)}) and the system's ({now_iso(system)}, a new file's time) disagree "
+            f"by {format_duration(round(abs(now - system)))}, more than the redelivery horizon "
+            f"{format_duration(horizon_s)}: ages cannot be judged, nothing deleted (a faked or skewed clock?)")
+    row = db.conn.execute("SELECT received_at FROM inbox ORDER BY rowid DESC LIMIT 1").fetchone()
+    if row is not None and -age_s(str(row[0]), now) > horizon_s:
+        raise PruneRefused(
+            f"this clock ({now_iso(now)}) and the receipts' disagree by {format_duration(round(-age_s(row[0], now)))}"
+            f", more than the redelivery horizon {format_duration(horizon_s)}: the newest receipt was stamped "
+            f"{row[0]}, in this clock's future (this clock is behind, or the consumer's was ahead); nothing "
+            f"deleted. Fix the clock, or pass --trust-clock if the receipts' times are right")
+    jump = db.conn.execute("SELECT value FROM meta WHERE key = ?", (CLOCK_JUMP,)).fetchone()
+    if jump is not None:
+        rowid, moved, at = str(jump[0]).split()
+        oldest = db.conn.execute("SELECT min(rowid) FROM inbox").fetchone()[0]
+        if abs(float(moved)) > horizon_s and oldest is not None and oldest <= int(rowid):
+            raise PruneRefused(
+                f"the consumer's clock jumped {format_duration(round(abs(float(moved))))} "
+                f"{'ahead' if float(moved) > 0 else 'back'} at {at} (after receipt {rowid}), more than the redelivery "
+                f"horizon {format_duration(horizon_s)}: the receipts written before it carry times that are off by "
+                f"that much; nothing deleted. Pass --trust-clock once they are truly old")
 
 
 def check_older_than(older_than_s: float, horizon_s: float) -> None:
@@ -131,6 +186,16 @@ def _count(db: ConsumerDB, report: PruneReport, params: dict[str, Any]) -> None:
         report.rejections = conn.execute(f"SELECT count(*) FROM ({_REJECTIONS})", params).fetchall()[0][0]
 
 
+def _prefix(db: ConsumerDB, cutoff: str) -> int:
+    """The last rowid of the receipts' prefix received before *cutoff*, in their own order:
+    the binary search's bound, cut at the first receipt in rowid order that is not older
+    (a receipt written after a younger one is never deleted, whatever its time says)."""
+    last = inbox_rowid_before(db.conn, cutoff)
+    (first_young,) = db.conn.execute("SELECT min(rowid) FROM inbox WHERE rowid <= ? AND received_at >= ?",
+                                     (last, cutoff)).fetchone()
+    return last if first_young is None else int(first_young) - 1
+
+
 def prune(
     db: ConsumerDB,
     *,
@@ -143,6 +208,7 @@ def prune(
     dry_run: bool = False,
     now: float | None = None,
     sleep: Callable[[float], None] = time.sleep,
+    trust_clock: bool = False,
 ) -> PruneReport:
     """Delete receipts, delivery records and resolved rejections older than *older_than_s*.
 
@@ -150,20 +216,24 @@ def prune(
     be read (the caller decided to go on: only unresolved rejections then
     protect a receipt). *refresh_keep* is called before every batch and
     returns eventIds that reached the dead queue meanwhile. Raises
-    PruneRefused for an age below the horizon.
+    PruneRefused for an age below the horizon, and when the receipts' clock
+    and this one disagree (:func:`check_clock`) unless *trust_clock*.
     """
     check_older_than(older_than_s, horizon_s)
     if batch < 1:
         raise ValueError("batch must be >= 1")
     started = time.monotonic()
+    own_clock = now is None
     now = time.time() if now is None else now
+    if not trust_clock:
+        check_clock(db, now, horizon_s, own_clock=own_clock)
     cutoff = now_iso(now - older_than_s)
     report = PruneReport(db.consumer, str(db.path), cutoff, older_than_s, horizon_s, dry_run, dead_queue)
     if keep_event_ids is None:
         report.notes.append("the dead queue was not read: receipts of its events are protected only by "
                             "their unresolved rejections (broker-side delivery-limit dead letters have none)")
     _set_keep(db, keep_event_ids or ())
-    params: dict[str, Any] = {"cutoff": cutoff, "batch": batch, "last": inbox_rowid_before(db.conn, cutoff)}
+    params: dict[str, Any] = {"cutoff": cutoff, "batch": batch, "last": _prefix(db, cutoff)}
     try:
         _count(db, report, params)
         if dry_run:
@@ -175,6 +245,7 @@ def prune(
                 with db.transaction() as tx:
                     if name == "receipts":  # the counters lose what is deleted (inbox/counters.py)
                         counters.catch_up(tx.conn)  # first: every receipt deleted is then a counted one
+                        keep_high_water(tx.conn)  # the newest may go: its rowid must stay known
                         gone = tx.conn.execute(statement, params).fetchall()
                         counters.subtract(tx.conn, gone)
                         deleted = len(gone)
@@ -196,6 +267,7 @@ __all__ = [
     "DEFAULT_BATCH",
     "DEFAULT_HORIZON_S",
     "PruneReport",
+    "check_clock",
     "check_older_than",
     "format_duration",
     "prune",

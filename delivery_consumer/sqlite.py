@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import overload
 from urllib.parse import quote
 
-from .errors import DatabaseError, StoreUnavailable
+from .errors import DatabaseError, DatabaseMalformed, StoreUnavailable
 
 #: How long a writer waits for another writer before giving up (ms). Kept well
 #: below the AMQP heartbeat (60 s) so that waiting never costs the connection.
@@ -34,6 +34,11 @@ DATABASE_BUSY = "database-busy"
 # a schema error) makes the database unusable: DatabaseError.
 _ENVIRONMENT_CODES = {5: DATABASE_BUSY, 6: DATABASE_BUSY, 8: "database-read-only", 10: "io-error",
                       13: "disk-full", 14: "cannot-open"}
+
+
+# CORRUPT and NOTADB: the file reads as damaged -- or the disk under it failed (an
+# I/O error is often followed by these on the same connection): DatabaseMalformed.
+_DAMAGE_CODES = {11, 26}
 
 
 def now_iso(when: float | None = None) -> str:
@@ -78,6 +83,8 @@ def translate(exc: sqlite3.Error, path: Path | str) -> DatabaseError | StoreUnav
     code = getattr(exc, "sqlite_errorcode", None)
     if code is not None and code & 0xFF in _ENVIRONMENT_CODES:
         return StoreUnavailable(f"{path}: {exc}", code=_ENVIRONMENT_CODES[code & 0xFF])
+    if code is not None and code & 0xFF in _DAMAGE_CODES:
+        return DatabaseMalformed(f"{path}: {exc}")
     return DatabaseError(f"{path}: {exc}")
 
 
@@ -162,12 +169,16 @@ def reading(path: Path | str, *, what: str = "read it") -> Iterator[sqlite3.Conn
 @contextmanager
 def closed_on_failure(conn: sqlite3.Connection, path: Path | str) -> Iterator[sqlite3.Connection]:
     """Close *conn* when the block raises (a connection being prepared is
-    nobody's yet); an sqlite3 error leaves as DatabaseError naming *path*."""
+    nobody's yet); an sqlite3 error leaves as DatabaseError naming *path* --
+    StoreUnavailable when it is the environment's (disk full, I/O, busy)."""
     try:
         yield conn
     except sqlite3.Error as exc:
         conn.close()
-        raise DatabaseError(f"{path}: cannot use this database: {exc}") from None
+        error = translate(exc, path)
+        if isinstance(error, StoreUnavailable):  # the disk's fault (full, I/O, busy): wait, not refuse
+            raise StoreUnavailable(f"{path}: cannot use this database now: {exc}", code=error.code) from None
+        raise type(error)(f"{path}: cannot use this database: {exc}") from None
     except BaseException:
         conn.close()
         raise

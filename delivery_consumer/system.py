@@ -357,7 +357,30 @@ def _consumer_db_status(db: ConsumerDB, now: float) -> Row:
             (now_iso(now - HOUR_S), f"{FORWARDED}:%")).fetchone()
     return {"receiptsLastMinute": last_minute, "receiptsLastHour": last_hour, "newestReceivedAt": newest,
             "newestAgeSeconds": age_s(newest, now), "unresolvedRejections": {r["code"]: r["n"] for r in unresolved},
-            "forwardedLastHour": forwarded, "lastForwardedAt": last_forwarded}
+            "forwardedLastHour": forwarded, "lastForwardedAt": last_forwarded,
+            **_writer(db)}
+
+
+#: A writer whose note was not touched for this long is named in status (it beats every second).
+WRITER_SILENT_S = 10.0
+
+
+def _writer(db: ConsumerDB) -> Row:
+    """Who holds the database as its note says (dbfile.WriterLock), and a note when that
+    process is stopped or has not heartbeated for WRITER_SILENT_S: a frozen active."""
+    from . import liveness
+    from .dbfile import read_note
+
+    pid, what, silent = read_note(db.path)
+    if pid is None or silent is None:
+        return {}
+    state = liveness.process_state(pid, None)[0]
+    row: Row = {"writer": {"pid": pid, "what": what, "heartbeatAgeSeconds": round(silent, 1), "state": state}}
+    if state == liveness.STOPPED or (state != liveness.GONE and silent >= WRITER_SILENT_S):
+        row["writerNote"] = (f"writer pid {pid}{f' ({what})' if what else ''} "
+                             + ("is stopped (SIGSTOP?), " if state == liveness.STOPPED else "")
+                             + f"no heartbeat for {silent:.0f}s: frozen? (docs/failures.md, \"A frozen active\")")
+    return row
 
 
 def unacknowledged(dep: Deployment, queue: str) -> int | None:
@@ -475,7 +498,7 @@ def notes(row: Row) -> str | None:
     """What a status row has to say besides its figures, in a few words."""
     if row.get("error"):
         return str(row["error"])
-    found = [row[key] for key in ("note", "queueNote", "deadNote") if row.get(key)]
+    found = [row[key] for key in ("note", "queueNote", "deadNote", "writerNote") if row.get(key)]
     return "; ".join(found) or None
 
 

@@ -14,7 +14,7 @@ import click
 import orjson
 
 from ..consumers import open_db as open_consumer_db
-from ..errors import ConfigError, DatabaseError, DeliveryError, WrongDatabase
+from ..errors import ConfigError, DatabaseError, DeliveryError, StoreUnavailable, WrongDatabase
 from ..inbox import ConsumerDB
 
 if TYPE_CHECKING:
@@ -137,15 +137,18 @@ def json_option(fn: F) -> F:
 
 
 def open_db(
-    consumer: str | None, db_path: Path | None, *, create: bool = False, readonly: bool = False
+    consumer: str | None, db_path: Path | None, *, create: bool = False, readonly: bool = False,
+    empty_ok: bool = False,
 ) -> ConsumerDB:
     """Open a consumer database for a command, or exit 2 with one line."""
     if consumer is None and db_path is None:
         raise Fatal("give --consumer NAME or --db PATH (or DELIVERY_CONSUMER / DELIVERY_DB)")
     try:
-        return open_consumer_db(db_path, consumer, create=create, readonly=readonly)
+        return open_consumer_db(db_path, consumer, create=create, readonly=readonly, empty_ok=empty_ok)
     except (DatabaseError, ConfigError) as exc:
         raise Fatal(_from_file(db_path) + str(exc)) from None
+    except StoreUnavailable as exc:  # the disk's fault (full, busy, read-only): said as it is
+        raise Fatal(_from_file(db_path) + exc.reason) from None
 
 
 # -- the deployment file ---------------------------------------------------------

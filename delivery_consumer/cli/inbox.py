@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import heapq
 import os
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -39,6 +40,7 @@ from ..placement import beside, database, default_db, resolve
 from ._broker import amqp_options, broker_call, topology_for
 from ._common import (
     EVENT_ID,
+    EXIT_OK,
     EXIT_REJECTED,
     F,
     Fatal,
@@ -206,6 +208,7 @@ INBOX_COMMANDS: dict[str, str] = {
     "show": "inbox:inbox_show",
     "stats": "inbox:inbox_stats",
     "prune": "inbox:inbox_prune",
+    "recover": "inbox:inbox_recover",
 }
 
 inbox = LazyGroup(
@@ -311,11 +314,14 @@ def inbox_stats(consumer: str | None, db_path: Path | None, as_json: bool) -> No
               help="Prune even if the dead queue cannot be read (broker down): only unresolved rejections "
                    "then protect receipts; broker-side delivery-limit dead letters have none.")
 @click.option("--dry-run", is_flag=True, help="Count what would go; delete nothing.")
+@click.option("--trust-clock", is_flag=True,
+              help="Prune although this clock and the receipts' disagree by more than the horizon, or their "
+                   "times jump (ages are counted from the newest receipt when it is older than now).")
 @json_option
 @handle_errors
 def inbox_prune(consumer: str | None, db_path: Path | None, amqp_url: str, exchange: str, queue_prefix: str,
                 partition: int | None, older_than: float, horizon: float, batch: int, without_dead_queue: bool,
-                dry_run: bool, as_json: bool) -> None:
+                dry_run: bool, trust_clock: bool, as_json: bool) -> None:
     """Delete old receipts, delivery records and resolved rejections, in small batches.
 
     Never a receipt younger than the redelivery horizon (a shorter
@@ -358,8 +364,8 @@ def inbox_prune(consumer: str | None, db_path: Path | None, amqp_url: str, excha
             report = broker_call(retention.prune, db, older_than_s=older_than, horizon_s=horizon,
                                   keep_event_ids=keep, refresh_keep=refresh,
                                   dead_queue=topology.dead_queue if keep is not None else None,
-                                  batch=batch, dry_run=dry_run)
-        except PruneRefused as exc:  # pragma: no cover - checked above
+                                  batch=batch, dry_run=dry_run, trust_clock=trust_clock)
+        except PruneRefused as exc:  # the clocks disagree (the age was checked above)
             raise Fatal(f"refused: {exc}") from None
         if keep is not None:
             report.dead_letters = len(snapshot.letters)
@@ -493,3 +499,38 @@ def query(consumer: str | None, db_path: Path | None, as_json: bool, timeout_s: 
         emit_json(result)
     elif result["columns"]:
         echo_table(result["columns"], result["rows"], null="NULL")
+
+
+# -- inbox recover ---------------------------------------------------------------
+
+
+@click.command("recover")
+@click.option("--db", "db_path", required=True, type=click.Path(path_type=Path),
+              help="The damaged database (read only; stop its run first).")
+@click.option("--to", "target", required=True, type=click.Path(path_type=Path),
+              help="The new database to write (must not exist).")
+@consumer_option()
+@json_option
+@handle_errors
+def inbox_recover(db_path: Path, target: Path, consumer: str | None, as_json: bool) -> None:
+    """Copy every row that can still be read of a damaged database into a new one.
+
+    For Debian's sqlite3 3.40, whose .recover fails. The new file keeps the
+    old one's identity; put it in place while no run is up (docs/failures.md,
+    "Restores"). Exit 0 when every row was read, 1 when some could not be.
+    """
+    from ..recovery import recover
+
+    report = recover(db_path, target, consumer)
+    if as_json:
+        emit_json({"source": report.source, "target": report.target, "consumer": report.consumer,
+                   "complete": report.complete, "integrity": report.integrity,
+                   "tables": [{"table": t.name, "copied": t.copied, "lost": t.lost, "unreadable": t.unreadable}
+                              for t in report.tables]})
+    else:
+        for t in report.tables:
+            lost = "; could not read " + ", ".join(t.lost) if t.lost else ""
+            click.echo(f"{t.name}: {'unreadable' if t.unreadable else count(t.copied, 'row')} copied{lost}")
+        click.echo(f"{report.target}: integrity_check {report.integrity}; "
+                   + ("every row read" if report.complete else "some rows could not be read (above)"))
+    sys.exit(EXIT_OK if report.complete else EXIT_REJECTED)

@@ -43,7 +43,7 @@ BLOCK_LINES = 512
 @handle_errors
 def init(consumer: str, db_path: Path | None) -> None:
     """Create (or upgrade) the database of a consumer."""
-    with open_db(consumer, db_path, create=True) as db:
+    with open_db(consumer, db_path, create=True, empty_ok=True) as db:  # init on an empty file: meant
         meta = db.meta()
         click.echo(
             f"{db.path}: consumer {meta['consumer']}, store schema ready, "

@@ -78,16 +78,20 @@ def _metrics_factory(consumer: str, partition: int | None = None) -> Callable[[]
 
 
 def _metrics_server(consumer: str, port: int, host: str, queues: tuple[str, Topology] | None = None,
-                    partition: int | None = None) -> Callable[[], Any]:
+                    partition: int | None = None, db_path: Path | None = None) -> Callable[[], Any]:
     """``/metrics`` served by run's connection process, which answers while the
     worker is busy or stuck. *queues* (url, topology): also the queue depths,
-    asked at scrape time. *partition*: every series is labelled with it."""
+    asked at scrape time. *partition*: every series is labelled with it.
+    *db_path*: also who holds the database and how long it has been silent."""
 
     def serve() -> Any:
         from ..errors import ConfigError
-        from ..metrics import RunExposition
+        from ..metrics import RunExposition, WriterCollector
 
-        collectors = []
+        collectors: list[Any] = []
+        if db_path is not None:
+            labels = {"consumer": consumer, **({"partition": str(partition)} if partition is not None else {})}
+            collectors.append(WriterCollector(db_path, labels))
         if queues is not None:
             from ..queue_metrics import QueueCollector
 
@@ -134,6 +138,17 @@ def _metrics_server(consumer: str, port: int, host: str, queues: tuple[str, Topo
                    "no attempt spent.")
 @click.option("--max-bytes", default=RunConfig.max_bytes, show_default=True, type=click.IntRange(1),
               help="Largest body accepted; larger ones are dead-lettered invalid-envelope.")
+@click.option("--accept-loss", is_flag=True,
+              help="Start on a database older than what was acknowledged from it (a restored backup), or on a "
+                   "new one where receipts were acknowledged: the loss is logged (docs/failures.md, Restores).")
+@click.option("--integrity-check-limit", "integrity_check_s", default=spelled(RunConfig.integrity_check_s),
+              show_default=True, type=Duration(positive=True),
+              help="The longest the integrity check at start may hold it up; a larger file is checked whole in "
+                   "the background and nothing is acknowledged before the check passed.")
+@click.option("--take-over-after", "take_over_after_s", default=spelled(RunConfig.take_over_after_s or 0),
+              show_default=True, type=Duration(),
+              help="A partition's standby takes over from a holder proven frozen (stopped, no heartbeat) after "
+                   "this long; 0: never.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--log-format", default="text", show_default=True, type=click.Choice(["text", "json"]),
@@ -147,8 +162,8 @@ def _metrics_server(consumer: str, port: int, host: str, queues: tuple[str, Topo
 def run(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue_prefix: str, prefetch: int,
         batch: int, batch_wait_ms: int, max_attempts: int, retry_delays: tuple[int, ...], delivery_limit: int,
         max_crashes: int, exit_when_idle: float | None, store_outage_limit_s: float, max_bytes: int,
-        log_level: str, log_format: str, metrics_port: int | None, metrics_host: str,
-        partition: int | None, partitions: int | None,
+        accept_loss: bool, integrity_check_s: float, take_over_after_s: float, log_level: str, log_format: str,
+        metrics_port: int | None, metrics_host: str, partition: int | None, partitions: int | None,
         consumer_options: dict[str, Any]) -> None:
     """Consume a consumer's queue: apply, commit, then acknowledge.
 
@@ -177,13 +192,15 @@ def run(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue
         retry_delays_ms=retry_delays, delivery_limit=delivery_limit, max_crashes=max_crashes,
         exit_when_idle_s=exit_when_idle, max_bytes=max_bytes, log_each_event=log_format == "json",
         consumer_options=consumer_options, store_outage_limit_s=store_outage_limit_s,
+        accept_loss=accept_loss, take_over_after_s=take_over_after_s or None, integrity_check_s=integrity_check_s,
         partition=partition_identity(consumer, partition, partitions, db_path,
                                      broker=(amqp_url, topology_for(consumer, exchange, queue_prefix))),
     )
     observer_factory = serve = None
     if metrics_port is not None:
         observer_factory = _metrics_factory(consumer, partition)
-        serve = _metrics_server(consumer, metrics_port, metrics_host, (amqp_url, config.topology()), partition)
+        serve = _metrics_server(consumer, metrics_port, metrics_host, (amqp_url, config.topology()), partition,
+                                config.database_path())
     try:
         code = run_consumer(config, observer_factory, serve)
     except BrokerError as exc:

@@ -121,6 +121,7 @@ def open_db(
     busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS,
     partition: Identity | None = None,
     unpartitioned: bool = False,
+    empty_ok: bool = False,
 ) -> ConsumerDB:
     """:meth:`ConsumerDB.open` by the consumer's name: the database of
     *consumer*, or of the consumer the database records when no name is given."""
@@ -128,7 +129,8 @@ def open_db(
     if consumer is not None and (path is None or not Path(path).is_dir()):
         spec = get(consumer)
     return ConsumerDB.open(path, spec, lookup=get, create=create, readonly=readonly,
-                           busy_timeout_ms=busy_timeout_ms, partition=partition, unpartitioned=unpartitioned)
+                           busy_timeout_ms=busy_timeout_ms, partition=partition, unpartitioned=unpartitioned,
+                           empty_ok=empty_ok)
 
 
 def topology(consumer: str, exchange: str = DEFAULT_EXCHANGE, prefix: str = DEFAULT_PREFIX,

@@ -12,6 +12,7 @@ The event's path through these modules: docs/architecture.md.
 from __future__ import annotations
 
 from .apply import (
+    CLOCK_JUMP,
     Transaction,
     UnsyncedTransaction,
     apply_batch,
@@ -21,10 +22,11 @@ from .apply import (
     unsynced_transaction,
 )
 from .counters import inbox_rowid_before
-from .database import CORE_MIGRATIONS, STORE_VERSION, ConsumerDB
+from .database import CORE_MIGRATIONS, STORE_VERSION, ConsumerDB, keep_high_water
 from .in_flight import CRASHED, INTERRUPTED, OPEN_OUTCOMES, InFlight, forget_in_flight, owner_alive, process_owner
 
 __all__ = [
+    "CLOCK_JUMP",
     "CORE_MIGRATIONS",
     "CRASHED",
     "INTERRUPTED",
@@ -39,6 +41,7 @@ __all__ = [
     "forget_in_flight",
     "has_receipt",
     "inbox_rowid_before",
+    "keep_high_water",
     "owner_alive",
     "process_owner",
     "receipt_of",

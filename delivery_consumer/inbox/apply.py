@@ -13,6 +13,7 @@ The path drawn: docs/architecture.md; the optimistic batch: docs/hot-path.md.
 from __future__ import annotations
 
 import sqlite3
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from time import monotonic
@@ -22,6 +23,7 @@ import orjson
 
 from .. import sqlite
 from ..contract import ApplyFn, ConsumerSpec, DeliveryCount, Outcome
+from ..dbfile import ContentTags
 from ..envelope import Envelope
 from ..errors import EVENT_ID_REUSED, WRONG_PARTITION, DatabaseError, Rejection, TransientError, safe_reason
 from ..partitions import Identity, misplaced
@@ -43,6 +45,12 @@ class Store(Protocol):
     partition: Identity | None
     #: When the receipt counters are next caught up (``time.monotonic``).
     count_due: float
+    #: Wall clock minus monotonic clock when last looked at: a change is the wall clock
+    #: jumping (recorded: ``meta.clock_jump``, which prune reads).
+    clock_base: float
+    #: The content tags of the file's one writer (None: not watched): a new one goes
+    #: into the header with each catch-up (dbfile.ContentTags).
+    tags: ContentTags | None
 
     def transaction(self) -> Transaction:
         """One write transaction (``BEGIN IMMEDIATE`` ... ``COMMIT``)."""
@@ -140,6 +148,24 @@ def _meta_json(meta: object) -> str:
     return orjson.dumps(meta, option=orjson.OPT_SORT_KEYS).decode()
 
 
+#: A step of the wall clock against the monotonic one larger than this is a jump (seconds).
+CLOCK_STEP_S = 60.0
+#: The ``meta`` key of the last jump of a writer's clock: ``<newest rowid> <seconds moved> <when>``.
+CLOCK_JUMP = "clock_jump"
+
+
+def _note_clock_jump(cursor: sqlite3.Cursor, moved: float, now: str) -> None:
+    """Record that the wall clock jumped by *moved* seconds after the receipts written before
+    this transaction (whose receipts are all stamped *now*, the jumped clock's time)."""
+    before = 0
+    for rowid, received_at in cursor.connection.execute("SELECT rowid, received_at FROM inbox ORDER BY rowid DESC"):
+        if received_at != now:  # read from the newest down: this transaction's receipts only
+            before = rowid
+            break
+    cursor.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
+                   (CLOCK_JUMP, f"{before} {moved:.0f} {now}"))
+
+
 class _Fallback(Exception):
     """The optimistic batch met a failing event: apply it event by event.
 
@@ -209,6 +235,12 @@ class Transaction:
                 if monotonic() >= db.count_due:  # the receipt counters, at most every CATCH_UP_S
                     counters.catch_up(self.conn)
                     db.count_due = monotonic() + counters.CATCH_UP_S
+                    if db.tags is not None:
+                        self._cursor.execute(f"PRAGMA application_id = {db.tags.next()}")
+                    moved = time.time() - monotonic() - db.clock_base
+                    if abs(moved) > CLOCK_STEP_S:
+                        _note_clock_jump(self._cursor, moved, self.now)
+                        db.clock_base += moved
                 self._cursor.execute("COMMIT")
             except sqlite3.Error as error:
                 exc = error

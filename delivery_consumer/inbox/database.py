@@ -9,16 +9,18 @@ older one up to date under one write lock. Transactions on it:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from .. import sqlite
 from ..contract import ConsumerSpec
-from ..dbfile import FileGuard, SerialLock
-from ..errors import DatabaseError, StoreUnavailable, WrongDatabase, safe_reason
+from ..dbfile import ContentTags, FileGuard, SerialLock, check_one_name, open_elsewhere
+from ..errors import DatabaseError, DatabaseLost, StoreUnavailable, TakenOver, WrongDatabase, safe_reason
 from ..partitions import Identity, identity_from_meta
 from ..placement import default_db
 from ..sqlite import DEFAULT_BUSY_TIMEOUT_MS, now_iso
@@ -158,9 +160,16 @@ CORE_MIGRATIONS: tuple[str, ...] = (
 STORE_VERSION = len(CORE_MIGRATIONS)
 #: The ``meta`` key of the consumer's seal key (hex), made by the first writable open.
 SEAL_KEY = "seal_key"
+#: The ``meta`` key of the database's identity (32 hex digits), made by the first writable open:
+#: a copy or a backup of it has the same, a new database another (restores: ``acked.py``).
+DATABASE_ID = "database_id"
+#: The ``meta`` key of the newest receipt's rowid as prune found it before deleting (ConsumerDB.high_water).
+HIGH_WATER = "high_water"
 #: The ``meta`` key naming the release that last migrated the database ("delivery-consumer X.Y.Z").
 SCHEMA_BY_KEY = "schema_by"
 _CONSUMER_VERSION_KEY = "consumer_schema_version"
+#: The ``meta`` key of the consumer's own tables' schema version (how many of its migrations ran).
+CONSUMER_VERSION_KEY = _CONSUMER_VERSION_KEY
 
 #: Resolves the consumer a database records to its spec (the registry's ``get``).
 SpecLookup = Callable[[str], ConsumerSpec]
@@ -192,7 +201,19 @@ class ConsumerDB:
         self.guard: FileGuard | None = None
         #: When (time.monotonic) the next commit folds new receipts into the counters.
         self.count_due = 0.0
+        #: Wall clock minus monotonic clock at open (inbox/apply.py notes a jump of the wall clock).
+        self.clock_base = time.time() - time.monotonic()
+        #: Whether another run took the database over (WriterLock.taken_over): asked when the
+        #: content check fails, since the new holder's tags are not this writer's.
+        self.taken_over: Callable[[], bool] | None = None
+        #: Set once another run took the database over from this frozen one (WriterLock.superseded).
+        self.superseded: threading.Event | None = None
+        #: The content tags of the file's one writer (:meth:`watch_content`); None for others.
+        self.tags: ContentTags | None = None
         self._serial: SerialLock | None = None
+        #: The whole integrity check still running in the background (nothing is acknowledged
+        #: before it passed: the worker asks it); None when the file was checked at open.
+        self.integrity: IntegrityCheck | None = None
 
     # -- opening ---------------------------------------------------------------
 
@@ -208,6 +229,7 @@ class ConsumerDB:
         busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS,
         partition: Identity | None = None,
         unpartitioned: bool = False,
+        empty_ok: bool = False,
     ) -> ConsumerDB:
         """Open (and with ``create`` make) the database of the consumer *spec*.
 
@@ -216,7 +238,11 @@ class ConsumerDB:
         by *lookup*. Raises :class:`DatabaseError` for a missing, foreign,
         corrupt, newer or other consumer's database -- and, with *partition*,
         for a database of another partition or count (a new one records
-        *partition*); with *unpartitioned*, for any partition's.
+        *partition*); with *unpartitioned*, for any partition's. An existing
+        file that holds no database (0 bytes, no tables: a failed recovery, a
+        truncated copy) is refused unless *empty_ok* (``init``, or the writer
+        lock that made the file just now), and a writable open refuses a file
+        with more than one name (hard links: SQLite journals per name).
         """
         consumer = spec.name if spec is not None else None
         if path is None:
@@ -240,10 +266,23 @@ class ConsumerDB:
             except OSError as exc:
                 raise DatabaseError(f"{path}: cannot create its directory: {exc.strerror or exc}") from None
         checked = path
+        if exists and not readonly:
+            try:
+                check_one_name(path)
+            except FileNotFoundError:
+                exists = False
+
+        was_empty = [False]
 
         def refuse_foreign(conn: sqlite3.Connection) -> None:
             # Before the switch to WAL, which is persistent: refusing must not modify the file.
-            cls._recorded_consumer(conn, checked)
+            was_empty[0] = cls._recorded_consumer(conn, checked) is None
+            if was_empty[0] and exists and not empty_ok and not open_elsewhere(checked):
+                raise DatabaseError(
+                    f"{checked}: this file holds no database ({checked.stat().st_size} bytes, no tables) where one "
+                    f"was expected: not adopted as a new one. A failed recovery or copy leaves such a file: restore "
+                    f"a backup or recover the old file (docs/failures.md, \"Restores\"); if a new, empty database "
+                    f"is meant, delete the file (run creates one) or run init on it")
 
         conn = sqlite.connect(path, readonly=readonly, busy_timeout_ms=busy_timeout_ms,
                               check=None if readonly else refuse_foreign, pragmas=() if readonly else _WRITER_PRAGMAS)
@@ -264,7 +303,7 @@ class ConsumerDB:
                 cls._check_consumer_version(conn, path, spec)
             db = cls(conn, path, spec, readonly)
             db.partition = identity_from_meta(db.meta())
-            db.created = not exists
+            db.created = not exists or was_empty[0]
             if not readonly:
                 db.guard = FileGuard(path)
         return db
@@ -371,6 +410,7 @@ class ConsumerDB:
             # of an older release gets one now.
             conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES (?, ?)",
                          (SEAL_KEY, os.urandom(32).hex()))  # not secrets: start-up time counts
+            conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES (?, ?)", (DATABASE_ID, os.urandom(16).hex()))
             row = conn.execute(
                 "SELECT value FROM meta WHERE key = ?", (_CONSUMER_VERSION_KEY,)
             ).fetchone()
@@ -391,17 +431,57 @@ class ConsumerDB:
         return self.spec.name
 
     def close(self) -> None:
-        self.conn.close()
-        if self._serial is not None:
-            self._serial.close()
+        # SQLite's connection first: closing a descriptor of the file while it is
+        # open would release its locks (dbfile.release_fd).
+        try:
+            # The store's cursor holds its last statement: while one is not finalized, SQLite
+            # keeps the connection (and its descriptors of the file) open after close.
+            with contextlib.suppress(sqlite3.ProgrammingError):  # its connection closed already
+                self.cursor.close()
+            self.conn.close()
+        finally:
+            if self._serial is not None:
+                self._serial.close()
+            if self.guard is not None:
+                self.guard.close()
 
     def serial(self) -> SerialLock:
         """``with db.serial():`` -- one process at a time in the block, across
-        connections and processes (an ``flock`` on ``<db>.serial.lock``): for a
-        protocol whose steps span several transactions (the fence)."""
+        connections, processes and every name of the file (an OFD lock on a byte
+        of the database file itself): for a protocol whose steps span several
+        transactions (the fence)."""
         if self._serial is None:
-            self._serial = SerialLock(Path(f"{self.path}.serial.lock"))
+            self._serial = SerialLock(self.path, self.guard.identity if self.guard is not None else None)
         return self._serial
+
+    def watch_content(self, tags: ContentTags | None = None) -> None:
+        """From now on, notice a copy written over the file (the file's one writer calls it):
+        a new tag in the header, checkpointed into the file at once; every commit's
+        check then reads the main file's tag whenever the file was written
+        (dbfile.FileGuard). The tag changes again at most every second a commit is made.
+        *tags*: those of this writer's connection before (opened again after a disk
+        failure): the file must still carry one of them."""
+        if self.guard is None or self.readonly:
+            return
+        tags = self.guard.watch(tags)
+        with self.transaction() as tx:
+            tx.conn.execute(f"PRAGMA application_id = {tags.next()}")
+        self.tags = tags
+        with contextlib.suppress(sqlite3.Error):  # a busy checkpoint is done later by a commit
+            self.conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        self.check_file()
+
+    def database_id(self) -> str:
+        """The database's identity (:data:`DATABASE_ID`; "" for a database opened read-only before it had one)."""
+        row = self.conn.execute("SELECT value FROM meta WHERE key = ?", (DATABASE_ID,)).fetchone()
+        return str(row[0]) if row else ""
+
+    def high_water(self) -> int:
+        """The rowid of the newest receipt ever written: receipts only go up the rowid, and
+        prune, which may delete the newest, records it first (:func:`keep_high_water`)."""
+        return int(self.conn.execute(
+            "SELECT max(coalesce((SELECT max(rowid) FROM inbox), 0),"
+            " coalesce((SELECT CAST(value AS INTEGER) FROM meta WHERE key = ?), 0))", (HIGH_WATER,)).fetchone()[0])
 
     def __enter__(self) -> ConsumerDB:
         return self
@@ -427,44 +507,116 @@ class ConsumerDB:
         Every synced commit calls it (:class:`Transaction`), so that nothing
         committed into a lost file is acknowledged or reported."""
         if self.guard is not None:
-            self.guard.check()
+            try:
+                self.guard.check()
+            except DatabaseLost:
+                if self.taken_over is not None and self.taken_over():  # the new holder's tags, not a copy
+                    self.superseded = self.superseded or threading.Event()
+                    self.superseded.set()
+                else:
+                    raise
+        if self.superseded is not None and self.superseded.is_set():
+            raise TakenOver(f"{self.path}: another run took this database over while this one was frozen (its "
+                            f"note {self.path}.lock names it); stopped: nothing written since is acknowledged")
 
     def check_integrity(self, limit_s: float) -> bool:
         """``PRAGMA quick_check``, given at most *limit_s* seconds: raise
         DatabaseError (one line: how to recover) when the file is damaged;
-        False when the check did not finish in time (not checked), True when
-        it passed. quick_check reads every page once (O(size)); it does not
-        compare indexes with their tables (integrity_check does, slower)."""
-        deadline = time.monotonic() + limit_s
-
-        def over_time() -> bool:
-            return time.monotonic() > deadline
-
-        self.conn.set_progress_handler(over_time, 10_000)
-        try:
-            rows = self.conn.execute("PRAGMA quick_check(3)").fetchall()
-        except sqlite3.Error as exc:
-            if over_time():
-                return False
-            error = sqlite.translate(exc, self.path)
-            if isinstance(error, StoreUnavailable):  # the disk's fault (I/O, busy): not a damaged file
-                raise error from None
-            problems = [str(exc)]
-        else:
-            problems = [line for row in rows for line in str(row[0]).splitlines()
-                        if line.strip() and line != "ok" and not line.startswith("***")]
-        finally:
-            self.conn.set_progress_handler(None, 0)
+        False when the check did not finish in time (not checked yet: see
+        :class:`IntegrityCheck`), True when it passed. quick_check reads every
+        page once (O(size)); it does not compare indexes with their tables
+        (integrity_check does, slower). The bound is real: the check is one
+        instruction of SQLite's, so no progress handler runs inside it, and
+        it is interrupted (``sqlite3_interrupt``) from a timer instead."""
+        problems, finished = quick_check(self.conn, self.path, limit_s)
         if problems:
-            raise DatabaseError(
-                f"{self.path}: the database is damaged ({safe_reason(problems[0], 120)}); not written into: "
-                f"recover it with sqlite3 {self.path} '.recover' | sqlite3 recovered.db (then check it and put "
-                f"it in place), or restore a backup")
-        return True
+            raise damaged(self.path, problems[0])
+        return finished
 
     def meta(self) -> dict[str, str]:
         """The database's identity and versions."""
         return dict(self.conn.execute("SELECT key, value FROM meta").fetchall())
 
 
-__all__ = ["CORE_MIGRATIONS", "SEAL_KEY", "STORE_VERSION", "ConsumerDB", "SpecLookup"]
+def quick_check(conn: sqlite3.Connection, path: Path, limit_s: float | None) -> tuple[list[str], bool]:
+    """``PRAGMA quick_check(3)`` on *conn*, interrupted after *limit_s* (None: no limit):
+    the problems it found, and whether it finished. A failure of the disk is StoreUnavailable."""
+    timer = threading.Timer(limit_s, conn.interrupt) if limit_s is not None else None
+    if timer is not None:
+        timer.daemon = True
+        timer.start()
+    try:
+        rows = conn.execute("PRAGMA quick_check(3)").fetchall()
+    except sqlite3.Error as exc:
+        if timer is not None and not timer.is_alive() and "interrupt" in str(exc):
+            return [], False
+        error = sqlite.translate(exc, path)
+        if isinstance(error, StoreUnavailable):  # the disk's fault (I/O, busy): not a damaged file
+            raise error from None
+        return [str(exc)], True
+    finally:
+        if timer is not None:
+            timer.cancel()
+    return [line for row in rows for line in str(row[0]).splitlines()
+            if line.strip() and line != "ok" and not line.startswith("***")], True
+
+
+def damaged(path: Path, problem: str) -> DatabaseError:
+    """The one line for a database that failed its integrity check: what, and how to recover."""
+    return DatabaseError(
+        f"{path}: the database is damaged ({safe_reason(problem, 120)}); not written into: recover it with "
+        f"delivery-consumer inbox recover --db {path} --to recovered.db (then check it and put it in place "
+        f"while no run is up), or restore a backup (docs/failures.md, \"Restores\")")
+
+
+class IntegrityCheck:
+    """The whole ``quick_check`` of a database file, in a thread of its own on a read-only
+    connection: what a run that could not check its file within its bound, or a standby
+    watching the file it may take over, finishes while it consumes or waits. :meth:`verdict`
+    says whether it is done, and raises when it found the file damaged."""
+
+    def __init__(self, path: Path, on_done: Callable[[IntegrityCheck], None] = lambda _check: None) -> None:
+        self.path = path
+        self.identity = FileGuard(path).identity
+        self._on_done = on_done
+        self.started = time.monotonic()
+        self.done = threading.Event()
+        self.seconds = 0.0
+        self.problem: str | None = None
+        self.unavailable: str | None = None
+        threading.Thread(target=self._check, name="delivery-integrity", daemon=True).start()
+
+    def _check(self) -> None:
+        try:
+            with sqlite.reading(self.path, what="check it") as conn:
+                problems, _finished = quick_check(conn, self.path, None)
+            self.problem = problems[0] if problems else None
+        except (DatabaseError, StoreUnavailable, sqlite3.Error) as exc:
+            self.unavailable = str(exc)
+        finally:
+            self.seconds = time.monotonic() - self.started
+            self.done.set()
+            self._on_done(self)
+
+    def verdict(self) -> bool:
+        """True once the check passed (or could not run: the disk's fault, said by the writes);
+        False while it runs; DatabaseError when it found the file damaged."""
+        if not self.done.is_set():
+            return False
+        if self.problem is not None:
+            raise damaged(self.path, self.problem)
+        return True
+
+
+def keep_high_water(conn: sqlite3.Connection) -> None:
+    """Record the newest receipt's rowid before receipts are deleted (inside the transaction):
+    once the table is empty SQLite numbers receipts from 1 again."""
+    (newest,) = conn.execute("SELECT max(rowid) FROM inbox").fetchone()
+    if newest is not None:
+        conn.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE"
+                     " SET value = CAST(max(CAST(value AS INTEGER), CAST(excluded.value AS INTEGER)) AS TEXT)",
+                     (HIGH_WATER, str(newest)))
+
+
+__all__ = ["CORE_MIGRATIONS", "DATABASE_ID", "HIGH_WATER", "SEAL_KEY", "STORE_VERSION", "ConsumerDB",
+           "IntegrityCheck", "SpecLookup", "damaged", "keep_high_water", "quick_check"]

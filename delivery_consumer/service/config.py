@@ -7,10 +7,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import consumers
+from .. import acked, consumers
 from ..envelope import MAX_BODY_BYTES
 from ..errors import ConfigError
 from ..inbox import ConsumerDB
+from ..inbox.database import IntegrityCheck
 from ..partition_store import PENDING_KEY, pending_words
 from ..partitions import Identity
 from ..placement import database
@@ -46,9 +47,15 @@ class RunConfig:
     #: error...) before run exits for a supervisor to act; meanwhile it
     #: holds its deliveries and retries with backoff.
     store_outage_limit_s: float = 600.0
-    #: The longest the integrity check at open may take (ConsumerDB.check_integrity);
-    #: a larger file is used unchecked, with a warning.
+    #: The longest the integrity check at open may take (ConsumerDB.check_integrity); a
+    #: larger file is checked whole in the background, and nothing is acked before it passed.
     integrity_check_s: float = 10.0
+    #: A standby takes over from a holder proven frozen (stopped, no heartbeat)
+    #: after this many seconds of silence; None: never (docs/failures.md).
+    take_over_after_s: float | None = 60.0
+    #: Open a database older than what was acknowledged from it (a restored
+    #: backup), or a new one where receipts were acknowledged: the loss is logged.
+    accept_loss: bool = False
 
     def topology(self) -> Topology:
         return consumers.topology(
@@ -65,11 +72,16 @@ class RunConfig:
             return self.db_path
         return database(self.consumer, self.partition.partition if self.partition else None, None)
 
-    def open_db(self) -> ConsumerDB:
-        """The run's database, checked to be this consumer's (and partition's)."""
+    def open_db(self, *, made_now: bool = False, check: bool | IntegrityCheck = True) -> ConsumerDB:
+        """The run's database, checked to be this consumer's (and partition's), not older
+        than what was acknowledged from it (acked.py), and (*check*) not damaged: within
+        ``integrity_check_s``, or else by the whole check in the background
+        (``db.integrity``), before the first ack. *check* may be a standby's check of the
+        file it watched while it waited: taken over as it is. *made_now*: the writer lock
+        made the file just now (an empty file is ours)."""
         path = self.database_path()
         db = consumers.open_db(path, self.consumer, create=True, partition=self.partition,
-                               unpartitioned=self.partition is None)
+                               unpartitioned=self.partition is None, empty_ok=made_now)
         pending = db.meta().get(PENDING_KEY)
         if pending is not None:
             db.close()
@@ -78,12 +90,23 @@ class RunConfig:
                               f"are not switched yet): run delivery-consumer repartition --consumer {self.consumer} "
                               f"{option} again, then start the runs")
         log = logging.getLogger("delivery_consumer.run")
-        if db.created:  # a first start, or a --db with a typo: the operator sees where state now lives
-            log.warning("%s: no database was there; created a new, empty one for %s", db.path.resolve(), self.consumer)
         try:
-            if not db.check_integrity(self.integrity_check_s):
-                log.warning("%s: integrity check not finished within %gs: the file is used unchecked (check it "
-                            "offline: sqlite3 %s 'PRAGMA integrity_check')", db.path, self.integrity_check_s, db.path)
+            said = acked.judge(path, db.database_id(), db.high_water(), created=db.created,
+                               accept_loss=self.accept_loss)
+            if db.created:  # a first start, or a --db with a typo: the operator sees where state now lives
+                log.warning("%s: no database was there; created a new, empty one for %s", db.path.resolve(),
+                            self.consumer)
+            if said:
+                log.warning("%s", said)
+            if isinstance(check, IntegrityCheck):  # a standby's, of the file it was watching
+                if db.guard is None or check.identity != db.guard.identity:
+                    db.integrity = IntegrityCheck(db.path)  # it watched another file: check this one
+                elif not check.verdict():  # still running: the first ack waits for it
+                    db.integrity = check
+            elif check and not db.check_integrity(self.integrity_check_s):
+                db.integrity = IntegrityCheck(db.path)
+                log.warning("%s: integrity check not finished within %gs: checking the whole file in the "
+                            "background; nothing is acknowledged before it passed", db.path, self.integrity_check_s)
         except BaseException:
             db.close()
             raise

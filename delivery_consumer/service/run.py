@@ -171,7 +171,7 @@ def _run(config: RunConfig, observer_factory: ObserverFactory | None,
         raise DatabaseError(f"the worker process exited at start-up (exit code {process.exitcode})") from None
     if isinstance(first, Failed):
         process.join()
-        raise DatabaseError(first.message)
+        raise (StoreOutage if first.outage else DatabaseError)(first.message)
     if serve is not None and busy is not None:
         try:
             if config.partition is None:

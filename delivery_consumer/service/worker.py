@@ -7,24 +7,29 @@ It runs in the worker process and talks to the connection only through
 from __future__ import annotations
 
 import logging
+import os
+import sqlite3
 import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from contextlib import suppress
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol, TypeVar
 
-from .. import tracing
+from .. import acked, tracing
 from ..cloudevents import parse_message
 from ..contract import DeliveryMark, Outcome, WorkHooks
+from ..dbfile import ContentTags, WriterLock
 from ..deliveries import Delivery, Observer, OutMessage, delivery_key
 from ..envelope import KOMBU_COMPRESSION_HEADER, Envelope, body_digest, is_event_id
 from ..errors import (
     DELIVERY_LIMIT,
     FORWARDED,
     DatabaseLost,
+    DatabaseMalformed,
     DeliveryError,
     Rejection,
     StoreOutage,
@@ -32,6 +37,7 @@ from ..errors import (
 )
 from ..faults import crashpoint
 from ..inbox import ConsumerDB, InFlight, Transaction, apply_batch, has_receipt
+from ..inbox.database import IntegrityCheck
 from ..partitions import delivery_outcome, forwarded_to
 from ..plural import count
 from ..retry import RetryPolicy, reconnect_delay_s
@@ -43,6 +49,9 @@ log = logging.getLogger("delivery_consumer.run")
 _T = TypeVar("_T")
 #: The longest the worker waits for the connection in one go (then it looks at its flags).
 _IDLE_WAIT_S = 0.2
+#: How often an idle worker looks at its file (replaced, its content copied over, taken over),
+#: and how often the record of what was acknowledged (acked.py) is brought up to date.
+_LOOK_EVERY_S = 1.0
 
 
 class WorkerIO(Protocol):
@@ -151,6 +160,18 @@ class Worker(threading.Thread):
         self._outage: float | None = None
         self._outage_tries = 0
         self._outage_code = ""
+        self._outage_said = ""
+        #: The database's writer lock, held by this process (set by worker_main; None in memory).
+        self.lock: WriterLock | None = None
+        #: The database must be opened again before the next try (an I/O error, a "malformed" read).
+        self._reopen = False
+        #: The content tags of the connection closed after an I/O error: the file must still carry one.
+        self._tags: ContentTags | None = None
+        self._acked_at = 0.0
+        #: A standby's whole check of the file it watched while it waited (worker_main sets it).
+        self.watched: IntegrityCheck | None = None
+        self._acked_rowid = -1
+        self._looked_at = 0.0
 
     # -- what the connection says (WorkerIO.pump calls these) --
     def deliver_all(self, deliveries: Sequence[Delivery]) -> None:
@@ -194,28 +215,114 @@ class Worker(threading.Thread):
             self.close()
 
     def open(self) -> bool:
-        """Open the database; False (and :attr:`error`) when it cannot be used."""
+        """Open the database; False (and :attr:`error`) when it cannot be used. A
+        database that fails as a whole (disk full, I/O error) is waited for, as
+        during a run, up to the outage limit (then StoreOutage: exit 75)."""
         try:
-            self.db = self.config.open_db()
+            self.db = self._until_stored(None, self._open_db, start=True)
         except DeliveryError as exc:
             self.error = exc
             self.ready.set()
             return False
-        self.in_flight = InFlight(self.db)
+        if self.db is None:  # stopped while waiting
+            self.ready.set()
+            return False
         self.copies.key = seal_key(self.db)
         self.ready.set()
         self.observer.store_health(True)
         return True
 
+    def _open_db(self) -> ConsumerDB:
+        made_now = self.lock is not None and self.lock.created
+        db = self.config.open_db(made_now=made_now, check=self.watched or True)
+        try:
+            if self.lock is not None:  # the file's one writer: watch its content, know when taken over
+                db.superseded, db.taken_over = self.lock.superseded, self.lock.taken_over
+                db.watch_content()
+        except BaseException:
+            db.close()
+            raise
+        self.in_flight = InFlight(db)
+        return db
+
+    def _let_go(self) -> None:
+        """Close the database and its lock's descriptor after an I/O error, at once: a
+        filesystem that failed can only be mounted again once no process holds a file of
+        it (the kernel would give the failed one back); opened again before the next try."""
+        if self._reopen:
+            return
+        self._reopen = True
+        old = self.db
+        if old is not None:
+            self._tags = old.tags
+            self.db, self.in_flight = None, None
+            with suppress(Exception):  # its disk failed: closing may fail too
+                old.close()
+        if self.lock is not None:
+            self.lock.close()
+        log.warning("%s: closed after an I/O error, so that the disk can be mounted again; opened again when "
+                    "it works", self.config.database_path())
+
+    def _open_again(self) -> None:
+        """After an I/O error or a "malformed" read: open the database again, as a new
+        connection sees it (a remounted disk), under the writer lock taken again; a
+        file that is still damaged on a disk that reads is DatabaseError (exit 2)."""
+        tags = self._tags
+        if self.lock is not None:
+            self.lock.take_again(os.getppid(), "run")
+        db = self.config.open_db(check=False)
+        try:
+            if self.lock is not None:  # still this writer's content (not a copy written over it)?
+                db.superseded, db.taken_over = self.lock.superseded, self.lock.taken_over
+                db.watch_content(tags)
+            if not db.check_integrity(self.config.integrity_check_s):
+                log.warning("%s: reopened; its integrity check did not finish in %gs", db.path,
+                            self.config.integrity_check_s)
+        except BaseException:
+            db.close()
+            raise
+        self.db = db
+        self.in_flight = InFlight(db)
+        self._reopen = False
+        log.warning("%s: opened again after the disk failed; it reads as sound", db.path)
+
     def close(self) -> None:
         """Release this process's note of work under way, close the database, end the connection."""
         self.stop_requested.set()
         if self.in_flight is not None:
-            self.in_flight.release()
+            with suppress(DeliveryError):
+                self.in_flight.release()
         if self.db is not None:
+            with suppress(DeliveryError):
+                self._record_acked(force=True)
             self.db.close()
         if self.io is not None:
             self.io.shutdown()
+
+    def _record_acked(self, *, force: bool = False) -> None:
+        """Bring the record of what was acknowledged (acked.py) up to date, at most every second."""
+        db = self.db
+        now = time.monotonic()
+        if db is None or self.lock is None or (not force and now - self._acked_at < _LOOK_EVERY_S):
+            return
+        self._acked_at = now
+        try:
+            rowid = db.high_water()
+            if rowid != self._acked_rowid:
+                acked.write(db.path, db.database_id(), rowid)
+                self._acked_rowid = rowid
+        except sqlite3.Error:
+            return  # the next batch says what is wrong with the database
+
+    def _look(self) -> None:
+        """An idle worker looks at its file every second: deleted, replaced, its content
+        copied over, taken over? (A commit checks it too, before its ack.)"""
+        now = time.monotonic()
+        if self.db is None or now - self._looked_at < _LOOK_EVERY_S:
+            return
+        self._looked_at = now
+        self._until_stored(None, self.db.check_file, wrote=False)
+        self._record_acked()
 
     def _loop(self) -> None:
         assert self.io is not None
@@ -224,9 +331,12 @@ class Worker(threading.Thread):
             if batch:
                 self._last_activity = time.monotonic()
                 self.process(batch)
+                self._record_acked()
             elif self._idle_expired():
                 log.info("no delivery for %.1fs; exiting", self.config.exit_when_idle_s or 0)
                 return
+            else:
+                self._look()
 
     def _idle_expired(self) -> bool:
         limit = self.config.exit_when_idle_s
@@ -349,6 +459,8 @@ class Worker(threading.Thread):
         if outcomes is None:
             return False
         self.stats.last_commit = time.time()
+        if self.db is not None and self.db.integrity is not None and not self._checked():
+            return False
         trace.committed(outcomes)
         crashpoint("after-commit")
         self.observer.batch_committed(outcomes, time.perf_counter() - started, self.stats.last_commit)
@@ -374,20 +486,53 @@ class Worker(threading.Thread):
             return self.copies.forward(d, outcome.rejection, home)
         return self.copies.for_outcome(d, outcome)
 
+    def _checked(self) -> bool:
+        """Wait, listening to the connection, for the whole integrity check of the file (run
+        in the background because it took longer than the bound at open) before the first
+        ack; False when stopping meanwhile. DatabaseError when it found the file damaged."""
+        assert self.db is not None and self.db.integrity is not None
+        check = self.db.integrity
+        told = False
+        while not check.verdict():
+            if not told:
+                log.info("%s: first ack waits for the whole integrity check (running for %.1fs)", self.db.path,
+                         time.monotonic() - check.started)
+                told = True
+            if self._pause(_IDLE_WAIT_S):
+                return False
+        log.info("%s: integrity check passed in %.1fs", self.db.path, check.seconds)
+        self.db.integrity = None
+        return True
+
     def _answered(self, parsed: Envelope | Rejection) -> bool:
         assert self.db is not None
         return not isinstance(parsed, Rejection) and has_receipt(self.db, parsed.event_id)
 
     # -- the database failing as a whole --
-    def _until_stored(self, gen: int | None, work: Callable[[], _T], *, wrote: bool = True) -> _T | None:
+    def _until_stored(self, gen: int | None, work: Callable[[], _T], *, wrote: bool = True,
+                      start: bool = False) -> _T | None:
         """*work*, tried again while the database as a whole fails; None when
         the wait was given up (stopping, or channel *gen* is gone). Only work
-        that *wrote* shows that the database works again."""
+        that *wrote* shows that the database works again. After an I/O error or
+        a "malformed" read the database is opened again before the next try
+        (a connection that met a failing disk keeps failing after it is back)."""
         while True:
             try:
+                if self._reopen:
+                    self._open_again()
                 result = work()
+            except DatabaseMalformed as exc:
+                if start and not self._reopen:
+                    raise  # a file that reads as damaged at open, on a disk that works: the check says so
+                self._let_go()
+                if not self._wait_for_store(StoreUnavailable(f"{exc} (after a disk failure?)", code="io-error"),
+                                            gen, start=start):
+                    return None
+                continue
             except StoreUnavailable as exc:
-                if not self._wait_for_store(exc, gen):
+                if exc.code == "io-error":
+                    self._let_go()
+                if not self._wait_for_store(exc, gen, start=start):
                     return None
                 continue
             if self._outage is not None and wrote:
@@ -396,7 +541,7 @@ class Worker(threading.Thread):
                 self.observer.store_health(True)
             return result
 
-    def _wait_for_store(self, exc: StoreUnavailable, gen: int | None) -> bool:
+    def _wait_for_store(self, exc: StoreUnavailable, gen: int | None, *, start: bool = False) -> bool:
         """Back off (with jitter) after a failure of the whole database; False
         when not worth waiting (stopping; channel *gen* gone: its deliveries
         come back anyway). Raises DatabaseError past the outage limit."""
@@ -404,12 +549,16 @@ class Worker(threading.Thread):
         limit = self.config.store_outage_limit_s
         if self._outage is None:
             self._outage, self._outage_tries = now, 0
-            log.error("database unusable (%s): holding deliveries unacked, no attempt spent, nothing "
-                      "dead-lettered; retrying with backoff, giving up after %.0fs", exc, limit)
+            if start:
+                log.error("database unusable at start (%s): not consuming yet; retrying with backoff, giving up "
+                          "after %.0fs", exc, limit)
+            else:
+                log.error("database unusable (%s): holding deliveries unacked, no attempt spent, nothing "
+                          "dead-lettered; retrying with backoff, giving up after %.0fs", exc, limit)
             self.observer.store_health(False)
-        elif exc.code != self._outage_code:
+        elif exc.code != self._outage_code or str(exc) != self._outage_said:
             log.error("database still unusable, now: %s", exc)
-        self._outage_code = exc.code
+        self._outage_code, self._outage_said = exc.code, str(exc)
         if now - self._outage >= limit:
             raise StoreOutage(f"the database has been unusable for {now - self._outage:.0f}s "
                                 f"(--store-outage-limit {limit:g}s): {exc}")

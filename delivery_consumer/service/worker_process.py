@@ -14,11 +14,12 @@ from contextlib import suppress
 from multiprocessing.connection import Connection
 from types import FrameType
 
-from .. import faults, tracing
-from ..dbfile import LOCK_POLL_S, WriterLock
+from .. import faults, liveness, tracing
+from ..dbfile import LOCK_POLL_S, Holder, WriterLock, frozen_inside, holder_states, read_note
 from ..deliveries import ObserverFactory, OutMessage
 from ..errors import BrokerUnavailable, DeliveryError, StoreOutage
 from ..inbox import forget_in_flight
+from ..inbox.database import IntegrityCheck
 from .config import RunConfig
 from .messages import (
     Ack,
@@ -134,6 +135,11 @@ class ConnectionProxy:
         self.send(Shutdown())
 
 
+def parent_stopped(parent: int) -> bool:
+    """Whether the connection process is stopped (SIGSTOP): the run is frozen, its heartbeat stops."""
+    return liveness.process_state(parent, None)[0] == liveness.STOPPED
+
+
 def die_with_parent(parent: int) -> Callable[[], bool]:
     """Make the kernel tell this process when *parent* dies (Linux
     ``PR_SET_PDEATHSIG``, as SIGUSR1); returns a check that is True once it
@@ -155,7 +161,7 @@ def die_with_parent(parent: int) -> Callable[[], bool]:
 
 
 def _take_the_lock(config: RunConfig, lock: WriterLock, parent: int) -> bool:
-    """Take the database's writer lock (``<db>.lock``) for this run: True when taken,
+    """Take the database's writer lock (on the file itself) for this run: True when taken,
     False for a partition's standby that must wait for it; DatabaseInUse otherwise.
     A holder whose run is gone (an orphaned worker finishing its batch) is waited for."""
     if lock.db_path.is_dir():
@@ -177,17 +183,38 @@ def _take_the_lock(config: RunConfig, lock: WriterLock, parent: int) -> bool:
 
 
 def _holder_gone(lock: WriterLock) -> bool:
-    """Whether the process the lock file names has exited (its worker may still hold the lock)."""
-    words = lock.holder().split()
-    if len(words) < 2 or not words[1].isdigit():
+    """Whether the process the note names has exited (its worker may still hold the lock)."""
+    pid = read_note(lock.db_path)[0]
+    if pid is None:
         return False
     try:
-        os.kill(int(words[1]), 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
         return True
     except OSError:
         return False
     return False
+
+
+def _frozen(config: RunConfig, lock: WriterLock, holder: Holder, told: list[str]) -> bool:
+    """Whether a waiting standby may take over from *holder*: it is proven frozen -- a
+    process of this host and pid namespace, stopped (SIGSTOP, a debugger), silent for
+    ``take_over_after_s`` -- and it holds neither SQLite's write lock nor the fence's
+    serial lock (a transaction or a call it would finish when continued). Why that
+    is safe: docs/failures.md, "A frozen active"."""
+    limit = config.take_over_after_s
+    if limit is None or holder.pid is None or holder.silent_s is None or holder.silent_s < limit:
+        return False
+    if not any(state == liveness.STOPPED for state in holder_states(lock, holder)):
+        return False
+    why = frozen_inside(lock)
+    if why:
+        if why not in told:
+            told.append(why)
+            log.error("standby: %s is frozen but %s: cannot take over safely; kill it (kill -9 %d) to fail over",
+                      holder, why, holder.pid)
+        return False
+    return True
 
 
 def worker_main(config: RunConfig, conn: Connection, parent_end: Connection,
@@ -211,11 +238,30 @@ def worker_main(config: RunConfig, conn: Connection, parent_end: Connection,
     except DeliveryError as exc:
         conn.send(Failed(str(exc)))
         return
+    watched: IntegrityCheck | None = None
     if not active:
+        with suppress(DeliveryError, OSError):  # checked whole while waiting: a takeover does not wait for it
+            watched = IntegrityCheck(config.database_path(), on_done=lambda check: log.info(
+                "standby: %s checked whole in %.1fs: %s", check.path, check.seconds,
+                "damaged" if check.problem else "sound" if check.unavailable is None else check.unavailable))
+        told: list[str] = []
+        frozen: list[Holder] = []
+
+        def take_over(holder: Holder) -> bool:
+            if _frozen(config, lock, holder, told):
+                frozen.append(holder)
+                return True
+            return False
+
         if not lock.wait(parent, "run", give_up=parent_gone, on_wait=lambda holder: log.info(
-                "standby: waiting for %s held by %s", config.database_path(), holder)):
+                "standby: waiting for %s held by %s", config.database_path(), holder), take_over=take_over):
             return  # stopped (the connection process is gone) before taking over
-        log.warning("taking over: %s is ours now", config.database_path())
+        if frozen:
+            log.warning("taking over: %s is ours now; its holder %s is frozen (it cannot write: "
+                        "docs/failures.md, \"A frozen active\")", config.database_path(), frozen[-1])
+        else:
+            log.warning("taking over: %s is ours now", config.database_path())
+    lock.beat(alive=lambda: not parent_stopped(parent))
     try:
         observer = observer_factory() if observer_factory is not None else None
     except DeliveryError as exc:
@@ -223,6 +269,8 @@ def worker_main(config: RunConfig, conn: Connection, parent_end: Connection,
         return
     worker = Worker(config, observer)
     worker.io = proxy
+    worker.lock = lock
+    worker.watched = watched
 
     def orphaned() -> None:
         # Nothing can be acked any more: finish what is in hand, start nothing
@@ -243,7 +291,7 @@ def worker_main(config: RunConfig, conn: Connection, parent_end: Connection,
     worker.start()
     worker.ready.wait()
     if worker.error is not None:
-        conn.send(Failed(str(worker.error)))
+        conn.send(Failed(str(worker.error), outage=isinstance(worker.error, StoreOutage)))
         return
     conn.send(Ready())
     text = getattr(observer, "text", None)

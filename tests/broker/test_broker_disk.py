@@ -5,8 +5,10 @@ exactly once when space returns -- or exits 75 after --store-outage-limit."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
+import struct
 import subprocess
 import urllib.request
 from collections.abc import Iterator
@@ -91,3 +93,114 @@ def test_a_disk_that_stays_full_stops_run_after_the_outage_limit(ns: Namespace, 
     assert "unusable for" in err.strip().splitlines()[-1] and "Traceback" not in err
     assert 0 == queues_besides_main(ns)
     assert EVENTS - count_rows(db, "inbox") == ns.count(ns.topology("audit").queue)
+
+
+def _fill(disk: Path) -> Path:
+    """Take every byte left on *disk* (a file written until ENOSPC)."""
+    filler = disk / "rest"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        for size in (65536, 4096, 512, 1):
+            while True:
+                try:
+                    os.write(fd, b"\0" * size)
+                except OSError:
+                    break
+    finally:
+        os.close(fd)
+    return filler
+
+
+def test_a_disk_full_at_start_is_waited_out_and_every_event_applies_once(ns: Namespace, small_disk: Path) -> None:
+    """The database exists, the disk is full before run starts (its WAL and -shm cannot be made):
+    run logs once that the database is unusable at start and consumes nothing; once space returns
+    it applies every event exactly once and exits 0 -- never exit 2; past the outage limit, 75."""
+    db = small_disk / "audit.db"
+    assert ns.cli("init", "--consumer", "audit", "--db", str(db)).returncode == 0
+    events = [new_event(article_id=f"a-{i}") for i in range(300)]
+    ns.publish([orjson.dumps(e) for e in events], declare=["audit"])
+    filler = _fill(small_disk)
+    stays = ns.start_run("audit", "--db", str(db), "--store-outage-limit", "2s")
+    _, err = stays.communicate(timeout=60)
+    assert stays.returncode == 75, err
+    assert "database unusable at start" in err and "Traceback" not in err
+    proc = ns.start_run("audit", "--db", str(db), "--exit-when-idle", "3")
+    proc.wait_for_log("database unusable at start")
+    assert ns.count(ns.topology("audit").queue) == len(events)
+    filler.unlink()
+    (small_disk / "filler").unlink()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert len(events) == len(read_rows(db, "inbox", "DISTINCT event_id")) == count_rows(db, "audit")
+    assert 0 == ns.count(ns.topology("audit").queue) + queues_besides_main(ns)
+
+
+class FailingDisk:
+    """A real ext4 filesystem on a loop device that a test can make fail as a whole:
+    :meth:`fail` shuts it down (every read and write then returns EIO, as a dying disk or a
+    lost SAN path does), :meth:`remount` mounts it again (lazily unmounting the failed one)."""
+
+    def __init__(self, image: Path, mount: Path) -> None:
+        self.image, self.mount = image, mount
+
+    def fail(self) -> None:
+        fd = os.open(self.mount, os.O_RDONLY)
+        try:
+            fcntl.ioctl(fd, EXT4_IOC_SHUTDOWN, struct.pack("I", EXT4_GOING_FLAGS_NOLOGFLUSH))
+        finally:
+            os.close(fd)
+
+    def remount(self) -> None:
+        subprocess.run(["umount", "-l", str(self.mount)], check=True)
+        subprocess.run(["mount", "-o", "loop", str(self.image), str(self.mount)], check=True)
+
+
+EXT4_IOC_SHUTDOWN = 0x8004587D  # _IOR('X', 125, __u32)
+EXT4_GOING_FLAGS_NOLOGFLUSH = 2  # shut down without flushing the journal: what was synced survives
+
+
+@pytest.fixture
+def failing_disk(tmp_path: Path) -> Iterator[FailingDisk]:
+    """A 64 MiB ext4 on a loop device (root, and a kernel with loop and ext4); unmounted afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("a loop-mounted ext4 needs root (CI runs as root)")
+    image, mount = tmp_path / "disk.img", tmp_path / "ext4"
+    mount.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(64 << 20)
+    made = subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], capture_output=True, text=True)
+    mounted = made.returncode == 0 and subprocess.run(
+        ["mount", "-o", "loop", str(image), str(mount)], capture_output=True, text=True).returncode == 0
+    if not mounted:
+        pytest.skip(f"cannot make and mount an ext4 on a loop device here: {made.stderr.strip()}")
+    try:
+        yield FailingDisk(image, mount)
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_disk_that_fails_with_eio_mid_stream_is_waited_out_and_every_event_applies_once(
+        ns: Namespace, failing_disk: FailingDisk) -> None:
+    """The filesystem under a running run fails as a whole (EIO, then "database disk image is
+    malformed" on the same connection): run holds its deliveries, logs the outage once, and after
+    the disk is mounted again opens the database anew and goes on -- never exit 2; every event is
+    applied exactly once, nothing dead-lettered or retried, the queue empty."""
+    events = [new_event(article_id=f"a-{i}") for i in range(3000)]
+    ns.publish([orjson.dumps(e) for e in events], declare=["audit"])
+    db = failing_disk.mount / "audit.db"
+    proc = ns.start_run("audit", "--db", str(db), "--batch", "5", "--prefetch", "50", "--exit-when-idle", "3",
+                        "--retry-delays", "100ms")
+    wait_until("a first batch acked", lambda: " acked: " in proc.output()[1], 60, [proc])
+    failing_disk.fail()
+    proc.wait_for_log("closed after an I/O error")
+    assert proc.poll() is None
+    failing_disk.remount()
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"run did not finish after the disk came back:\n{proc.output()[1][-4000:]}") from None
+    assert proc.returncode == 0, err[-3000:]
+    assert "opened again after the disk failed" in err and "Traceback" not in err
+    assert len(events) == len(read_rows(db, "inbox", "DISTINCT event_id")) == count_rows(db, "audit")
+    assert 0 == ns.count(ns.topology("audit").queue) + queues_besides_main(ns)
+    assert 0 == count_rows(db, "rejected")

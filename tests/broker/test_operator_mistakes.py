@@ -180,7 +180,7 @@ def test_a_standby_waits_for_the_database_and_takes_over_after_kill_9(cluster: C
 
 def test_a_damaged_database_is_refused_at_open_with_how_to_recover(ns: Namespace) -> None:
     """A file whose inbox index has a page of garbage fails integrity_check; run refuses it
-    at open (exit 2, one line naming .recover and a backup) and acks nothing."""
+    at open (exit 2, one line naming inbox recover and a backup) and acks nothing."""
     source = ns.workdir / "events.ndjson"
     source.write_bytes(b"".join(orjson.dumps(e) + b"\n" for e in make_events(3000, 300)))
     db = ns.db("catalog")
@@ -205,7 +205,8 @@ def test_a_damaged_database_is_refused_at_open_with_how_to_recover(ns: Namespace
     done = ns.run_until_idle("catalog", idle=1.0, timeout=60)
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "is damaged" in lines[0] and ".recover" in lines[0] and "backup" in lines[0], done.stderr
+    assert len(lines) == 1 and "is damaged" in lines[0] and "inbox recover" in lines[0] and "backup" in lines[0], \
+        done.stderr
     assert ns.count(ns.topology("catalog").queue) == 10
 
 
@@ -260,3 +261,14 @@ def test_dispatch_stops_when_its_database_is_deleted(ns: Namespace) -> None:
     assert proc.returncode == 2, err
     assert len([line for line in err.splitlines() if "was deleted while in use" in line]) == 1, err
     assert ns.count(ns.topology("catalog").queue) == 20
+
+
+def test_a_backup_copied_over_the_live_file_stops_run_and_nothing_is_acked_after(ns: Namespace) -> None:
+    """cp of a backup (taken before the run started) over the running run's file -- same inode,
+    other content: run stops with exit 2 and one line saying the content was replaced; nothing is
+    acked beyond what was committed before; the rest stays queued."""
+    db = ns.db("catalog")
+    assert ns.cli("init", "--consumer", "catalog", "--db", str(db)).returncode == 0
+    backup = ns.workdir / "backup.db"
+    shutil.copyfile(db, backup)
+    _mistake_mid_stream(ns, lambda live: shutil.copyfile(backup, live), "content was replaced while in use")

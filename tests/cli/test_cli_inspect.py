@@ -264,7 +264,7 @@ def test_inbox_group_lists_its_lazy_subcommands() -> None:
     result = invoke("inbox", "--help")
 
     assert result.exit_code == 0, result.output
-    assert sorted(INBOX_COMMANDS) == ["list", "prune", "show", "stats"]
+    assert sorted(INBOX_COMMANDS) == ["list", "prune", "recover", "show", "stats"]
     for name in INBOX_COMMANDS:
         assert re.search(rf"^\s+{name}\s+\S", result.stdout, re.M), name
 

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support import OpenDB, read_rows
 
-from delivery_consumer.errors import DatabaseError, StoreUnavailable
+from delivery_consumer.errors import DatabaseMalformed, StoreUnavailable
 from delivery_consumer.inbox import ConsumerDB, InFlight, owner_alive, process_owner
 from delivery_consumer.sqlite import translate
 
@@ -111,7 +111,7 @@ def test_crashes_count_the_dead_notes_that_held_a_key_alone(open_db: OpenDB, not
 @pytest.mark.parametrize(("code", "kind"), [
     (sqlite3.SQLITE_FULL, StoreUnavailable), (sqlite3.SQLITE_IOERR, StoreUnavailable),
     (sqlite3.SQLITE_BUSY, StoreUnavailable), (sqlite3.SQLITE_READONLY, StoreUnavailable),
-    (sqlite3.SQLITE_CANTOPEN, StoreUnavailable), (sqlite3.SQLITE_CORRUPT, DatabaseError),
+    (sqlite3.SQLITE_CANTOPEN, StoreUnavailable), (sqlite3.SQLITE_CORRUPT, DatabaseMalformed),
 ])
 def test_failures_of_the_environment_are_store_unavailable(code: int, kind: type, tmp_path: Path) -> None:
     """Disk full, I/O error, busy, read-only, cannot open: the environment's

@@ -29,8 +29,8 @@ from delivery_consumer.amqp.admin import declare
 from delivery_consumer.amqp.dead_queue import DeadQueue
 from delivery_consumer.amqp.publisher import Publisher
 from delivery_consumer.deliveries import OutMessage
-from delivery_consumer.errors import Rejection
-from delivery_consumer.inbox import apply_event, inbox_rowid_before
+from delivery_consumer.errors import PruneRefused, Rejection
+from delivery_consumer.inbox import apply_batch, apply_event, inbox_rowid_before
 from delivery_consumer.sqlite import now_iso
 
 DAY = 86400.0
@@ -322,3 +322,73 @@ def test_prune_after_the_clock_went_back_never_deletes_a_young_receipt(open_db: 
     assert not left & set(old)
     assert {*young, *more_young} <= left
     assert 17 - len(left) == report.receipts
+
+
+# -- clocks ---------------------------------------------------------------------------------------
+
+FAKETIME = sorted(Path("/usr/lib").glob("*/faketime/libfaketime.so.1"))
+
+
+@pytest.mark.parametrize("skew", ["+400d", "-400d"])
+def test_prune_under_a_skewed_clock_is_refused_and_redeliveries_stay_duplicates(ns: Namespace, skew: str) -> None:
+    """inbox prune --older-than 30d run under a clock 400 days off (libfaketime: the process's clock
+    only, as a wrong container clock or a faked one): refused in one line, every receipt kept; the
+    same 50 events sent again are all duplicates (applied once). The same prune under the true clock
+    deletes nothing young either."""
+    if not FAKETIME:
+        pytest.skip("libfaketime is not installed (apt-get install libfaketime; .ci/run installs it)")
+    db = new_db(ns)
+    declare(ns.url, [ns.topology("catalog")])
+    events = [new_event(article_id=f"a{i}") for i in range(50)]
+    source = ns.workdir / "events.ndjson"
+    source.write_bytes(b"".join(orjson.dumps(e) + b"\n" for e in events))
+    assert ns.cli("replay", "--consumer", "catalog", "--db", str(db), str(source)).returncode == 0
+    skewed = ns.env(LD_PRELOAD=str(FAKETIME[0]), FAKETIME=skew, DONT_FAKE_MONOTONIC="1")
+    refused = ns.cli("inbox", "prune", "--db", str(db), "--older-than", "30d", env=skewed)
+    assert refused.returncode == 2, refused.stderr
+    lines = refused.stderr.strip().splitlines()
+    assert len(lines) == 1 and "refused:" in lines[0] and "clock" in lines[0] and "disagree" in lines[0], lines
+    assert 50 == len(remaining(db, "inbox"))
+    honest = prune(ns, "--older-than", "30d")
+    assert honest.returncode == 0, honest.stderr
+    again = ns.cli("replay", "--consumer", "catalog", "--db", str(db), str(source))
+    assert again.returncode == 0, again.stderr
+    answered = [line.split() for line in again.stdout.splitlines()]
+    assert {e["eventId"] for e in events} == {w[0] for w in answered if w[1:] == ["duplicate:updated"]}, again.stdout
+
+
+def test_prune_refuses_receipts_stamped_in_its_future(tmp_path: Path) -> None:
+    """Receipts stamped 400 days ahead of the system's clock (the consumer's clock was ahead, or
+    this one was set back): prune refuses in one line naming the newest receipt; --trust-clock
+    prunes what its own clock calls old."""
+    db = consumers.open_db(tmp_path / "c.db", "catalog", create=True)
+    for i in range(3):
+        apply_event(db, envelope(event_id=str(uuid.uuid4()), article_id=f"a{i}", revision=1))
+    db.conn.execute("UPDATE inbox SET received_at = ?", (ago(-400),))
+    with pytest.raises(PruneRefused, match="in this clock's future") as refused:
+        retention.prune(db, older_than_s=30 * DAY, keep_event_ids=set())
+    assert "\n" not in str(refused.value)
+    assert 3 == db.conn.execute("SELECT count(*) FROM inbox").fetchone()[0]
+    assert 0 == retention.prune(db, older_than_s=30 * DAY, keep_event_ids=set(), trust_clock=True).receipts
+    db.close()
+
+
+def test_a_jump_of_the_writer_s_clock_stops_prune_from_aging_the_receipts_before_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The system clock jumps 400 days ahead under a writer (its wall clock against its monotonic
+    one): the writer records the jump; a prune by the same (jumped) clock would call the receipts
+    written a minute before it 400 days old -- it is refused in one line, and keeps them all."""
+    db = consumers.open_db(tmp_path / "c.db", "catalog", create=True)
+    before = [envelope(event_id=str(uuid.uuid4()), article_id=f"a{i}", revision=1) for i in range(20)]
+    apply_batch(db, before)
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 400 * DAY)
+    db.count_due = 0.0  # the writer looks at its clock at its next catch-up
+    apply_batch(db, [envelope(event_id=str(uuid.uuid4()), article_id="b", revision=1)])
+    assert db.meta()["clock_jump"].split()[0] == "20"
+    monkeypatch.setattr(retention, "filesystem_now", lambda _directory: time.time())  # the whole system jumped
+    with pytest.raises(PruneRefused, match="jumped 400d ahead") as refused:
+        retention.prune(db, older_than_s=30 * DAY, keep_event_ids=set())
+    assert "\n" not in str(refused.value)
+    assert 21 == db.conn.execute("SELECT count(*) FROM inbox").fetchone()[0]
+    db.close()
