@@ -83,6 +83,11 @@ def validator() -> Callable[[Any], Any]:
     return fastjsonschema.compile(load_schema(), formats={"date-time": is_rfc3339})
 
 
+def too_large(size: int, limit: int) -> Rejection:
+    """The rejection of a body of *size* bytes over the size *limit*."""
+    return Rejection(INVALID_ENVELOPE, f"body is {size} bytes, over the limit of {limit}")
+
+
 def decode_body(
     body: bytes, content_encoding: str | None, *, compression: object = None, max_bytes: int = MAX_BODY_BYTES
 ) -> bytes:
@@ -105,7 +110,7 @@ def decode_body(
         codings.append(kombu)
     if not codings:
         if len(body) > max_bytes:
-            raise Rejection(INVALID_ENVELOPE, f"body is {len(body)} bytes, over the limit of {max_bytes}")
+            raise too_large(len(body), max_bytes)
         return body
     if len(codings) > 1 or codings[0] not in _COMPRESSIONS:
         named = safe_reason(content_encoding or "", 40)
@@ -232,7 +237,7 @@ def parse(
     if content_encoding is not None or compression is not None:
         body = decode_body(body, content_encoding, compression=compression, max_bytes=max_bytes)
     elif len(body) > max_bytes:
-        raise Rejection(INVALID_ENVELOPE, f"body is {len(body)} bytes, over the limit of {max_bytes}")
+        raise too_large(len(body), max_bytes)
     return envelope_of(body, decoded(body), default_types() if types is None else types)
 
 
@@ -293,5 +298,6 @@ __all__ = [
     "refuse_duplicate_keys",
     "safe_reason",
     "schema_dir",
+    "too_large",
     "validator",
 ]

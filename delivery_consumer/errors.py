@@ -50,6 +50,7 @@ DELIVERY_LIMIT: Final = "delivery-limit"
 ENDPOINT_REJECTED: Final = "endpoint-rejected"
 OUTCOME_UNKNOWN: Final = "outcome-unknown"
 WRONG_PARTITION: Final = "wrong-partition"
+UNSTORABLE_VALUE: Final = "unstorable-value"
 
 #: Every rejection code, with its meaning in one line (docs/envelope.md's table of
 #: codes lists exactly these; ``trace`` counts exactly these as rejections).
@@ -69,6 +70,10 @@ REJECTIONS: Final[Mapping[str, str]] = MappingProxyType({
     # Applied here, the article's state would be split in two files (a producer
     # that computes the slot differently, bindings that disagree with the databases).
     WRONG_PARTITION: "a partition's database refuses an article of another partition",
+    # The same bytes fail the same way every time: retrying cannot help (the
+    # database's own failures -- busy, full, read-only -- stay transient).
+    UNSTORABLE_VALUE: "a value passed its schema but the consumer's tables cannot hold it (an integer past 64 bits, "
+                      "a value its column's type refuses)",
 })
 #: Every rejection code, in the registry's order.
 REJECTION_CODES: Final = tuple(REJECTIONS)
@@ -97,8 +102,12 @@ class DeliveryError(Exception):
 class Rejection(DeliveryError):
     """A permanent refusal of one event, with a rejection code.
 
-    ``event_id`` and ``fingerprint`` are filled in when they are known (a body
-    that is not JSON has neither).
+    A consumer raises it from its effect with a code of its own or one of
+    the codes above (``Rejection("payment-declined", "card expired")``); the
+    store fills in what it knows of the event: ``event_id`` and
+    ``fingerprint`` (a body that is not JSON has neither), ``key`` (the
+    value of its type's key field) and ``origin`` (a CloudEvent's source and
+    id, as its producer sent them).
     """
 
     def __init__(
@@ -108,11 +117,16 @@ class Rejection(DeliveryError):
         *,
         event_id: str | None = None,
         fingerprint: str | None = None,
+        key: str | None = None,
+        origin: tuple[str, str] | None = None,
     ) -> None:
         self.code = code
         self.reason = safe_reason(reason)
         self.event_id = event_id
         self.fingerprint = fingerprint
+        self.key = key
+        #: ``(source, id)`` of the CloudEvent the event came as, or None.
+        self.origin = origin
         super().__init__(f"{code}: {self.reason}")
 
 

@@ -43,6 +43,10 @@ class Moved:
     from_unpartitioned: bool = False
 
 
+#: Tables every partition keeps whole: the CloudEvents sources seen (trace looks an id up by them).
+EVERYWHERE = ("ce_sources",)
+
+
 def _candidates(old: int, old_count: int, new_count: int) -> list[int]:
     """The new partitions that slots of old partition *old* go to."""
     slots = [s for s in range(SLOT_COUNT) if partition_of_slot(s, old_count) == old]
@@ -124,7 +128,9 @@ def split_merge(consumer: str, new_count: int, root: Path | None = None) -> Move
                         # a keyless receipt: a copy in every candidate; any other keyless row: the first one
                         stays = k in keyless if table == "inbox" else k == keyless[0]
                         where = f"coalesce(dc_partition({key}) = {k}, {1 if stays else 0})"
-                        verb = "INSERT OR IGNORE" if table == "deliveries" else "INSERT"
+                        if table in EVERYWHERE:
+                            where = "1"
+                        verb = "INSERT OR IGNORE" if table in ("deliveries", *EVERYWHERE) else "INSERT"
                         cur = conn.execute(f'{verb} INTO main."{table}" ({cols}) SELECT {picked} FROM old."{table}" t'
                                            f" WHERE {where}")
                         counts[table] = counts.get(table, 0) + max(cur.rowcount, 0)

@@ -154,6 +154,20 @@ CORE_MIGRATIONS: tuple[str, ...] = (
     ) STRICT;
     INSERT INTO inbox_counted (only, last_rowid) VALUES (1, coalesce((SELECT max(rowid) FROM inbox), 0));
     """,
+    # An event that came as a CloudEvent keeps the source and id its producer
+    # sent ({"id", "source"} as JSON) with its receipt and its rejection, a
+    # rejection the key of its event too; and every CloudEvents source seen is
+    # listed once, so that trace finds an event by the id its producer knows
+    # (the eventId is derived from source and id). NULL before, and for envelopes.
+    """
+    ALTER TABLE inbox ADD COLUMN origin TEXT;
+    ALTER TABLE rejected ADD COLUMN origin TEXT;
+    ALTER TABLE rejected ADD COLUMN partition_key TEXT;
+    CREATE TABLE ce_sources (
+        source   TEXT PRIMARY KEY,
+        first_at TEXT NOT NULL
+    ) STRICT, WITHOUT ROWID;
+    """,
 )
 STORE_VERSION = len(CORE_MIGRATIONS)
 #: The ``meta`` key of the consumer's seal key (hex), made by the first writable open.
@@ -187,6 +201,9 @@ class ConsumerDB:
         self.partition: Identity | None = None
         #: Whether :meth:`open` created the file (it did not exist).
         self.created = False
+        #: What a reader should know about the file (its consumer's tables are newer than the
+        #: consumer installed here), or None.
+        self.note: str | None = None
         #: The file's identity as opened (writable opens): every synced commit
         #: checks that the path still names it (:meth:`check_file`).
         self.guard: FileGuard | None = None
@@ -260,9 +277,9 @@ class ConsumerDB:
                 cls._check_partition(conn, path, stored, partition)
             if spec is None:
                 spec = cls._resolve(path, stored, lookup)
-            if readonly:
-                cls._check_consumer_version(conn, path, spec)
+            note = cls._check_consumer_version(conn, path, spec) if readonly else None
             db = cls(conn, path, spec, readonly)
+            db.note = note
             db.partition = identity_from_meta(db.meta())
             db.created = not exists
             if not readonly:
@@ -313,16 +330,23 @@ class ConsumerDB:
         return stored
 
     @staticmethod
-    def _check_consumer_version(conn: sqlite3.Connection, path: Path, spec: ConsumerSpec) -> None:
+    def _check_consumer_version(conn: sqlite3.Connection, path: Path, spec: ConsumerSpec) -> str | None:
+        """Refuse to read tables older than the installed consumer's migrations (init
+        upgrades them); tables a later release of the consumer migrated are read as
+        they are, with a note (what it added, this release does not show)."""
         row = conn.execute("SELECT value FROM meta WHERE key = ?", (_CONSUMER_VERSION_KEY,)).fetchone()
         version = int(row[0]) if row else 0
-        if version != len(spec.migrations):
-            state = "newer" if version > len(spec.migrations) else "older"
+        known = len(spec.migrations)
+        if version < known:
             raise DatabaseError(
-                f"{path}: the {spec.name} tables are at version {version}, {state} than this "
-                f"delivery-consumer's {len(spec.migrations)}"
-                + ("; run init to upgrade them" if state == "older" else "")
+                f"{path}: the {spec.name} tables are at version {version}, older than the {known} migrations of "
+                f"the {spec.name} consumer installed here; run init to upgrade them"
             )
+        if version > known:
+            return (f"{path}: the {spec.name} tables are at version {version}, newer than the {known} migrations "
+                    f"of the {spec.name} consumer installed here (a later release migrated them): read as this "
+                    "release knows them; it will not write them")
+        return None
 
     @staticmethod
     def _check_partition(conn: sqlite3.Connection, path: Path, consumer: str, wanted: Identity | None) -> None:

@@ -123,7 +123,10 @@ def test_replay_applies_a_file_of_structured_cloudevents_once(tmp_path: Path) ->
     traced = cli(["trace", "--consumer", "orders", "--db", str(db), "--ce-source", SOURCE, "order-1-r2"])
     assert traced.exit_code == 0 and event_id_for(SOURCE, "order-1-r2") in traced.stdout
     assert cli(["trace", "--consumer", "orders", "--db", str(db), "--ce-source", SOURCE]).exit_code == 2
-    assert cli(["trace", "--consumer", "orders", "--db", str(db), "order-1-r2"]).exit_code == 2  # not a UUID
+    by_id = cli(["trace", "--consumer", "orders", "--db", str(db), "order-1-r2"])  # the id its producer knows
+    assert by_id.exit_code == 0 and event_id_for(SOURCE, "order-1-r2") in by_id.stdout
+    unknown = cli(["trace", "--consumer", "orders", "--db", str(db), "order-1-r9"])
+    assert unknown.exit_code == 1 and "--ce-source" in unknown.stderr
 
 
 header_names = st.one_of(st.text(max_size=30), st.sampled_from(

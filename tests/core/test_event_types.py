@@ -78,7 +78,7 @@ def test_a_declared_type_round_trips(order_id: str, revision: int, status: str, 
     ({"revision": 1.0}, "invalid-envelope", "revision must be written as a JSON integer"),
     ({"meta": {"traceparent": "00-abc"}}, "invalid-envelope",
      "meta.traceparent must be a W3C traceparent: 00-<32 hex>-<16 hex>-<2 hex>, ids not all zeros"),
-    ({"meta": {"userId": "u"}}, "invalid-envelope", "unexpected field: userId"),
+    ({"meta": {"userId": "u"}}, "invalid-envelope", "unexpected field in meta: userId"),
 ])
 def test_refusals_of_a_declared_type_name_the_field(change: dict[str, Any], code: str, reason: str) -> None:
     """An undeclared type is unknown-type; a body failing its type's schema is invalid-envelope naming the field."""

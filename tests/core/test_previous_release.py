@@ -82,7 +82,9 @@ def test_a_previous_release_database_opens_migrates_and_answers_duplicate(
         again = _replay_samples(db)
 
     inbox_before, inbox_after = before.pop("inbox"), after.pop("inbox")
-    assert [(*row, None) for row in inbox_before] == inbox_after  # the new meta column, NULL
+    assert [(*row, None, None) for row in inbox_before] == inbox_after  # the new meta and origin columns, NULL
+    rejected_before, rejected_after = before.pop("rejected"), after.pop("rejected")
+    assert [(*row, None, None) for row in rejected_before] == rejected_after  # the new origin and key columns
     assert before == after
     assert len(again) == len(first)
     for (source, status), old in zip(again, first, strict=True):
