@@ -370,14 +370,15 @@ def event_ids(letters: Iterable[DeadLetter]) -> set[str]:
     return {x for letter in letters for x in (letter.event_id, letter.message_id) if x}
 
 
-def receipts(db: ConsumerDB, letters: Iterable[DeadLetter]) -> dict[int, str]:
-    """Position -> the receipt's result, of each dead letter whose event the
-    consumer applied anyway (another copy; its receipt has the same body)."""
-    found: dict[int, str] = {}
+def receipts(db: ConsumerDB, letters: Iterable[DeadLetter]) -> dict[int, dict[str, Any]]:
+    """Position -> ``{"result", "sameBody"}`` of each dead letter whose eventId the
+    consumer applied anyway: another copy of the same body (requeued, it would be a
+    duplicate), or another body under its eventId (it would be event-id-reused again)."""
+    found: dict[int, dict[str, Any]] = {}
     for letter in letters:
         receipt = _receipt(db, letter.event_id)
-        if receipt is not None and letter.same_body(receipt[0]):
-            found[letter.position] = receipt[1]
+        if receipt is not None:
+            found[letter.position] = {"result": receipt[1], "sameBody": letter.same_body(receipt[0])}
     return found
 
 

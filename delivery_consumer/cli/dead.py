@@ -103,7 +103,8 @@ def dead_list(consumer: str, db_path: Path | None, amqp_url: str, exchange: str,
     reordered, also while new dead letters arrive (they stay behind). A
     CloudEvent shows the id and source its producer sent. With the
     consumer's database (--db, or its default one when it exists), a dead
-    letter whose event was applied anyway (another copy) says so.
+    letter whose eventId has a receipt says so (the same body applied from
+    another copy, or another body under its eventId).
     """
     from ..deadletters import list_dead, receipts
 
@@ -112,7 +113,7 @@ def dead_list(consumer: str, db_path: Path | None, amqp_url: str, exchange: str,
     topology = topology_for(consumer, exchange, queue_prefix, partition=partition)
     snapshot = broker_call(list_dead, amqp_url, topology, on_busy=_waiting)
     letters = [letter for letter in snapshot.letters if code is None or letter.code == code]
-    applied: dict[int, str] | None = None
+    applied: dict[int, dict[str, Any]] | None = None
     with ExitStack() as stack:
         db = _applied(consumer, db_path, given)
         if db is not None:
@@ -120,7 +121,7 @@ def dead_list(consumer: str, db_path: Path | None, amqp_url: str, exchange: str,
     if as_json:
         emit_json({"queue": snapshot.queue, "count": len(snapshot.letters), "complete": snapshot.complete,
                    "byCode": snapshot.by_code(),
-                   "messages": [{**letter.to_json(), **({"applied": applied.get(letter.position)}
+                   "messages": [{**letter.to_json(), **({"receipt": applied.get(letter.position)}
                                                         if applied is not None else {})} for letter in letters]})
         return
     if letters:
@@ -130,9 +131,11 @@ def dead_list(consumer: str, db_path: Path | None, amqp_url: str, exchange: str,
             for row, letter in zip(rows, letters, strict=True):
                 row.insert(5, f"{letter.origin[1]} from {letter.origin[0]}" if letter.origin else None)
         if applied:
-            columns.insert(-1, "applied")
+            columns.insert(-1, "receipt")
             for row, letter in zip(rows, letters, strict=True):
-                row.insert(-1, applied.get(letter.position))
+                receipt = applied.get(letter.position)
+                row.insert(-1, None if receipt is None else
+                           receipt["result"] + ("" if receipt["sameBody"] else " (another body)"))
         echo_table(columns, rows)
     if snapshot.letters:
         click.echo()
