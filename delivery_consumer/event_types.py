@@ -79,7 +79,8 @@ class EventType:
     Schema of ``data`` (an object schema; ``"type": "object"`` is implied).
     *revision*: whether envelopes carry a ``revision`` (an integer >= 1
     ordering the states of one key). *extra*: optional top-level fields
-    beyond the common ones, name -> JSON Schema.
+    beyond the common ones, name -> JSON Schema. *model*: the class of
+    ``data`` the schema was made from (``typed.event_type``), or None.
     """
 
     name: str
@@ -88,6 +89,7 @@ class EventType:
     revision: bool = True
     extra: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     description: str = ""
+    model: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not 1 <= len(self.name.encode("utf-8")) <= 255 \

@@ -53,6 +53,11 @@ def register(spec: ConsumerSpec, *, replace: bool = False) -> ConsumerSpec:
     return spec
 
 
+def registered(name: str) -> ConsumerSpec | None:
+    """The spec registered under *name* now, if any (no plugin is loaded to find it)."""
+    return _REGISTRY.get(name)
+
+
 def unregister(name: str) -> None:
     """Forget a consumer registered at run time (for tests)."""
     _REGISTRY.pop(name, None)
@@ -144,4 +149,5 @@ def names() -> list[str]:
     return sorted(set(_BUILTINS) | set(_REGISTRY))
 
 
-__all__ = ["ENTRY_POINT_GROUP", "PLUGINS_ENV", "find", "get", "names", "open_db", "register", "topology", "unregister"]
+__all__ = ["ENTRY_POINT_GROUP", "PLUGINS_ENV", "find", "get", "names", "open_db", "register", "registered", "topology",
+           "unregister"]

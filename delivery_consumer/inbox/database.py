@@ -18,7 +18,7 @@ from pathlib import Path
 from .. import sqlite
 from ..contract import ConsumerSpec
 from ..dbfile import FileGuard, SerialLock
-from ..errors import DatabaseError, StoreUnavailable, WrongDatabase, safe_reason
+from ..errors import ConfigError, DatabaseError, StoreUnavailable, WrongDatabase, safe_reason
 from ..partitions import Identity, identity_from_meta
 from ..placement import default_db
 from ..sqlite import DEFAULT_BUSY_TIMEOUT_MS, now_iso
@@ -406,6 +406,11 @@ class ConsumerDB:
             if version != STORE_VERSION or applied != (int(row[0]) if row else 0):  # it migrated: say who
                 conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
                              (SCHEMA_BY_KEY, f"delivery-consumer {__version__}"))
+            for check in spec.checks:  # its tables as it needs them, now rather than at the first event
+                try:
+                    check(conn)
+                except ConfigError as exc:
+                    raise ConfigError(f"{path}: {exc}") from None
         return stored
 
     # -- use -------------------------------------------------------------------
