@@ -290,7 +290,7 @@ class ConsumerHarness:
             return Message(orjson.dumps({**attributes, "datacontenttype": "application/json", "data": payload}), type,
                            STRUCTURED_CONTENT_TYPE, event_id=mapped)
         text = prefix.lower() == "ce-"  # the RabbitMQ binding: every value as text, time in RFC 3339
-        if text and isinstance(attributes["time"], int):
+        if text and isinstance(time, int):
             attributes["time"] = utc_milliseconds(datetime(1970, 1, 1, tzinfo=UTC) + timedelta(milliseconds=time))
         headers = {f"{prefix}{name}": str(value) if text else value for name, value in attributes.items()}
         return Message(orjson.dumps(payload), type, "application/json", headers, event_id=mapped)
