@@ -39,17 +39,22 @@ PREVIOUS = "00f3786589c65cd93bf6bd87e7eecab306d53d84"
 TABLES = {"catalog": ("inbox", "rejected", "deliveries", "catalog"), "audit": ("inbox", "rejected", "deliveries")}
 
 
-@pytest.fixture(scope="module")
-def previous(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The previous release's package and schema, extracted from git."""
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", PREVIOUS, "delivery_consumer", "schemas"],
+def extracted(commit: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The package and schema of *commit*, extracted from git (skips outside a checkout holding it)."""
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", commit, "delivery_consumer", "schemas"],
                              capture_output=True)
     if archive.returncode != 0:
-        pytest.skip(f"not a git checkout holding {PREVIOUS[:12]}: {archive.stderr.decode().strip()}")
-    root = tmp_path_factory.mktemp("previous")
+        pytest.skip(f"not a git checkout holding {commit[:12]}: {archive.stderr.decode().strip()}")
+    root = tmp_path_factory.mktemp(commit[:12])
     with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
         tar.extractall(root, filter="data")
     return root
+
+
+@pytest.fixture(scope="module")
+def previous(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The previous release's package and schema, extracted from git."""
+    return extracted(PREVIOUS, tmp_path_factory)
 
 
 def _old(previous: Path, *args: str, input: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
@@ -172,14 +177,7 @@ BEFORE_ONE_TIME = "8ca718f9c2aec0f01d0398ac1380d7d943c27db2"
 @pytest.fixture(scope="module")
 def before_one_time(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The package as it was before, extracted from git."""
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", BEFORE_ONE_TIME, "delivery_consumer", "schemas"],
-                             capture_output=True)
-    if archive.returncode != 0:
-        pytest.skip(f"not a git checkout holding {BEFORE_ONE_TIME[:12]}: {archive.stderr.decode().strip()}")
-    root = tmp_path_factory.mktemp("before_one_time")
-    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
-        tar.extractall(root, filter="data")
-    return root
+    return extracted(BEFORE_ONE_TIME, tmp_path_factory)
 
 
 def _cloudevent_messages() -> list[tuple[bytes, str, dict[str, Any]]]:
