@@ -173,3 +173,17 @@ def test_one_apply_instead_of_handlers_keeps_the_same_table(tmp_path: Path) -> N
             consumers.unregister(name)
     assert rows["payments"] == rows["payments-plain"]
     assert [("pay-1", 3, "refunded", 2500, 500)] == rows["payments"][:1]
+
+
+def test_every_import_of_the_api_table_resolves() -> None:
+    """The manual's table of the public API gives import paths that work: each name imports from its module."""
+    import importlib
+
+    (table,) = re.findall(r"## The API in one place\n\n(.*?)\n\n", section(), re.S)
+    imports = re.findall(r"`from ([\w.]+) import ([\w, ]+)`", table)
+    assert len(imports) >= 10
+    for module, names in imports:
+        loaded = importlib.import_module(module)
+        for name in (n.strip() for n in names.split(",")):
+            assert hasattr(loaded, name), f"{module}.{name}"
+    assert callable(importlib.import_module("delivery_consumer").run_consumer)
