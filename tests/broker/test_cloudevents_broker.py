@@ -112,8 +112,12 @@ def test_sdk_cloudevents_in_both_modes_are_applied_exactly_once(ns: Namespace) -
 
     listed = ns.cli("dead", "list", "--consumer", "orders", "--json")  # reads each dead body as a CloudEvent
     assert 0 == listed.returncode, listed.stderr
-    assert sorted(m["eventId"] for m in orjson.loads(listed.stdout)["messages"]) == sorted(
+    listed_letters = orjson.loads(listed.stdout)["messages"]
+    assert sorted(m["eventId"] for m in listed_letters) == sorted(
         event_id_for(SOURCE, i) for i in ("no-subject", "no-revision"))
+    # refused before they mapped to an envelope, they still name their type and their CloudEvent
+    assert sorted((m["type"], m["cloudEvent"]["id"]) for m in listed_letters) == [
+        ("order.placed", "no-revision"), ("order.placed", "no-subject")]
     dead = ns.drain(ns.topology("orders").dead_queue)
     reasons = sorted((p.headers[H_ERROR_CODE], p.headers[H_ERROR_REASON]) for p, _ in dead)
     assert len(reasons) == 2, reasons

@@ -123,3 +123,22 @@ def test_replay_says_transient_once(tmp_path: Path, register: Callable[[Consumer
     assert f"{event_id_for(SOURCE, 'order-1-r1')} {line} ({source}:1)" == first
     assert done.output.strip().endswith(f"1 event: {summary}")
     assert "transient transient" not in done.output
+
+
+def test_the_system_trace_finds_a_cloudevent_by_its_id_across_the_deployment(replayed: Path, tmp_path: Path) -> None:
+    """trace ID without --consumer, ID a CloudEvent's id, looks in every consumer of the deployment file, names
+    the eventId it maps to and traces it there; an id two sources used is listed, not guessed."""
+    config = tmp_path / "delivery.toml"
+    config.write_text(f'[consumers.orders]\ndb = "{replayed}"\n', "utf-8")
+    done = cli(["--config", str(config), "trace", "--offline", "--json", "order-1-r2"],
+               env={"DELIVERY_PLUGINS": "orders_consumer"})
+    assert 0 == done.exit_code, done.output
+    shown = json_lines(done.stdout)[0]
+    assert event_id_for(SOURCE, "order-1-r2") == shown["eventId"]
+    assert "applied updated" == shown["consumers"][0]["verdict"]
+    other = tmp_path / "other.ndjson"
+    other.write_bytes(orjson.dumps({**cloudevent("order-1-r2", "order-9", 1, "placed"), "source": "/legacy"}) + b"\n")
+    assert 0 == cli(["replay", "--consumer", "orders", "--db", str(replayed), str(other)]).exit_code
+    twice = cli(["--config", str(config), "trace", "--offline", "order-1-r2"],
+                env={"DELIVERY_PLUGINS": "orders_consumer"})
+    assert 2 == twice.exit_code and "names several events" in twice.output and "--ce-source" in twice.output
