@@ -109,6 +109,11 @@ class ConsumerSpec:
     #: The event types the consumer handles (a type not declared here is
     #: ``unknown-type``); the material types unless told otherwise.
     event_types: EventTypes = MATERIAL
+    #: Run on the database's connection once it is migrated, at every open: each
+    #: raises ConfigError for tables the consumer cannot work with, so that a
+    #: wrong table stops the start-up rather than the first event
+    #: (``state.RevisionTable.check``).
+    checks: Sequence[Callable[[sqlite3.Connection], None]] = ()
 
 
 @dataclass(slots=True)

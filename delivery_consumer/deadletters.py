@@ -20,12 +20,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from . import consumers
 from .amqp.dead_queue import DeadQueue, HeldMessage, QueueBusy
 from .cloudevents import parse_message
 from .deliveries import Delivery, OutMessage, PublishResult, delivery_key
 from .envelope import KOMBU_COMPRESSION_HEADER, MAX_BODY_BYTES, body_digest
-from .errors import DELIVERY_LIMIT, Rejection
+from .errors import DELIVERY_LIMIT, Rejection, safe_reason
 from .event_types import EventTypes
 from .faults import crashpoint
 from .inbox import ConsumerDB
@@ -92,11 +94,20 @@ class DeadLetter:
     size: int
     #: True when ``event_id`` was read from the body (not guessed from message_id).
     event_id_from_body: bool = False
+    #: The CloudEvent's (source, id) when the message is one.
+    origin: tuple[str, str] | None = None
+    #: Fingerprints an earlier release gave the same event (``Envelope.earlier_fingerprints``).
+    earlier_fingerprints: tuple[str, ...] = ()
+
+    def same_body(self, fingerprint: str) -> bool:
+        """Whether a receipt's *fingerprint* is this letter's event's."""
+        return fingerprint == self.fingerprint or fingerprint in self.earlier_fingerprints
 
     def to_json(self) -> dict[str, Any]:
         return {
             "position": self.position,
             "eventId": self.event_id,
+            "cloudEvent": None if self.origin is None else {"id": self.origin[1], "source": self.origin[0]},
             "messageId": self.message_id,
             "type": self.type,
             "code": self.code,
@@ -119,13 +130,17 @@ def describe(position: int, msg: HeldMessage, types: EventTypes | None = None) -
     event_id: str | None = None
     fingerprint: str | None = None
     event_type: str | None = None
+    origin: tuple[str, str] | None = None
+    earlier: tuple[str, ...] = ()
     try:
         env = parse_message(msg.body, max_bytes=max(len(msg.body) + 1, MAX_BODY_BYTES),  # identity only: not the size
                             content_type=msg.content_type, headers=headers, content_encoding=msg.content_encoding,
                             compression=headers.get(KOMBU_COMPRESSION_HEADER), types=types)
         event_id, fingerprint, event_type = env.event_id, env.fingerprint, env.type
+        origin, earlier = env.cloudevent, env.earlier_fingerprints
     except Rejection as rej:
-        event_id, fingerprint = rej.event_id, rej.fingerprint
+        event_id, fingerprint, origin = rej.event_id, rej.fingerprint, rej.origin
+        event_type = _type_named(msg)
     deaths = headers.get("x-death")
     death = deaths[0] if isinstance(deaths, list) and deaths and isinstance(deaths[0], dict) else None
     code = _text(headers.get(H_ERROR_CODE))
@@ -160,7 +175,24 @@ def describe(position: int, msg: HeldMessage, types: EventTypes | None = None) -
         body_sha256=body_digest(msg.body),
         size=len(msg.body),
         event_id_from_body=event_id is not None,
+        origin=origin,
+        earlier_fingerprints=earlier,
     )
+
+
+def _type_named(msg: HeldMessage) -> str | None:
+    """The event type a refused message names, if it names one: a CloudEvent's
+    ``type`` attribute (a header, or in its body), else the body's ``type``."""
+    from .cloudevents import binary_attributes
+
+    named = binary_attributes(msg.headers).get("type")
+    if named is None and msg.content_encoding in (None, "", "identity", "utf-8"):
+        try:
+            obj = orjson.loads(msg.body)
+        except orjson.JSONDecodeError:
+            return None
+        named = obj.get("type") if isinstance(obj, dict) else None
+    return safe_reason(named, 120) if isinstance(named, str) and named else None
 
 
 @dataclass(frozen=True)
@@ -181,7 +213,7 @@ class Selection:
             return True
         if self.code is not None:
             return letter.code == self.code
-        return letter.event_id in self.event_ids or letter.message_id in self.event_ids
+        return not self.event_ids.isdisjoint(_names(letter))
 
     def describe(self) -> str:
         if self.everything:
@@ -214,9 +246,14 @@ class Snapshot:
                 if selection.matches(letter)]
 
     def missing(self, selection: Selection) -> list[str]:
-        """EventIds asked for that are not in the queue."""
-        present = {x for letter in self.letters for x in (letter.event_id, letter.message_id) if x}
+        """EventIds (or CloudEvent ids) asked for that are not in the queue."""
+        present = {x for letter in self.letters for x in _names(letter)}
         return sorted(selection.event_ids - present)
+
+
+def _names(letter: DeadLetter) -> set[str]:
+    """What a dead letter may be asked for by: its eventId, message_id, CloudEvent id."""
+    return {x for x in (letter.event_id, letter.message_id, letter.origin[1] if letter.origin else None) if x}
 
 
 #: How long a reader waits for the dead queue while another holds it (a
@@ -333,6 +370,18 @@ def event_ids(letters: Iterable[DeadLetter]) -> set[str]:
     return {x for letter in letters for x in (letter.event_id, letter.message_id) if x}
 
 
+def receipts(db: ConsumerDB, letters: Iterable[DeadLetter]) -> dict[int, dict[str, Any]]:
+    """Position -> ``{"result", "sameBody"}`` of each dead letter whose eventId the
+    consumer applied anyway: another copy of the same body (requeued, it would be a
+    duplicate), or another body under its eventId (it would be event-id-reused again)."""
+    found: dict[int, dict[str, Any]] = {}
+    for letter in letters:
+        receipt = _receipt(db, letter.event_id)
+        if receipt is not None:
+            found[letter.position] = {"result": receipt[1], "sameBody": letter.same_body(receipt[0])}
+    return found
+
+
 # -- requeue and purge -----------------------------------------------------------------
 
 APPLIED, CONFLICT, REQUEUE = "applied", "conflict", "requeue"
@@ -394,7 +443,7 @@ def plan_requeue(db: ConsumerDB, chosen: Sequence[tuple[DeadLetter, HeldMessage]
         receipt = _receipt(db, letter.event_id)
         if receipt is None:
             items.append(Item(letter, msg, REQUEUE))
-        elif receipt[0] == letter.fingerprint:
+        elif letter.same_body(receipt[0]):
             items.append(Item(letter, msg, APPLIED, detail=f"receipt exists: {receipt[1]}"))
         else:
             items.append(Item(letter, msg, CONFLICT,
@@ -663,6 +712,7 @@ __all__ = [
     "plan_requeue",
     "purge",
     "reading",
+    "receipts",
     "reconcile",
     "requeue",
     "requeue_copy",

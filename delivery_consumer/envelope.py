@@ -69,6 +69,11 @@ def fingerprint(obj: Any) -> str:
     return hashlib.sha256(canonical_bytes(obj)).hexdigest()
 
 
+def too_large(size: int, limit: int) -> Rejection:
+    """The rejection of a body of *size* bytes over the size *limit*."""
+    return Rejection(INVALID_ENVELOPE, f"body is {size} bytes, over the limit of {limit}")
+
+
 def decode_body(
     body: bytes, content_encoding: str | None, *, compression: object = None, max_bytes: int = MAX_BODY_BYTES
 ) -> bytes:
@@ -91,7 +96,7 @@ def decode_body(
         codings.append(kombu)
     if not codings:
         if len(body) > max_bytes:
-            raise Rejection(INVALID_ENVELOPE, f"body is {len(body)} bytes, over the limit of {max_bytes}")
+            raise too_large(len(body), max_bytes)
         return body
     if len(codings) > 1 or codings[0] not in _COMPRESSIONS:
         named = safe_reason(content_encoding or "", 40)
@@ -218,7 +223,7 @@ def parse(
     if content_encoding is not None or compression is not None:
         body = decode_body(body, content_encoding, compression=compression, max_bytes=max_bytes)
     elif len(body) > max_bytes:
-        raise Rejection(INVALID_ENVELOPE, f"body is {len(body)} bytes, over the limit of {max_bytes}")
+        raise too_large(len(body), max_bytes)
     return envelope_of(body, decoded(body), default_types() if types is None else types)
 
 
@@ -278,4 +283,5 @@ __all__ = [
     "refuse_duplicate_keys",
     "safe_reason",
     "schema_dir",
+    "too_large",
 ]

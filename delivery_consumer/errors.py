@@ -53,6 +53,7 @@ WRONG_PARTITION: Final = "wrong-partition"
 #: Not a rejection: the outcome ``run`` records (``forwarded:p<k>``) for an event of partition k that
 #: reached another partition's queue and was sent on to its own.
 FORWARDED: Final = "forwarded"
+UNSTORABLE_VALUE: Final = "unstorable-value"
 
 #: Every rejection code, with its meaning in one line (docs/envelope.md's table of
 #: codes lists exactly these; ``trace`` counts exactly these as rejections).
@@ -72,6 +73,10 @@ REJECTIONS: Final[Mapping[str, str]] = MappingProxyType({
     # Applied here, the article's state would be split in two files (a producer
     # that computes the slot differently, bindings that disagree with the databases).
     WRONG_PARTITION: "a partition's database refuses an article of another partition (run forwards it to its own)",
+    # The same bytes fail the same way every time: retrying cannot help (the
+    # database's own failures -- busy, full, read-only -- stay transient).
+    UNSTORABLE_VALUE: "a value passed its schema but the consumer's tables cannot hold it (an integer past 64 bits, "
+                      "a value its column's type refuses)",
 })
 #: Every rejection code, in the registry's order.
 REJECTION_CODES: Final = tuple(REJECTIONS)
@@ -100,8 +105,12 @@ class DeliveryError(Exception):
 class Rejection(DeliveryError):
     """A permanent refusal of one event, with a rejection code.
 
-    ``event_id`` and ``fingerprint`` are filled in when they are known (a body
-    that is not JSON has neither).
+    A consumer raises it from its effect with a code of its own or one of
+    the codes above (``Rejection("payment-declined", "card expired")``); the
+    store fills in what it knows of the event: ``event_id`` and
+    ``fingerprint`` (a body that is not JSON has neither), ``key`` (the
+    value of its type's key field) and ``origin`` (a CloudEvent's source and
+    id, as its producer sent them).
     """
 
     def __init__(
@@ -111,11 +120,16 @@ class Rejection(DeliveryError):
         *,
         event_id: str | None = None,
         fingerprint: str | None = None,
+        key: str | None = None,
+        origin: tuple[str, str] | None = None,
     ) -> None:
         self.code = code
         self.reason = safe_reason(reason)
         self.event_id = event_id
         self.fingerprint = fingerprint
+        self.key = key
+        #: ``(source, id)`` of the CloudEvent the event came as, or None.
+        self.origin = origin
         super().__init__(f"{code}: {self.reason}")
 
 

@@ -79,7 +79,8 @@ class EventType:
     Schema of ``data`` (an object schema; ``"type": "object"`` is implied).
     *revision*: whether envelopes carry a ``revision`` (an integer >= 1
     ordering the states of one key). *extra*: optional top-level fields
-    beyond the common ones, name -> JSON Schema.
+    beyond the common ones, name -> JSON Schema. *model*: the class of
+    ``data`` the schema was made from (``typed.event_type``), or None.
     """
 
     name: str
@@ -88,6 +89,7 @@ class EventType:
     revision: bool = True
     extra: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     description: str = ""
+    model: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not 1 <= len(self.name.encode("utf-8")) <= 255 \
@@ -138,6 +140,18 @@ class EventType:
         return schema
 
 
+class CloudEventId(NamedTuple):
+    """A CloudEvent's identity as its producer sent it: ``source`` and ``id``
+    (the eventId is derived from them: ``cloudevents.event_id_for``)."""
+
+    source: str
+    id: str
+
+    def to_json(self) -> str:
+        """``{"id": ..., "source": ...}``, as the receipt and the rejection keep it."""
+        return orjson.dumps({"id": self.id, "source": self.source}).decode()
+
+
 class Envelope(NamedTuple):
     """A validated event: its fields, its canonical bytes and its fingerprint.
 
@@ -162,6 +176,12 @@ class Envelope(NamedTuple):
     fingerprint: str
     #: The declaration the envelope was validated against.
     event_type: EventType | None = None
+    #: The CloudEvent the envelope was mapped from (None: it came as an envelope).
+    cloudevent: CloudEventId | None = None
+    #: Fingerprints an earlier release computed for this same event (a
+    #: CloudEvent's ``time`` it kept verbatim): a receipt holding one of them
+    #: is this event's, so its copy is a duplicate (docs/cloudevents.md).
+    earlier_fingerprints: tuple[str, ...] = ()
 
     @property
     def article_id(self) -> str:
@@ -306,7 +326,8 @@ def _schema_reason(exc: fastjsonschema.JsonSchemaValueException, *, key: str = "
     if rule == "additionalProperties" and isinstance(value, dict):
         allowed = set((exc.definition or {}).get("properties", {}))
         extra = sorted(str(k)[:40] for k in value if k not in allowed)
-        return f"unexpected field{'s' if len(extra) > 1 else ''}: {', '.join(extra[:5])}"
+        where = "" if field == "envelope" else f" in {field}"
+        return f"unexpected field{'s' if len(extra) > 1 else ''}{where}: {', '.join(extra[:5])}"
     if rule == "type":
         return f"{field} must be of type {definition}"
     if rule in ("minLength", "maxLength", "minimum", "maximum"):
@@ -325,6 +346,16 @@ def _schema_reason(exc: fastjsonschema.JsonSchemaValueException, *, key: str = "
         return f"{field} must not contain control characters (U+0000 to U+001F)"
     if field == "meta.traceparent":
         return "meta.traceparent must be a W3C traceparent: 00-<32 hex>-<16 hex>-<2 hex>, ids not all zeros"
+    # The schema's own words (never the value): the pattern or the values a declared type allows.
+    if rule == "pattern" and isinstance(definition, str):
+        return f"{field} must match the pattern {definition[:80]}"
+    if rule == "enum" and isinstance(definition, list):
+        shown = ", ".join(orjson.dumps(item).decode()[:40] for item in definition[:10])
+        return f"{field} must be one of: {shown}{', ...' if len(definition) > 10 else ''}"
+    if rule == "const":
+        return f"{field} must be {orjson.dumps(definition, default=str).decode()[:80]}"
+    if rule in ("minItems", "maxItems"):
+        return f"{field} must have {'at least' if rule == 'minItems' else 'at most'} {definition} items"
     return f"{field} violates the schema rule '{rule}'"
 
 
@@ -606,7 +637,7 @@ class EventTypes:
         # A type without revision has no "revision" field (the schema refuses one).
         return _new_tuple(Envelope, (
             obj["eventId"], kind, obj[compiled.key], obj.get("revision", 0), obj["occurredAt"], obj["data"],
-            obj, canonical, digest, compiled.type,
+            obj, canonical, digest, compiled.type, None, (),
         ))
 
     def _check(self, obj: Mapping[str, Any], digest: str, compiled: _Compiled | None) -> _Compiled:
@@ -694,6 +725,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "MATERIAL",
     "META_FIELDS",
+    "CloudEventId",
     "EventType",
     "EventTypes",
     "declare",

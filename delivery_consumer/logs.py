@@ -14,8 +14,24 @@ from typing import Any
 
 import orjson
 
+from .errors import safe_reason
+
 #: Attributes a log call may pass with ``extra=`` that JSON lines carry.
-FIELDS = ("consumer", "eventId", "outcome", "deliveryTag", "code", "reason", "queue", "attempts", "batch")
+FIELDS = ("consumer", "eventId", "ceId", "ceSource", "key", "outcome", "deliveryTag", "code", "reason", "queue",
+          "attempts", "batch")
+
+
+def cloudevent_text(origin: tuple[str, str] | None) -> str:
+    """`` (CloudEvent ID from SOURCE)`` after an eventId in a text line, or '' for an envelope."""
+    if origin is None:
+        return ""
+    source, event_id = origin
+    return f" (CloudEvent {safe_reason(event_id, 80)} from {safe_reason(source, 120)})"
+
+
+def cloudevent_fields(origin: tuple[str, str] | None) -> dict[str, str]:
+    """The JSON line's ``ceId`` and ``ceSource`` of a CloudEvent (none for an envelope)."""
+    return {} if origin is None else {"ceSource": origin[0], "ceId": origin[1]}
 
 
 class JsonFormatter(logging.Formatter):
@@ -54,3 +70,12 @@ def setup(level: str = "info", fmt: str = "text", consumer: str | None = None) -
     root.handlers[:] = [handler]
     root.setLevel(getattr(logging, level.upper()))
     logging.getLogger("pika").setLevel(logging.CRITICAL)  # its errors are reported by amqp.connection.classify
+
+
+def quiet_pika() -> None:
+    """Silence pika's own logger (its connection steps at INFO, a passive declare's 404 at
+    WARNING, tracebacks before the toolkit's one line), unless the program set its level:
+    the toolkit reports what pika does in its own words (``amqp.connection.classify``)."""
+    pika = logging.getLogger("pika")
+    if pika.level == logging.NOTSET:
+        pika.setLevel(logging.CRITICAL)

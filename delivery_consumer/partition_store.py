@@ -76,6 +76,10 @@ class Moved:
     from_unpartitioned: bool = False
 
 
+#: Tables every partition keeps whole: the CloudEvents sources seen (trace looks an id up by them).
+EVERYWHERE = ("ce_sources",)
+
+
 def _candidates(old: int, old_count: int, new_count: int) -> list[int]:
     """The new partitions that slots of old partition *old* go to."""
     slots = [s for s in range(SLOT_COUNT) if partition_of_slot(s, old_count) == old]
@@ -163,6 +167,11 @@ def split_merge(consumer: str, new_count: int | None, root: Path | None = None) 
                         columns, key = _table_plan(conn, table)
                         cols = ", ".join(f'"{c}"' for c in columns)
                         picked = ", ".join(f't."{c}"' for c in columns)
+                        if table in EVERYWHERE:  # whole in every partition
+                            cur = conn.execute(f'INSERT OR IGNORE INTO main."{table}" ({cols}) SELECT {picked}'
+                                               f' FROM old."{table}" t')
+                            counts[table] = counts.get(table, 0) + max(cur.rowcount, 0)
+                            continue
                         verb = "INSERT OR IGNORE" if table == "deliveries" else "INSERT"
                         cur = conn.execute(f'{verb} INTO main."{table}" ({cols}) SELECT {picked} FROM old."{table}" t'
                                            f" WHERE dc_partition({key}) = {k}")

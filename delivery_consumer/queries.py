@@ -128,15 +128,26 @@ def inbox_list(db: ConsumerDB, *, result: str | None = None, limit: int | None =
 
 
 def receipt_row(conn: sqlite3.Connection, event_id: str) -> Row | None:
-    """The receipt of *event_id* with its key and the envelope's ``meta`` (a dict, or None)."""
-    rows = conn.execute(f"{_RECEIPT.replace(' FROM', ', partition_key, meta FROM')} WHERE event_id = ?",
+    """The receipt of *event_id* with its key, the envelope's ``meta`` (a dict, or None)
+    and, for an event that came as a CloudEvent, its ``cloudEvent`` (``{"id", "source"}``)."""
+    rows = conn.execute(f"{_RECEIPT.replace(' FROM', ', partition_key, meta, origin FROM')} WHERE event_id = ?",
                         (event_id,)).fetchall()
     if not rows:
         return None
     receipt = _receipt(rows[0])
-    receipt["key"], meta = rows[0][5:]
+    receipt["key"], meta, origin = rows[0][5:]
     receipt["meta"] = orjson.loads(meta) if meta is not None else None
+    if origin is not None:
+        receipt["cloudEvent"] = origin_of(origin)
     return receipt
+
+
+def origin_of(column: str | None) -> Row | None:
+    """A receipt's or a rejection's ``origin`` column: the CloudEvent's ``{"id", "source"}``, or None."""
+    if column is None:
+        return None
+    value = orjson.loads(column)
+    return value if isinstance(value, dict) else None
 
 
 def camel(column: str) -> str:
@@ -154,6 +165,43 @@ def dict_rows(cursor: sqlite3.Cursor) -> list[Row]:
     return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
 
 
+def deliveries_summary(records: list[Row], receipt: Row | None) -> Row:
+    """Totals of the ``deliveries`` rows, completed by the receipt.
+
+    ``run`` writes no row for the common case -- a first delivery, first
+    attempt, applied -- because the receipt records it (one delivery at
+    ``received_at``). So a receipt newer than every row stands for one more
+    delivery, the one that applied the event (after a retry or a requeue the
+    copy may again be a "first" delivery); ``fromReceipt`` says so.
+    """
+    summary: Row = {"deliveries": 0, "redeliveries": 0, "attempts": 0, "crashes": 0, "firstAt": None,
+                    "lastAt": None, "lastOutcome": None, "fromReceipt": False, "records": records}
+    if records:
+        last = max(records, key=lambda r: r["lastAt"])
+        summary.update({
+            "deliveries": sum(r["deliveries"] for r in records),
+            "redeliveries": sum(r["redeliveries"] for r in records),
+            "attempts": max(r["attempts"] for r in records),
+            "crashes": sum(r["crashes"] for r in records),
+            "firstAt": min(r["firstAt"] for r in records),
+            "lastAt": last["lastAt"],
+            "lastOutcome": last["lastOutcome"],
+        })
+    if receipt is not None and summary["firstAt"] is not None and receipt["receivedAt"] < summary["firstAt"]:
+        # A row a duplicate began (0.1.0 stamped it with the duplicate's time): the receipt is older.
+        summary["firstAt"] = receipt["receivedAt"]
+    if receipt is not None and (summary["lastAt"] is None or receipt["receivedAt"] > summary["lastAt"]):
+        summary.update({
+            "deliveries": summary["deliveries"] + 1,
+            "attempts": max(summary["attempts"], 1),
+            "firstAt": summary["firstAt"] or receipt["receivedAt"],
+            "lastAt": receipt["receivedAt"],
+            "lastOutcome": receipt["result"],
+            "fromReceipt": True,
+        })
+    return summary
+
+
 @reads
 def inbox_show(db: ConsumerDB, event_id: str) -> Row:
     """Everything the database knows about one eventId.
@@ -165,16 +213,22 @@ def inbox_show(db: ConsumerDB, event_id: str) -> Row:
     with read_snapshot(conn):
         receipt = receipt_row(conn, event_id)
         rejected = dict_rows(conn.execute("SELECT * FROM rejected WHERE event_id = ? ORDER BY id", (event_id,)))
+        for row in rejected:
+            row["origin"] = origin_of(row.get("origin"))
         deliveries = dict_rows(
             conn.execute("SELECT * FROM deliveries WHERE event_id = ? ORDER BY first_at, key", (event_id,))
         )
     if receipt is None and not rejected and not deliveries:
         raise NotFound(f"eventId {event_id} not found in {db.path}")
+    counted = deliveries_summary(deliveries, receipt)
     return {
         "eventId": event_id,
         "receipt": receipt,
         "rejected": rejected,
         "deliveries": deliveries,
+        # as trace counts them: a first delivery applied at once has no row, its receipt stands for it
+        "deliveryCount": counted["deliveries"],
+        "deliveryFromReceipt": counted["fromReceipt"],
     }
 
 
@@ -367,10 +421,12 @@ __all__ = [
     "QUERY_MAX_BYTES",
     "QUERY_TIMEOUT_S",
     "camel",
+    "deliveries_summary",
     "dict_rows",
     "inbox_list",
     "inbox_show",
     "inbox_stats",
+    "origin_of",
     "query",
     "reads",
     "receipt_row",

@@ -74,8 +74,9 @@ class Summary:
             codes = ", ".join(f"{n} {k}" for k, n in sorted(self.rejected.items()))
             parts.append(f"{sum(self.rejected.values())} rejected ({codes})")
         if self.transient:
-            codes = ", ".join(f"{n} {k}" for k, n in sorted(self.transient.items()))
-            parts.append(f"{sum(self.transient.values())} not applied, transient ({codes})")
+            named = {k: n for k, n in self.transient.items() if k != "transient"}  # the generic code says nothing
+            codes = f" ({', '.join(f'{n} {k}' for k, n in sorted(named.items()))})" if named else ""
+            parts.append(f"{sum(self.transient.values())} not applied, transient{codes}")
         return f"{count(self.total, 'event')}: " + (", ".join(parts) if parts else "nothing to do")
 
 
@@ -91,7 +92,7 @@ def _parse_all(items: list[Item], max_bytes: int,
     digests: list[str | None] | None = None
     for i, item in enumerate(items):
         try:
-            parsed.append(parse_body(item.body, max_bytes, types))
+            parsed.append(item.parse(max_bytes, types))
         except Rejection as rej:
             parsed.append(rej)
             if digests is None:

@@ -23,8 +23,10 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO, NamedTuple
 
-from .envelope import MAX_BODY_BYTES
+from .cloudevents import parse_body
+from .envelope import MAX_BODY_BYTES, Envelope, too_large
 from .errors import ConfigError
+from .event_types import EventTypes
 
 SINGLE_SUFFIXES = (".json",)
 LINE_SUFFIXES = (".ndjson", ".jsonl")
@@ -39,6 +41,16 @@ class Item(NamedTuple):
 
     location: str
     body: bytes
+    #: The size of the body as the source held it, when it was cut at the
+    #: limit (``limit + 1`` bytes kept); 0 when ``body`` is all of it.
+    cut_from: int = 0
+
+    def parse(self, max_bytes: int, types: EventTypes | None = None) -> Envelope:
+        """The Envelope of the body (:func:`~delivery_consumer.cloudevents.parse_body`), or
+        raise Rejection; a body that was cut is refused with the size it had."""
+        if self.cut_from:
+            raise too_large(self.cut_from, max_bytes)
+        return parse_body(self.body, max_bytes, types)
 
 
 def expand(sources: Sequence[str]) -> list[str]:
@@ -85,7 +97,9 @@ def read(files: Sequence[str], *, limit: int = MAX_BODY_BYTES, stdin: BinaryIO |
         with open(name, "rb") as handle:
             _skip_bom(handle)
             if name.lower().endswith(SINGLE_SUFFIXES):
-                yield Item(name, handle.read(limit + 1))
+                body = handle.read(limit + 1)
+                size = len(body) + max(0, os.fstat(handle.fileno()).st_size - handle.tell())  # what is left unread
+                yield Item(name, body, size if size > len(body) else 0)
             else:
                 yield from _lines(name, handle, limit)
 
@@ -111,13 +125,17 @@ def _lines(name: str, stream: BinaryIO, limit: int) -> Iterator[Item]:
             return
         number += 1
         if len(line) > limit + 1 and not line.endswith(b"\n"):
-            # Too long: keep limit + 1 bytes, drop the rest of the line.
+            # Too long: keep limit + 1 bytes, drop the rest of the line (counted, not held).
+            size = len(line)
             rest = line
             while rest and not rest.endswith(b"\n"):
                 rest = readline(_CHUNK)
-            line = line[: limit + 1]
-        else:
-            line = line.rstrip(b"\r\n")
+                size += len(rest)
+            if rest.endswith(b"\n"):
+                size -= 2 if rest.endswith(b"\r\n") else 1
+            yield Item(f"{name}:{number}", line[: limit + 1], size)
+            continue
+        line = line.rstrip(b"\r\n")
         # Blank lines are skipped (isspace() of b"" is False: checked first).
         if line and not line.isspace():
             yield Item(f"{name}:{number}", line)

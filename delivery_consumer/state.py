@@ -16,7 +16,9 @@ duplication of a set of events converges to the same table.
 
 The table has a unique key column, an INTEGER revision column, the state
 columns, and optionally an event-id and an occurred-at column (written with
-the row, not compared). The consumer creates it in its migrations.
+the row, not compared). The consumer creates it in its migrations;
+:meth:`RevisionTable.check` (in ``ConsumerSpec.checks``) refuses, at start-up,
+a table that lacks one of them.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class RevisionTable:
             raise ConfigError(f"RevisionTable {table}: a column is named twice")
         self.table, self.key, self.revision, self.state = table, key, revision, tuple(state)
         self._with_event_id, self._with_occurred_at = event_id is not None, occurred_at is not None
+        self._extra = tuple(extra)
         columns = [key, revision, *state, *extra]
         updates = ", ".join(f"{c} = excluded.{c}" for c in columns[1:])
         # One statement for the common case: write the row when it is new or
@@ -79,6 +82,27 @@ class RevisionTable:
         self._select_many = (
             f"SELECT {key}, {selected} FROM {table} WHERE {key} IN (SELECT value FROM json_each(?))"
         )
+
+    def check(self, conn: sqlite3.Connection) -> None:
+        """ConfigError, in one line, unless *conn*'s database has this table with its
+        columns and a key column that is unique (its PRIMARY KEY or a UNIQUE index):
+        what :meth:`apply` needs, checked when the database opens (``ConsumerSpec.checks``)."""
+        columns = {row[1]: row for row in conn.execute(f'PRAGMA table_info("{self.table}")')}
+        if not columns:
+            raise ConfigError(f"RevisionTable {self.table}: no such table (create it in the consumer's migrations)")
+        wanted = [self.key, self.revision, *self.state, *self._extra]
+        missing = [name for name in wanted if name not in columns]
+        if missing:
+            raise ConfigError(f"RevisionTable {self.table}: no column {', '.join(missing)} (it needs "
+                              f"{', '.join(wanted)})")
+        keyed = columns[self.key][5] == 1 and sum(1 for row in columns.values() if row[5]) == 1
+        if not keyed:
+            for index in conn.execute(f'PRAGMA index_list("{self.table}")').fetchall():
+                names = [row[2] for row in conn.execute(f'PRAGMA index_info("{index[1]}")')]
+                keyed = keyed or (bool(index[2]) and names == [self.key])
+        if not keyed:
+            raise ConfigError(f"RevisionTable {self.table}: {self.key} must be its PRIMARY KEY or UNIQUE "
+                              "(one row per key)")
 
     def _row(self, env: Envelope, state: Sequence[Any]) -> tuple[Any, ...]:
         if self._with_event_id and self._with_occurred_at:  # the usual table: no tail to build

@@ -160,12 +160,16 @@ def outbox_history(row: Row) -> list[str]:
 
 def _verdict(shown: Row | None, letters: list[Row], routed: bool, published: list[Row],
              unpublished: list[Row]) -> str:
+    receipt = shown["receipt"] if shown is not None else None
+    if receipt is not None:  # applied, whatever became of another copy
+        verdict = f"applied {receipt['result']}"
+        if letters:
+            return f"{verdict}; another copy dead-lettered {letters[0]['code']} (still in the dead queue)"
+        others = sorted({r["code"] for r in shown["rejections"] if r["resolvedAt"] is None}) if shown else []
+        return f"{verdict}; another copy was rejected ({', '.join(others)})" if others else verdict
     if letters:
         return f"dead-lettered {letters[0]['code']}"
     if shown is not None:
-        receipt = shown["receipt"]
-        if receipt is not None:
-            return f"applied {receipt['result']}"
         unresolved = [r for r in shown["rejections"] if r["resolvedAt"] is None]
         if unresolved:
             last = unresolved[-1]
@@ -252,6 +256,27 @@ def trace_event(dep: Deployment, event_id: str, *, key: str | None = None,
         raise NotFound(f"eventId {event_id} is known to no producer and no consumer of {dep.path}"
                        + (f"; not read: {'; '.join(unread)}" if unread else ""))
     return result
+
+
+def cloudevent_matches(dep: Deployment, ce_id: str) -> list[Row]:
+    """Every event a consumer of *dep* knows that came as a CloudEvent with the id *ce_id*:
+    ``{"source", "eventId", "consumers"}``, one per source (the eventId is derived from both)."""
+    from .trace import cloudevent_matches as matches_in
+
+    found: dict[tuple[str, str], Row] = {}
+    for name in dep.consumers:
+        for partition, path in dep.placement(name).databases:
+            if not path.exists():
+                continue
+            try:
+                with _consumer_db(path, name) as db:
+                    pairs = matches_in(db, ce_id)
+            except DeliveryError:
+                continue
+            for source, event_id in pairs:
+                row = found.setdefault((source, event_id), {"source": source, "eventId": event_id, "consumers": []})
+                row["consumers"].append(f"{name}/{partition}" if partition else name)
+    return list(found.values())
 
 
 def _key_rows(db: ConsumerDB, key: str) -> dict[str, Row]:
@@ -622,5 +647,15 @@ def _redacted(url: str) -> str:
     return redact(url)
 
 
-__all__ = ["dead_letters", "group_dead_letters", "notes", "outbox_history", "status", "topic_matches", "trace_event",
-           "trace_key", "unacknowledged"]
+__all__ = [
+    "cloudevent_matches",
+    "dead_letters",
+    "group_dead_letters",
+    "notes",
+    "outbox_history",
+    "status",
+    "topic_matches",
+    "trace_event",
+    "trace_key",
+    "unacknowledged",
+]

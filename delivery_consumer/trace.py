@@ -22,7 +22,7 @@ from .contract import ConsumerSpec
 from .errors import FORWARDED, REJECTIONS, NotFound
 from .inbox import ConsumerDB
 from .plural import count
-from .queries import dict_rows, reads
+from .queries import deliveries_summary, dict_rows, origin_of, reads
 from .sqlite import read_snapshot
 from .views import key_row
 
@@ -42,43 +42,6 @@ def _event_id_tables(db: ConsumerDB) -> dict[str, str]:
         if "event_id" in columns:
             tables.setdefault(table, "event_id")
     return tables
-
-
-def _deliveries_summary(records: list[Row], receipt: Row | None) -> Row:
-    """Totals of the ``deliveries`` rows, completed by the receipt.
-
-    ``run`` writes no row for the common case -- a first delivery, first
-    attempt, applied -- because the receipt records it (one delivery at
-    ``received_at``). So a receipt newer than every row stands for one more
-    delivery, the one that applied the event (after a retry or a requeue the
-    copy may again be a "first" delivery); ``fromReceipt`` says so.
-    """
-    summary: Row = {"deliveries": 0, "redeliveries": 0, "attempts": 0, "crashes": 0, "firstAt": None,
-                    "lastAt": None, "lastOutcome": None, "fromReceipt": False, "records": records}
-    if records:
-        last = max(records, key=lambda r: r["lastAt"])
-        summary.update({
-            "deliveries": sum(r["deliveries"] for r in records),
-            "redeliveries": sum(r["redeliveries"] for r in records),
-            "attempts": max(r["attempts"] for r in records),
-            "crashes": sum(r["crashes"] for r in records),
-            "firstAt": min(r["firstAt"] for r in records),
-            "lastAt": last["lastAt"],
-            "lastOutcome": last["lastOutcome"],
-        })
-    if receipt is not None and summary["firstAt"] is not None and receipt["receivedAt"] < summary["firstAt"]:
-        # A row a duplicate began (0.1.0 stamped it with the duplicate's time): the receipt is older.
-        summary["firstAt"] = receipt["receivedAt"]
-    if receipt is not None and (summary["lastAt"] is None or receipt["receivedAt"] > summary["lastAt"]):
-        summary.update({
-            "deliveries": summary["deliveries"] + 1,
-            "attempts": max(summary["attempts"], 1),
-            "firstAt": summary["firstAt"] or receipt["receivedAt"],
-            "lastAt": receipt["receivedAt"],
-            "lastOutcome": receipt["result"],
-            "fromReceipt": True,
-        })
-    return summary
 
 
 def _status(receipt: Row | None, rejections: list[Row], deliveries: Row) -> tuple[str, str]:
@@ -135,6 +98,24 @@ def key_field(spec: ConsumerSpec, event_type: str | None) -> str:
 
 
 @reads
+def cloudevent_matches(db: ConsumerDB, ce_id: str) -> list[tuple[str, str]]:
+    """(source, eventId) of each event *db* knows (a receipt, a rejection, a
+    delivery) that came as a CloudEvent with the id *ce_id* its producer gave
+    it: the eventId is derived from source and id, so it is tried with each
+    source the database has seen (``ce_sources``)."""
+    from .cloudevents import event_id_for
+
+    found = []
+    for (source,) in db.conn.execute("SELECT source FROM ce_sources ORDER BY source").fetchall():
+        event_id = event_id_for(source, ce_id)
+        if db.conn.execute("SELECT 1 FROM inbox WHERE event_id = ?1 UNION ALL SELECT 1 FROM rejected WHERE"
+                           " event_id = ?1 UNION ALL SELECT 1 FROM deliveries WHERE event_id = ?1 LIMIT 1",
+                           (event_id,)).fetchone():
+            found.append((source, event_id))
+    return found
+
+
+@reads
 def trace(db: ConsumerDB, event_id: str, *, key: str | None = None) -> Row:
     """Receipt, deliveries, rejections and effect rows of *event_id*; NotFound if none."""
     from .queries import receipt_row
@@ -144,8 +125,10 @@ def trace(db: ConsumerDB, event_id: str, *, key: str | None = None) -> Row:
         receipt = receipt_row(conn, event_id)
         rejections = dict_rows(conn.execute(
             "SELECT id, code, reason, rejected_at, source, attempts, dead_letter, resolved_at, fingerprint,"
-            " body_sha256 FROM rejected WHERE event_id = ? ORDER BY id", (event_id,)))
-        deliveries = _deliveries_summary(dict_rows(conn.execute(
+            " body_sha256, partition_key AS key, origin FROM rejected WHERE event_id = ? ORDER BY id", (event_id,)))
+        for rejection in rejections:
+            rejection["cloudEvent"] = origin_of(rejection.pop("origin"))
+        deliveries = deliveries_summary(dict_rows(conn.execute(
             "SELECT key, deliveries, redeliveries, attempts, crashes, first_at, last_at, last_outcome"
             " FROM deliveries WHERE event_id = ? OR key = ? ORDER BY first_at, key", (event_id, event_id))), receipt)
         effects = {table: dict_rows(conn.execute(f'SELECT * FROM "{table}" WHERE {column} = ?', (event_id,)))
@@ -154,16 +137,20 @@ def trace(db: ConsumerDB, event_id: str, *, key: str | None = None) -> Row:
         by_key = view is not None and view.key_column is not None
         if by_key:
             field = key_field(db.spec, receipt["type"] if receipt else None)
-            value, key_state, key_note = key_row(db, event_id, key if key is not None else (receipt or {}).get("key"),
-                                                 field)
+            # the key named, else the receipt's, else a rejection's (a revision-conflict has no receipt)
+            known = (receipt or {}).get("key") or next((r["key"] for r in reversed(rejections) if r["key"]), None)
+            value, key_state, key_note = key_row(db, event_id, key if key is not None else known, field)
     if receipt is None and not rejections and not deliveries["records"]:
         raise NotFound(f"eventId {event_id} not found in {db.path} (no receipt, delivery or rejection)")
     for rows in effects.values():
         for row in rows:
             row.pop("envelope", None)  # the payload stays out of the trace
     status, summary = _status(receipt, rejections, deliveries)
+    cloudevent = (receipt or {}).get("cloudEvent") or next(
+        (r["cloudEvent"] for r in rejections if r["cloudEvent"]), None)
     result: Row = {
         "eventId": event_id,
+        **({"cloudEvent": cloudevent} if cloudevent else {}),
         "consumer": db.consumer,
         "database": str(db.path),
         "status": status,
@@ -180,4 +167,4 @@ def trace(db: ConsumerDB, event_id: str, *, key: str | None = None) -> Row:
     return result
 
 
-__all__ = ["APPLIED", "PENDING", "REJECTED", "RESOLVED", "key_field", "trace"]
+__all__ = ["APPLIED", "PENDING", "REJECTED", "RESOLVED", "cloudevent_matches", "key_field", "trace"]

@@ -37,6 +37,7 @@ COMMANDS: dict[str, str] = {
     "config": "config:config",
     "status": "status:status",
     "console": "console:console",
+    "asyncapi": "asyncapi:asyncapi",
 }
 
 

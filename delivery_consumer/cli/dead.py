@@ -69,40 +69,74 @@ def _selection(event_ids: tuple[str, ...], code: str | None, select_all: bool) -
                                "--code or --all") from None
 
 
-LETTER_COLUMNS = ["#", "failedAt", "code", "attempts", "eventId", "reason"]
+LETTER_COLUMNS = ["#", "failedAt", "code", "attempts", "eventId", "type", "reason"]
 
 
 def _letter_row(letter: Any) -> list[Any]:
-    return [letter.position, letter.failed_at, letter.code, letter.attempts, letter.event_id, letter.reason]
+    return [letter.position, letter.failed_at, letter.code, letter.attempts, letter.event_id, letter.type,
+            letter.reason]
+
+
+def _applied(consumer: str, db_path: Path | None, given: bool) -> Any:
+    """The consumer's database to look dead letters' events up in: the one --db names
+    (*given*), else its own when it exists (None: not looked up)."""
+    from ..placement import default_db
+
+    if not given and not (db_path or default_db(consumer)).exists():
+        return None
+    return open_db(consumer, db_path, readonly=True)
 
 
 @dead.command("list")
 @consumer_option(required=True)
+@db_option
 @amqp_options
 @one_partition_option
 @click.option("--code", help="Only dead letters with this code (the counts by code cover all).")
 @json_option
 @handle_errors
-def dead_list(consumer: str, amqp_url: str, exchange: str, queue_prefix: str, partition: int | None,
-              code: str | None, as_json: bool) -> None:
+def dead_list(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue_prefix: str,
+              partition: int | None, code: str | None, as_json: bool) -> None:
     """What is in the dead queue, in queue order, and counts by code.
 
     Reads every message and gives it back in place: nothing is removed or
-    reordered, also while new dead letters arrive (they stay behind).
+    reordered, also while new dead letters arrive (they stay behind). A
+    CloudEvent shows the id and source its producer sent. With the
+    consumer's database (--db, or its default one when it exists), a dead
+    letter whose eventId has a receipt says so (the same body applied from
+    another copy, or another body under its eventId).
     """
-    from ..deadletters import list_dead
+    from ..deadletters import list_dead, receipts
 
-    one_partition(consumer, None, partition, "read its dead queue")
+    given = db_path is not None
+    db_path = one_partition(consumer, db_path, partition, "read its dead queue")
     topology = topology_for(consumer, exchange, queue_prefix, partition=partition)
     snapshot = broker_call(list_dead, amqp_url, topology, on_busy=_waiting)
     letters = [letter for letter in snapshot.letters if code is None or letter.code == code]
+    applied: dict[int, dict[str, Any]] | None = None
+    with ExitStack() as stack:
+        db = _applied(consumer, db_path, given)
+        if db is not None:
+            applied = receipts(stack.enter_context(db), letters)
     if as_json:
         emit_json({"queue": snapshot.queue, "count": len(snapshot.letters), "complete": snapshot.complete,
                    "byCode": snapshot.by_code(),
-                   "messages": [letter.to_json() for letter in letters]})
+                   "messages": [{**letter.to_json(), **({"receipt": applied.get(letter.position)}
+                                                        if applied is not None else {})} for letter in letters]})
         return
     if letters:
-        echo_table(LETTER_COLUMNS, [_letter_row(letter) for letter in letters])
+        columns, rows = list(LETTER_COLUMNS), [_letter_row(letter) for letter in letters]
+        if any(letter.origin for letter in letters):
+            columns.insert(5, "cloudEvent")
+            for row, letter in zip(rows, letters, strict=True):
+                row.insert(5, f"{letter.origin[1]} from {letter.origin[0]}" if letter.origin else None)
+        if applied:
+            columns.insert(-1, "receipt")
+            for row, letter in zip(rows, letters, strict=True):
+                receipt = applied.get(letter.position)
+                row.insert(-1, None if receipt is None else
+                           receipt["result"] + ("" if receipt["sameBody"] else " (another body)"))
+        echo_table(columns, rows)
     if snapshot.letters:
         click.echo()
         echo_table(["code", "count"], list(snapshot.by_code().items()))

@@ -137,6 +137,8 @@ def _open_readonly(consumer: str | None, db_path: Path | None) -> ConsumerDB:
 def reading(consumer: str | None, db_path: Path | None) -> Iterator[ConsumerDB]:
     """The database opened read-only for the block; a NotFound exits 1."""
     with _open_readonly(consumer, db_path) as db:
+        if db.note is not None:
+            click.echo(f"note: {db.note}", err=True)
         try:
             yield db
         except NotFound as exc:
@@ -248,8 +250,11 @@ def inbox_show(consumer: str | None, db_path: Path | None, as_json: bool, event_
             ("type", receipt.get("type")),
             ("receivedAt", receipt.get("receivedAt")),
             ("fingerprint", receipt.get("fingerprint")),
+            *([("cloudEvent", f"{origin['id']} from {origin['source']}")]
+              if (origin := receipt.get("cloudEvent")) else []),
             ("rejected", len(shown["rejected"])),
-            ("deliveries", len(shown["deliveries"])),
+            ("deliveries", f"{shown['deliveryCount']}"
+                           + (" (the applying one known from the receipt)" if shown["deliveryFromReceipt"] else "")),
         ]
     )
     for rejection in shown["rejected"]:

@@ -15,7 +15,8 @@ import click
 
 from .. import consumers
 from .. import sources as sources_lib
-from ..envelope import MAX_BODY_BYTES, parse
+from ..cloudevents import STRUCTURED_CONTENT_TYPE
+from ..envelope import MAX_BODY_BYTES
 from ..errors import ConfigError, Rejection
 from ..event_types import default_types
 from ..partitions import slot_headers
@@ -37,6 +38,9 @@ def publish(amqp_url: str, exchange: str, queue_prefix: str, declare_for: tuple[
             as_json: bool, attempts: int, sources: tuple[str, ...]) -> None:
     """Validate envelopes from SOURCES and publish them to the exchange.
 
+    A line may be a structured CloudEvent (it has specversion), as replay
+    reads it: it is published as one (content-type
+    application/cloudevents+json), its message_id the eventId it maps to.
     Persistent, mandatory, message_id = eventId, routing key = type, with
     pipelined publisher confirms. The types accepted: the material ones, the
     installed ones and those of each --consumer. Invalid envelopes are reported with their
@@ -60,14 +64,15 @@ def publish(amqp_url: str, exchange: str, queue_prefix: str, declare_for: tuple[
     messages: list[OutMessage] = []
     for item in sources_lib.read(files, limit=max_bytes):
         try:
-            env = parse(item.body, max_bytes=max_bytes, types=types)
+            env = item.parse(max_bytes, types)  # an envelope, or a structured CloudEvent (as replay reads it)
         except Rejection as rej:
             counts["invalid"] += 1
             _report(as_json, {"eventId": rej.event_id, "rejected": rej.code, "reason": rej.reason,
                               "source": item.location})
             continue
         messages.append(OutMessage(routing_key=env.type, body=item.body, exchange=exchange,
-                                   message_id=env.event_id, headers=slot_headers(env.key)))
+                                   message_id=env.event_id, headers=slot_headers(env.key),
+                                   content_type=STRUCTURED_CONTENT_TYPE if env.cloudevent else "application/json"))
     try:
         with Publisher(amqp_url, topologies=topologies, exchanges=[exchange],
                        name="delivery-consumer publish") as publisher:

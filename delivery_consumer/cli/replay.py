@@ -59,7 +59,9 @@ def _text_line(item: sources_lib.Item, outcome: Outcome) -> str:
         rej = outcome.rejection
         return f"{event_id} rejected {rej.code}: {rej.reason} ({item.location})"
     assert outcome.transient is not None
-    return f"{event_id} not applied, transient {outcome.transient.code}: {outcome.transient.reason} ({item.location})"
+    code = outcome.transient.code
+    named = "" if code == "transient" else f" {code}"  # TransientError's default code: "transient transient"
+    return f"{event_id} not applied, transient{named}: {outcome.transient.reason} ({item.location})"
 
 
 def _json_line(item: sources_lib.Item, outcome: Outcome) -> dict[str, object]:

@@ -16,8 +16,9 @@ from typing import Any
 import click
 
 from .. import consumers, system
+from ..envelope import is_event_id
 from ..errors import NotFound
-from ._common import EVENT_ID, checked_deployment, emit_json, handle_errors
+from ._common import Fatal, checked_deployment, emit_json, handle_errors
 from ._output import cell, echo_record, echo_table
 from .inbox import Missing, find_first, read_options, reading_all
 
@@ -45,11 +46,12 @@ def trace(ctx: click.Context, consumer: str | None, db_path: Path | None, as_jso
     With --consumer or --db: what that one database knows (the receipt,
     deliveries, rejections, effect rows). An id nobody knows: exit 1.
 
-    With --ce-source SOURCE: EVENT_ID is a CloudEvent's id, as its producer
-    sent it (docs/envelope.md, "CloudEvents in").
+    EVENT_ID may be a CloudEvent's id as its producer sent it (not a UUID:
+    pay-000123-cap): it is looked up with every CloudEvents source the
+    consumers have seen, or with --ce-source SOURCE (docs/cloudevents.md).
     """
-    if event_id is not None:
-        event_id = _event_id(ctx, ce_source, event_id)
+    if event_id is not None and ce_source is not None:
+        event_id = _event_id(ce_source, event_id)
     elif ce_source is not None:
         raise click.UsageError("--ce-source needs the CloudEvent's id as EVENT_ID")
     if consumer is not None or db_path is not None:
@@ -59,6 +61,10 @@ def trace(ctx: click.Context, consumer: str | None, db_path: Path | None, as_jso
                    event_id=event_id)
         return
     dep = checked_deployment()
+    if event_id is not None and not is_event_id(event_id.strip().lower()):
+        event_id = _deployment_cloudevent(dep, event_id)
+    elif event_id is not None:
+        event_id = event_id.strip().lower()
     try:
         if event_id is None:
             if key is None:
@@ -75,15 +81,35 @@ def trace(ctx: click.Context, consumer: str | None, db_path: Path | None, as_jso
         _echo_event(shown)
 
 
-def _event_id(ctx: click.Context, ce_source: str | None, given: str) -> str:
-    """The eventId to trace: *given*, or the one a CloudEvent's source + id map to."""
-    if ce_source is None:
-        return EVENT_ID.convert(given, None, ctx)
+def _event_id(ce_source: str, given: str) -> str:
+    """The eventId a CloudEvent's source + id map to."""
     from ..cloudevents import event_id_for
 
     if not ce_source or not given:
         raise click.UsageError("a CloudEvent's source and id are non-empty")
     return event_id_for(ce_source, given)
+
+
+def _one_match(given: str, matches: list[tuple[str, str, str]], where: str) -> str:
+    """The eventId of the one (source, eventId, where) match of CloudEvent id *given*; a clear
+    line (exit 1) when there is none, one line per match (exit 2) when there are several."""
+    if not matches:
+        raise Missing(f"{given[:80]!r} is not a UUID, and no event of {where} came as a CloudEvent with this id "
+                      "from a source it has seen; an eventId is written 8-4-4-4-12 in hex, a CloudEvent's id may "
+                      "be given with --ce-source SOURCE")
+    if len({event_id for _, event_id, _ in matches}) > 1:
+        lines = "; ".join(f"eventId {event_id} from source {source} ({seen})" for source, event_id, seen in matches)
+        raise Fatal(f"CloudEvent id {given[:80]!r} names several events: {lines}; choose with --ce-source SOURCE")
+    source, event_id, _ = matches[0]
+    click.echo(f"CloudEvent {given} from {source}: eventId {event_id}", err=True)
+    return event_id
+
+
+def _deployment_cloudevent(dep: Any, given: str) -> str:
+    """The eventId of the CloudEvent with id *given* a consumer of the deployment knows."""
+    found = system.cloudevent_matches(dep, given)
+    return _one_match(given, [(r["source"], r["eventId"], ", ".join(r["consumers"])) for r in found],
+                      "the deployment's consumers")
 
 
 #: The outbox row's fields as the text trace names them (--json keeps the keys).
@@ -181,7 +207,7 @@ def _echo_key(shown: dict[str, Any]) -> None:
 @click.option("--key", "--article", "key",
               help="Show the row of this key (articleId, orderId, ...) rather than the event's own (a consumer "
                    "whose view names a key column). --article: the same.")
-@click.argument("event_id", type=EVENT_ID)
+@click.argument("event_id")
 @handle_errors
 def consumer_trace(consumer: str | None, db_path: Path | None, as_json: bool, key: str | None,
                    event_id: str) -> None:
@@ -192,11 +218,19 @@ def consumer_trace(consumer: str | None, db_path: Path | None, as_json: bool, ke
     rejection (code, reason, when, where the copy went, resolved or not), the
     consumer's rows the event wrote and, when its view names a key column,
     the current row of the event's key (orderId order-7: the receipt holds
-    it). Unknown eventId: exit 1.
+    it). EVENT_ID may be a CloudEvent's id as its producer sent it. Unknown
+    eventId: exit 1.
     """
+    from ..trace import cloudevent_matches
     from ..trace import trace as trace_event
 
     with reading_all(consumer, db_path) as dbs:  # a partitioned consumer: the partition that knows it
+        if is_event_id(event_id.strip().lower()):
+            event_id = event_id.strip().lower()
+        else:
+            matches = [(source, found, f"partition {k}" if k is not None else db.consumer)
+                       for k, db in dbs for source, found in cloudevent_matches(db, event_id)]
+            event_id = _one_match(event_id, matches, "this consumer")
         shown = find_first(dbs, lambda db: trace_event(db, event_id, key=key))
     if as_json:
         emit_json(shown)
@@ -210,8 +244,10 @@ def _partition_text(shown: dict[str, Any]) -> str:
 
 def _echo_trace(shown: dict[str, Any]) -> None:
     deliveries = shown["deliveries"]
+    origin = shown.get("cloudEvent")
     echo_record([
         ("eventId", shown["eventId"]),
+        *([("cloudEvent", f"{origin['id']} from {origin['source']}")] if origin else []),
         ("consumer", f"{shown['consumer']}{_partition_text(shown)} ({shown['database']})"),
         ("status", shown["status"]),
         ("summary", shown["summary"]),
@@ -232,6 +268,7 @@ def _echo_trace(shown: dict[str, Any]) -> None:
         click.echo(f"  #{rej['id']} {rej['code']} at {rej['rejectedAt']}")
         echo_record([
             ("reason", rej["reason"]),
+            *([("key", rej["key"])] if rej.get("key") else []),
             ("copy", rej["deadLetter"] or "none (not dead-lettered)"),
             ("source", rej["source"]),
             ("attempts", rej["attempts"]),

@@ -9,7 +9,8 @@ Adding a consumer is one module plus its registration, in one of three ways:
 * a built-in: a line in ``_BUILTINS`` below;
 * an installed plugin: an entry point in the group
   ``delivery_consumer.consumers`` whose value is the module (or the spec);
-* ad hoc: ``DELIVERY_PLUGINS=my.module,other.module`` (each module calls
+* ad hoc: ``DELIVERY_PLUGINS=my.module,other.module`` (each module imported,
+  by the import path Python finds it at: its ``SPEC`` registered, or it calls
   :func:`register` on import), or :func:`register` from Python.
 
 A spec may carry a ``View`` of its effect table, as data: the CLI then
@@ -53,6 +54,11 @@ def register(spec: ConsumerSpec, *, replace: bool = False) -> ConsumerSpec:
     return spec
 
 
+def registered(name: str) -> ConsumerSpec | None:
+    """The spec registered under *name* now, if any (no plugin is loaded to find it)."""
+    return _REGISTRY.get(name)
+
+
 def unregister(name: str) -> None:
     """Forget a consumer registered at run time (for tests)."""
     _REGISTRY.pop(name, None)
@@ -67,9 +73,12 @@ def _load_plugins(wanted: str | None = None) -> None:
         _modules_loaded = True
         for module in filter(None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(","))):
             try:
-                importlib.import_module(module)
+                loaded = importlib.import_module(module)
             except ImportError as exc:
                 raise ConfigError(f"{PLUGINS_ENV}: cannot import {module!r}: {exc}") from None
+            spec = getattr(loaded, "SPEC", None)  # a module that names its spec needs no register() call
+            if isinstance(spec, ConsumerSpec) and spec.name not in _REGISTRY:
+                register(spec)
     if _entry_points_loaded or (wanted is not None and wanted in _REGISTRY):
         return
     _entry_points_loaded = True
@@ -146,4 +155,5 @@ def names() -> list[str]:
     return sorted(set(_BUILTINS) | set(_REGISTRY))
 
 
-__all__ = ["ENTRY_POINT_GROUP", "PLUGINS_ENV", "find", "get", "names", "open_db", "register", "topology", "unregister"]
+__all__ = ["ENTRY_POINT_GROUP", "PLUGINS_ENV", "find", "get", "names", "open_db", "register", "registered", "topology",
+           "unregister"]

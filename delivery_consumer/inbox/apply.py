@@ -25,7 +25,16 @@ from .. import sqlite
 from ..contract import ApplyFn, ConsumerSpec, DeliveryCount, Outcome
 from ..dbfile import ContentTags
 from ..envelope import Envelope
-from ..errors import EVENT_ID_REUSED, WRONG_PARTITION, DatabaseError, Rejection, TransientError, safe_reason
+from ..errors import (
+    EVENT_ID_REUSED,
+    UNSTORABLE_VALUE,
+    WRONG_PARTITION,
+    DatabaseError,
+    Rejection,
+    TransientError,
+    safe_reason,
+)
+from ..event_types import CloudEventId
 from ..partitions import Identity, misplaced
 from ..sqlite import now_iso
 from . import counters
@@ -127,9 +136,13 @@ _RECEIPTS_SELECT = (
     "SELECT event_id, fingerprint, result FROM inbox WHERE event_id IN (SELECT value FROM json_each(?))"
 )
 _RECEIPT_INSERT = (
-    "INSERT INTO inbox (event_id, fingerprint, result, event_type, received_at, partition_key, meta)"
-    " VALUES (?, ?, ?, ?, ?, ?, NULLIF(?, ''))"
+    "INSERT INTO inbox (event_id, fingerprint, result, event_type, received_at, partition_key, meta, origin)"
+    " VALUES (?, ?, ?, ?, ?, ?, NULLIF(?, ''), NULLIF(?, ''))"
 )
+_SOURCE_INSERT = "INSERT OR IGNORE INTO ce_sources (source, first_at) VALUES (?, ?)"
+#: SQLite's extended result code of a value a STRICT column's type refuses
+#: ("cannot store REAL value in INTEGER column"), and SQLITE_MISMATCH.
+_DATATYPE_CODES = frozenset({3091, 20})
 
 
 def _meta_column(env: Envelope) -> str:
@@ -180,15 +193,51 @@ class _Fallback(Exception):
 
 def duplicate(receipt: tuple[str, str], env: Envelope) -> str:
     """The answer to an event whose eventId has a receipt (fingerprint, result):
-    ``duplicate:<result>``, or rejection ``event-id-reused`` for another body."""
-    if receipt[0] == env.fingerprint:
+    ``duplicate:<result>``, or rejection ``event-id-reused`` for another body.
+    A fingerprint an earlier release gave the same event is the same body."""
+    stored = receipt[0]
+    if stored == env.fingerprint or stored in env.earlier_fingerprints:
         return "duplicate:" + str(receipt[1])
     raise Rejection(
         EVENT_ID_REUSED,
-        f"eventId was first received with fingerprint {receipt[0][:12]}…, this body differs",
+        f"eventId was first received with fingerprint {stored[:12]}…, this body differs",
         event_id=env.event_id,
         fingerprint=env.fingerprint,
+        key=env.key,
+        origin=env.cloudevent,
     )
+
+
+def about(rejection: Rejection, env: Envelope) -> Rejection:
+    """*rejection* of *env* with what the store knows of the event filled in
+    where its raiser left it out (a consumer's own ``Rejection("code", "why")``):
+    eventId, fingerprint, key and the CloudEvent's source and id."""
+    if rejection.event_id is None:
+        rejection.event_id = env.event_id
+    if rejection.fingerprint is None:
+        rejection.fingerprint = env.fingerprint
+    if rejection.key is None:
+        rejection.key = env.key
+    if rejection.origin is None:
+        rejection.origin = env.cloudevent
+    return rejection
+
+
+def unstorable(exc: BaseException) -> bool:
+    """Whether *exc*, raised while an effect stored an event, says that a value
+    of the event cannot be stored, ever: an integer past SQLite's 64 bits, a
+    value its STRICT column's type refuses, a string or blob over SQLite's
+    limit. The same bytes fail the same way every time. (A busy, full,
+    read-only or failing database is the environment's: never this.)"""
+    if isinstance(exc, OverflowError | sqlite3.DataError):
+        return True
+    return isinstance(exc, sqlite3.IntegrityError) and getattr(exc, "sqlite_errorcode", None) in _DATATYPE_CODES
+
+
+def _whole_transaction(exc: BaseException) -> bool:
+    """Whether a sqlite3 error raised by an event's statements concerns the
+    whole transaction (busy, disk full, I/O...), not the event."""
+    return isinstance(exc, sqlite3.Error) and not isinstance(exc, sqlite3.IntegrityError | sqlite3.DataError)
 
 
 class Transaction:
@@ -281,15 +330,19 @@ class Transaction:
         """The outcome of an event whose effect raised *exc*; raises *exc*
         again when it concerns the whole transaction."""
         if isinstance(exc, Rejection):
-            return Outcome(env.event_id, rejection=exc)
+            return Outcome(env.event_id, rejection=about(exc, env))
         if isinstance(exc, TransientError):
             return Outcome(env.event_id, transient=exc)
         # A bug in an effect: retried, then dead-lettered. A constraint
         # failing on the event's own writes (IntegrityError) aborted only that
         # statement: it is this event's bug. Other sqlite3 errors (busy, disk
         # full, I/O) concern the transaction.
-        if isinstance(exc, sqlite3.Error) and not isinstance(exc, sqlite3.IntegrityError):
+        if _whole_transaction(exc):
             raise exc
+        if unstorable(exc):  # retrying the same bytes cannot help
+            return Outcome(env.event_id, rejection=Rejection(
+                UNSTORABLE_VALUE, f"{self.spec.name} cannot store a value of this event: {exc}",
+                event_id=env.event_id, fingerprint=env.fingerprint, key=env.key, origin=env.cloudevent))
         reason = f"{type(exc).__name__} in {self.spec.name} effect: {exc}"
         return Outcome(env.event_id, transient=TransientError(reason, code="handler-error"))
 
@@ -386,18 +439,22 @@ class Transaction:
                         raise _Fallback(env, self._failure(env, exc)) from None
             # Inside the try: an effect's bad result (None) fails here, as
             # the per-event path's receipt INSERT does.
-            # _meta_column, inline: one call less per event.
+            # _meta_column and the origin's JSON, inline: no call per event.
             conn.executemany(_RECEIPT_INSERT, [
                 (env.event_id, env.fingerprint, result, env.type, now, env.key,
-                 "" if (meta := env.fields.get("meta")) is None else _meta_json(meta))
+                 "" if (meta := env.fields.get("meta")) is None else _meta_json(meta),
+                 "" if (ce := env.cloudevent) is None else ce.to_json())
                 for env, result in zip(fresh, results, strict=True)
             ])
         except _Fallback:
             raise
         except Exception as exc:
-            if isinstance(exc, sqlite3.Error) and not isinstance(exc, sqlite3.IntegrityError):
+            if _whole_transaction(exc):
                 raise
             raise _Fallback from None
+        sources = {ce.source for env in fresh if (ce := env.cloudevent) is not None}
+        if sources:
+            conn.executemany(_SOURCE_INSERT, [(source, now) for source in sources])
         # Outcome's arguments by position: called by keyword from C
         # (type.__call__), its __init__ takes the slower path that matches names.
         fresh_ids = [env.event_id for env in fresh]
@@ -428,13 +485,16 @@ class Transaction:
             result = self.effect(self.conn, env)
         except Exception as exc:
             raise _Fallback(env, self._failure(env, exc)) from None
+        ce = env.cloudevent
         try:
             cursor.execute(_RECEIPT_INSERT, (event_id, env.fingerprint, result, env.type, self.now, env.key,
-                                           _meta_column(env)))
+                                           _meta_column(env), "" if ce is None else ce.to_json()))
         except Exception as exc:  # an effect's bad result (None) fails here, as in the per-event path
-            if isinstance(exc, sqlite3.Error) and not isinstance(exc, sqlite3.IntegrityError):
+            if _whole_transaction(exc):
                 raise
             raise _Fallback from None
+        if ce is not None:
+            cursor.execute(_SOURCE_INSERT, (ce.source, self.now))
         return Outcome(event_id, result=result)
 
     def _restart(self) -> None:
@@ -471,10 +531,14 @@ class Transaction:
             return duplicate(row, env)
         part = self.db.partition
         if part is not None and (why := misplaced(env.key, part, env.key_field)):
-            raise Rejection(WRONG_PARTITION, why, event_id=env.event_id, fingerprint=env.fingerprint)
+            raise Rejection(WRONG_PARTITION, why, event_id=env.event_id, fingerprint=env.fingerprint, key=env.key,
+                            origin=env.cloudevent)
         result = self.effect(conn, env)
+        ce = env.cloudevent
         conn.execute(_RECEIPT_INSERT, (env.event_id, env.fingerprint, result, env.type, self.now, env.key,
-                                       _meta_column(env)))
+                                       _meta_column(env), "" if ce is None else ce.to_json()))
+        if ce is not None:
+            conn.execute(_SOURCE_INSERT, (ce.source, self.now))
         if known is not None:
             known[env.event_id] = (env.fingerprint, result)
         return result
@@ -488,10 +552,12 @@ class Transaction:
         attempts: int = 0,
         dead_letter: str | None = None,
     ) -> int:
-        """Write one row to ``rejected``; returns its id."""
+        """Write one row to ``rejected``; returns its id. A CloudEvent's source
+        is listed in ``ce_sources`` too, so that trace finds it by its id."""
+        origin = rejection.origin
         cur = self.conn.execute(
             "INSERT INTO rejected (code, reason, event_id, fingerprint, body_sha256, source,"
-            " attempts, dead_letter, rejected_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " attempts, dead_letter, rejected_at, partition_key, origin) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 rejection.code,
                 rejection.reason,
@@ -502,8 +568,12 @@ class Transaction:
                 attempts,
                 dead_letter,
                 self.now,
+                rejection.key,
+                None if origin is None else CloudEventId(*origin).to_json(),
             ),
         )
+        if origin is not None:
+            self.conn.execute(_SOURCE_INSERT, (origin[0], self.now))
         assert cur.lastrowid is not None
         return cur.lastrowid
 
@@ -617,10 +687,12 @@ __all__ = [
     "Store",
     "Transaction",
     "UnsyncedTransaction",
+    "about",
     "apply_batch",
     "apply_event",
     "duplicate",
     "has_receipt",
     "receipt_of",
+    "unstorable",
     "unsynced_transaction",
 ]

@@ -20,7 +20,7 @@ from pathlib import Path
 from .. import sqlite
 from ..contract import ConsumerSpec
 from ..dbfile import ContentTags, FileGuard, SerialLock, check_one_name, open_elsewhere
-from ..errors import DatabaseError, DatabaseLost, StoreUnavailable, TakenOver, WrongDatabase, safe_reason
+from ..errors import ConfigError, DatabaseError, DatabaseLost, StoreUnavailable, TakenOver, WrongDatabase, safe_reason
 from ..partitions import Identity, identity_from_meta
 from ..placement import default_db
 from ..sqlite import DEFAULT_BUSY_TIMEOUT_MS, now_iso
@@ -156,6 +156,20 @@ CORE_MIGRATIONS: tuple[str, ...] = (
     ) STRICT;
     INSERT INTO inbox_counted (only, last_rowid) VALUES (1, coalesce((SELECT max(rowid) FROM inbox), 0));
     """,
+    # An event that came as a CloudEvent keeps the source and id its producer
+    # sent ({"id", "source"} as JSON) with its receipt and its rejection, a
+    # rejection the key of its event too; and every CloudEvents source seen is
+    # listed once, so that trace finds an event by the id its producer knows
+    # (the eventId is derived from source and id). NULL before, and for envelopes.
+    """
+    ALTER TABLE inbox ADD COLUMN origin TEXT;
+    ALTER TABLE rejected ADD COLUMN origin TEXT;
+    ALTER TABLE rejected ADD COLUMN partition_key TEXT;
+    CREATE TABLE ce_sources (
+        source   TEXT PRIMARY KEY,
+        first_at TEXT NOT NULL
+    ) STRICT, WITHOUT ROWID;
+    """,
 )
 STORE_VERSION = len(CORE_MIGRATIONS)
 #: The ``meta`` key of the consumer's seal key (hex), made by the first writable open.
@@ -196,6 +210,9 @@ class ConsumerDB:
         self.partition: Identity | None = None
         #: Whether :meth:`open` created the file (it did not exist).
         self.created = False
+        #: What a reader should know about the file (its consumer's tables are newer than the
+        #: consumer installed here), or None.
+        self.note: str | None = None
         #: The file's identity as opened (writable opens): every synced commit
         #: checks that the path still names it (:meth:`check_file`).
         self.guard: FileGuard | None = None
@@ -299,9 +316,9 @@ class ConsumerDB:
                 cls._check_partition(conn, path, stored, partition)
             if spec is None:
                 spec = cls._resolve(path, stored, lookup)
-            if readonly:
-                cls._check_consumer_version(conn, path, spec)
+            note = cls._check_consumer_version(conn, path, spec) if readonly else None
             db = cls(conn, path, spec, readonly)
+            db.note = note
             db.partition = identity_from_meta(db.meta())
             db.created = not exists or was_empty[0]
             if not readonly:
@@ -352,16 +369,23 @@ class ConsumerDB:
         return stored
 
     @staticmethod
-    def _check_consumer_version(conn: sqlite3.Connection, path: Path, spec: ConsumerSpec) -> None:
+    def _check_consumer_version(conn: sqlite3.Connection, path: Path, spec: ConsumerSpec) -> str | None:
+        """Refuse to read tables older than the installed consumer's migrations (init
+        upgrades them); tables a later release of the consumer migrated are read as
+        they are, with a note (what it added, this release does not show)."""
         row = conn.execute("SELECT value FROM meta WHERE key = ?", (_CONSUMER_VERSION_KEY,)).fetchone()
         version = int(row[0]) if row else 0
-        if version != len(spec.migrations):
-            state = "newer" if version > len(spec.migrations) else "older"
+        known = len(spec.migrations)
+        if version < known:
             raise DatabaseError(
-                f"{path}: the {spec.name} tables are at version {version}, {state} than this "
-                f"delivery-consumer's {len(spec.migrations)}"
-                + ("; run init to upgrade them" if state == "older" else "")
+                f"{path}: the {spec.name} tables are at version {version}, older than the {known} migrations of "
+                f"the {spec.name} consumer installed here; run init to upgrade them"
             )
+        if version > known:
+            return (f"{path}: the {spec.name} tables are at version {version}, newer than the {known} migrations "
+                    f"of the {spec.name} consumer installed here (a later release migrated them): read as this "
+                    "release knows them; it will not write them")
+        return None
 
     @staticmethod
     def _check_partition(conn: sqlite3.Connection, path: Path, consumer: str, wanted: Identity | None) -> None:
@@ -422,6 +446,11 @@ class ConsumerDB:
             if version != STORE_VERSION or applied != (int(row[0]) if row else 0):  # it migrated: say who
                 conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
                              (SCHEMA_BY_KEY, f"delivery-consumer {__version__}"))
+            for check in spec.checks:  # its tables as it needs them, now rather than at the first event
+                try:
+                    check(conn)
+                except ConfigError as exc:
+                    raise ConfigError(f"{path}: {exc}") from None
         return stored
 
     # -- use -------------------------------------------------------------------

@@ -11,7 +11,8 @@ from typing import Any
 
 from ..contract import Outcome
 from ..deliveries import Delivery, OutMessage
-from ..errors import RETRIES_EXHAUSTED, Rejection
+from ..envelope import Envelope
+from ..errors import RETRIES_EXHAUSTED, Rejection, TransientError
 from ..inbox import ConsumerDB
 from ..inbox.database import SEAL_KEY
 from ..retry import GiveUp, RetryPolicy, retry_after_tier, seal_attempts, sealed_attempts
@@ -38,6 +39,13 @@ def seal_key(db: ConsumerDB) -> bytes | None:
     return bytes.fromhex(value) if value else None
 
 
+def origin_of(parsed: Envelope | Rejection | None) -> tuple[str, str] | None:
+    """The CloudEvent's (source, id) a delivery came as, if it did."""
+    if isinstance(parsed, Envelope):
+        return parsed.cloudevent
+    return None if parsed is None else parsed.origin
+
+
 @dataclass(slots=True)
 class Copy:
     kind: str  # "retry" | "dead" | "forward"
@@ -45,6 +53,10 @@ class Copy:
     message: OutMessage
     rejection: Rejection | None  # what to record in `rejected` (dead copies); why (forwarded ones)
     attempts: int
+    #: The event's eventId (None: its body was refused before it was read).
+    event_id: str | None = None
+    #: The CloudEvent's (source, id) the delivery came as, if it did.
+    origin: tuple[str, str] | None = None
 
 
 class CopyMaker:
@@ -61,7 +73,10 @@ class CopyMaker:
         """Failed tries of *d* as this consumer's own copies counted them (0 for any other count)."""
         return sealed_attempts(d.headers, d.body, self.key)
 
-    def for_outcome(self, d: Delivery, outcome: Outcome) -> Copy | None:
+    def for_outcome(self, d: Delivery, outcome: Outcome, parsed: Envelope | Rejection | None = None) -> Copy | None:
+        """The copy *outcome* calls for (*parsed*: what the delivery parsed to), or None."""
+        if outcome.result is not None:  # applied, or a duplicate: the usual case
+            return None
         attempt = self.attempts(d) + 1
         if outcome.rejection is not None:
             return self.dead(d, outcome.rejection, attempt)
@@ -71,8 +86,11 @@ class CopyMaker:
         if isinstance(decision, GiveUp):
             rejection = Rejection(
                 RETRIES_EXHAUSTED,
-                f"{outcome.transient.code} after {attempt} attempts: {outcome.transient.reason}",
+                f"{_transient(outcome.transient)} after {attempt} attempts: {outcome.transient.reason}",
                 event_id=outcome.event_id,
+                fingerprint=parsed.fingerprint if isinstance(parsed, Envelope) else None,
+                key=parsed.key if isinstance(parsed, Envelope) else None,
+                origin=origin_of(parsed),
             )
             return self.dead(d, rejection, attempt)
         if outcome.transient.retry_after_s is not None:  # e.g. an HTTP 429's Retry-After (webhook)
@@ -87,7 +105,7 @@ class CopyMaker:
             content_type=d.content_type or "application/json",
             content_encoding=d.content_encoding,
         )
-        return Copy("retry", d, message, None, attempt)
+        return Copy("retry", d, message, None, attempt, outcome.event_id, origin_of(parsed))
 
     def dead(self, d: Delivery, rejection: Rejection, attempt: int) -> Copy:
         headers = self._headers(d, attempt)
@@ -104,7 +122,7 @@ class CopyMaker:
             content_type=d.content_type or "application/octet-stream",
             content_encoding=d.content_encoding,
         )
-        return Copy("dead", d, message, rejection, attempt)
+        return Copy("dead", d, message, rejection, attempt, rejection.event_id, rejection.origin)
 
     def forward(self, d: Delivery, rejection: Rejection, partition: int) -> Copy:
         """*d*, an event of partition *partition* that reached this one, sent on to that partition's queue
@@ -132,3 +150,8 @@ class CopyMaker:
         if self.key is not None:
             headers[H_ATTEMPTS_SEAL] = seal_attempts(self.key, d.body, attempts)
         return headers
+
+
+def _transient(error: TransientError) -> str:
+    """What failed, in a reason: the transient error's code, unless it is the generic one."""
+    return "a transient failure" if error.code == "transient" else error.code

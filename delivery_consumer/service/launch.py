@@ -122,11 +122,16 @@ def run_consumer(consumer: str, url: str = DEFAULT_URL, db: str | Path | None = 
 
     Call it from the main thread (it handles SIGTERM and SIGINT while it runs
     and restores the previous handlers); it forks the worker process. Logs go
-    to the program's own logging configuration (loggers ``delivery_consumer.*``).
+    to the program's own logging configuration (loggers ``delivery_consumer.*``);
+    pika's logger is silenced unless the program set its level (the toolkit
+    words pika's failures itself, in one line).
     """
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("run_consumer handles SIGTERM/SIGINT: call it from the main thread")
+    from ..logs import quiet_pika
     from ..partitions import explain
+
+    quiet_pika()
     from .config import RunConfig
     from .run import run
 

@@ -68,17 +68,18 @@ class MemoryQueues:
         with self.changed:
             self.tiers.update({topology.retry_queue(tier): ms for tier, ms in enumerate(topology.retry_delays_ms)})
 
-    def publish(self, message: OutMessage) -> bool:
-        """Route *message* (mandatory): False when no queue takes it."""
+    def publish(self, message: OutMessage, *, redelivered: bool = False) -> bool:
+        """Route *message* (mandatory): False when no queue takes it. *redelivered*: it
+        reaches the main queue as a message given back unacked (the broker's flag set)."""
         topo = self.topology
         with self.changed:
             if message.exchange == topo.exchange and any(
                     topic_matches(key, message.routing_key) for key in topo.queue_binding_keys):
-                self.ready.append(Held(message))
+                self.ready.append(Held(message, redelivered))
             elif message.exchange != "":
                 return False
             elif message.routing_key == topo.queue:
-                self.ready.append(Held(message))
+                self.ready.append(Held(message, redelivered))
             elif message.routing_key == topo.dead_queue:
                 self.dead.append(message)
             elif message.routing_key in self.tiers:

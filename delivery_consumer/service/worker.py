@@ -38,12 +38,13 @@ from ..errors import (
 from ..faults import crashpoint
 from ..inbox import ConsumerDB, InFlight, Transaction, apply_batch, has_receipt
 from ..inbox.database import IntegrityCheck
+from ..logs import cloudevent_fields, cloudevent_text
 from ..partitions import delivery_outcome, forwarded_to
 from ..plural import count
 from ..retry import RetryPolicy, reconnect_delay_s
 from ..topology import H_ATTEMPTS, H_DELIVERY_COUNT, H_PRODUCED_MS
 from .config import RunConfig
-from .copies import Copy, CopyMaker, seal_key
+from .copies import Copy, CopyMaker, origin_of, seal_key
 
 log = logging.getLogger("delivery_consumer.run")
 _T = TypeVar("_T")
@@ -462,14 +463,14 @@ class Worker(threading.Thread):
         if self.db is not None and self.db.integrity is not None and not self._checked():
             return False
         trace.committed(outcomes)
-        crashpoint("after-commit")
+        self.crashpoint("after-commit")
         self.observer.batch_committed(outcomes, time.perf_counter() - started, self.stats.last_commit)
         if self.observer.wants_ages:
             _observe_ages(self.observer, items, parsed, outcomes, self.stats.last_commit)
         copies = [c for c in (self._copy_for(d, o, p) for d, o, p in zip(items, outcomes, parsed, strict=True)) if c]
         if copies and not self._publish_copies(gen, copies):
             return False
-        self._settle(gen, items, outcomes)
+        self._settle(gen, items, outcomes, parsed)
         trace.end()
         return True
 
@@ -484,7 +485,7 @@ class Worker(threading.Thread):
         queue, in the order it came (never dead-lettered: a repartition or a producer put it here)."""
         if outcome.rejection is not None and (home := self._home(outcome, parsed)) is not None:
             return self.copies.forward(d, outcome.rejection, home)
-        return self.copies.for_outcome(d, outcome)
+        return self.copies.for_outcome(d, outcome, parsed)
 
     def _checked(self) -> bool:
         """Wait, listening to the connection, for the whole integrity check of the file (run
@@ -606,7 +607,7 @@ class Worker(threading.Thread):
                 )
             in_flight.clear(tx)
             tracing.mark_commit()
-            crashpoint("before-commit")
+            self.crashpoint("before-commit")
 
         # Rejections are recorded once their dead-letter copy is confirmed (_publish_copies).
         return apply_batch(db, parsed, record_rejections=False, before_commit=count_deliveries)
@@ -625,7 +626,13 @@ class Worker(threading.Thread):
                 and not d.redelivered and not d.headers.get(H_ATTEMPTS)
                 and not d.headers.get(H_DELIVERY_COUNT))
 
-    def _settle(self, gen: int, items: list[Delivery], outcomes: list[Outcome]) -> None:
+    def crashpoint(self, name: str) -> None:
+        """A crash point of ``run`` (:mod:`delivery_consumer.faults`); the in-memory
+        test kit makes the emulated process die here instead."""
+        crashpoint(name)
+
+    def _settle(self, gen: int, items: list[Delivery], outcomes: list[Outcome],
+                parsed: Sequence[Envelope | Rejection]) -> None:
         assert self.io is not None
         self.io.ack(gen, items[-1].tag, multiple=True)
         self.stats.last_ack = now = time.perf_counter()
@@ -637,14 +644,16 @@ class Worker(threading.Thread):
         for outcome in outcomes:
             if outcome.result is not None:
                 self.stats.results[outcome.result] += 1
-        self._log_batch(items, outcomes)
+        self._log_batch(items, outcomes, parsed)
 
-    def _log_batch(self, items: list[Delivery], outcomes: list[Outcome]) -> None:
+    def _log_batch(self, items: list[Delivery], outcomes: list[Outcome],
+                   parsed: Sequence[Envelope | Rejection]) -> None:
         if self.config.log_each_event:
-            for d, o in zip(items, outcomes, strict=True):
-                log.info("%s %s", o.event_id or "-", o.status, extra={
+            for d, o, p in zip(items, outcomes, parsed, strict=True):
+                origin = origin_of(p)
+                log.info("%s%s %s", o.event_id or "-", cloudevent_text(origin), o.status, extra={
                     "eventId": o.event_id, "outcome": o.status, "deliveryTag": d.tag,
-                    "batch": f"{items[0].tag}-{items[-1].tag}"})
+                    "batch": f"{items[0].tag}-{items[-1].tag}", **cloudevent_fields(origin)})
             return
         counts = Counter(o.status for o in outcomes)
         summary = ", ".join(f"{n} {status}" for status, n in counts.most_common())
@@ -661,11 +670,13 @@ class Worker(threading.Thread):
             f"the process died {crashes} times while handling this message alone",
             event_id=parsed.event_id,
             fingerprint=parsed.fingerprint,
+            key=parsed.key,
+            origin=origin_of(parsed),
         )
         copy = self.copies.dead(d, rejection, self.copies.attempts(d) + 1)
         if not self._publish_copies(d.generation, [copy]):
             return False
-        self._settle(d.generation, [d], [Outcome(parsed.event_id, rejection=rejection)])
+        self._settle(d.generation, [d], [Outcome(parsed.event_id, rejection=rejection)], [parsed])
         return True
 
     # -- copies --
@@ -689,7 +700,7 @@ class Worker(threading.Thread):
             self.io.reconnect("a copy was not confirmed")
             return False
         dead = [c for c in copies if c.kind == "dead"]
-        crashpoint("after-dead-confirm" if dead else "after-retry-confirm")
+        self.crashpoint("after-dead-confirm" if dead else "after-retry-confirm")
         for c in copies:
             self.observer.copy_published(c.kind, c.rejection.code if c.rejection else "retry")
             if c.kind == "forward":
@@ -701,20 +712,23 @@ class Worker(threading.Thread):
                                    "deliveryTag": c.delivery.tag, "queue": c.message.routing_key})
             elif c.kind == "retry":
                 self.stats.retried += 1
-                log.warning("event %s attempt %d failed transiently; retry copy sent to %s",
-                            c.message.message_id or "-", c.attempts, c.message.routing_key,
-                            extra={"eventId": c.message.message_id, "outcome": "retry", "attempts": c.attempts,
-                                   "deliveryTag": c.delivery.tag, "queue": c.message.routing_key})
+                log.warning("event %s%s attempt %d failed transiently; retry copy sent to %s",
+                            c.event_id or "-", cloudevent_text(c.origin), c.attempts, c.message.routing_key,
+                            extra={"eventId": c.event_id, "outcome": "retry", "attempts": c.attempts,
+                                   "deliveryTag": c.delivery.tag, "queue": c.message.routing_key,
+                                   **cloudevent_fields(c.origin)})
             else:
                 assert c.rejection is not None
                 self.stats.dead_lettered[c.rejection.code] += 1
                 self.stats.rejected[c.rejection.code] += 1
-                log.warning("event %s rejected %s: %s; dead-lettered to %s", c.rejection.event_id or "-",
-                            c.rejection.code, c.rejection.reason, c.message.routing_key,
+                log.warning("event %s%s rejected %s: %s; dead-lettered to %s", c.rejection.event_id or "-",
+                            cloudevent_text(c.rejection.origin), c.rejection.code, c.rejection.reason,
+                            c.message.routing_key,
                             extra={"eventId": c.rejection.event_id, "outcome": "dead-lettered",
                                    "code": c.rejection.code, "reason": c.rejection.reason,
                                    "attempts": c.attempts, "deliveryTag": c.delivery.tag,
-                                   "queue": c.message.routing_key})
+                                   "queue": c.message.routing_key, "key": c.rejection.key,
+                                   **cloudevent_fields(c.rejection.origin)})
         # The copies are safe in the dead queue; the ack waits for their local record.
         if dead and self._until_stored(None, lambda: self._record_dead(dead)) is None:
             log.error("dead-lettered %d events but could not record them in rejected (stopping)", len(dead))

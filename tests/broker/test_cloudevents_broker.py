@@ -112,8 +112,12 @@ def test_sdk_cloudevents_in_both_modes_are_applied_exactly_once(ns: Namespace) -
 
     listed = ns.cli("dead", "list", "--consumer", "orders", "--json")  # reads each dead body as a CloudEvent
     assert 0 == listed.returncode, listed.stderr
-    assert sorted(m["eventId"] for m in orjson.loads(listed.stdout)["messages"]) == sorted(
+    listed_letters = orjson.loads(listed.stdout)["messages"]
+    assert sorted(m["eventId"] for m in listed_letters) == sorted(
         event_id_for(SOURCE, i) for i in ("no-subject", "no-revision"))
+    # refused before they mapped to an envelope, they still name their type and their CloudEvent
+    assert sorted((m["type"], m["cloudEvent"]["id"]) for m in listed_letters) == [
+        ("order.placed", "no-revision"), ("order.placed", "no-subject")]
     dead = ns.drain(ns.topology("orders").dead_queue)
     reasons = sorted((p.headers[H_ERROR_CODE], p.headers[H_ERROR_REASON]) for p, _ in dead)
     assert len(reasons) == 2, reasons
@@ -165,3 +169,51 @@ def test_cloudevents_without_slot_headers_are_rerouted_by_their_subject(ns: Name
     finally:
         cluster.stop()
         cluster.delete()
+
+
+def test_one_cloudevent_sent_in_both_modes_is_one_event_known_by_its_id(ns: Namespace) -> None:
+    """The same SDK CloudEvent sent structured and then binary (the AMQP binding writes time as milliseconds) is
+    applied once and its second copy is a duplicate, not event-id-reused; a copy of it with another body is
+    dead-lettered, and: the JSON log names its CloudEvent id and source, dead list shows them with its type and
+    (with the consumer's database) that its eventId is applied with another body, trace finds it by the id its
+    producer knows and a published file line of a structured CloudEvent arrives as one."""
+    first = event("pay-000123-cap", "order-5", 1, "placed", 500)
+    other = event("pay-000123-cap", "order-5", 1, "placed", 999)  # the same id and source, another body
+    messages = []
+    for mode, ce in (("amqp-structured", first), ("amqp-binary", first), ("rabbitmq-binary", first),
+                     ("amqp-binary", other)):
+        body, props = amqp_message(mode, ce)
+        messages.append((ce.get_type(), body, props))
+    publish_with_pika(ns, messages)
+    line = {"specversion": "1.0", "id": "order-6-r1", "source": SOURCE, "type": "order.placed", "subject": "order-6",
+            "revision": 1, "time": "2026-12-02T10:00:00Z", "data": {"status": "placed", "totalCents": 6}}
+    (ns.workdir / "line.ndjson").write_bytes(orjson.dumps(line) + b"\n")
+    published = ns.cli("publish", "--consumer", "orders", "line.ndjson")
+    assert 0 == published.returncode, published.stderr
+
+    done = ns.run_until_idle("orders", "--log-format", "json", idle=1.0)
+    assert 0 == done.returncode, done.stderr[-2000:]
+    inbox, event_id = ns.db("orders"), event_id_for(SOURCE, "pay-000123-cap")
+    assert [("updated",)] == read_rows(inbox, "inbox", "result", "event_id = ?", (event_id,))
+    outcomes = [outcome for (outcome,) in read_rows(inbox, "deliveries", "last_outcome", "event_id = ?", (event_id,))]
+    assert "duplicate:updated" in outcomes and outcomes.count("event-id-reused") == 1  # that of the other body only
+    assert [("event-id-reused",)] == read_rows(inbox, "rejected", "code")
+    assert [(6,)] == read_rows(inbox, "orders", "total_cents", "order_id = 'order-6'")  # published as a CloudEvent
+    logged = [orjson.loads(text) for text in done.stderr.splitlines() if text.startswith("{")]
+    dead = [entry for entry in logged if entry.get("outcome") == "dead-lettered"]
+    assert [(event_id, "pay-000123-cap", SOURCE, "order-5")] == [
+        (entry["eventId"], entry["ceId"], entry["ceSource"], entry["key"]) for entry in dead]
+
+    listed = ns.cli("dead", "list", "--consumer", "orders", "--db", str(inbox), "--json")
+    assert 0 == listed.returncode, listed.stderr
+    (letter,) = orjson.loads(listed.stdout)["messages"]
+    assert (event_id, {"id": "pay-000123-cap", "source": SOURCE}, "order.placed") == (
+        letter["eventId"], letter["cloudEvent"], letter["type"])
+    assert {"result": "updated", "sameBody": False} == letter["receipt"]  # its eventId applied, with the first body
+    text = ns.cli("dead", "list", "--consumer", "orders", "--db", str(inbox))
+    assert f"pay-000123-cap from {SOURCE}" in text.stdout and "updated (another body)" in text.stdout, text.stdout
+
+    traced = ns.cli("trace", "--consumer", "orders", "--db", str(inbox), "pay-000123-cap")
+    assert 0 == traced.returncode, traced.stderr
+    assert f"cloudEvent: pay-000123-cap from {SOURCE}" in traced.stdout
+    assert f"CloudEvent pay-000123-cap from {SOURCE}: eventId {event_id}" in traced.stderr

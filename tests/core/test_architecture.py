@@ -69,6 +69,7 @@ EDGE = {
     "delivery_consumer.partition_queues": "a partitioned consumer's queues on the broker",
     "delivery_consumer.outbox": "the producer's outbox and its dispatcher to RabbitMQ",
     "delivery_consumer.producer": "the demo producer (on the outbox)",
+    "delivery_consumer.testing": "the test kit: run's worker in memory, and its pytest plugin",
 }
 #: What the core never imports, at any depth of a file (lazy imports included).
 NOT_IN_THE_CORE = ("pika", "click", "delivery_consumer.amqp", "delivery_consumer.service", "delivery_consumer.cli")

@@ -169,6 +169,21 @@ def test_a_huge_line_is_rejected_and_the_next_line_applies(tmp_path: Path) -> No
     assert 2 == len(read_rows(db, "catalog"))
 
 
+@pytest.mark.parametrize("suffix", [".ndjson", ".json"])
+@pytest.mark.parametrize("end", [b"\n", b"\r\n", b""])
+def test_a_body_over_the_limit_is_refused_with_its_own_size(tmp_path: Path, suffix: str, end: bytes) -> None:
+    """The refusal of a body over --max-bytes gives the body's size, not the limit + 1 bytes kept of it, for a
+    line (whatever its end) or a whole file, in replay and in publish's check."""
+    huge = body(new_event(title="x" * 5000))
+    source = tmp_path / f"huge{suffix}"
+    source.write_bytes(huge + end if suffix == ".json" else huge + end + (ndjson([A]) if end else b""))
+    result = cli(["replay", "--consumer", "catalog", "--db", str(tmp_path / "c.db"), "--max-bytes", "1000", "--json",
+                  str(source)])
+    refused = json_lines(result.stdout)[0]
+    assert f"body is {len(huge) + (len(end) if suffix == '.json' else 0)} bytes, over the limit of 1000" == (
+        refused["reason"])
+
+
 def test_a_huge_line_is_never_held_in_memory_whole(tmp_path: Path) -> None:
     """Reading and replaying a file with a 5 MiB line allocates far less than the line (it is cut at the limit)."""
     source = tmp_path / "huge.ndjson"

@@ -4,7 +4,7 @@ file) is validated and fingerprinted as the envelope it maps to; anything else i
 from __future__ import annotations
 
 import gzip
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +37,7 @@ def structured(ce_id: str, order: str | None, revision: int | None, **more: Any)
 
 ids = st.one_of(st.uuids().map(str), st.text(st.characters(min_codepoint=33, max_codepoint=126), min_size=1,
                                              max_size=40))
-instants = st.datetimes(min_value=datetime(2000, 1, 1), max_value=datetime(2100, 1, 1),
-                        timezones=st.just(UTC)).map(lambda t: t.replace(microsecond=t.microsecond // 1000 * 1000))
+instants = st.datetimes(min_value=datetime(2000, 1, 1), max_value=datetime(2100, 1, 1), timezones=st.just(UTC))
 
 
 @settings(max_examples=60, deadline=None)
@@ -46,8 +45,9 @@ instants = st.datetimes(min_value=datetime(2000, 1, 1), max_value=datetime(2100,
        revision=st.integers(1, 2**53), total=st.integers(0, 10**9), time=instants)
 def test_a_cloudevent_has_the_fingerprint_of_the_envelope_it_maps_to(ce_id: str, order: str, revision: int,
                                                                      total: int, time: datetime) -> None:
-    """For any SDK CloudEvent, structured or binary (RabbitMQ binding): parsing the message gives the same
-    eventId, key, revision and fingerprint as parsing the envelope it maps to; the eventId is source + id's."""
+    """For any SDK CloudEvent, structured or binary (both bindings: the AMQP one writes time as milliseconds):
+    parsing the message gives the same eventId, key, revision and fingerprint as parsing the envelope it maps to;
+    the eventId is source + id's; and the four messages of one event have one fingerprint."""
     ce = CloudEvent(attributes={"id": ce_id, "source": SOURCE, "type": "order.placed", "subject": order,
                                 "revision": revision, "time": time, "datacontenttype": "application/json"},
                     data={"status": "paid", "totalCents": total})
@@ -56,15 +56,77 @@ def test_a_cloudevent_has_the_fingerprint_of_the_envelope_it_maps_to(ce_id: str,
         message = to(ce, JSONFormat())
         found.append(parse_message(message.body, content_type=message.content_type, headers=message.headers,
                                    types=TYPES))
-    amqp = ce_amqp.to_structured(ce, JSONFormat())
-    found.append(parse_message(amqp.application_data, content_type=amqp.properties["content-type"],
-                               headers=amqp.application_properties, types=TYPES))
+    for to_amqp in (ce_amqp.to_structured, ce_amqp.to_binary):
+        amqp = to_amqp(ce, JSONFormat())
+        found.append(parse_message(amqp.application_data, content_type=amqp.properties.get("content-type"),
+                                   headers=amqp.application_properties, types=TYPES))
     for env in found:
         again = envelope.parse(env.canonical, types=TYPES)
         assert (env.event_id, env.key, env.revision, env.fingerprint) == (
             again.event_id, again.key, again.revision, again.fingerprint)
         assert env.event_id == event_id_for(SOURCE, ce_id)
-    assert len({env.fingerprint for env in found}) == 1  # the same time string in all three
+    assert len({env.fingerprint for env in found}) == 1  # one time spelling, whatever the mode
+    assert {env.cloudevent for env in found} == {(SOURCE, ce_id)}
+
+
+@settings(max_examples=100, deadline=None)
+@given(time=instants, offset_min=st.integers(-23 * 60 - 59, 23 * 60 + 59), digits=st.integers(0, 9))
+def test_time_maps_to_its_instant_in_utc_to_the_millisecond(time: datetime, offset_min: int, digits: int) -> None:
+    """A CloudEvent's time written with any offset and any number of fraction digits (RFC 3339), or as the
+    AMQP binding's milliseconds, maps to the one occurredAt of its instant: UTC, cut to the millisecond."""
+    local = time.astimezone(timezone(timedelta(minutes=offset_min)))
+    fraction = f"{time.microsecond:06d}000"[:digits]
+    text = local.strftime("%Y-%m-%dT%H:%M:%S") + (f".{fraction}" if digits else "") + local.strftime("%z")
+    text = text[:-2] + ":" + text[-2:]
+    kept = time.replace(microsecond=int(fraction.ljust(6, "0")[:6]) if digits else 0)
+    expected = kept.strftime("%Y-%m-%dT%H:%M:%S.") + f"{kept.microsecond // 1000:03d}Z"
+    env = parse_message(orjson.dumps(structured("t-1", "o-1", 1, time=text)), types=TYPES)
+    assert env.occurred_at == expected
+    millis = (kept - datetime(1970, 1, 1, tzinfo=UTC)) // timedelta(milliseconds=1)
+    binary = parse_message(b'{"status": "placed", "totalCents": 10}', content_type="application/json", types=TYPES,
+                           headers={"cloudEvents_specversion": "1.0", "cloudEvents_id": "t-1",
+                                    "cloudEvents_source": SOURCE, "cloudEvents_type": "order.placed",
+                                    "cloudEvents_subject": "o-1", "cloudEvents_revision": 1,
+                                    "cloudEvents_time": millis})
+    assert (binary.occurred_at, binary.fingerprint) == (expected, env.fingerprint)
+
+
+def test_the_previous_releases_fingerprint_rides_along_where_it_spelled_time_otherwise() -> None:
+    """Where the previous release kept time verbatim (a string) or wrote whole seconds (an AMQP 0-9-1 timestamp),
+    the envelope carries that release's fingerprint too: a receipt it wrote answers this copy. Where the spelling
+    is the same, there is nothing to carry."""
+    verbatim = structured("p-1", "o-1", 1, time="2026-12-02T11:00:00.500000+01:00")
+    env = parse_message(orjson.dumps(verbatim), types=TYPES)
+    assert env.occurred_at == "2026-12-02T10:00:00.500Z"
+    previous = {**orjson.loads(env.canonical), "occurredAt": "2026-12-02T11:00:00.500000+01:00"}
+    assert env.earlier_fingerprints == (envelope.fingerprint(previous),)
+    same = parse_message(orjson.dumps(structured("p-1", "o-1", 1, time="2026-12-02T10:00:00.500Z")), types=TYPES)
+    assert (same.fingerprint, same.earlier_fingerprints) == (env.fingerprint, ())
+    headers = {"ce-specversion": "1.0", "ce-id": "p-1", "ce-source": SOURCE, "ce-type": "order.placed",
+               "ce-subject": "o-1", "ce-revision": "1", "ce-time": datetime(2026, 12, 2, 10, 0, 0)}
+    stamped = parse_message(b'{"status": "placed", "totalCents": 10}', content_type="application/json",
+                            headers=headers, types=TYPES)
+    whole = {**orjson.loads(stamped.canonical), "occurredAt": "2026-12-02T10:00:00Z"}
+    assert (stamped.occurred_at, stamped.earlier_fingerprints) == ("2026-12-02T10:00:00.000Z",
+                                                                   (envelope.fingerprint(whole),))
+
+
+@pytest.mark.parametrize(("revision", "structured_ok"), [(2, True), ("2", False)])
+def test_a_structured_revision_is_a_json_integer_a_header_may_be_text(revision: Any, structured_ok: bool) -> None:
+    """In a structured CloudEvent (JSON) the revision extension is a JSON integer: "2" is refused naming it;
+    in a header (the RabbitMQ binding writes text) "2" is the integer 2."""
+    body = orjson.dumps(structured("r-1", "o-1", revision))
+    if structured_ok:
+        assert parse_message(body, types=TYPES).revision == 2
+    else:
+        with pytest.raises(Rejection) as refused:
+            parse_message(body, content_type="application/cloudevents+json", types=TYPES)
+        assert refused.value.code == INVALID_ENVELOPE and "revision must be a JSON integer" in refused.value.reason
+        assert refused.value.origin == (SOURCE, "r-1")
+    headers = {"ce-specversion": "1.0", "ce-id": "r-1", "ce-source": SOURCE, "ce-type": "order.placed",
+               "ce-subject": "o-1", "ce-revision": str(revision), "ce-time": "2026-12-02T10:00:00Z"}
+    assert parse_message(b'{"status": "placed", "totalCents": 10}', content_type="application/json",
+                         headers=headers, types=TYPES).revision == 2
 
 
 def test_binary_mode_time_in_milliseconds_is_kept_to_the_millisecond() -> None:
@@ -123,7 +185,10 @@ def test_replay_applies_a_file_of_structured_cloudevents_once(tmp_path: Path) ->
     traced = cli(["trace", "--consumer", "orders", "--db", str(db), "--ce-source", SOURCE, "order-1-r2"])
     assert traced.exit_code == 0 and event_id_for(SOURCE, "order-1-r2") in traced.stdout
     assert cli(["trace", "--consumer", "orders", "--db", str(db), "--ce-source", SOURCE]).exit_code == 2
-    assert cli(["trace", "--consumer", "orders", "--db", str(db), "order-1-r2"]).exit_code == 2  # not a UUID
+    by_id = cli(["trace", "--consumer", "orders", "--db", str(db), "order-1-r2"])  # the id its producer knows
+    assert by_id.exit_code == 0 and event_id_for(SOURCE, "order-1-r2") in by_id.stdout
+    unknown = cli(["trace", "--consumer", "orders", "--db", str(db), "order-1-r9"])
+    assert unknown.exit_code == 1 and "--ce-source" in unknown.stderr
 
 
 header_names = st.one_of(st.text(max_size=30), st.sampled_from(

@@ -78,7 +78,7 @@ def test_a_declared_type_round_trips(order_id: str, revision: int, status: str, 
     ({"revision": 1.0}, "invalid-envelope", "revision must be written as a JSON integer"),
     ({"meta": {"traceparent": "00-abc"}}, "invalid-envelope",
      "meta.traceparent must be a W3C traceparent: 00-<32 hex>-<16 hex>-<2 hex>, ids not all zeros"),
-    ({"meta": {"userId": "u"}}, "invalid-envelope", "unexpected field: userId"),
+    ({"meta": {"userId": "u"}}, "invalid-envelope", "unexpected field in meta: userId"),
 ])
 def test_refusals_of_a_declared_type_name_the_field(change: dict[str, Any], code: str, reason: str) -> None:
     """An undeclared type is unknown-type; a body failing its type's schema is invalid-envelope naming the field."""
@@ -86,6 +86,27 @@ def test_refusals_of_a_declared_type_name_the_field(change: dict[str, Any], code
         envelope.parse(orjson.dumps({**order(), **change}), types=ORDERS)
 
     assert (info.value.code, info.value.reason) == (code, reason)
+
+
+@pytest.mark.parametrize("data, reason", [
+    ({"currency": "eur"}, "data.currency must match the pattern ^[A-Z]{3}$"),
+    ({"currency": "EUR", "note": "x"}, "unexpected field in data: note"),
+    ({"currency": "EUR", "card": {"last4": "12"}}, "data.card.last4 must match the pattern ^[0-9]{4}$"),
+    ({}, "missing field in data: currency"),
+    ({"currency": "EUR", "state": "lost"}, 'data.state must be one of: "open", "closed"'),
+])
+def test_a_schema_refusal_says_where_the_field_is_and_which_rule_failed(data: dict[str, Any], reason: str) -> None:
+    """A field inside data is named with its path (data.card.last4), an unexpected one with where it is, and
+    a pattern refusal gives the pattern (the schema's words, never the value)."""
+    strict = EventTypes([EventType("payment.captured", key="paymentId", data={
+        "type": "object", "required": ["currency"], "additionalProperties": False, "properties": {
+            "currency": {"type": "string", "pattern": "^[A-Z]{3}$"}, "state": {"enum": ["open", "closed"]},
+            "card": {"type": "object", "properties": {"last4": {"type": "string", "pattern": "^[0-9]{4}$"}}}}})])
+    obj = {"eventId": str(uuid.uuid4()), "type": "payment.captured", "paymentId": "pay-1", "revision": 1,
+           "occurredAt": "2026-12-02T10:00:00Z", "data": data}
+    with pytest.raises(Rejection) as info:
+        envelope.parse(orjson.dumps(obj), types=strict)
+    assert ("invalid-envelope", reason) == (info.value.code, info.value.reason)
 
 
 def test_a_type_without_revision_refuses_one_and_extra_fields_are_declared() -> None:

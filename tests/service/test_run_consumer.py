@@ -101,3 +101,41 @@ def test_run_consumer_refuses_to_run_outside_the_main_thread(tmp_path: Path) -> 
     thread.join(30)
     assert len(errors) == 1 and "main thread" in str(errors[0])
     assert not (tmp_path / "x.db").exists()
+
+
+IDLE_PROGRAM = '''
+"""A service of the user's own with the usual logging.basicConfig(INFO): it runs until idle."""
+import logging
+import sys
+
+import orders_consumer
+
+import delivery_consumer
+
+logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s %(message)s")
+url, db, exchange, prefix = sys.argv[1:]
+sys.exit(delivery_consumer.run_consumer("orders", url, db, exchange=exchange, prefix=prefix, exit_when_idle_s=0.5))
+'''
+
+
+@pytest.mark.parametrize("broker", ["up", "refusing"])
+def test_an_embedded_consumer_logs_its_own_lines_not_pikas(ns: Namespace, tmp_path: Path, broker: str) -> None:
+    """A program that configures logging at INFO and embeds run_consumer sees the toolkit's lines only: none of
+    pika's connection steps, no 404 warning of the partitions queue it asks about, no traceback; a broker that
+    refuses the connection is one line of the toolkit's own and exit 2."""
+    program = tmp_path / "service.py"
+    program.write_text(IDLE_PROGRAM, "utf-8")
+    url = ns.url if broker == "up" else "amqp://guest:guest@127.0.0.1:1/%2F"
+    proc = RunProcess([sys.executable, str(program), url, str(ns.db("orders")), ns.exchange, ns.prefix],
+                      cwd=ns.workdir, env=ns.env())
+    ns.started.append(proc)
+    _out, err = proc.communicate(timeout=120)
+    assert (0 if broker == "up" else 2) == proc.returncode, err[-3000:]
+    lines = err.splitlines()
+    assert [] == [line for line in lines if line.split(" ")[1:2] and line.split(" ")[1].startswith("pika")]
+    assert "Traceback" not in err and "404" not in err and "NOT_FOUND" not in err
+    assert all(line.split(" ")[1].startswith("delivery_consumer") for line in lines if line), lines
+    if broker == "up":
+        assert any(f"consuming {ns.topology('orders').queue}" in line for line in lines)
+    else:
+        assert 1 == len([line for line in lines if line.startswith("ERROR")])

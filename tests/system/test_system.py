@@ -107,6 +107,27 @@ def test_one_id_tells_the_whole_story_and_status_follows_the_dead_letter(ns: Nam
         assert 1 == unknown.returncode and "known to no producer" in unknown.stderr
 
 
+def test_an_applied_event_whose_other_copy_was_dead_lettered_is_applied_in_the_verdict(ns: Namespace,
+                                                                                      tmp_path: Path) -> None:
+    """An event applied by a consumer whose eventId came again with another body (that copy dead-lettered
+    event-id-reused, still in the dead queue) is 'applied ...' in the system trace's verdict, the other copy
+    named beside it, as the consumer's own trace says: never 'dead-lettered event-id-reused'."""
+    config = write_deployment(tmp_path, ns=ns, consumers=("catalog",))
+    first = {"eventId": str(uuid.uuid4()), "type": "material.published", "articleId": "a-1", "revision": 1,
+             "occurredAt": "2026-11-29T10:00:00Z", "data": {"title": "T", "url": "https://example.org/a-1"}}
+    again = {**first, "data": {"title": "Another title", "url": "https://example.org/a-1"}}
+    ns.publish([orjson.dumps(first), orjson.dumps(again)], declare=["catalog"])
+    done = run_until_idle(config, "catalog")
+    assert 0 == done.returncode, done.stderr[-2000:]
+    shown = orjson.loads(dc(config, "trace", first["eventId"], "--json").stdout)
+    (catalog,) = shown["consumers"]
+    assert ["event-id-reused"] == [letter["code"] for letter in catalog["deadQueue"]["letters"]]
+    assert "applied updated; another copy dead-lettered event-id-reused (still in the dead queue)" == catalog[
+        "verdict"]
+    offline = orjson.loads(dc(config, "trace", first["eventId"], "--json", "--offline").stdout)
+    assert "applied updated; another copy was rejected (event-id-reused)" == offline["consumers"][0]["verdict"]
+
+
 def test_status_needs_a_person_for_an_old_outbox_row_and_a_backlog_nobody_consumes(ns: Namespace,
                                                                                      tmp_path: Path) -> None:
     """An unpublished row older than outbox_max_age, and messages waiting with no consumer: exit 1, both named."""

@@ -89,12 +89,15 @@ def test_stale_event_shows_its_article_from_the_receipts_key(samples_ns: Namespa
 
 
 def test_key_and_article_options_name_the_row_of_an_event_without_receipt(samples_ns: Namespace) -> None:
-    """A rejected event has no receipt to hold its key: trace says how to name it, and --key
-    (or its alias --article) shows that key's row."""
+    """A rejected event has no receipt to hold its key, its rejection does: trace shows that key's row; --key
+    (or its alias --article) names a key, and one nothing holds (here: a key the event does not name) says how
+    to name it."""
     done, shown = traced(samples_ns, "catalog", CONFLICT)
     assert 0 == done.returncode, done.stderr
-    assert (None, None) == (shown["key"]["value"], shown["key"]["row"])
-    assert "--key" in shown["key"]["note"] and "articleId" in shown["key"]["note"]
+    assert ("article-7", "article-7") == (shown["key"]["value"], shown["rejections"][0]["key"])
+    done, shown = traced(samples_ns, "catalog", CONFLICT, "--key", "article-0")
+    assert ("article-0", None) == (shown["key"]["value"], shown["key"]["row"])
+    assert "articleId article-0 is not in the catalog" == shown["key"]["note"]
     for option in ("--key", "--article"):
         done, shown = traced(samples_ns, "catalog", CONFLICT, option, "article-7")
         assert 0 == done.returncode, done.stderr
