@@ -14,12 +14,14 @@ PACKAGE = Path(faults.__file__).resolve().parent
 
 def reached(function: str) -> set[str]:
     """Every point name given as a string to *function* anywhere in the package (in a
-    conditional expression too: ``crashpoint("a" if x else "b")``)."""
+    conditional expression too: ``crashpoint("a" if x else "b")``), called as a function or as a
+    method of that name (the worker's ``self.crashpoint``, which the test kit can intercept)."""
     names: set[str] = set()
     for path in PACKAGE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text("utf-8"))):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == function \
-                    and node.args:
+            called = node.func.id if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) else \
+                node.func.attr if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) else None
+            if called == function and isinstance(node, ast.Call) and node.args:
                 names.update(c.value for c in ast.walk(node.args[0])
                              if isinstance(c, ast.Constant) and isinstance(c.value, str))
     return names
