@@ -203,11 +203,14 @@ def test_releasing_the_lock_keeps_sqlites_own_locks(tmp_path: Path) -> None:
     lock.acquire(os.getpid(), "run")
     db = consumers.open_db(db_path, "catalog", create=True, empty_ok=True)
     apply_batch(db, [env(event_id=str(uuid.uuid4()), article_id="a", revision=1)])
-    ino = os.stat(db_path).st_ino
+    st = os.stat(db_path)
+    # /proc/locks names a file as MAJOR:MINOR:INODE (the device in hex): this file exactly, not
+    # another file of this process with the same inode number on another filesystem.
+    file_id = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
 
     def sqlite_locks() -> list[str]:
-        return [line for line in Path("/proc/locks").read_text().splitlines()
-                if "POSIX" in line and f":{ino} " in line and f" {os.getpid()} " in line]
+        return sorted(" ".join(line.split()[1:]) for line in Path("/proc/locks").read_text().splitlines()
+                      if "POSIX" in line.split() and file_id in line.split() and str(os.getpid()) in line.split())
 
     before = sqlite_locks()
     assert before
