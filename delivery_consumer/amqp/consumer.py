@@ -33,7 +33,7 @@ from pika.adapters.select_connection import IOLoop, PollEvents
 from ..deliveries import Delivery, OutMessage
 from ..errors import BrokerError, BrokerFatal, BrokerUnavailable
 from ..retry import RECONNECT_CAP_S, reconnect_delay_s
-from ..topology import Topology
+from ..topology import Topology, upgrade_hint
 from .connection import classify, parameters
 from .declare import Steps, declare_steps
 from .publisher import confirm_mode, properties, take_confirmed
@@ -323,7 +323,7 @@ class ConsumerIO:
         error = classify(reason, url=self.url)
         if self._live_generation == 0 and isinstance(error, BrokerFatal):
             # Failed while declaring: the topology is incompatible; retrying cannot help.
-            self.fatal = error
+            self.fatal = BrokerFatal(upgrade_hint(str(error), self.topology))
             self._stopping = True
         else:
             log.error("channel closed: %s", error)
