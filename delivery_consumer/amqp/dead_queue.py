@@ -24,6 +24,10 @@ from ..errors import BrokerError, BrokerFatal, BrokerUnavailable
 from .connection import FAILURES, classify, parameters, redact
 from .publisher import properties
 
+#: The most messages one reader holds: a quorum queue gives a consumer without a prefetch limit at
+#: most 2,000, so the reader asks for the most AMQP allows (a queue longer than this is listed in part).
+MAX_HELD = 65535
+
 
 class QueueBusy(BrokerError):
     """Another reader holds the dead queue (another dead command, a prune)."""
@@ -42,6 +46,24 @@ class HeldMessage:
     exchange: str
     routing_key: str
     content_encoding: str | None = None
+
+
+def close_returning_in_order(conn: Any) -> None:
+    """Close a ``BlockingConnection`` so that the broker gives back, in their order, every message
+    its consumers were sent and did not ack.
+
+    pika's own ``close`` first cancels each consumer and rejects (requeue) the deliveries it has
+    received and not yet dispatched, and those that arrive before the cancel-ok; a quorum queue
+    puts those ahead of (or, without a delivery limit, behind) the ones the closing channel
+    returns, out of order. The connection's own close sends the cancel and the close and rejects
+    nothing: the broker returns all of them when the channel goes.
+    """
+    impl = conn._impl  # pika's blocking layer has no close that leaves deliveries alone
+    if impl.is_open:
+        impl.close()
+    deadline = time.monotonic() + 10.0
+    while not conn.is_closed and time.monotonic() < deadline:
+        conn.process_data_events(time_limit=0.05)
 
 
 class DeadQueue:
@@ -66,6 +88,7 @@ class DeadQueue:
         self._channel: Any = None  # consuming channel: deliveries and acks
         self._pub: Any = None  # confirm-mode channel for copies
         self._held: list[HeldMessage] = []
+        self._limit = MAX_HELD  # the prefetch: no more arrive while this many are held
         #: Ready messages when the reader attached, and the time (Unix) it did.
         self.count_at_open = 0
         self.opened_at = 0.0
@@ -84,7 +107,7 @@ class DeadQueue:
     def open(self, *, prefetch: int = 0) -> int:
         """Connect and start the exclusive consumer; returns the ready count.
 
-        *prefetch* 0 lets the broker send every message (up to 65535 otherwise).
+        *prefetch* 0 asks for as many as one reader may hold (:data:`MAX_HELD`).
         """
         try:
             self._conn = pika.BlockingConnection(self._params)
@@ -92,7 +115,8 @@ class DeadQueue:
             self.opened_at = time.time()
             frame = self._channel.queue_declare(self.queue, passive=True)
             self.count_at_open = int(frame.method.message_count)
-            self._channel.basic_qos(prefetch_count=min(max(prefetch, 0), 65535))
+            self._limit = min(prefetch, MAX_HELD) if prefetch > 0 else MAX_HELD
+            self._channel.basic_qos(prefetch_count=self._limit)
             self._channel.basic_consume(self.queue, self._on_message, auto_ack=False, exclusive=True)
         except FAILURES as exc:
             error = self._error(exc)
@@ -115,12 +139,13 @@ class DeadQueue:
 
         Done when the broker has no ready message left -- all of them are held
         here -- and either as many arrived as the queue had at :meth:`open` or
-        none arrived for a moment. Dead letters that arrive later stay at the
-        tail, after everything returned here.
+        none arrived for a moment; or when the reader holds as many as its
+        prefetch lets it (a longer queue: the read is not complete). Dead
+        letters that arrive later stay at the tail, after everything returned here.
         """
         try:
-            self._gather(max_messages, lambda seen, quiet: self._ready() == 0 and (
-                seen >= self.count_at_open or quiet >= self._settle_s))
+            self._gather(max_messages, lambda seen, quiet: seen >= self._limit or (self._ready() == 0 and (
+                seen >= self.count_at_open or quiet >= self._settle_s)))
         except FAILURES as exc:
             raise self._error(exc) from None
         held = self._held if max_messages is None else self._held[:max_messages]
@@ -197,7 +222,7 @@ class DeadQueue:
         self._held = []
         if conn is not None and conn.is_open:
             with suppress(*FAILURES):  # the broker requeues when the socket goes
-                conn.close()
+                close_returning_in_order(conn)
 
     def __enter__(self) -> DeadQueue:
         return self
