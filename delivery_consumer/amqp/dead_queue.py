@@ -1,11 +1,12 @@
 """Exclusive, order-preserving access to a dead-letter queue.
 
 ``dead list / requeue / purge`` and ``inbox prune`` read a dead queue through
-:class:`DeadQueue`: one *exclusive* consumer takes every message without
-acknowledging it, acks the ones it removes, and gives back the rest when it
-closes (also when the process is killed). A second reader is refused by the
-broker (:class:`QueueBusy`), which serialises those commands without a lock
-of our own (see docs/amqp.md).
+:class:`DeadQueue`: one consumer takes every message without acknowledging
+it, acks the ones it removes, and gives back the rest when it closes (also
+when the process is killed). Each reader first declares the dead queue's
+*reader lock*, an exclusive queue ``<dead queue>.reader`` that lives as long
+as its connection: a second reader is refused by the broker
+(:class:`QueueBusy`), which serialises those commands (see docs/amqp.md).
 """
 
 from __future__ import annotations
@@ -46,6 +47,11 @@ class HeldMessage:
     exchange: str
     routing_key: str
     content_encoding: str | None = None
+
+
+def reader_lock(queue: str) -> str:
+    """The exclusive queue a reader of *queue* holds while it reads (the readers' lock)."""
+    return f"{queue}.reader"
 
 
 def close_returning_in_order(conn: Any) -> None:
@@ -99,7 +105,8 @@ class DeadQueue:
         if isinstance(exc, pex.ChannelClosedByBroker) and exc.reply_code == 404:
             return BrokerFatal(f"queue {self.queue} does not exist on {redact(self.url)} (wrong --queue-prefix? "
                                "run topology declare, or start the consumer once)")
-        if isinstance(exc, pex.ChannelClosedByBroker) and exc.reply_code == 403 and "exclusive" in exc.reply_text:
+        if isinstance(exc, pex.ChannelClosedByBroker) and (
+                exc.reply_code == 405 or (exc.reply_code == 403 and "exclusive" in exc.reply_text)):
             return QueueBusy(f"queue {self.queue} is in use by another reader (dead list/requeue/purge or "
                              "inbox prune); try again when it has finished")
         return classify(exc, url=self.url)
@@ -113,6 +120,10 @@ class DeadQueue:
             self._conn = pika.BlockingConnection(self._params)
             self._channel = self._conn.channel()
             self.opened_at = time.time()
+            # A quorum queue does not refuse a second "exclusive" consumer: the lock is an exclusive
+            # queue of this connection (405 RESOURCE_LOCKED for any other), gone when it closes.
+            self._channel.queue_declare(reader_lock(self.queue), exclusive=True, auto_delete=True,
+                                        arguments={"x-queue-type": "classic"})
             frame = self._channel.queue_declare(self.queue, passive=True)
             self.count_at_open = int(frame.method.message_count)
             self._limit = min(prefetch, MAX_HELD) if prefetch > 0 else MAX_HELD
