@@ -58,13 +58,17 @@ def close_returning_in_order(conn: Any) -> None:
     """Close a ``BlockingConnection`` so that the broker gives back, in their order, every message
     its consumers were sent and did not ack.
 
-    pika's own ``close`` first cancels each consumer and rejects (requeue) the deliveries it has
-    received and not yet dispatched, and those that arrive before the cancel-ok; a quorum queue
-    puts those ahead of (or, without a delivery limit, behind) the ones the closing channel
-    returns, out of order. The connection's own close sends the cancel and the close and rejects
-    nothing: the broker returns all of them when the channel goes.
+    pika's ``close`` first cancels each consumer (``basic.cancel``) and rejects (requeue) what it
+    received and did not dispatch yet; the broker too gives back at once what was on its way to a
+    cancelled consumer. A quorum queue puts those ahead of (or, without a delivery limit, behind)
+    the messages the closing channel returns: out of order. So the channels are closed with no
+    cancel (their consumers marked as cancelled already, so pika sends none and rejects nothing
+    that arrives meanwhile): the broker returns everything when the channel goes, in order, as
+    it does for a process that was killed.
     """
     impl = conn._impl  # pika's blocking layer has no close that leaves deliveries alone
+    for channel in list(impl._channels.values()):
+        channel._cancelled.update(channel._consumers)
     if impl.is_open:
         impl.close()
     deadline = time.monotonic() + 10.0
