@@ -50,6 +50,8 @@ log = logging.getLogger("delivery_consumer.run")
 _T = TypeVar("_T")
 #: The longest the worker waits for the connection in one go (then it looks at its flags).
 _IDLE_WAIT_S = 0.2
+#: How long an idle ``--exit-when-idle`` run waits for its queue's answer before it looks again.
+_IDLE_CHECK_S = 5.0
 #: The longest wait between two tries of a held delivery's copies.
 _HOLD_RETRY_CAP_S = 10.0
 #: How often an idle worker looks at its file (replaced, its content copied over, taken over),
@@ -195,6 +197,7 @@ class Worker(threading.Thread):
         self._looked_at = 0.0
         #: Deliveries held unacked until their copies are accepted (:class:`_Held`).
         self._holds: list[_Held] = []
+        self._idle_said = ""  # why the last idle period did not end the run
 
     # -- what the connection says (WorkerIO.pump calls these) --
     def deliver_all(self, deliveries: Sequence[Delivery]) -> None:
@@ -359,14 +362,41 @@ class Worker(threading.Thread):
                 self.process(batch)
                 self._record_acked()
             elif self._idle_expired():
-                log.info("no delivery for %.1fs; exiting", self.config.exit_when_idle_s or 0)
-                return
+                why = self._not_drained()
+                if why is None:
+                    log.info("no delivery for %.1fs; exiting", self.config.exit_when_idle_s or 0)
+                    return
+                if why != self._idle_said:
+                    self._idle_said = why
+                    log.warning("no delivery for %.1fs, but %s: not exiting while the queue cannot be consumed; "
+                                "looking again every %.1fs", self.config.exit_when_idle_s or 0, why,
+                                self.config.exit_when_idle_s or 0)
+                self._last_activity = time.monotonic()
             else:
                 self._look()
 
+    def _not_drained(self) -> str | None:
+        """Why an idle ``--exit-when-idle`` run must not exit 0 yet (None: it may): its queue must
+        answer, with nothing ready. A queue without quorum, or whose messages do not reach this run,
+        is not an empty one (docs/run.md, "--exit-when-idle")."""
+        from ..amqp.admin import queue_counts
+        from ..errors import BrokerError
+
+        queue = self.topology.queue
+        try:
+            state = queue_counts(self.config.url, [queue], name=f"delivery-consumer run {self.config.consumer}",
+                                 timeout_s=_IDLE_CHECK_S).get(queue)
+        except BrokerError as exc:
+            return f"{queue} does not answer ({exc})"
+        if state is None:
+            return f"{queue} does not exist"
+        if state.ready:
+            return f"{queue} still holds {state.ready} ready messages that do not reach this run"
+        return None
+
     def _idle_expired(self) -> bool:
         limit = self.config.exit_when_idle_s
-        if limit is None or not self.live_generation:
+        if limit is None or not self.live_generation or self._holds:
             return False
         return time.monotonic() - self._last_activity >= limit
 

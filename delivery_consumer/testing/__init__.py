@@ -176,6 +176,9 @@ class _Incarnation(Worker):
             return
         super().close()
 
+    def _not_drained(self) -> str | None:
+        return None  # in memory: the link's queue says when it is drained
+
     def _copied(self, copies: list[Copy]) -> None:
         super()._copied(copies)
         self._copies.update((c.delivery.tag, c) for c in copies)

@@ -1,13 +1,21 @@
-"""A dead queue that does not answer holds a rejected delivery, never the run: on the real broker,
-with the dead queue deleted under a running ``run`` (its copies come back 312 NO_ROUTE)."""
+"""A queue that does not answer holds a delivery, never ends the run, and never passes for an empty
+one: on the real broker, with the dead queue deleted under a running ``run`` (its copies come back
+312 NO_ROUTE), and a ``--exit-when-idle`` worker whose queue's messages do not reach it."""
 
 from __future__ import annotations
 
+import logging
 import signal
+from pathlib import Path
 
 import orjson
+import pytest
 from brokerkit import Namespace
 from support import count_rows, new_event, read_rows, wait_until
+
+from delivery_consumer.service.config import RunConfig
+from delivery_consumer.service.memory_link import MemoryLink, MemoryQueues
+from delivery_consumer.service.worker import Worker
 
 
 def test_a_rejected_delivery_waits_unacked_for_its_dead_queue_while_the_rest_is_applied(ns: Namespace) -> None:
@@ -48,3 +56,26 @@ def test_a_rejected_delivery_waits_unacked_for_its_dead_queue_while_the_rest_is_
     assert props.headers["x-error-code"] == "malformed-json" and props.headers["x-attempts"] == 1
     assert [("malformed-json", 1)] == read_rows(db, "rejected", "code, attempts")
     assert 0 == ns.count(topo.queue)
+
+
+def test_exit_when_idle_does_not_exit_while_its_queue_holds_messages_it_cannot_get(
+        ns: Namespace, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A run idle for --exit-when-idle whose queue on the broker still has ready messages that do not
+    reach it (here: the worker's deliveries come from memory, the broker's queue is never consumed)
+    does not end: it says why and looks again; once the queue is empty it exits."""
+    topo = ns.topology("catalog")
+    ns.publish([orjson.dumps(new_event(article_id="stuck"))], declare=["catalog"])
+    config = RunConfig(consumer="catalog", url=ns.url, db_path=tmp_path / "catalog.db", exchange=ns.exchange,
+                       prefix=ns.prefix, exit_when_idle_s=0.3)
+    worker = Worker(config)
+    assert worker.open(), worker.error
+    worker.io = MemoryLink(MemoryQueues(worker.topology), worker)
+    worker.io.pump(0)  # the first channel
+    with caplog.at_level(logging.WARNING, logger="delivery_consumer"):
+        worker.start()
+        wait_until("the run to say why it does not exit",
+                   lambda: "still holds 1 ready messages that do not reach this run" in caplog.text)
+        assert worker.is_alive()
+        ns.drain(topo.queue)
+        worker.join(30)
+    assert not worker.is_alive() and worker.error is None
