@@ -177,8 +177,9 @@ class ConsumerIO:
             conn = self._conn
             if conn is None:
                 return
-            Missing(lambda then: conn.channel(on_open_callback=then), [self.topology], self._declared_missing,
-                    self._missing_failed).start()
+            missing = Missing(lambda then: conn.channel(on_open_callback=then), [self.topology],
+                              lambda: self._declared_missing(missing.declared), self._missing_failed)
+            missing.start()
             return
         Steps(declare_steps(channel, [self.topology]), self._on_declared).start()
 
@@ -187,7 +188,9 @@ class ConsumerIO:
         if self._conn is not None:
             self._conn.channel(on_open_callback=self._on_pub_channel)
 
-    def _declared_missing(self) -> None:
+    def _declared_missing(self, declared: list[str]) -> None:
+        if declared:
+            log.warning("declared again what was missing on the broker: %s", ", ".join(declared))
         if self._conn is not None:
             self._conn.channel(on_open_callback=self._on_pub_channel)
 

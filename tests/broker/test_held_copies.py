@@ -9,9 +9,11 @@ import signal
 from pathlib import Path
 
 import orjson
+import pika
 import pytest
 from brokerkit import Namespace
 from support import count_rows, new_event, read_rows, wait_until
+from tcpproxy import Proxy
 
 from delivery_consumer.service.config import RunConfig
 from delivery_consumer.service.memory_link import MemoryLink, MemoryQueues
@@ -79,3 +81,45 @@ def test_exit_when_idle_does_not_exit_while_its_queue_holds_messages_it_cannot_g
         ns.drain(topo.queue)
         worker.join(30)
     assert not worker.is_alive() and worker.error is None
+
+
+def test_a_reconnect_declares_only_what_is_missing(ns: Namespace) -> None:
+    """After its first start a run's reconnect only looks at its queues: one deleted meanwhile is
+    declared again (the dead queue), one that exists with other arguments (a retry tier replaced
+    by hand) is left alone -- a full declare would have failed on it with 406 and ended the run."""
+    topo = ns.topology("catalog")
+    ns.publish([orjson.dumps(new_event(article_id="first"))], declare=["catalog"])
+    proxy = Proxy(ns.url)
+    try:
+        proc = ns.start_run("catalog", env=ns.env(DELIVERY_AMQP_URL=proxy.url))
+        db = ns.db("catalog")
+        wait_until("the first event applied", lambda: count_rows(db, "inbox") == 1, procs=[proc])
+        conn, ch = ns.channel()
+        ch.queue_delete(topo.dead_queue)
+        tier = topo.retry_queue(0)
+        ch.queue_delete(tier)
+        ch.queue_declare(tier, durable=True, arguments={"x-queue-type": "quorum"})  # other arguments
+        conn.close()
+        proxy("reset")
+        proc.wait_for_log("declared again what was missing on the broker: " + topo.dead_queue)
+        ns.publish([orjson.dumps(new_event(article_id="second"))])
+        wait_until("the second event applied", lambda: count_rows(db, "inbox") == 2, procs=[proc])
+        assert is_declared_as(ns, topo.dead_queue, topo.dead_arguments())
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+        assert 0 == proc.returncode, err
+        assert "precondition" not in err.lower()
+    finally:
+        proxy.close()
+
+
+def is_declared_as(ns: Namespace, queue: str, args: dict[str, object]) -> bool:
+    conn, ch = ns.channel()
+    try:
+        ch.queue_declare(queue, durable=True, arguments=args)
+        return True
+    except pika.exceptions.ChannelClosedByBroker:
+        return False
+    finally:
+        if conn.is_open:
+            conn.close()
