@@ -104,6 +104,7 @@ def upgrade_cmd(names: tuple[str, ...], amqp_url: str, exchange: str, queue_pref
     Idempotent: on a topology already upgraded it only declares. Stop the runs of the earlier release
     first (docs/amqp.md, "Upgrading from classic queues").
     """
+    from ..amqp.admin import queue_counts
     from ..amqp.upgrade import replace_marker, upgrade_queue
     from ..errors import BrokerError
     from ..partition_queues import layout, recorded_count
@@ -115,12 +116,18 @@ def upgrade_cmd(names: tuple[str, ...], amqp_url: str, exchange: str, queue_pref
                                 delivery_limit=delivery_limit)
             if count is None:
                 count = counts[consumer] = recorded_count(amqp_url, base)
-            if count is not None:
+            topologies = layout(base, count)
+            watched = [base.count_marker, *(q for t in topologies for q in (t.dead_queue, f"{t.dead_queue}.upgrade"))]
+            present = {q for q, state in queue_counts(amqp_url, watched, name="delivery-consumer topology").items()
+                       if state is not None}  # what is absent is declared below, after the layout check
+            if count is not None and base.count_marker in present:
                 check_count(count)
                 done = replace_marker(amqp_url, base.count_marker,
                                       {"x-queue-type": "classic", "x-max-length": count}, base.marker_arguments(count))
                 click.echo(f"{base.count_marker}: {done}")
-            for topo in layout(base, count):
+            for topo in topologies:
+                if topo.dead_queue not in present and f"{topo.dead_queue}.upgrade" not in present:
+                    continue
                 result = upgrade_queue(amqp_url, topo.dead_queue, topo.dead_arguments())
                 moved = f", {result.moved} dead letters moved" if result.outcome == "upgraded" else ""
                 click.echo(f"{topo.dead_queue}: {result.outcome}{moved}")
