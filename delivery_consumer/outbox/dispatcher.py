@@ -110,6 +110,8 @@ class Claimed(NamedTuple):
     #: ``created_at`` is not a time): the message carries it (``x-produced-ms``),
     #: for the consumers' age at commit.
     produced_ms: int | None = None
+    #: Its failures so far: a row whose nacks were its own before keeps them its own (.outage).
+    failures: int = 0
 
 
 @dataclass
@@ -163,10 +165,13 @@ class DispatchConfig:
 
 
 def _own_nacks(rows: Sequence[Claimed], results: Sequence[PublishResult]) -> set[int]:
-    """Indexes of the nacks of *results* that are their row's own (:func:`.outage.own_nacks`)."""
+    """Indexes of the nacks of *results* that are their row's own (:func:`.outage.own_nacks`), and those of
+    rows whose earlier nacks were their own (their destination took other rows meanwhile)."""
     if not any(r.status == "nacked" for r in results):
         return set()
-    return own_nacks([destination(r.routing_key, r.ordering_key) for r in rows], [r.status for r in results])
+    statuses = [r.status for r in results]
+    return own_nacks([destination(r.routing_key, r.ordering_key) for r in rows], statuses) | {
+        i for i, (row, status) in enumerate(zip(rows, statuses, strict=True)) if status == "nacked" and row.failures}
 
 
 def default_owner() -> str:
@@ -330,10 +335,12 @@ class Dispatcher:
             apart = conn.body_sql != "body"
             cur = conn.scan(
                 f"SELECT seq, event_id, routing_key, ordering_key, {conn.body_sql}, attempts, next_attempt_at,"
-                f" lease_owner, lease_until, {conn.created_ms_sql} FROM outbox WHERE status = 'pending' ORDER BY seq",
+                f" lease_owner, lease_until, {conn.created_ms_sql}, failures FROM outbox WHERE status = 'pending'"
+                " ORDER BY seq",
                 (), batch * 2)
             try:
-                for seq, event_id, routing_key, key, body, attempts, next_at, owner, lease_until, created in cur:
+                for (seq, event_id, routing_key, key, body, attempts, next_at, owner, lease_until, created,
+                     failures) in cur:
                     if key in blocked:
                         continue
                     if (next_at is not None and next_at > now_s) or (lease_until is not None and lease_until > now_s):
@@ -357,7 +364,8 @@ class Dispatcher:
                         complete = False
                         break
                     size += length
-                    taken.append(Claimed(seq, event_id, routing_key, b"" if apart else body, attempts, key, created))
+                    taken.append(Claimed(seq, event_id, routing_key, b"" if apart else body, attempts, key, created,
+                                         failures))
                     if key in blocked:  # a probe
                         self._probes.add(seq)
                     elif next_at is not None:  # a retry goes out alone for its article
