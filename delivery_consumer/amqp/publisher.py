@@ -393,7 +393,11 @@ class StreamPublisher(Publisher):
             if self._error is not None:
                 error, self._error = self._error, None
                 self._broken = str(error)
-                self._abort()  # closing marks every pending message unconfirmed
+                if not isinstance(error, BrokerFatal):  # what no confirm came for says why
+                    for index in self._pending.values():
+                        self._results[index] = PublishResult("unconfirmed", str(error))
+                    self._pending.clear()
+                self._abort()  # closing marks every (other) pending message unconfirmed
                 if isinstance(error, BrokerFatal):
                     raise error
         reason = f"not sent: {self._broken}"

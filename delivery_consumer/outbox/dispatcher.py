@@ -532,9 +532,12 @@ class Dispatcher:
                 return 0
             self._connected = self.stats.connected = self.stats.online = True
         while len(self._inflight) < self._depth() and not self.stopping:
-            rows = self.claim(self._limit())  # a busy database raises here; what is in flight stays in flight
+            limit = self._limit()
+            rows = self.claim(limit)  # a busy database raises here; what is in flight stays in flight
             if not rows:
                 break
+            if limit is not None and self._episode is not None:
+                self._episode.probes += 1
             self._send(rows)
         if not self._inflight:
             episode = self._episode

@@ -101,14 +101,18 @@ class Outage:
         return self.refused.pop(dest, None) is not None
 
     def summary(self) -> str:
-        """The counts for the closing line: ``3 failed connects, 120 nacks of 40 rows, 0 unconfirmed, 5 probes``."""
+        """The counts for the closing line, those that are not 0: ``3 failed connects, 120 nacks of 40 rows,
+        70 unconfirmed, 5 probes``."""
         parts = []
         if self.connects:
             parts.append(count(self.connects, "failed connect"))
-        parts.append(f"{count(self.nacks, 'nack')} of {count(len(self.rows), 'row')}")
-        parts.append(f"{self.unconfirmed} unconfirmed")
-        parts.append(count(self.probes, "probe"))
-        return ", ".join(parts)
+        if self.nacks:
+            parts.append(f"{count(self.nacks, 'nack')} of {count(len(self.rows), 'row')}")
+        if self.unconfirmed:
+            parts.append(f"{self.unconfirmed} unconfirmed")
+        if self.probes:
+            parts.append(count(self.probes, "probe"))
+        return ", ".join(parts) or "no row touched"
 
 
 def describe(refused: dict[Destination, set[int]]) -> str:

@@ -18,6 +18,8 @@ import pytest
 from brokerkit import Namespace, RunProcess, kill
 from outboxkit import envelope
 from support import wait_until
+from tcpproxy import Proxy
+from test_outbox_broker import make_events, queued_ids
 
 from delivery_consumer import outbox
 
@@ -132,3 +134,40 @@ def test_a_nack_storm_is_one_outage_and_the_rows_go_once_each_in_order_when_the_
     assert 0 == outbox_stats(db)["quarantined"]
     with contextlib.closing(outbox.open_db(db, readonly=True)) as conn:
         assert {0} == {r["failures"] for r in outbox.list_rows(conn, limit=0)}
+
+
+def test_confirms_that_never_come_are_one_outage_probed_with_few_rows(ns: Namespace) -> None:
+    """The broker takes the messages but its confirms never reach the dispatcher (as a queue without quorum
+    keeps them): the confirms time out, the dispatcher reconnects and sends a 10-row probe each time, not
+    whole batches; once confirms come through again every row is published, the queue holding each row at
+    least once and no more copies than the first batches plus the probes; one outage logged and counted."""
+    db = ns.workdir / "producer.db"
+    ids = make_events(db, 200, articles=10)
+    proxy = Proxy(ns.url)
+    try:
+        proxy("noconfirm")
+        cmd = [sys.executable, "-m", "delivery_consumer", "dispatch", "--db", str(db), "--consumer", "catalog",
+               "--batch", "50", "--depth", "2", "--lease", "4s", "--poll", "50ms"]
+        proc = RunProcess(cmd, cwd=ns.workdir, env=ns.env(DELIVERY_AMQP_URL=proxy.url))
+        ns.started.append(proc)
+        try:
+            proc.wait_for_log("retrying in")
+            wait_until("two probes without a confirm", lambda: proxy.accepted() >= 3, procs=[proc])
+            proxy("forward")
+            wait_until("every row published", lambda: outbox_stats(str(db))["published"] == len(ids), procs=[proc])
+            connections = proxy.accepted()
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                kill(proc)
+    finally:
+        proxy.close()
+    assert 0 == proc.returncode, err[-3000:]
+    copies = queued_ids(ns)
+    assert set(ids) == set(copies)
+    # Before the outage: depth * batch rows whose confirms were lost; during it: one probe per connection.
+    assert sum(copies.values()) - len(ids) <= 2 * 50 + 10 * (connections - 1), copies.most_common(3)
+    assert 1 == sum("retrying in" in line for line in err.splitlines()), err[-3000:]
+    assert 1 == sum("broker reachable again after" in line for line in err.splitlines()), err[-3000:]
+    assert "; 1 broker outage;" in err

@@ -106,6 +106,7 @@ def test_a_nack_storm_is_one_outage_and_every_waiting_row_goes_once_the_broker_c
     starts, ends = outage_lines(caplog)
     assert (1, 1) == (len(starts), len(ends)), starts + ends
     assert "broker confirms again after" in ends[0] and "nacks of 10 rows" in ends[0], ends[0]  # the first batch
+    assert "unconfirmed" not in ends[0] and "probes" in ends[0], ends[0]
     assert Counter(dict.fromkeys(ids, 1)) == Counter(mid for mid, _ in broker.confirmed)
     for key in set(keys):
         mine = [mid for mid, _ in broker.confirmed if broker.keys[mid] == key]
