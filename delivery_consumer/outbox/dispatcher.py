@@ -32,7 +32,7 @@ from ..sqlite import now_iso
 from ..topology import H_PRODUCED_MS
 from . import owners, wake
 from .db import OutboxDb, WakeListener, as_db
-from .outage import PROBE_ROWS, Destination, Outage, describe, destination, own_nacks
+from .outage import PROBE_CAP_S, PROBE_ROWS, Destination, Outage, describe, destination, own_nacks
 from .table import MAX_ERROR_CHARS, routing_key_problem
 
 if TYPE_CHECKING:
@@ -689,14 +689,14 @@ class Dispatcher:
             self._announce(
                 episode, "the broker nacks every message to %s (no quorum, a queue full or unavailable?): one"
                 " outage; its rows wait for it, no backoff of their own; probing every %.0fs at most, other"
-                " destinations go on", describe(episode.refused), RECONNECT_CAP_S)
+                " destinations go on", describe(episode.refused), PROBE_CAP_S)
         now = self.clock()
         if recovered:
             episode.tries, episode.probe_at = 0, now  # it confirms again: probe the rest at once
         elif refusing or probe:
             episode.tries += 1
             if probe or episode.probe_at != float("inf"):
-                episode.probe_at = now + reconnect_delay_s(episode.tries)
+                episode.probe_at = now + reconnect_delay_s(episode.tries, cap_s=PROBE_CAP_S)
         self._maybe_end()
 
     def _maybe_end(self) -> None:

@@ -25,6 +25,9 @@ Destination = tuple[str, int]
 #: of different keys. The second one confirmed while the first is nacked tells
 #: that the nack is the first row's own (a body over the queue's byte limit).
 PROBE_ROWS = 2
+#: The longest pause between two probes (seconds): what a recovery waits at most before its rows
+#: go. A probe costs a few rows' publication, so it is shorter than the reconnect backoff's cap.
+PROBE_CAP_S = 2.0
 
 
 @lru_cache(maxsize=65_536)
@@ -125,4 +128,4 @@ def describe(refused: dict[Destination, set[int]]) -> str:
     return ", ".join(shown) + more
 
 
-__all__ = ["PROBE_ROWS", "Destination", "Outage", "describe", "destination", "own_nacks"]
+__all__ = ["PROBE_CAP_S", "PROBE_ROWS", "Destination", "Outage", "describe", "destination", "own_nacks"]
