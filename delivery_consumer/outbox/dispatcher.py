@@ -251,6 +251,9 @@ class Dispatcher:
         self._connected = False
         self._episode: Outage | None = None  # the outage being waited out (.outage)
         self._probes: set[int] = set()  # seqs in flight as probes of refusing destinations
+        # During an outage a claim that found nothing is not repeated before this (the clock's) time,
+        # wake-ups or not, unless a probe is due: every claim scans the rows waiting on the outage.
+        self._scan_at = float("-inf")
         #: The rows of the last batch marked whose nacks were their destination's, not their own.
         self.storm_nacked: set[int] = set()
         self._inflight: deque[tuple[list[Claimed], Any]] = deque()  # sent, not yet collected
@@ -390,6 +393,8 @@ class Dispatcher:
         if invalid:
             self.stats.quarantined += len(invalid)
             log.warning("quarantined %d rows at claim: %s", len(invalid), invalid[0][0])
+        # A claim during an outage that took nothing is not repeated for a poll (see _quiet).
+        self._scan_at = now + self.config.poll_s if refused and not taken and not invalid else float("-inf")
         if probing and episode is not None:
             if probed:
                 episode.probes += 1
@@ -530,6 +535,8 @@ class Dispatcher:
             self._connected = self.stats.connected = self.stats.online = True
         while len(self._inflight) < self._depth() and not self.stopping:
             limit = self._limit()
+            if self._quiet():
+                break
             rows = self.claim(limit)  # a busy database raises here; what is in flight stays in flight
             if not rows:
                 break
@@ -552,7 +559,7 @@ class Dispatcher:
             self._woken(listener)
             if self._listener is None:
                 break
-            more = self.claim(self._limit())
+            more = [] if self._quiet() else self.claim(self._limit())
             if more:
                 self._send(more)
         try:
@@ -577,6 +584,15 @@ class Dispatcher:
             self._settle(later, self.publisher.collect(ticket))
         self._outage(lost)
         return len(rows)
+
+    def _quiet(self) -> bool:
+        """Whether the next claim would only scan the rows waiting on the outage again: one found nothing
+        less than ``poll`` ago, and no probe is due."""
+        episode = self._episode
+        if episode is None or not episode.refused:
+            return False
+        now = self.clock()
+        return now < self._scan_at and now < episode.probe_at
 
     def _depth(self) -> int:
         """Batches in flight: one while an outage's connection is being proved."""
