@@ -160,9 +160,12 @@ class Addresses:
 
     def connected(self, params: Any) -> str:
         """Note that the connection with *params* opened; its node, ``host:port``."""
-        for index, mine in enumerate(self.params):
-            if mine is params:
-                self._last = index
+        # pika's connection holds a copy of the parameters it was given: compare by value
+        same = [i for i, mine in enumerate(self.params) if mine is params] or \
+            [i for i, mine in enumerate(self.params) if mine == params] or \
+            [i for i, mine in enumerate(self.params) if (mine.host, mine.port) == (params.host, params.port)]
+        if same:
+            self._last = same[0]
         self.node = node_of(params)
         return self.node
 
