@@ -24,6 +24,7 @@ from delivery_consumer.amqp.connection import (
     redact,
     unreachable_queue,
 )
+from delivery_consumer.amqp.dead_queue import DeadQueue
 from delivery_consumer.asyncapi import document
 from delivery_consumer.config import parse_file
 from delivery_consumer.errors import BrokerFatal, BrokerUnavailable, ConfigError
@@ -205,3 +206,12 @@ def test_the_asyncapi_document_names_every_node() -> None:
     doc = document([], [], url="amqp://u:secret@h1:5672/%2F,amqp://u:secret@h2:5673/%2F")
     assert {"rabbitmq": "h1:5672", "rabbitmq-2": "h2:5673"} == {k: v["host"] for k, v in doc["servers"].items()}
     assert "secret" not in str(doc["servers"])
+
+
+def test_the_dead_queue_reader_waits_for_a_dead_queue_whose_node_is_down() -> None:
+    """dead list/requeue/purge: a dead queue whose home node is down is unavailable (try again), not "does not
+    exist" (exit 2 with advice to declare it); a dead queue that does not exist still says so."""
+    reader = DeadQueue("amqp://guest:secret@h1:5672/%2F,amqp://guest:secret@h2:5672/%2F", "d.audit.dead")
+    assert isinstance(reader._error(pex.ChannelClosedByBroker(404, HOME_NODE_DOWN)), BrokerUnavailable)
+    missing = reader._error(pex.ChannelClosedByBroker(404, "NOT_FOUND - no queue 'd.audit.dead' in vhost '/'"))
+    assert isinstance(missing, BrokerFatal) and "does not exist" in str(missing) and "secret" not in str(missing)
