@@ -63,9 +63,10 @@ BLOCKED_TIMEOUT_S = 60.0
 #: workflow's errors (a stack timeout is not an ``AMQPError``).
 FAILURES: tuple[type[BaseException], ...] = (pex.AMQPError, OSError, AMQPConnectorException)
 
-
 #: The environment variable of the order of several addresses, and the orders.
 ORDER_ENV, ORDERS = AMQP_ORDER_ENV, AMQP_ORDERS
+
+
 def order_from_env() -> str:
     """The order of :data:`ORDER_ENV` (``in-order`` when unset; BrokerFatal when unknown)."""
     value = os.environ.get(ORDER_ENV, "").strip() or ORDERS[0]
