@@ -416,7 +416,12 @@ def unacknowledged(dep: Deployment, queue: str) -> int | None:
 
     import httpx
 
-    amqp = urlparse(dep.amqp_url)
+    from .topology import AddressError, addresses
+
+    try:
+        amqp = urlparse(addresses(dep.amqp_url)[0])  # the nodes of a cluster share vhost and users
+    except AddressError:
+        return None
     vhost = amqp.path[1:] or "%2F"
     url = f"{dep.management_url.rstrip('/')}/api/queues/{vhost}/{quote(queue, safe='')}"
     try:
