@@ -99,9 +99,8 @@ def test_a_notification_is_sent_once_with_its_key_and_the_provider_id_is_kept(
     assert ["notified"] == statuses(apply(db, step(), event))
 
     assert {"a-1:3:notify": 1} == server.effects()
-    assert {"articleId": "a-1", "revision": 3, "published": True, "title": event.title, "url": event.url} == (
-        server.requests[0].body
-    )
+    assert {"articleId": "a-1", "revision": 3, "published": True, "title": event.data["title"],
+            "url": event.data["url"]} == server.requests[0].body
     shown = row(db, "a-1:3:notify")
     assert ("done", server.first_id("a-1:3:notify"), 200, 1, False, E1) == (
         shown["state"], shown["providerId"], shown["httpStatus"], shown["calls"], shown["inDoubt"], shown["eventId"]
