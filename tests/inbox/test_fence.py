@@ -525,3 +525,16 @@ def test_a_fence_of_the_first_schema_is_renamed_in_place_and_its_rows_keep_fenci
         assert ["stale"] == statuses(apply(db, step(), env(event_id=E2, article_id="a-1", revision=2)))
         assert [] == server.requests
         assert [("a-1", 3)] == read_rows(path, "fence", "entity_key, revision")
+
+
+def test_trace_by_key_finds_the_fence_row_under_its_generic_column(
+    db: ConsumerDB, server: WebhookServer, step: Step
+) -> None:
+    """The fence keeps an event's key in ``entity_key``: a trace by key still finds its row
+    (the webhook has no view naming a key column)."""
+    from delivery_consumer import system
+
+    event = env(event_id=E1, article_id="a-9", revision=2)
+    assert ["notified"] == statuses(apply(db, step(), event))
+    assert {E1: {"revision": 2}} == {k: {"revision": v.get("revision")} for k, v in system._key_rows(db, "a-9").items()}
+    assert {} == system._key_rows(db, "a-8")
