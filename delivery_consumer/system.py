@@ -534,8 +534,10 @@ def _ghosts(dep: Deployment, label: str, item: Row, path: Path, problems: list[s
 
 
 def _last_write_age(path: Path) -> float | None:
-    """Seconds since the database (or its write-ahead log) was last written; None without one."""
-    times = [p.stat().st_mtime for p in (path, Path(f"{path}-wal")) if p.exists()]
+    """Seconds since the database (or its write-ahead log) was last written; None without one.
+    An empty log is a reader's (opening a database creates it), not a write."""
+    wal = Path(f"{path}-wal")
+    times = [p.stat().st_mtime for p in (path, wal) if p.exists() and (p != wal or p.stat().st_size)]
     return max(0.0, time.time() - max(times)) if times else None
 
 
