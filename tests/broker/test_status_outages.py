@@ -14,7 +14,7 @@ import orjson
 import pytest
 from brokerkit import Namespace, RabbitNode, free_port, rabbitmq_sbin, wait_for_broker
 from deploykit import dc, run_until_idle, write_deployment
-from support import new_event
+from support import new_event, wait_until
 from tcpproxy import Proxy
 
 from delivery_consumer import consumers
@@ -207,3 +207,105 @@ def test_status_shows_each_queues_leader_and_members_from_a_private_nodes_manage
     code, shown = _status(config, "--management-url", api, "--broker-timeout", "2")
     assert 1 == code and time.monotonic() - started < 15
     assert shown["broker"]["error"] and shown["broker"]["management"]["error"], shown["broker"]
+
+
+COOKIE = "DELIVERYSTATUSTESTCOOKIE"
+
+
+@pytest.fixture
+def three_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[tuple[RabbitNode, int]]]:
+    """Three private RabbitMQ nodes clustered together (one Erlang cookie), each with the management
+    plugin on a port of its own; every one stopped afterwards. Never the shared broker."""
+    sbin = rabbitmq_sbin()
+    if sbin is None:
+        if os.environ.get("DELIVERY_REQUIRE_BROKER"):
+            pytest.fail("rabbitmq-server is not installed")
+        pytest.skip("rabbitmq-server not installed")
+    nodes: list[tuple[RabbitNode, int]] = []
+    try:
+        for i in range(3):
+            node = RabbitNode(sbin, tmp_path_factory.mktemp(f"rabbitmq-cluster-{i}"))
+            port = free_port()
+            (node.base / "enabled_plugins").write_text("[rabbitmq_management].\n")
+            (node.base / "rabbitmq.conf").write_text(
+                f"management.tcp.port = {port}\nmanagement.tcp.ip = 127.0.0.1\n")
+            cookie = node.base / "home" / ".erlang.cookie"
+            cookie.write_text(COOKIE)
+            cookie.chmod(0o400)
+            nodes.append((node, port))
+        for node, _ in nodes:
+            node.start()
+        first = nodes[0][0].name
+        for node, _ in nodes[1:]:
+            node.ctl("stop_app")
+            node.ctl("join_cluster", first)
+            node.ctl("start_app")
+            wait_for_broker(node.url)
+        yield nodes
+    finally:
+        for node, _ in nodes:
+            node.stop()
+
+
+@pytest.mark.timeout(600)
+def test_on_a_three_node_cluster_status_is_red_exactly_while_a_quorum_is_lost(
+        three_nodes: list[tuple[RabbitNode, int]], tmp_path: Path) -> None:
+    """Three clustered private nodes, the main queue a quorum queue on all three: healthy with 3/3
+    online. Two nodes stopped: status (through the node left) exits 1 within its deadlines, the main
+    queue NO QUORUM (1 of 3 online) or unreadable. One node back: 2/3 online, quorum kept, healthy
+    again (exit 0). The node the dead queue lives on stopped: a classic dead queue is unreadable
+    (its home node down), a replicated one is not."""
+    (first, api1), (second, api2), (third, _) = three_nodes
+    space = Namespace(first.url, "delivery", tmp_path)
+    config = write_deployment(tmp_path, ns=space, consumers=("catalog",))
+    assert 0 == dc(config, "topology", "declare", "--consumer", "catalog").returncode
+    args = ("--management-url", f"http://127.0.0.1:{api1}", "--broker-timeout", "3")
+    code, shown = _status(config, *args)
+    assert (0, []) == (code, shown["problems"])
+    row = _row(shown)
+    assert (3, 3, False) == (len(row["members"]), len(row["online"]), row["quorumLost"]), row
+
+    second.ctl("stop_app")
+    third.ctl("stop_app")
+    took: list[float] = []
+
+    def red() -> dict[str, Any] | None:
+        # The management API's figures are collected every few seconds: ask until they say it.
+        started = time.monotonic()
+        code, shown = _status(config, *args, timeout=120)
+        took.append(time.monotonic() - started)
+        return shown if code == 1 else None
+
+    shown = wait_until("status red with two nodes of three stopped", red, timeout=120, interval=1)
+    row = _row(shown)
+    [main] = [q for q in row["queues"] if q["kind"] == "main"]
+    assert main["quorumLost"] is True or main["readable"] is False, main
+    assert any(row["queue"] in p and ("lost its quorum" in p or "cannot be read" in p) for p in shown["problems"])
+    assert max(took) < 60, took
+    text = dc(config, "status", *args, timeout=120)
+    assert 1 == text.returncode and ("NO QUORUM" in text.stdout or "UNREADABLE" in text.stdout), text.stdout
+
+    second.ctl("start_app")
+    wait_for_broker(second.url)
+    shown = wait_until("status healthy with two nodes of three", lambda: (
+        lambda answer: answer[1] if answer[0] == 0 else None)(_status(config, *args, timeout=120)),
+        timeout=120, interval=1)
+    assert [] == shown["problems"]
+    row = _row(shown)
+    assert (3, 2, False) == (len(row["members"]), len(row["online"]), row["quorumLost"]), row
+
+    # The first node (which declared the dead queue) down; asked through the second.
+    third.ctl("start_app")
+    wait_for_broker(third.url)
+    dead = next(q for q in row["queues"] if q["kind"] == "dead")
+    first.ctl("stop_app")
+    other = write_deployment(tmp_path / "via-second" if (tmp_path / "via-second").mkdir() is None else tmp_path,
+                             ns=Namespace(second.url, "delivery", tmp_path), consumers=("catalog",))
+    code, shown = _status(other, "--management-url", f"http://127.0.0.1:{api2}", "--broker-timeout", "3",
+                          timeout=120)
+    [asked] = [q for q in _row(shown)["queues"] if q["kind"] == "dead"]
+    if dead["type"] == "classic":
+        assert 1 == code and asked["readable"] is False, asked
+        assert any(f"queue {asked['queue']} cannot be read" in p for p in shown["problems"]), shown["problems"]
+    else:
+        assert asked["readable"] is True, asked
