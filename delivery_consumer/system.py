@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import orjson
 
@@ -412,16 +413,23 @@ def _writer(db: ConsumerDB) -> Row:
 
 
 def unacknowledged(dep: Deployment, queue: str) -> int | None:
-    """Unacknowledged messages from the management API, when the deployment names it."""
-    from .management import ManagementError, queue_infos
-
+    """Unacknowledged messages of one queue from the management API, when the file names it
+    (``status`` asks for every queue at once: :func:`management.queue_infos`)."""
     if not dep.management_url:
         return None
+    import httpx
+
+    from .management import credentials, vhost_of
+
+    base, auth = credentials(dep.management_url, dep.amqp_url)
+    url = f"{base}/api/queues/{vhost_of(dep.amqp_url)}/{quote(queue, safe='')}"
     try:
-        info = queue_infos(dep.management_url, dep.amqp_url).get(queue)
-    except ManagementError:
+        answer = httpx.get(url, auth=auth, timeout=5)
+        answer.raise_for_status()
+        value = answer.json().get("messages_unacknowledged")
+    except (httpx.HTTPError, ValueError):
         return None
-    return None if info is None else info.unacked
+    return value if isinstance(value, int) else None
 
 
 def _state(counts: dict[str, Any], queue: str) -> Any:
@@ -643,7 +651,7 @@ def status(dep: Deployment, *, now: float | None = None, broker: bool = True, sh
     broker call answers within *timeout_s* or its queue is shown unreadable."""
     from . import outbox
     from .amqp.admin import Unreadable, queue_states
-    from .management import ManagementError, queue_infos
+    from .management import ManagementError, credentials, queue_infos
 
     now = time.time() if now is None else now
     problems: list[str] = []
@@ -667,7 +675,7 @@ def status(dep: Deployment, *, now: float | None = None, broker: bool = True, sh
             problems.append(f"broker: {broker_error}")
             counts = {}
         if dep.management_url:
-            management = {"url": dep.management_url.split("@")[-1], "error": None}
+            management = {"url": credentials(dep.management_url, dep.amqp_url)[0], "error": None}
             try:
                 infos = queue_infos(dep.management_url, dep.amqp_url, timeout_s=timeout_s)
             except ManagementError as exc:
