@@ -251,15 +251,16 @@ def three_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[tuple
 @pytest.mark.timeout(600)
 def test_on_a_three_node_cluster_status_is_red_exactly_while_a_quorum_is_lost(
         three_nodes: list[tuple[RabbitNode, int]], tmp_path: Path) -> None:
-    """Three clustered private nodes, the main queue a quorum queue on all three: healthy with 3/3
+    """Three clustered private nodes, the main queues quorum queues on all three: healthy with 3/3
     online. Two nodes stopped: status (through the node left) exits 1 within its deadlines, the main
     queue NO QUORUM (1 of 3 online) or unreadable. One node back: 2/3 online, quorum kept, healthy
     again (exit 0). The node the dead queue lives on paused (SIGSTOP): status through another node
-    is red within its deadlines, a classic dead queue unreadable."""
+    is red within its deadlines (two declares cut, the queues after them not asked), a classic dead
+    queue unreadable."""
     (first, api1), (second, api2), (third, _) = three_nodes
     space = Namespace(first.url, "delivery", tmp_path)
-    config = write_deployment(tmp_path, ns=space, consumers=("catalog",))
-    assert 0 == dc(config, "topology", "declare", "--consumer", "catalog").returncode
+    config = write_deployment(tmp_path, ns=space, consumers=("catalog", "audit", "webhook"))
+    assert 0 == dc(config, "topology", "declare").returncode  # through the first node: classic queues live there
     args = ("--management-url", f"http://127.0.0.1:{api1}", "--broker-timeout", "3")
     code, shown = _status(config, *args)
     assert (0, []) == (code, shown["problems"])
@@ -304,7 +305,7 @@ def test_on_a_three_node_cluster_status_is_red_exactly_while_a_quorum_is_lost(
     dead = next(q for q in row["queues"] if q["kind"] == "dead")
     (tmp_path / "via-second").mkdir()
     other = write_deployment(tmp_path / "via-second", ns=Namespace(second.url, "delivery", tmp_path),
-                             consumers=("catalog",))
+                             consumers=("catalog", "audit", "webhook"))
     assert first.proc is not None
     os.killpg(first.proc.pid, signal.SIGSTOP)
     try:
@@ -317,6 +318,8 @@ def test_on_a_three_node_cluster_status_is_red_exactly_while_a_quorum_is_lost(
     assert 1 == code, shown
     assert took < 2 * (2 + 1) + 8, took  # the connection and two silent declares at most, python's start-up
     [asked] = [q for q in _row(shown)["queues"] if q["kind"] == "dead"]
-    if dead["type"] == "classic":
+    if dead["type"] == "classic":  # three dead queues on the paused node: two cut, the third not asked
         assert asked["readable"] is False, asked
         assert any(f"queue {asked['queue']} cannot be read" in p for p in shown["problems"]), shown["problems"]
+        [webhook] = [q for q in _row(shown, "webhook")["queues"] if q["kind"] == "dead"]
+        assert webhook["error"].startswith("not asked (2 queues before it did not answer within 2s)"), webhook
