@@ -23,7 +23,7 @@ from ..deliveries import OutMessage, PublishResult
 from ..errors import BrokerError, BrokerFatal, BrokerUnavailable, safe_reason
 from ..topology import DEFAULT_URL, Route, Topology
 from .connection import classify, parameters
-from .declare import Steps, declare_steps
+from .declare import Missing, Steps, declare_steps
 
 PERSISTENT = 2
 _V = TypeVar("_V")
@@ -81,6 +81,7 @@ class Publisher:
         self._topologies = list(topologies)
         self._exchanges = list(exchanges)
         self._routes = list(routes)
+        self._declared = False  # declared once: a reconnect declares only what is missing (declare.Missing)
         self._timeout_s = timeout_s
         self.window = window
         self._ioloop = IOLoop()
@@ -145,10 +146,27 @@ class Publisher:
 
         def confirming() -> None:
             self._seq = 0
-            Steps(declare_steps(channel, self._topologies, self._exchanges, self._routes), self._on_ready).start()
+            conn = self._conn
+            if self._declared and conn is not None:
+                Missing(lambda then: conn.channel(on_open_callback=then), self._topologies, self._on_ready,
+                        self._missing_failed, exchanges=self._exchanges).start()
+                return
+            Steps(declare_steps(channel, self._topologies, self._exchanges, self._routes), self._on_declared).start()
 
         confirm_mode(channel, on_close=self._on_channel_closed, on_return=self._on_return,
                      on_confirm=self._on_confirm, then=confirming)
+
+    def _on_declared(self) -> None:
+        self._declared = True
+        self._on_ready()
+
+    def _missing_failed(self, reason: BaseException) -> None:
+        """A reconnect's look at the topology got another answer than "exists" or "no such queue"
+        (a queue whose home node is down, no quorum): an outage."""
+        if isinstance(reason, pex.ChannelClosedByBroker) and reason.reply_code == 404:
+            self._fail(BrokerUnavailable(f"a queue is not available: {reason.reply_text}"))
+        else:
+            self._fail(classify(reason, url=self.url))
 
     def _on_ready(self) -> None:
         self._ready = True
