@@ -19,12 +19,11 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-import pika
 import pika.exceptions as pex
 
 from ..errors import BrokerError
 from ..topology import Route, Topology
-from .connection import FAILURES, classify, parameters
+from .connection import FAILURES, Addresses, classify, open_blocking
 from .publisher import Publisher
 
 
@@ -175,7 +174,9 @@ def _declare_each(conn: Any, queues: list[str], out: dict[str, QueueState], time
 def _open(url: str, name: str, timeout_s: float) -> Any:
     """A connection made within *timeout_s* (TCP connect and AMQP handshake), else BrokerError."""
     try:
-        return pika.BlockingConnection(_timed(parameters(url, name=name), timeout_s))
+        addrs = Addresses(url, name=name)
+        _timed(addrs.params, timeout_s)
+        return open_blocking(addrs)  # each address under its own deadline, in the client's order
     except FAILURES as exc:
         raise classify(exc, url=url) from None
 
@@ -208,12 +209,13 @@ def _drop(conn: Any) -> None:
 @contextmanager
 def _connection(url: str, name: str, *, timeout_s: float | None = None) -> Iterator[Any]:
     """A short connection for one administrative call; pika's failures leave classified."""
-    params = parameters(url, name=name)
-    if timeout_s is not None:
-        params = _timed(params, timeout_s)
     conn: Any = None
     try:
-        conn = pika.BlockingConnection(params)
+        addrs = Addresses(url, name=name)
+        if timeout_s is not None:
+            for params in addrs.params:
+                params.socket_timeout = params.stack_timeout = params.blocked_connection_timeout = timeout_s
+        conn = open_blocking(addrs)
         yield conn
     except FAILURES as exc:
         raise classify(exc, url=url) from None
@@ -252,7 +254,7 @@ def delete_unused_queues(url: str, queues: Sequence[str]) -> list[str]:
     kept = []
     states = queue_counts(url, queues, name="delivery-consumer repartition")
     try:
-        conn = pika.BlockingConnection(parameters(url, name="delivery-consumer delete queues"))
+        conn = open_blocking(Addresses(url, name="delivery-consumer delete queues"))
         try:
             channel = conn.channel()
             for queue, state in states.items():

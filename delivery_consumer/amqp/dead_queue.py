@@ -17,12 +17,11 @@ from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
-import pika
 import pika.exceptions as pex
 
 from ..deliveries import OutMessage, PublishResult
 from ..errors import BrokerError, BrokerFatal, BrokerUnavailable
-from .connection import FAILURES, classify, parameters, redact
+from .connection import FAILURES, Addresses, classify, open_blocking, redact, unreachable_queue
 from .publisher import properties
 
 #: The most messages one reader holds: a quorum queue gives a consumer without a prefetch limit at
@@ -91,7 +90,7 @@ class DeadQueue:
                  settle_s: float = 0.2, timeout_s: float = 120.0) -> None:
         self.url = url
         self.queue = queue
-        self._params = parameters(url, name=name)
+        self._params = Addresses(url, name=name)
         self._settle_s = settle_s
         self._timeout_s = timeout_s
         self._conn: Any = None
@@ -106,7 +105,7 @@ class DeadQueue:
         self.complete = False
 
     def _error(self, exc: BaseException) -> BrokerError:
-        if isinstance(exc, pex.ChannelClosedByBroker) and exc.reply_code == 404:
+        if isinstance(exc, pex.ChannelClosedByBroker) and exc.reply_code == 404 and not unreachable_queue(exc):
             return BrokerFatal(f"queue {self.queue} does not exist on {redact(self.url)} (wrong --queue-prefix? "
                                "run topology declare, or start the consumer once)")
         if isinstance(exc, pex.ChannelClosedByBroker) and (
@@ -121,7 +120,7 @@ class DeadQueue:
         *prefetch* 0 asks for as many as one reader may hold (:data:`MAX_HELD`).
         """
         try:
-            self._conn = pika.BlockingConnection(self._params)
+            self._conn = open_blocking(self._params)
             self._channel = self._conn.channel()
             self.opened_at = time.time()
             # A quorum queue does not refuse a second "exclusive" consumer: the lock is an exclusive

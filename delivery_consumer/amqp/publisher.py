@@ -10,6 +10,7 @@ methods only, so confirms are pipelined (see docs/amqp.md).
 from __future__ import annotations
 
 import struct
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -22,7 +23,7 @@ from pika.adapters.select_connection import IOLoop, PollEvents
 from ..deliveries import OutMessage, PublishResult
 from ..errors import BrokerError, BrokerFatal, BrokerUnavailable, safe_reason
 from ..topology import DEFAULT_URL, Route, Topology
-from .connection import classify, parameters
+from .connection import Addresses, Opening, classify, open_select
 from .declare import Missing, Steps, declare_steps
 
 PERSISTENT = 2
@@ -77,7 +78,8 @@ class Publisher:
         window: int = 1000,
     ) -> None:
         self.url = url
-        self._params = parameters(url, name=name)
+        self._addrs = Addresses(url, name=name)
+        self._opening: Opening | None = None
         self._topologies = list(topologies)
         self._exchanges = list(exchanges)
         self._routes = list(routes)
@@ -95,6 +97,7 @@ class Publisher:
         self._results: list[PublishResult | None] = []
         self._batch: Sequence[OutMessage] = ()
         self._next = 0
+        self._deadline: float | None = None  # time.monotonic() no wait of publish() goes past
 
     # loop driving
     def _check(self) -> None:
@@ -106,8 +109,10 @@ class Publisher:
         if self._error is None and done():
             return
         self._waiting = done
-        handle = self._ioloop.call_later(self._timeout_s, lambda: self._fail(BrokerUnavailable(
-            f"timed out after {self._timeout_s:g}s waiting for the broker to {what}")))
+        timeout_s, why = self._timeout_s, f"timed out after {self._timeout_s:g}s waiting for the broker to {what}"
+        if self._deadline is not None and self._deadline - time.monotonic() < timeout_s:
+            timeout_s, why = max(0.0, self._deadline - time.monotonic()), f"no answer within the deadline ({what})"
+        handle = self._ioloop.call_later(timeout_s, lambda: self._fail(BrokerUnavailable(why)))
         try:
             self._ioloop.start()
         finally:
@@ -125,13 +130,9 @@ class Publisher:
         if self._ready:
             return
         self._error = None
-        self._conn = pika.SelectConnection(
-            self._params,
-            on_open_callback=self._on_open,
-            on_open_error_callback=lambda _c, exc: self._fail(classify(exc, url=self.url)),
-            on_close_callback=self._on_closed,
-            custom_ioloop=self._ioloop,
-        )
+        self._opening = open_select(self._addrs, ioloop=self._ioloop, on_open=self._on_open,
+                                    on_open_error=lambda _c, exc: self._fail(classify(exc, url=self.url)),
+                                    on_close=self._on_closed)
         self._run_until(lambda: self._ready, "open the connection")
         if self._error is not None:
             error, self._error = self._error, None
@@ -139,6 +140,7 @@ class Publisher:
             raise error
 
     def _on_open(self, conn: pika.SelectConnection) -> None:
+        self._conn, self._opening = conn, None
         conn.channel(on_open_callback=self._on_channel)
 
     def _on_channel(self, channel: Any) -> None:
@@ -195,10 +197,17 @@ class Publisher:
         self._pending.clear()
 
     def _abort(self) -> None:
+        if self._opening is not None:
+            self._opening.abort()  # every address tried in turn is given up, not left connecting
+            self._opening = None
         conn = self._conn
         if conn is not None and conn.is_open:
             conn.close()
-            self._run_until(lambda: self._conn is None, "close the connection")
+            deadline, self._deadline = self._deadline, None  # closing gets its own timeout
+            try:
+                self._run_until(lambda: self._conn is None, "close the connection")
+            finally:
+                self._deadline = deadline
         # A connection still being set up (interrupted) is left to the loop's
         # close: pika cannot close one whose set-up is pending (its workflow asserts).
         self._conn = None
@@ -211,7 +220,8 @@ class Publisher:
         self._ioloop.add_callback_threadsafe(self._on_interrupt)
 
     def _on_interrupt(self) -> None:
-        if self._conn is not None and not self._ready and self._waiting is not None:
+        opening = self._opening is not None and self._opening.pending
+        if (self._conn is not None or opening) and not self._ready and self._waiting is not None:
             self._fail(BrokerUnavailable("stopped while waiting for the broker"))
 
     # confirms and returns
@@ -256,30 +266,39 @@ class Publisher:
             return [PublishResult("unconfirmed", str(exc)) for _ in messages]
         return None
 
-    def publish(self, messages: Sequence[OutMessage]) -> list[PublishResult]:
+    def publish(self, messages: Sequence[OutMessage], *, deadline: float | None = None) -> list[PublishResult]:
         """Publish *messages* in order; return one result per message.
 
         Connection loss is not raised: the affected messages come back
         ``unconfirmed`` (they may or may not have reached the queue), so the
         caller can retry them -- a duplicate is absorbed by the consumer's
-        inbox, a loss would not be.
+        inbox, a loss would not be. *deadline* (a ``time.monotonic()`` value):
+        no wait, connecting included, goes past it; what is not confirmed
+        then comes back ``unconfirmed`` and the connection is closed.
         """
-        done = self._connect_for(messages)
-        if done is not None:
-            return done
-        self._batch = messages
-        self._results = [None] * len(messages)
-        self._next = 0
-        self._pump()
-        self._run_until(lambda: self._next >= len(self._batch) and not self._pending, "confirm messages")
-        if self._error is not None:
-            if isinstance(self._error, BrokerFatal):
-                error, self._error = self._error, None
-                self._abort()
-                raise error
-            self._error = None
-            self._abort()
+        self._deadline = deadline
+        try:
+            done = self._connect_for(messages)
+            if done is not None:
+                return done
+            self._batch = messages
+            self._results = [None] * len(messages)
+            self._next = 0
+            self._pump()
+            self._run_until(lambda: self._next >= len(self._batch) and not self._pending, "confirm messages")
+        finally:
+            self._deadline = None
         reason = "not sent: the connection was lost first"
+        if self._error is not None:
+            error, self._error = self._error, None
+            if not isinstance(error, BrokerFatal):  # what no confirm came for says why
+                reason = f"not sent: {error}"
+                for index in self._pending.values():
+                    self._results[index] = PublishResult("unconfirmed", str(error))
+                self._pending.clear()
+            self._abort()
+            if isinstance(error, BrokerFatal):
+                raise error
         results = [r if r is not None else PublishResult("unconfirmed", reason) for r in self._results]
         self._batch, self._results = (), []
         return results
@@ -394,7 +413,11 @@ class StreamPublisher(Publisher):
             if self._error is not None:
                 error, self._error = self._error, None
                 self._broken = str(error)
-                self._abort()  # closing marks every pending message unconfirmed
+                if not isinstance(error, BrokerFatal):  # what no confirm came for says why
+                    for index in self._pending.values():
+                        self._results[index] = PublishResult("unconfirmed", str(error))
+                    self._pending.clear()
+                self._abort()  # closing marks every (other) pending message unconfirmed
                 if isinstance(error, BrokerFatal):
                     raise error
         reason = f"not sent: {self._broken}"
@@ -447,9 +470,13 @@ class StreamPublisher(Publisher):
     def __enter__(self) -> StreamPublisher:
         return self
 
-    def publish(self, messages: Sequence[OutMessage]) -> list[PublishResult]:
+    def publish(self, messages: Sequence[OutMessage], *, deadline: float | None = None) -> list[PublishResult]:
         """Publisher.publish's contract: one call, one settled batch."""
-        done = self._connect_for(messages)
-        if done is not None:
-            return done
-        return self.collect(self.send(messages))
+        self._deadline = deadline
+        try:
+            done = self._connect_for(messages)
+            if done is not None:
+                return done
+            return self.collect(self.send(messages))
+        finally:
+            self._deadline = None
