@@ -22,7 +22,7 @@ from typing import Any
 
 import orjson
 
-from . import consumers
+from . import consumers, inbox
 from .amqp.dead_queue import DeadQueue, HeldMessage, QueueBusy
 from .cloudevents import parse_message
 from .deliveries import Delivery, OutMessage, PublishResult, delivery_key
@@ -376,7 +376,7 @@ def receipts(db: ConsumerDB, letters: Iterable[DeadLetter]) -> dict[int, dict[st
     duplicate), or another body under its eventId (it would be event-id-reused again)."""
     found: dict[int, dict[str, Any]] = {}
     for letter in letters:
-        receipt = _receipt(db, letter.event_id)
+        receipt = None if letter.event_id is None else inbox.receipt(db.conn, letter.event_id)
         if receipt is not None:
             found[letter.position] = {"result": receipt[1], "sameBody": letter.same_body(receipt[0])}
     return found
@@ -429,18 +429,11 @@ class Report:
                 "items": [i.to_json() for i in self.items]}
 
 
-def _receipt(db: ConsumerDB, event_id: str | None) -> tuple[str, str] | None:
-    if event_id is None:
-        return None
-    rows = db.conn.execute("SELECT fingerprint, result FROM inbox WHERE event_id = ?", (event_id,)).fetchall()
-    return (str(rows[0][0]), str(rows[0][1])) if rows else None
-
-
 def plan_requeue(db: ConsumerDB, chosen: Sequence[tuple[DeadLetter, HeldMessage]]) -> list[Item]:
     """Sort selected dead letters into already applied, conflicting, and to requeue."""
     items = []
     for letter, msg in chosen:
-        receipt = _receipt(db, letter.event_id)
+        receipt = None if letter.event_id is None else inbox.receipt(db.conn, letter.event_id)
         if receipt is None:
             items.append(Item(letter, msg, REQUEUE))
         elif letter.same_body(receipt[0]):
