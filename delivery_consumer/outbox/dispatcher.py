@@ -4,7 +4,7 @@ Each round claims a batch under a lease (one write transaction), publishes it
 persistent and mandatory (``message_id`` = eventId, pipelined confirms) and
 marks ``published_at`` only for confirmed rows; the inbox absorbs duplicates.
 Rounds, leases, order per article, failures and crash points: docs/outbox.md;
-the same logic on SQLite and on PostgreSQL (:mod:`.db`): docs/outbox-postgres.md.
+the same logic on SQLite and on PostgreSQL (:mod:`.db`): the same page.
 """
 
 from __future__ import annotations
