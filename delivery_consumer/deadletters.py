@@ -24,7 +24,7 @@ import orjson
 
 from . import consumers, inbox
 from .amqp.dead_queue import DeadQueue, HeldMessage, QueueBusy
-from .cloudevents import parse_message
+from .cloudevents import binary_attributes, parse_message
 from .deliveries import Delivery, OutMessage, PublishResult, delivery_key
 from .envelope import KOMBU_COMPRESSION_HEADER, MAX_BODY_BYTES, body_digest
 from .errors import DELIVERY_LIMIT, Rejection, safe_reason
@@ -183,8 +183,6 @@ def describe(position: int, msg: HeldMessage, types: EventTypes | None = None) -
 def _type_named(msg: HeldMessage) -> str | None:
     """The event type a refused message names, if it names one: a CloudEvent's
     ``type`` attribute (a header, or in its body), else the body's ``type``."""
-    from .cloudevents import binary_attributes
-
     named = binary_attributes(msg.headers).get("type")
     if named is None and msg.content_encoding in (None, "", "identity", "utf-8"):
         try:

@@ -29,6 +29,7 @@ from ..envelope import KOMBU_COMPRESSION_HEADER, Envelope, body_digest, is_event
 from ..errors import (
     DELIVERY_LIMIT,
     FORWARDED,
+    BrokerError,
     DatabaseLost,
     DatabaseMalformed,
     DeliveryError,
@@ -377,8 +378,7 @@ class Worker(threading.Thread):
         """Why an idle ``--exit-when-idle`` run must not exit 0 yet (None: it may): its queue must
         answer, with nothing ready. A queue without quorum, or whose messages do not reach this run,
         is not an empty one (docs/run.md, "--exit-when-idle")."""
-        from ..amqp.admin import queue_counts
-        from ..errors import BrokerError
+        from ..amqp.admin import queue_counts  # pika, only when asked
 
         queue = self.topology.queue
         try:
