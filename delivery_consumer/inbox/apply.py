@@ -245,7 +245,7 @@ def _raise_if_whole_transaction(exc: Exception) -> None:
 
 def _receipts_failed(exc: Exception) -> _Fallback:
     """The optimistic batch's receipt writes raised *exc* (an effect's bad
-    result, None say): go event by event, where the per-event path says
+    result, such as None): go event by event, where the per-event path says
     whose it is. Raises *exc* itself when it concerns the whole transaction."""
     _raise_if_whole_transaction(exc)
     return _Fallback()
