@@ -147,7 +147,7 @@ def document(receivers: Sequence[Party], senders: Sequence[Party], *, url: str =
                                "effect, receipt) and acknowledged only after the commit; a duplicate is "
                                "answered from its receipt. A body that is a CloudEvent (structured, or binary "
                                "with cloudEvents:/cloudEvents_/ce- headers) is mapped to the envelope "
-                               "(docs/cloudevents.md).",
+                               "(docs/envelope.md, CloudEvents in).",
                 "channel": {"$ref": f"#/channels/{queue}"},
                 "messages": [{"$ref": f"#/channels/{queue}/messages/{k}"} for k in names],
                 "bindings": {"amqp": {"ack": True, "bindingVersion": AMQP_BINDING}},

@@ -10,7 +10,7 @@ platforms). Both content modes of the AMQP protocol binding are read:
   RabbitMQ binding of the SDK writes it), ``data`` in the body and
   ``datacontenttype`` in the ``content-type`` property.
 
-The mapping (the contract; docs/cloudevents.md): ``type`` -> ``type``,
+The mapping (the contract; docs/envelope.md): ``type`` -> ``type``,
 ``subject`` -> the type's key, ``time`` -> ``occurredAt`` (in UTC, to the
 millisecond: the one spelling both modes can carry), the extension
 ``revision`` -> ``revision``, ``data`` -> ``data``, the extensions

@@ -22,9 +22,9 @@ from typing import Any
 
 import orjson
 
-from . import consumers
+from . import consumers, inbox
 from .amqp.dead_queue import DeadQueue, HeldMessage, QueueBusy
-from .cloudevents import parse_message
+from .cloudevents import binary_attributes, parse_message
 from .deliveries import Delivery, OutMessage, PublishResult, delivery_key
 from .envelope import KOMBU_COMPRESSION_HEADER, MAX_BODY_BYTES, body_digest
 from .errors import DELIVERY_LIMIT, Rejection, safe_reason
@@ -183,8 +183,6 @@ def describe(position: int, msg: HeldMessage, types: EventTypes | None = None) -
 def _type_named(msg: HeldMessage) -> str | None:
     """The event type a refused message names, if it names one: a CloudEvent's
     ``type`` attribute (a header, or in its body), else the body's ``type``."""
-    from .cloudevents import binary_attributes
-
     named = binary_attributes(msg.headers).get("type")
     if named is None and msg.content_encoding in (None, "", "identity", "utf-8"):
         try:
@@ -376,7 +374,7 @@ def receipts(db: ConsumerDB, letters: Iterable[DeadLetter]) -> dict[int, dict[st
     duplicate), or another body under its eventId (it would be event-id-reused again)."""
     found: dict[int, dict[str, Any]] = {}
     for letter in letters:
-        receipt = _receipt(db, letter.event_id)
+        receipt = None if letter.event_id is None else inbox.receipt(db.conn, letter.event_id)
         if receipt is not None:
             found[letter.position] = {"result": receipt[1], "sameBody": letter.same_body(receipt[0])}
     return found
@@ -429,18 +427,11 @@ class Report:
                 "items": [i.to_json() for i in self.items]}
 
 
-def _receipt(db: ConsumerDB, event_id: str | None) -> tuple[str, str] | None:
-    if event_id is None:
-        return None
-    rows = db.conn.execute("SELECT fingerprint, result FROM inbox WHERE event_id = ?", (event_id,)).fetchall()
-    return (str(rows[0][0]), str(rows[0][1])) if rows else None
-
-
 def plan_requeue(db: ConsumerDB, chosen: Sequence[tuple[DeadLetter, HeldMessage]]) -> list[Item]:
     """Sort selected dead letters into already applied, conflicting, and to requeue."""
     items = []
     for letter, msg in chosen:
-        receipt = _receipt(db, letter.event_id)
+        receipt = None if letter.event_id is None else inbox.receipt(db.conn, letter.event_id)
         if receipt is None:
             items.append(Item(letter, msg, REQUEUE))
         elif letter.same_body(receipt[0]):

@@ -19,16 +19,21 @@ The whole tree (every class derives from :class:`DeliveryError`)::
     ├── TransientError            retry later
     │   └── StoreUnavailable      the database as a whole failed
     ├── DatabaseError             the database cannot be used (exit 2)
-    │   ├── WrongDatabase, DatabaseLost, DatabaseInUse, DatabaseMalformed, TakenOver
+    │   ├── WrongDatabase, DatabaseLost, DatabaseInUse, DatabaseMalformed
     │   └── StoreOutage           unusable past run's outage limit (exit 75)
+    │       └── TakenOver         a standby took the database over (exit 75)
     ├── ConfigError               configuration or usage (exit 2)
     ├── NotFound                  no record with that key (exit 1)
     ├── QueryError                ad-hoc SQL refused or failed
     ├── OutboxError               the outbox API used the wrong way
     ├── FenceError                a fence cannot be changed as asked
-    └── PruneRefused              a prune would remove receipts still needed
+    ├── PruneRefused              a prune would remove receipts still needed
+    └── BrokerError               talking to RabbitMQ failed (raised by ``amqp``)
+        ├── BrokerUnavailable     unreachable or dropped: retry later
+        └── BrokerFatal           retrying cannot help (credentials, vhost, arguments)
 
-The broker's errors (``amqp.connection``) derive from DeliveryError too.
+The broker's errors are defined here, not in ``amqp``, so that code without pika
+catches them; ``amqp.connection.classify`` maps pika's failures to them.
 """
 
 from __future__ import annotations

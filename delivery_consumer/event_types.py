@@ -181,7 +181,7 @@ class Envelope(NamedTuple):
     cloudevent: CloudEventId | None = None
     #: Fingerprints an earlier release computed for this same event (a
     #: CloudEvent's ``time`` it kept verbatim): a receipt holding one of them
-    #: is this event's, so its copy is a duplicate (docs/cloudevents.md).
+    #: is this event's, so its copy is a duplicate (docs/envelope.md).
     earlier_fingerprints: tuple[str, ...] = ()
 
     @property

@@ -1,6 +1,6 @@
 """A small demo producer: its own ``material`` table plus the outbox.
 
-What ``delivery-consumer produce`` runs, and what docs/producer.md shows: the
+What ``delivery-consumer produce`` runs, and what docs/outbox.md shows: the
 producer's change and its event are written in **one** transaction, so
 either both exist or neither does::
 

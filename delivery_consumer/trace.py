@@ -18,11 +18,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from .cloudevents import event_id_for
 from .contract import ConsumerSpec
 from .errors import FORWARDED, REJECTIONS, NotFound
 from .inbox import ConsumerDB
 from .plural import count
-from .queries import deliveries_summary, dict_rows, origin_of, reads
+from .queries import deliveries_summary, dict_rows, origin_of, reads, receipt_row
 from .sqlite import read_snapshot
 from .views import key_row
 
@@ -103,8 +104,6 @@ def cloudevent_matches(db: ConsumerDB, ce_id: str) -> list[tuple[str, str]]:
     delivery) that came as a CloudEvent with the id *ce_id* its producer gave
     it: the eventId is derived from source and id, so it is tried with each
     source the database has seen (``ce_sources``)."""
-    from .cloudevents import event_id_for
-
     found = []
     for (source,) in db.conn.execute("SELECT source FROM ce_sources ORDER BY source").fetchall():
         event_id = event_id_for(source, ce_id)
@@ -118,8 +117,6 @@ def cloudevent_matches(db: ConsumerDB, ce_id: str) -> list[tuple[str, str]]:
 @reads
 def trace(db: ConsumerDB, event_id: str, *, key: str | None = None) -> Row:
     """Receipt, deliveries, rejections and effect rows of *event_id*; NotFound if none."""
-    from .queries import receipt_row
-
     conn = db.conn
     with read_snapshot(conn):
         receipt = receipt_row(conn, event_id)

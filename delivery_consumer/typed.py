@@ -33,6 +33,7 @@ from typing import Any, Generic, TypeVar
 from .contract import ConsumerSpec, View
 from .envelope import Envelope
 from .errors import INVALID_ENVELOPE, ConfigError, Rejection, safe_reason
+from .event_ids import new_event_id
 from .event_types import EventType, EventTypes
 
 T = TypeVar("T")
@@ -153,8 +154,6 @@ def envelope(declared: EventType, key: str, data: Any, *, revision: int | None =
     """An envelope (a dict, as ``outbox.enqueue`` and ``publish`` take it) of type *declared* for
     *key*, *data* a model's value or a mapping. A fresh eventId (UUID version 7) and the present
     time unless given; *revision* is required by a type that carries one."""
-    from .event_ids import new_event_id
-
     if declared.revision and revision is None:
         raise ConfigError(f"{declared.name} carries a revision: give revision=")
     obj: dict[str, Any] = {"eventId": event_id or new_event_id(), "type": declared.name, declared.key: key}

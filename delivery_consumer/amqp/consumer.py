@@ -30,9 +30,10 @@ import pika
 import pika.exceptions as pex
 from pika.adapters.select_connection import IOLoop, PollEvents
 
+from ..backoff import Backoff
 from ..deliveries import Delivery, OutMessage
 from ..errors import BrokerError, BrokerFatal, BrokerUnavailable
-from ..retry import RECONNECT_CAP_S, reconnect_delay_s
+from ..retry import RECONNECT_CAP_S
 from ..topology import Topology, upgrade_hint
 from .connection import Addresses, classify, open_select, unreachable_queue
 from .declare import Missing, Steps, declare_steps
@@ -98,7 +99,6 @@ class ConsumerIO:
         self.generation = 0
         self._live_generation = 0  # 0 while no channel is consuming
         self._stopping = False
-        self._failures = 0
         #: Seconds to keep trying when no connection ever consumed (None:
         #: forever): a one-shot run with a wrong address must say so in time.
         self._first_connect_s = first_connect_s
@@ -106,8 +106,7 @@ class ConsumerIO:
         self._ever_consumed = False
         #: The whole topology was declared once by this process: a reconnect declares only what is missing.
         self._declared = False
-        self._outage: str | None = None  # what the failing attempts say, logged once
-        self._outage_since = 0.0
+        self._outage = Backoff()  # the broker being waited out, logged once
         self.fatal: BrokerError | None = None
 
     # -- lifecycle (loop thread) --
@@ -141,21 +140,18 @@ class ConsumerIO:
             self._stopping = True
             self.ioloop.stop()
             return
-        self._failures += 1
+        said = self._outage.fail(str(why))
         # Attempts start at most every backoff: the time a failed attempt took
         # (a handshake that timed out) counts towards the wait.
-        delay = max(0.0, reconnect_delay_s(self._failures) - (time.monotonic() - self._attempt_started))
+        delay = self._outage.delay(spent=time.monotonic() - self._attempt_started)
         if self._first_connect_s is not None and not self._ever_consumed:
             delay = max(0.01, min(delay, self._first_connect_s - waited))
         # Logged once per change of state, not once per attempt.
-        if str(why) != self._outage:
-            if self._outage is None:
-                self._outage_since = time.monotonic()
-            self._outage = str(why)
+        if said != "same":
             log.warning("%s; reconnecting in %.1fs, then every %.0fs at most until it answers",
                         why, delay, RECONNECT_CAP_S)
         else:
-            log.debug("%s; reconnecting in %.1fs (attempt %d)", why, delay, self._failures)
+            log.debug("%s; reconnecting in %.1fs (attempt %d)", why, delay, self._outage.tries)
         self.ioloop.call_later(delay, self._connect)
 
     def _on_open_error(self, _conn: Any, exc: BaseException) -> None:
@@ -228,11 +224,10 @@ class ConsumerIO:
         self._phase, self._acked = "probe", 0
         self._handover_tag, self._handover_done = None, False
         self._handover_total = self._handover_received = self._handover_last = 0
-        if self._outage is not None:
-            log.warning("broker reachable again after %.0fs (%d attempts)",
-                        time.monotonic() - self._outage_since, self._failures)
-            self._outage = None
-        self._failures = 0
+        tries = self._outage.tries
+        lasted = self._outage.end()
+        if lasted is not None:
+            log.warning("broker reachable again after %.0fs (%d attempts)", lasted, tries)
         self._ever_consumed = True
         if self._conn is not None:
             self._conn.channel(on_open_callback=lambda channel: self._on_probe_channel(gen, channel))

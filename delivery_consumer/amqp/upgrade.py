@@ -10,7 +10,8 @@ a duplicate, never a loss; running it again finishes the job (docs/amqp.md,
 
 from __future__ import annotations
 
-from contextlib import suppress
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,6 +138,22 @@ class _Session:
                 self.conn.close()
 
 
+@contextmanager
+def _session(url: str, name: str) -> Iterator[_Session]:
+    """A :class:`_Session` for one call, closed after it; pika's failures leave classified."""
+    session: _Session | None = None
+    try:
+        session = _Session(url, name)
+        yield session
+    except BrokerError:
+        raise
+    except FAILURES as exc:
+        raise classify(exc, url=url) from None
+    finally:
+        if session is not None:
+            session.close()
+
+
 def upgrade_queue(url: str, queue: str, args: dict[str, Any], *, name: str = "delivery-consumer topology upgrade",
                   rounds: int = 10) -> Upgraded:
     """Make *queue* a quorum queue declared with *args* (which say ``x-queue-type: quorum``), moving the
@@ -145,9 +162,7 @@ def upgrade_queue(url: str, queue: str, args: dict[str, Any], *, name: str = "de
     finds it missing for a moment: ``run`` holds such a delivery and tries again, a main queue's
     at-least-once dead-lettering keeps the message until it can."""
     parking = f"{queue}.upgrade"
-    session: _Session | None = None
-    try:
-        session = _Session(url, name)
+    with _session(url, name) as session:
         moved = 0
         upgraded = False
         if not session.declare(queue, args):  # a classic queue of that name: park its messages
@@ -170,13 +185,6 @@ def upgrade_queue(url: str, queue: str, args: dict[str, Any], *, name: str = "de
                 if session.delete_if_empty(parking, classic=False):
                     break
         return Upgraded(queue, "upgraded" if upgraded else "quorum already", moved)
-    except BrokerError:
-        raise
-    except FAILURES as exc:
-        raise classify(exc, url=url) from None
-    finally:
-        if session is not None:
-            session.close()
 
 
 def replace_marker(url: str, queue: str, classic_args: dict[str, Any], args: dict[str, Any], *,
@@ -184,9 +192,7 @@ def replace_marker(url: str, queue: str, classic_args: dict[str, Any], args: dic
     """Replace a classic marker queue (never used, empty) by a quorum one declared with *args*.
     *classic_args*: what the earlier release declared it with; a marker recording another count is
     refused (BrokerFatal) and left alone. Returns what was done."""
-    session: _Session | None = None
-    try:
-        session = _Session(url, name)
+    with _session(url, name) as session:
         if session.declare(queue, args):
             return "quorum already"
         try:
@@ -198,13 +204,6 @@ def replace_marker(url: str, queue: str, classic_args: dict[str, Any], args: dic
             raise BrokerFatal(f"{queue} holds messages: it is not a marker queue of delivery-consumer")
         session.declare(queue, args)
         return "upgraded"
-    except BrokerError:
-        raise
-    except FAILURES as exc:
-        raise classify(exc, url=url) from None
-    finally:
-        if session is not None:
-            session.close()
 
 
 __all__ = ["Upgraded", "replace_marker", "upgrade_queue"]

@@ -361,7 +361,7 @@ def produce(db_path: Path | str, article_id: str, title: str | None, url: str | 
     one transaction (the material table and the outbox of --db)."""
     if not isinstance(db_path, Path):
         raise click.BadParameter("the demo producer writes a SQLite file; on PostgreSQL the application enqueues"
-                                 " through psycopg (docs/outbox-postgres.md)", param_hint="--db")
+                                 " through psycopg (docs/outbox.md)", param_hint="--db")
     try:
         with closing(producer_lib.open_db(db_path)) as conn:
             done = producer_lib.produce(conn, article_id, title=title, url=url, withdraw=withdraw)

@@ -48,7 +48,7 @@ def trace(ctx: click.Context, consumer: str | None, db_path: Path | None, as_jso
 
     EVENT_ID may be a CloudEvent's id as its producer sent it (not a UUID:
     pay-000123-cap): it is looked up with every CloudEvents source the
-    consumers have seen, or with --ce-source SOURCE (docs/cloudevents.md).
+    consumers have seen, or with --ce-source SOURCE (docs/envelope.md).
     """
     if event_id is not None and ce_source is not None:
         event_id = _event_id(ce_source, event_id)

@@ -18,6 +18,7 @@ from .apply import (
     apply_batch,
     apply_event,
     has_receipt,
+    receipt,
     receipt_of,
     unsynced_transaction,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "keep_high_water",
     "owner_alive",
     "process_owner",
+    "receipt",
     "receipt_of",
     "unsynced_transaction",
 ]

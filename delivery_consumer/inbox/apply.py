@@ -234,10 +234,21 @@ def unstorable(exc: BaseException) -> bool:
     return isinstance(exc, sqlite3.IntegrityError) and getattr(exc, "sqlite_errorcode", None) in _DATATYPE_CODES
 
 
-def _whole_transaction(exc: BaseException) -> bool:
-    """Whether a sqlite3 error raised by an event's statements concerns the
-    whole transaction (busy, disk full, I/O...), not the event."""
-    return isinstance(exc, sqlite3.Error) and not isinstance(exc, sqlite3.IntegrityError | sqlite3.DataError)
+def _raise_if_whole_transaction(exc: Exception) -> None:
+    """Raise *exc* again when it is a sqlite3 error raised by an event's
+    statements that concerns the whole transaction (busy, disk full, I/O...),
+    not the event (a constraint or a value of the event's own). The one
+    place the appliers sort an event's failures from the database's."""
+    if isinstance(exc, sqlite3.Error) and not isinstance(exc, sqlite3.IntegrityError | sqlite3.DataError):
+        raise exc
+
+
+def _receipts_failed(exc: Exception) -> _Fallback:
+    """The optimistic batch's receipt writes raised *exc* (an effect's bad
+    result, such as None): go event by event, where the per-event path says
+    whose it is. Raises *exc* itself when it concerns the whole transaction."""
+    _raise_if_whole_transaction(exc)
+    return _Fallback()
 
 
 class Transaction:
@@ -337,8 +348,7 @@ class Transaction:
         # failing on the event's own writes (IntegrityError) aborted only that
         # statement: it is this event's bug. Other sqlite3 errors (busy, disk
         # full, I/O) concern the transaction.
-        if _whole_transaction(exc):
-            raise exc
+        _raise_if_whole_transaction(exc)
         if unstorable(exc):  # retrying the same bytes cannot help
             return Outcome(env.event_id, rejection=Rejection(
                 UNSTORABLE_VALUE, f"{self.spec.name} cannot store a value of this event: {exc}",
@@ -449,9 +459,7 @@ class Transaction:
         except _Fallback:
             raise
         except Exception as exc:
-            if _whole_transaction(exc):
-                raise
-            raise _Fallback from None
+            raise _receipts_failed(exc) from None
         sources = {ce.source for env in fresh if (ce := env.cloudevent) is not None}
         if sources:
             conn.executemany(_SOURCE_INSERT, [(source, now) for source in sources])
@@ -490,9 +498,7 @@ class Transaction:
             cursor.execute(_RECEIPT_INSERT, (event_id, env.fingerprint, result, env.type, self.now, env.key,
                                            _meta_column(env), "" if ce is None else ce.to_json()))
         except Exception as exc:  # an effect's bad result (None) fails here, as in the per-event path
-            if _whole_transaction(exc):
-                raise
-            raise _Fallback from None
+            raise _receipts_failed(exc) from None
         if ce is not None:
             cursor.execute(_SOURCE_INSERT, (ce.source, self.now))
         return Outcome(event_id, result=result)
@@ -618,19 +624,25 @@ class Transaction:
 
 
 
+def receipt(conn: sqlite3.Connection, event_id: str) -> tuple[str, str] | None:
+    """The receipt of *event_id*: (fingerprint, result); None when it has none."""
+    row = conn.execute(_RECEIPT_SELECT, (event_id,)).fetchone()
+    return None if row is None else (str(row[0]), str(row[1]))
+
+
 def receipt_of(tx: Transaction, env: Envelope) -> str | None:
     """``duplicate:<result>`` when *env* has a receipt, None when it has none.
 
     Raises :class:`Rejection` ``event-id-reused`` when the receipt is of
     another body (the same check as :meth:`Transaction.apply`).
     """
-    row = tx.conn.execute(_RECEIPT_SELECT, (env.event_id,)).fetchone()
+    row = receipt(tx.conn, env.event_id)
     return None if row is None else duplicate(row, env)
 
 
 def has_receipt(db: Store, event_id: str) -> bool:
     """Whether *event_id* has a receipt (read outside any transaction)."""
-    return db.conn.execute(_RECEIPT_SELECT, (event_id,)).fetchone() is not None
+    return receipt(db.conn, event_id) is not None
 
 
 class UnsyncedTransaction(Transaction):
@@ -692,6 +704,7 @@ __all__ = [
     "apply_event",
     "duplicate",
     "has_receipt",
+    "receipt",
     "receipt_of",
     "unstorable",
     "unsynced_transaction",

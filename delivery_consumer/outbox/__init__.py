@@ -23,7 +23,7 @@ so the change and the event commit together or not at all.
 * :mod:`.queries` -- ``outbox list | stats | show | prune | requeue | drop``
   and the read functions other views call.
 
-Design notes: docs/outbox.md, docs/outbox-postgres.md.
+Design notes: docs/outbox.md.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ supply the connection, the transaction, the parameter style and a few SQL
 fragments that differ (a list of seqs, a timestamp in milliseconds, the claim's lock).
 The SQL is written in SQLite's parameter style (``?``, ``?1``, ``:name``);
 the PostgreSQL backend rewrites it once per statement. Why one design and
-not two outboxes: docs/outbox-postgres.md.
+not two outboxes: docs/outbox.md.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Each round claims a batch under a lease (one write transaction), publishes it
 persistent and mandatory (``message_id`` = eventId, pipelined confirms) and
 marks ``published_at`` only for confirmed rows; the inbox absorbs duplicates.
 Rounds, leases, order per article, failures and crash points: docs/outbox.md;
-the same logic on SQLite and on PostgreSQL (:mod:`.db`): docs/outbox-postgres.md.
+the same logic on SQLite and on PostgreSQL (:mod:`.db`): the same page.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, Protocol
 
 from .. import tracing
+from ..backoff import Backoff
 from ..deliveries import OutMessage
 from ..errors import BrokerUnavailable, DeliveryError, TransientError, safe_reason
 from ..faults import crashpoint
@@ -246,8 +247,8 @@ class Dispatcher:
         self.stats = DispatchStats()
         self.stopping = False
         self.identity = owners.Identity.mine(config.owner)
-        self._failures = 0  # consecutive broker failures, for the backoff
-        self._db_failures = 0  # consecutive database-busy failures
+        self._link = Backoff()  # consecutive broker failures, for the backoff
+        self._db_wait = Backoff()  # consecutive database-busy failures
         self._connected = False
         self._episode: Outage | None = None  # the outage being waited out (.outage)
         self._probes: set[int] = set()  # seqs in flight as probes of refusing destinations
@@ -575,7 +576,7 @@ class Dispatcher:
             self._connected = False  # also if the mark below fails: the next step settles the rest
         self._settle(rows, results)
         if lost is None:
-            self._failures = 0
+            self._link.end()
             return len(rows)
         # The connection is gone: the batches behind this one come back at
         # once (unconfirmed, or not sent); record them, then wait it out.
@@ -732,9 +733,8 @@ class Dispatcher:
         """No connection (*connect*: a connect failed), or the confirms were
         lost: wait before the next attempt; *spent*: what the failed one took
         (a handshake that timed out), which counts towards the wait."""
-        self._failures += 1
         self.stats.last_outage = why
-        delay = max(0.0, reconnect_delay_s(self._failures) - spent)
+        delay = self._link.delay(spent)
         if self._idle_deadline is not None:  # never wait past the time --exit-when-idle allows
             delay = min(delay, max(0.01, self._idle_deadline - self.clock()))
         self.stats.online = False
@@ -751,7 +751,7 @@ class Dispatcher:
         elif why != episode.last_why:
             log.info("still waiting for the broker: %s", why)
         else:
-            log.debug("%s; retrying in %.1fs (attempt %d)", why, delay, self._failures)
+            log.debug("%s; retrying in %.1fs (attempt %d)", why, delay, self._link.tries)
         episode.last_why = why
         self.sleep(delay)
 
@@ -856,12 +856,11 @@ class Dispatcher:
                 # The database is busy past its timeout, or the disk is full:
                 # wait and try again. Rows published but not marked stay
                 # leased; after the lease they go again (duplicates, no loss).
-                self._db_failures += 1
-                delay = reconnect_delay_s(self._db_failures)
+                delay = self._db_wait.delay()
                 log.warning("%s; retrying in %.1fs", exc, delay)
                 self.sleep(delay)
                 continue
-            self._db_failures = 0
+            self._db_wait.end()
             now = self.clock()
             if self.stats.progress != seen:
                 seen, idle_since = self.stats.progress, now

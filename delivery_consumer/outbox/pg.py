@@ -17,7 +17,7 @@ dispatcher, the owners' table and the operator's queries are shared
 * :class:`PgListener` -- ``LISTEN``: a statement trigger on ``outbox``
   notifies every dispatcher on every host at commit.
 
-Design notes: docs/outbox-postgres.md.
+Design notes: docs/outbox.md, "the outbox in the producer's own PostgreSQL".
 """
 
 from __future__ import annotations

@@ -327,7 +327,7 @@ def enqueue(
 
     *conn*: the sqlite3 connection of the producer's open transaction, or a
     psycopg 3 connection (or a SQLAlchemy ``Session`` / ``Connection`` on
-    psycopg) inside the application's transaction (docs/outbox-postgres.md).
+    psycopg) inside the application's transaction (docs/outbox.md).
 
     Raises :class:`OutboxError` outside a transaction (the row would commit
     on its own, apart from the producer's change it must go with), on a

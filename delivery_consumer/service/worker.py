@@ -20,6 +20,7 @@ from datetime import datetime
 from typing import Any, Protocol, TypeVar
 
 from .. import acked, tracing
+from ..backoff import Backoff
 from ..cloudevents import parse_message
 from ..contract import DeliveryMark, Outcome, WorkHooks
 from ..dbfile import ContentTags, WriterLock
@@ -28,6 +29,7 @@ from ..envelope import KOMBU_COMPRESSION_HEADER, Envelope, body_digest, is_event
 from ..errors import (
     DELIVERY_LIMIT,
     FORWARDED,
+    BrokerError,
     DatabaseLost,
     DatabaseMalformed,
     DeliveryError,
@@ -180,10 +182,7 @@ class Worker(threading.Thread):
         self.db: ConsumerDB | None = None
         self.in_flight: InFlight | None = None
         #: monotonic() when the database stopped working as a whole (None: it works).
-        self._outage: float | None = None
-        self._outage_tries = 0
-        self._outage_code = ""
-        self._outage_said = ""
+        self._outage = Backoff(base_s=0.2, cap_s=10.0)  # the database being waited out
         #: The database's writer lock, held by this process (set by worker_main; None in memory).
         self.lock: WriterLock | None = None
         #: The database must be opened again before the next try (an I/O error, a "malformed" read).
@@ -379,8 +378,7 @@ class Worker(threading.Thread):
         """Why an idle ``--exit-when-idle`` run must not exit 0 yet (None: it may): its queue must
         answer, with nothing ready. A queue without quorum, or whose messages do not reach this run,
         is not an empty one (docs/run.md, "--exit-when-idle")."""
-        from ..amqp.admin import queue_counts
-        from ..errors import BrokerError
+        from ..amqp.admin import queue_counts  # pika, only when asked
 
         queue = self.topology.queue
         try:
@@ -592,9 +590,8 @@ class Worker(threading.Thread):
                 if not self._wait_for_store(exc, gen, start=start):
                     return None
                 continue
-            if self._outage is not None and wrote:
-                log.warning("database usable again after %.1fs; resuming", time.monotonic() - self._outage)
-                self._outage = None
+            if self._outage.open and wrote:
+                log.warning("database usable again after %.1fs; resuming", self._outage.end())
                 self.observer.store_health(True)
             return result
 
@@ -602,10 +599,9 @@ class Worker(threading.Thread):
         """Back off (with jitter) after a failure of the whole database; False
         when not worth waiting (stopping; channel *gen* gone: its deliveries
         come back anyway). Raises DatabaseError past the outage limit."""
-        now = time.monotonic()
         limit = self.config.store_outage_limit_s
-        if self._outage is None:
-            self._outage, self._outage_tries = now, 0
+        said = self._outage.fail(f"{exc.code}\n{exc}")
+        if said == "began":
             if start:
                 log.error("database unusable at start (%s): not consuming yet; retrying with backoff, giving up "
                           "after %.0fs", exc, limit)
@@ -613,16 +609,15 @@ class Worker(threading.Thread):
                 log.error("database unusable (%s): holding deliveries unacked, no attempt spent, nothing "
                           "dead-lettered; retrying with backoff, giving up after %.0fs", exc, limit)
             self.observer.store_health(False)
-        elif exc.code != self._outage_code or str(exc) != self._outage_said:
+        elif said == "changed":
             log.error("database still unusable, now: %s", exc)
-        self._outage_code, self._outage_said = exc.code, str(exc)
-        if now - self._outage >= limit:
-            raise StoreOutage(f"the database has been unusable for {now - self._outage:.0f}s "
-                                f"(--store-outage-limit {limit:g}s): {exc}")
+        lasted = self._outage.lasted()
+        if lasted >= limit:
+            raise StoreOutage(f"the database has been unusable for {lasted:.0f}s "
+                              f"(--store-outage-limit {limit:g}s): {exc}")
         if self.stop_requested.is_set() or (gen is not None and gen != self.live_generation):
             return False
-        self._outage_tries += 1
-        delay = min(reconnect_delay_s(self._outage_tries, base_s=0.2, cap_s=10.0), limit - (now - self._outage))
+        delay = min(self._outage.delay(), limit - lasted)
         return not self._pause(delay)
 
     def _hooks(self) -> WorkHooks:

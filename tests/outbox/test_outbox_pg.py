@@ -31,11 +31,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def readme_block(marker: str) -> str:
-    """The python block of the producer's page (docs/producer.md) whose first line is *marker*."""
-    text = (REPO / "docs" / "producer.md").read_text("utf-8")
+    """The python block of the producer's page (docs/outbox.md) whose first line is *marker*."""
+    text = (REPO / "docs" / "outbox.md").read_text("utf-8")
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
     found = [b for b in blocks if b.startswith(marker)]
-    assert 1 == len(found), f"docs/producer.md has no python block starting with {marker!r}"
+    assert 1 == len(found), f"docs/outbox.md has no python block starting with {marker!r}"
     return found[0]
 
 
@@ -83,7 +83,7 @@ def stopped() -> Iterator[list[subprocess.Popen[str]]]:
 
 
 def test_the_documented_producers_reach_the_consumer_exactly_once(ns: Namespace, pg_url: str) -> None:
-    """The psycopg and SQLAlchemy producers of docs/producer.md save their rows and events in PostgreSQL;
+    """The psycopg and SQLAlchemy producers of docs/outbox.md save their rows and events in PostgreSQL;
     dispatch publishes them; the catalog consumer ends up with the producer's articles, each event applied once."""
     run_python(readme_block("# producer_pg.py"), pg_url)
     run_python(readme_block("# producer_sqlalchemy.py"), pg_url)

@@ -89,7 +89,7 @@ def test_reading_the_unpartitioned_database_beside_partition_databases_says_so(t
 
 @pytest.mark.broker
 def test_the_readmes_partition_block_works_as_written(ns: Namespace) -> None:
-    """docs/partitioned-consumers.md's commands in order: declare 4 partitions, the first run with
+    """docs/partitions.md's commands in order: declare 4 partitions, the first run with
     --partitions, a standby right after it (it waits for the partition's database) and the other
     partitions without it (first start: the count from the broker), publish, then the catalog of every
     partition, trace and a partition's dead list."""
