@@ -17,9 +17,13 @@ checks before and after each test.
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
+import itertools
 import os
 import signal
+import sqlite3
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -31,8 +35,11 @@ from typing import Any
 import orjson
 import pika
 import pytest
-from brokerkit import Namespace, RabbitNode, rabbitmq_sbin, session_processes
-from support import wait_until
+from brokerkit import Namespace, RabbitNode, RunProcess, rabbitmq_sbin, session_processes
+from partitionkit import Cluster as PartitionedConsumer
+from support import count_rows, read_rows, wait_until
+
+from delivery_consumer import outbox
 
 #: What every node of the cluster is configured with: a minority pauses itself rather
 #: than serve a split brain (docs/cluster.md).
@@ -254,6 +261,26 @@ class RabbitCluster:
 
         return wait_until(f"a leader of {queue}", elected, timeout=60, ignoring=(KeyError,))
 
+    def busiest(self) -> ClusterNode:
+        """The node that holds the most client connections now (the one the clients use)."""
+        rows = orjson.loads(self.up()[0].ctl_out("list_connections", "node", "--formatter", "json"))
+        counts: dict[str, int] = {}
+        for row in rows:
+            counts[row["node"]] = counts.get(row["node"], 0) + 1
+        assert counts, "no client connection on the cluster"
+        return self.node(max(counts, key=lambda n: counts[n]))
+
+    def wait_queues_online(self, prefix: str, timeout: float = 120.0) -> None:
+        """Wait until every quorum queue named *prefix*.* has a leader and every member online."""
+        size = len(self.nodes)
+
+        def online() -> bool:
+            rows = [r for name, r in self.queues().items() if name.startswith(prefix + ".") and r["type"] == "quorum"]
+            return bool(rows) and all(r.get("leader") and len(r.get("online") or []) == size for r in rows)
+
+        wait_until(f"every member of the {prefix}.* quorum queues online", online, timeout=timeout,
+                   ignoring=(AssertionError, StopIteration), interval=0.3)
+
     def wait_members_online(self, queue: str, count: int = 3, vhost: str = "/", timeout: float = 120.0) -> None:
         """Wait until *count* members of quorum queue *queue* are online (a restarted member caught up)."""
         wait_until(f"{count} members of {queue} online",
@@ -342,3 +369,333 @@ def cluster_ns(rabbit_cluster: RabbitCluster, tmp_path: Path) -> Iterator[Cluste
                 os.killpg(proc.pid, signal.SIGKILL)
     rabbit_cluster.heal()
     space.delete()
+
+
+# -- traffic and its ledger -------------------------------------------------------------------------------
+
+#: How long consumption may stay stopped after a fault before the test fails: the toolkit must come
+#: back by itself, with no person; how long it actually took is measured and printed, never asserted.
+RESUME_BOUND = 150.0
+
+#: The consumers every scenario runs: the catalog (idempotent by revision) and the counter (not
+#: idempotent by itself: a second application of one event would count twice).
+CONSUMERS = ("catalog", "counter")
+
+
+def _epoch(stamp: str) -> float:
+    """An ``YYYY-MM-DDTHH:MM:SS.mmmZ`` receipt time as seconds since the epoch."""
+    return dt.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=dt.UTC).timestamp()
+
+
+@dataclass
+class Outcome:
+    """What one scenario measured: per consumer, the longest pause between two receipts from
+    the fault on (the consumption gap) and the time from the fault (or from the moment the
+    cluster was whole again, for a fault that stops every node) to the first receipt after it."""
+
+    scenario: str
+    events: int
+    gap: dict[str, float]
+    resumed: dict[str, float]
+
+    def line(self) -> str:
+        gaps = ", ".join(f"{c} {self.gap[c]:.2f}s" for c in self.gap)
+        resumed = ", ".join(f"{c} {self.resumed[c]:.2f}s" for c in self.resumed)
+        return f"{self.scenario}: {self.events} events; consumption gap {gaps}; first receipt after {resumed}"
+
+
+class Traffic:
+    """Events written into a producer's outbox at a steady *rate* (a thread of this process),
+    published by a ``dispatch`` process and consumed by ``run`` processes of the catalog (or of
+    its partitions, each with *standbys*) and of the counter, every process given every node's
+    address. :meth:`finish` checks the ledger."""
+
+    def __init__(self, ns: ClusterNamespace, *, rate: float = 150.0, articles: int = 40,
+                 partitions: int = 0, standbys: int = 0) -> None:
+        self.ns = ns
+        self.rate = rate
+        self.articles = articles
+        self.partitions = partitions
+        self.standbys = standbys
+        self.producer_db = ns.workdir / "producer.db"
+        self.written: list[dict[str, Any]] = []
+        self.procs: dict[str, RunProcess] = {}
+        self.marks: list[tuple[str, float]] = []
+        self._revision = [0] * articles
+        self._halt = threading.Event()
+        self._thread = threading.Thread(target=self._produce, name="outbox-producer", daemon=True)
+        self.error: BaseException | None = None
+
+    # -- setup --
+    def env(self) -> dict[str, str]:
+        return self.ns.env(DELIVERY_PLUGINS="counter_consumer")
+
+    def dbs(self, consumer: str) -> list[Path]:
+        if consumer == "catalog" and self.partitions:
+            return [self.ns.workdir / "state" / "catalog" / f"p{k}" / "inbox.db" for k in range(self.partitions)]
+        return [self.ns.db(consumer)]
+
+    def start(self) -> None:
+        """Declare the topology, start dispatch and the runs, wait until they consume, start producing."""
+        for consumer in CONSUMERS:
+            extra = ("--partitions", str(self.partitions)) if consumer == "catalog" and self.partitions else ()
+            done = self.ns.cli("topology", "declare", "--consumer", consumer, *extra, env=self.env())
+            assert done.returncode == 0, done.stderr
+        if self.partitions:
+            for k in range(self.partitions):
+                for s in range(1 + self.standbys):
+                    self._start(f"catalog.p{k}" + (f".standby{s}" if s else ""), "run", "--consumer", "catalog",
+                                "--partition", str(k), "--partitions", str(self.partitions))
+                    if s == 0:  # the first one started is the active one
+                        self.wait_log(f"catalog.p{k}", "consuming ")
+        else:
+            self._start("catalog", "run", "--consumer", "catalog", "--db", str(self.ns.db("catalog")))
+        self._start("counter", "run", "--consumer", "counter", "--db", str(self.ns.db("counter")))
+        for name in self.procs:
+            if ".standby" not in name:
+                self.wait_log(name, "consuming ")
+        with contextlib.closing(outbox.connect(self.producer_db)):
+            pass
+        self._start("dispatch", "dispatch", "--db", str(self.producer_db), *(f"-c{c}" for c in CONSUMERS))
+        self._thread.start()
+        self.wait_caught_up("traffic to flow")
+
+    def _start(self, name: str, *args: str) -> RunProcess:
+        proc = RunProcess([sys.executable, "-m", "delivery_consumer", *args], cwd=self.ns.workdir, env=self.env())
+        self.ns.started.append(proc)
+        self.procs[name] = proc
+        return proc
+
+    def wait_log(self, name: str, text: str, timeout: float = 90.0) -> None:
+        self.procs[name].wait_for_log(text, timeout=timeout)
+
+    # -- the producer --
+    def _produce(self) -> None:
+        try:
+            conn = outbox.connect(self.producer_db)
+            with contextlib.closing(conn):
+                tick = 0.05
+                while not self._halt.wait(tick):
+                    batch = [self._next() for _ in range(max(1, int(self.rate * tick)))]
+                    with outbox.transaction(conn):
+                        for env in batch:
+                            outbox.enqueue(conn, env)
+                    self.written.extend(batch)
+        except BaseException as exc:  # handed to finish()
+            self.error = exc
+
+    def _next(self) -> dict[str, Any]:
+        a = sum(self._revision) % self.articles  # round robin over the articles
+        self._revision[a] += 1
+        revision = self._revision[a]
+        return {
+            "eventId": str(uuid.uuid4()),
+            "type": "material.published",
+            "articleId": f"article-{a}",
+            "revision": revision,
+            "occurredAt": "2026-12-06T10:00:00Z",
+            "data": {"title": f"article {a} r{revision}", "url": f"https://example.org/a/{a}"},
+        }
+
+    # -- during the scenario --
+    def mark(self, what: str) -> float:
+        """Note the moment of a fault (or of the cluster whole again); that moment."""
+        now = time.time()
+        self.marks.append((what, now))
+        return now
+
+    def alive(self) -> None:
+        """Fail, with its log, if any process exited."""
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                raise AssertionError(f"{name} exited ({proc.returncode}):\n{proc.output()[1][-4000:]}")
+
+    def wait_caught_up(self, what: str, timeout: float = RESUME_BOUND) -> None:
+        """Wait until every consumer has applied the newest event written by now (the whole path,
+        producer to consumers, works again), every process alive meanwhile."""
+        wait_until("the first event written", lambda: self.written, timeout=30)
+        newest = self.written[-1]["eventId"]
+
+        def caught_up() -> bool:
+            self.alive()
+            assert self.error is None, self.error
+            return all(any(count_rows(db, "inbox", "event_id = ?", (newest,)) for db in self.dbs(c) if db.exists())
+                       for c in CONSUMERS)
+
+        wait_until(what, caught_up, timeout=timeout, ignoring=(sqlite3.OperationalError,), interval=0.1)
+
+    # -- the end --
+    def finish(self, scenario: str) -> Outcome:
+        """Stop producing; wait until the outbox is published and every consumer has every event;
+        check the ledger; stop every process (each must exit 0); what was measured."""
+        self._halt.set()
+        self._thread.join(30)
+        assert self.error is None, f"the producer failed: {self.error!r}"
+        self.alive()
+        ids = {e["eventId"] for e in self.written}
+
+        def published() -> bool:
+            self.alive()
+            with contextlib.closing(outbox.connect(self.producer_db, readonly=True)) as conn:
+                return conn.execute("SELECT count(*) FROM outbox WHERE published_at IS NULL").fetchone()[0] == 0
+
+        wait_until("the outbox to be published", published, timeout=RESUME_BOUND, interval=0.2)
+        for consumer in CONSUMERS:
+            wait_until(f"{consumer} to have every event",
+                       lambda c=consumer: (self.alive(), sum(count_rows(db, "inbox") for db in self.dbs(c)))[1]
+                       >= len(ids), timeout=RESUME_BOUND, interval=0.2)
+        self.check_ledger(ids)
+        outcome = self.measure(scenario)
+        self.stop()
+        return outcome
+
+    def check_ledger(self, ids: set[str]) -> None:
+        """Every written event applied exactly once by each consumer; nothing dead-lettered or rejected."""
+        for consumer in CONSUMERS:
+            seen: list[str] = []
+            for db in self.dbs(consumer):
+                seen += [r[0] for r in read_rows(db, "inbox", "event_id")]
+                assert read_rows(db, "rejected", "event_id, code, reason") == [], f"{consumer} rejected events"
+            assert len(seen) == len(set(seen)), f"{consumer}: an event has two receipts"
+            assert set(seen) == ids, f"{consumer}: {len(ids - set(seen))} missing, {len(set(seen) - ids)} unknown"
+        per_article: dict[str, int] = {}
+        for e in self.written:
+            per_article[e["articleId"]] = per_article.get(e["articleId"], 0) + 1
+        counted = dict(read_rows(self.ns.db("counter"), "counter", "article_id, events"))
+        assert counted == per_article, "the counter applied an event twice or missed one"
+        dead = [f"{self.ns.prefix}.counter.dead"]
+        dead += ([f"{self.ns.prefix}.catalog.p{k}.dead" for k in range(self.partitions)] if self.partitions
+                 else [f"{self.ns.prefix}.catalog.dead"])
+        for queue in dead:
+            assert self.ns.count(queue) == 0, f"{queue} holds dead-lettered events"
+
+    def measure(self, scenario: str) -> Outcome:
+        fault = min(t for _, t in self.marks)
+        restored = dict(self.marks).get("restored", fault)  # a fault that needs the nodes back: from then
+        gap: dict[str, float] = {}
+        resumed: dict[str, float] = {}
+        for consumer in CONSUMERS:
+            times = sorted(_epoch(r[0]) for db in self.dbs(consumer) for r in read_rows(db, "inbox", "received_at"))
+            window = [fault] + [t for t in times if t > fault]
+            gap[consumer] = max((b - a for a, b in itertools.pairwise(window)), default=0.0)
+            after = [t for t in times if t > restored]
+            resumed[consumer] = after[0] - restored if after else float("inf")
+        return Outcome(scenario, len(self.written), gap, resumed)
+
+    def stop(self) -> None:
+        """SIGTERM every process; each must exit 0."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        codes = {}
+        for name, proc in self.procs.items():
+            try:
+                proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+            codes[name] = proc.returncode
+        bad = {n: c for n, c in codes.items() if c != 0}
+        assert not bad, f"processes did not exit 0 on SIGTERM: {bad}:\n" + "\n".join(
+            f"--- {n}\n{self.procs[n].output()[1][-2000:]}" for n in bad)
+
+    def kill_all(self) -> None:
+        """Whatever is left, killed (a failed test's cleanup)."""
+        self._halt.set()
+        for proc in self.procs.values():
+            if session_processes(proc.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _iso(when: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(when)) + f".{int(when * 1000) % 1000:03d}Z"
+
+
+# -- the scenarios ------------------------------------------------------------------------------------------
+
+#: How long a scenario lets quorum stay lost: the outage itself, chosen by the scenario.
+QUORUM_LOST_FOR = 8.0
+
+
+def kill_client_node(cluster: RabbitCluster, traffic: Traffic) -> None:
+    """SIGKILL the node the clients are connected to; consumption must resume on the other two;
+    the node is started again and the cluster becomes whole."""
+    node = cluster.busiest()
+    traffic.mark("fault")
+    node.kill()
+    traffic.wait_caught_up(f"consumption to resume after the kill of {node}")
+    node.launch()
+    cluster.wait_whole()
+    traffic.wait_caught_up("consumption with the node back")
+
+
+def kill_queue_leader(cluster: RabbitCluster, traffic: Traffic) -> None:
+    """SIGKILL the node that leads the catalog's quorum queue."""
+    queue = f"{traffic.ns.prefix}.catalog" + (".p0" if traffic.partitions else "")
+    node = cluster.leader(queue)
+    traffic.mark("fault")
+    node.kill()
+    traffic.wait_caught_up(f"consumption to resume after the kill of {queue}'s leader {node}")
+    node.launch()
+    cluster.wait_whole()
+    traffic.wait_caught_up("consumption with the node back")
+
+
+def lose_quorum(cluster: RabbitCluster, traffic: Traffic) -> None:
+    """Stop the RabbitMQ application on two of the three nodes (the clients' node stays up): no
+    quorum queue has a majority; then start them again. Nothing may be lost or exit meanwhile."""
+    keep = cluster.busiest()
+    stopped = [n for n in cluster.nodes if n is not keep]
+    traffic.mark("fault")
+    _parallel([n.stop_app for n in stopped])
+    time.sleep(QUORUM_LOST_FOR)  # the outage itself: how long quorum stays lost is the scenario's choice
+    traffic.alive()
+    _parallel([n.start_app for n in stopped])
+    traffic.mark("restored")
+    cluster.wait_whole()
+    traffic.wait_caught_up("consumption to resume once quorum is back")
+
+
+def rolling_restart(cluster: RabbitCluster, traffic: Traffic, *, drain: bool) -> None:
+    """Restart every node in turn (``rabbitmqctl shutdown``, start), first draining it
+    (``rabbitmq-upgrade drain``: clients disconnected, leaderships moved) when *drain*; the next
+    node only once the cluster is whole and every queue's members are back online."""
+    for node in cluster.nodes:
+        traffic.mark(f"restart {node.name}")
+        if drain:
+            node.ctl_out("drain", timeout=120, tool="rabbitmq-upgrade")
+        node.shutdown()
+        node.launch()
+        cluster.wait_whole()
+        if drain:  # a drained node stays in maintenance mode until revived
+            node.ctl_out("revive", timeout=120, tool="rabbitmq-upgrade")
+        cluster.wait_queues_online(traffic.ns.prefix)
+        traffic.wait_caught_up(f"consumption with {node} restarted")
+
+
+#: name -> (scenario, Traffic's keywords)
+SCENARIOS: dict[str, tuple[Callable[[RabbitCluster, Traffic], None], dict[str, int]]] = {
+    "kill-clients-node": (kill_client_node, {}),
+    "kill-leader": (kill_queue_leader, {}),
+    "lose-quorum": (lose_quorum, {}),
+    "rolling-restart-drain": (lambda c, t: rolling_restart(c, t, drain=True), {}),
+    "rolling-restart-no-drain": (lambda c, t: rolling_restart(c, t, drain=False), {}),
+    "partitioned-kill-node": (kill_client_node, {"partitions": 2, "standbys": 1}),
+}
+
+
+def play(cluster: RabbitCluster, ns: ClusterNamespace, name: str) -> Outcome:
+    """Run scenario *name* on *cluster* in namespace *ns*: traffic started, the fault, the ledger
+    checked, every process stopped (killed on failure); the cluster whole again afterwards."""
+    scenario, options = SCENARIOS[name]
+    traffic = Traffic(ns, **options)
+    try:
+        traffic.start()
+        scenario(cluster, traffic)
+        return traffic.finish(name)
+    finally:
+        traffic.kill_all()
+        cluster.heal()
+        if traffic.partitions:
+            PartitionedConsumer(ns, "catalog", traffic.partitions).delete()
