@@ -263,10 +263,10 @@ class RabbitCluster:
 
     def busiest(self) -> ClusterNode:
         """The node that holds the most client connections now (the one the clients use)."""
-        rows = orjson.loads(self.up()[0].ctl_out("list_connections", "node", "--formatter", "json"))
-        counts: dict[str, int] = {}
-        for row in rows:
-            counts[row["node"]] = counts.get(row["node"], 0) + 1
+        rows = orjson.loads(self.up()[0].ctl_out("list_connections", "port", "--formatter", "json"))
+        counts: dict[int, int] = {}
+        for row in rows:  # the server's port the client connected to: the node's AMQP port
+            counts[int(row["port"])] = counts.get(int(row["port"]), 0) + 1
         assert counts, "no client connection on the cluster"
         return self.node(max(counts, key=lambda n: counts[n]))
 
