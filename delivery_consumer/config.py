@@ -6,6 +6,8 @@ at every database and queue at once, and so that every other command finds
 its database and broker without flags::
 
     amqp_url = "amqp://guest:guest@127.0.0.1:5672/%2F"   # exchange / queue_prefix optional
+    # or several nodes: amqp_url = ["amqp://..@rabbit1:5672/%2F", "amqp://..@rabbit2:5672/%2F"]
+    # amqp_order = "shuffle"                             # default "in-order"
     [consumers.catalog]
     db = "state/catalog/inbox.db"       # a file, or a directory of partitions p<k>/inbox.db
     [consumers.webhook]
@@ -37,7 +39,7 @@ from typing import Any
 from .errors import ConfigError, DeliveryError
 from .partitions import SLOT_COUNT
 from .placement import Placement, resolve
-from .topology import DEFAULT_EXCHANGE, DEFAULT_PREFIX, DEFAULT_URL
+from .topology import AMQP_ORDERS, DEFAULT_EXCHANGE, DEFAULT_PREFIX, DEFAULT_URL
 
 DEFAULT_NAME = "delivery.toml"
 ENV = "DELIVERY_CONFIG"
@@ -48,7 +50,7 @@ BROKER_ENV = {"amqp_url": "DELIVERY_AMQP_URL", "exchange": "DELIVERY_EXCHANGE", 
 #: An unpublished outbox row older than this makes ``status`` ask for a person.
 DEFAULT_OUTBOX_MAX_AGE_S = 300.0
 
-_TOP_KEYS = ("amqp_url", "exchange", "queue_prefix", "management_url", "consumers", "producers", "status")
+_TOP_KEYS = ("amqp_url", "amqp_order", "exchange", "queue_prefix", "management_url", "consumers", "producers", "status")
 #: Keys of ``[consumers.NAME]``, with the CLI option each one stands for.
 CONSUMER_KEYS: Mapping[str, str] = {"db": "db_path", "webhook_url": "webhook_url", "metrics_port": "metrics_port",
                                     "partitions": "partitions"}
@@ -81,7 +83,10 @@ class Deployment:
     """A parsed deployment file."""
 
     path: Path
+    #: One AMQP URL or several separated by commas (amqp.connection.addresses).
     amqp_url: str = DEFAULT_URL
+    #: The order in which several addresses are tried (AMQP_ORDERS); None: the environment's, else in order.
+    amqp_order: str | None = None
     exchange: str = DEFAULT_EXCHANGE
     queue_prefix: str = DEFAULT_PREFIX
     management_url: str | None = None
@@ -158,6 +163,18 @@ def _known(table: Mapping[str, Any], allowed: Any, path: Path, prefix: str) -> N
             raise ConfigError(f"{path}: {where}: unknown key (known: {', '.join(allowed)})")
 
 
+def _addresses(raw: Mapping[str, Any], path: Path) -> str | None:
+    """``amqp_url``: one URL (several separated by commas) or a list of them, as one address string."""
+    value = raw.get("amqp_url")
+    if isinstance(value, list):
+        if not value or not all(isinstance(one, str) and one.strip() for one in value):
+            raise ConfigError(f"{path}: amqp_url: must be a URL or a non-empty list of URLs")
+        return ",".join(one.strip() for one in value)
+    if value is not None and (not isinstance(value, str) or not value.strip()):
+        raise ConfigError(f"{path}: amqp_url: must be a URL or a non-empty list of URLs")
+    return value
+
+
 def _string(table: Mapping[str, Any], key: str, path: Path, where: str) -> str | None:
     value = table.get(key)
     if value is not None and (not isinstance(value, str) or not value):
@@ -193,7 +210,11 @@ def parse(raw: Mapping[str, Any], path: Path) -> Deployment:
 
     _known(raw, _TOP_KEYS, path, "")
     base = path.parent
-    top = {key: _string(raw, key, path, key) for key in ("amqp_url", "exchange", "queue_prefix", "management_url")}
+    top = {key: _string(raw, key, path, key) for key in ("exchange", "queue_prefix", "management_url")}
+    top["amqp_url"] = _addresses(raw, path)
+    order = _string(raw, "amqp_order", path, "amqp_order")
+    if order is not None and order not in AMQP_ORDERS:
+        raise ConfigError(f"{path}: amqp_order: must be one of {', '.join(AMQP_ORDERS)}")
     if top["management_url"] is not None:
         _http_url(top["management_url"], path, "management_url")
     found: dict[str, ConsumerEntry] = {}
@@ -252,6 +273,7 @@ def parse(raw: Mapping[str, Any], path: Path) -> Deployment:
     return Deployment(
         path=path,
         amqp_url=top["amqp_url"] or DEFAULT_URL,
+        amqp_order=order,
         exchange=top["exchange"] or DEFAULT_EXCHANGE,
         queue_prefix=top["queue_prefix"] or DEFAULT_PREFIX,
         management_url=top["management_url"],

@@ -188,6 +188,10 @@ class RunExposition:
         self.registry = CollectorRegistry()
         self.connected = Gauge("delivery_connected", "1 while consuming from the broker, else 0 (set by run's "
                                "connection process).", base, registry=self.registry)
+        self.broker_node = Gauge("delivery_broker_connected", "1 for the broker node (host:port of its address) "
+                                 "run consumes from, 0 for a node it consumed from before.",
+                                 [*base, "node"], registry=self.registry)
+        self._node: str | None = None
         self.heartbeat = Gauge("delivery_worker_heartbeat_timestamp_seconds",
                                "Unix time at which run's worker process last reported (about every second "
                                "while it is not inside a batch); behind: the worker is stuck.",
@@ -202,8 +206,14 @@ class RunExposition:
         self._worker_text = b""
         self._server: ThreadingHTTPServer | None = None
 
-    def connection_state(self, connected: bool) -> None:
+    def connection_state(self, connected: bool, node: str | None = None) -> None:
+        """Consuming or not; *node*: the ``host:port`` of the broker node in use."""
         self.connected.labels(*self._labels).set(1 if connected else 0)
+        if self._node is not None and (not connected or node != self._node):
+            self.broker_node.labels(*self._labels, self._node).set(0)
+        if connected and node is not None:
+            self.broker_node.labels(*self._labels, node).set(1)
+            self._node = node
 
     def active(self, active: bool) -> None:
         self.active_run.labels(*self._labels).set(1 if active else 0)

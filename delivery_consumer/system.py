@@ -416,7 +416,13 @@ def unacknowledged(dep: Deployment, queue: str) -> int | None:
 
     import httpx
 
-    amqp = urlparse(dep.amqp_url)
+    from .amqp.connection import addresses
+    from .errors import BrokerError
+
+    try:
+        amqp = urlparse(addresses(dep.amqp_url)[0])  # the nodes of a cluster share vhost and users
+    except BrokerError:
+        return None
     vhost = amqp.path[1:] or "%2F"
     url = f"{dep.management_url.rstrip('/')}/api/queues/{vhost}/{quote(queue, safe='')}"
     try:

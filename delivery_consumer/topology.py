@@ -12,6 +12,11 @@ from typing import Any
 
 #: The broker when neither a flag, DELIVERY_AMQP_URL nor the deployment file names one.
 DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
+#: Environment variable naming the order in which several broker addresses are
+#: tried (``--amqp-order`` and the deployment file's ``amqp_order`` set it).
+AMQP_ORDER_ENV = "DELIVERY_AMQP_ORDER"
+#: The orders: as given (the default), or shuffled for every attempt.
+AMQP_ORDERS = ("in-order", "shuffle")
 DEFAULT_EXCHANGE = "delivery.events"
 DEFAULT_PREFIX = "delivery"
 #: Retry delays in milliseconds (1 s, 10 s, 60 s).

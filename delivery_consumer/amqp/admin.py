@@ -13,11 +13,10 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
-import pika
 import pika.exceptions as pex
 
 from ..topology import Route, Topology
-from .connection import FAILURES, classify, parameters
+from .connection import FAILURES, Addresses, classify, open_blocking
 from .publisher import Publisher
 
 
@@ -60,12 +59,13 @@ def queue_counts(url: str, queues: Sequence[str], *, name: str = "delivery-consu
 @contextmanager
 def _connection(url: str, name: str, *, timeout_s: float | None = None) -> Iterator[Any]:
     """A short connection for one administrative call; pika's failures leave classified."""
-    params = parameters(url, name=name)
-    if timeout_s is not None:
-        params.socket_timeout = params.stack_timeout = params.blocked_connection_timeout = timeout_s
     conn: Any = None
     try:
-        conn = pika.BlockingConnection(params)
+        addrs = Addresses(url, name=name)
+        if timeout_s is not None:
+            for params in addrs.params:
+                params.socket_timeout = params.stack_timeout = params.blocked_connection_timeout = timeout_s
+        conn = open_blocking(addrs)
         yield conn
     except FAILURES as exc:
         raise classify(exc, url=url) from None
@@ -104,7 +104,7 @@ def delete_unused_queues(url: str, queues: Sequence[str]) -> list[str]:
     kept = []
     states = queue_counts(url, queues, name="delivery-consumer repartition")
     try:
-        conn = pika.BlockingConnection(parameters(url, name="delivery-consumer delete queues"))
+        conn = open_blocking(Addresses(url, name="delivery-consumer delete queues"))
         try:
             channel = conn.channel()
             for queue, state in states.items():

@@ -1,23 +1,42 @@
 """Connecting to RabbitMQ, and what a failure means.
 
-:func:`parameters` turns an AMQP URL into pika's connection parameters, with
-the timeouts of docs/amqp.md ("Timeouts") unless the URL sets its own;
-:func:`redact` drops its password for messages, and :func:`classify` maps
-any pika failure to :class:`BrokerFatal` (only what a person must fix:
-credentials, vhost, permissions, the URL, queue arguments) or
-:class:`BrokerUnavailable` (anything else: try again later), with one clear
-line. :data:`FAILURES` is what a pika call may raise.
+A broker *address* is one AMQP URL or several, separated by commas (or
+whitespace), or one URL naming several hosts (``amqp://u:p@h1:5672,h2:5673/v``):
+:func:`addresses` splits such a string into full URLs, :func:`join` is its
+inverse. :class:`Addresses` holds their pika parameters -- the timeouts of
+docs/amqp.md ("Timeouts") unless a URL sets its own -- and the order of the next
+attempt (as given or shuffled, :data:`ORDER_ENV`; a reconnect starts after the
+node it lost); :func:`open_select` and :func:`open_blocking` try them in turn,
+failing over at once. :func:`redact` drops the passwords for messages, and
+:func:`classify` maps any pika failure to :class:`BrokerFatal` (only what a
+person must fix: credentials, vhost, permissions, the URL, queue arguments) or
+:class:`BrokerUnavailable` (anything else, a cluster node or queue member down
+included: try again later), with one clear line. :data:`FAILURES` is what a
+pika call may raise. See docs/amqp.md ("Several addresses").
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import random
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 import pika
 import pika.exceptions as pex
-from pika.adapters.utils.connection_workflow import AMQPConnectorException, AMQPConnectorStackTimeout
+from pika.adapters.utils.connection_workflow import (
+    AMQPConnectionWorkflowFailed,
+    AMQPConnectorException,
+    AMQPConnectorStackTimeout,
+)
 
 from ..errors import BrokerError, BrokerFatal, BrokerUnavailable
+from ..topology import AMQP_ORDER_ENV, AMQP_ORDERS
+
+log = logging.getLogger("delivery_consumer.broker")
 
 # AMQP reply codes (https://www.rabbitmq.com/amqp-0-9-1-reference#constants).
 _FATAL_REPLY_CODES = {
@@ -45,8 +64,193 @@ BLOCKED_TIMEOUT_S = 60.0
 FAILURES: tuple[type[BaseException], ...] = (pex.AMQPError, OSError, AMQPConnectorException)
 
 
+#: The environment variable of the order of several addresses, and the orders.
+ORDER_ENV, ORDERS = AMQP_ORDER_ENV, AMQP_ORDERS
+_SCHEME = re.compile(r"^amqps?://", re.IGNORECASE)
+
+
+def addresses(text: str) -> list[str]:
+    """The AMQP URLs of an address string, in order (BrokerFatal when it names none or is malformed).
+
+    URLs are separated by commas or whitespace; a piece without a scheme is one
+    more host of the URL before it (``amqp://u:p@h1:5672,h2:5673/vhost?q``): it
+    gets that URL's scheme and user, and the path and query written after the
+    last host. A comma inside a password must be percent-encoded (``%2C``).
+    """
+    groups: list[list[str]] = []
+    for piece in re.split(r"[,\s]+", text.strip()):
+        if not piece:
+            continue
+        if _SCHEME.match(piece):
+            groups.append([piece])
+        elif groups:
+            groups[-1].append(piece)
+        else:
+            raise BrokerFatal(f"invalid AMQP URL: {piece.split('@')[-1]!r} is not an amqp:// or amqps:// URL")
+    if not groups:
+        raise BrokerFatal("invalid AMQP URL: no address given")
+    urls: list[str] = []
+    for group in groups:
+        if len(group) == 1:
+            urls.append(group[0])
+            continue
+        head, *hosts = group
+        scheme, rest = head.split("://", 1)
+        userinfo, first = rest.rsplit("@", 1) if "@" in rest else ("", rest)
+        cut = re.search(r"[/?]", hosts[-1])
+        tail = hosts[-1][cut.start():] if cut else ""
+        hosts[-1] = hosts[-1][:cut.start()] if cut else hosts[-1]
+        if re.search(r"[/?]", first) or any(re.search(r"[/?@]", host) or not host for host in hosts):
+            raise BrokerFatal("invalid AMQP URL: in a URL with several hosts (amqp://user:password@h1:port,"
+                              "h2:port/vhost) only the last host may be followed by /vhost or ?options")
+        prefix = f"{scheme}://{userinfo}@" if userinfo else f"{scheme}://"
+        urls.extend(f"{prefix}{host}{tail}" for host in [first, *hosts])
+    return urls
+
+
+def join(urls: Sequence[str]) -> str:
+    """The address string of *urls* (the inverse of :func:`addresses` for URLs without commas)."""
+    return ",".join(urls)
+
+
+def order_from_env() -> str:
+    """The order of :data:`ORDER_ENV` (``in-order`` when unset; BrokerFatal when unknown)."""
+    value = os.environ.get(ORDER_ENV, "").strip() or ORDERS[0]
+    if value not in ORDERS:
+        raise BrokerFatal(f"{ORDER_ENV}={value!r}: must be one of {', '.join(ORDERS)}")
+    return value
+
+
+def node_of(params: pika.connection.Parameters) -> str:
+    """``host:port`` of one address (how logs and metrics name the node in use)."""
+    host = str(params.host)
+    return f"[{host}]:{params.port}" if ":" in host else f"{host}:{params.port}"
+
+
+class Addresses:
+    """The broker addresses of one client and the order of its next attempt.
+
+    :meth:`sequence` gives the parameters to try, all of them: as given, or
+    shuffled (*order*, default :func:`order_from_env`); the node last
+    connected to (:meth:`connected`) goes last, so that a reconnect after
+    losing it tries the others first.
+    """
+
+    def __init__(self, url: str, *, name: str, order: str | None = None) -> None:
+        self.url = url
+        self.params = [parameters(one, name=name) for one in addresses(url)]
+        self.order = order or order_from_env()
+        self._last: int | None = None
+        #: ``host:port`` of the node of the open connection (None before the first).
+        self.node: str | None = None
+
+    def sequence(self) -> list[pika.URLParameters]:
+        """The parameters of the next attempt, in the order to try them."""
+        count = len(self.params)
+        order = list(range(count))
+        if self.order == "shuffle":
+            random.shuffle(order)
+        if self._last is not None and count > 1:
+            if self.order == "shuffle":
+                order.remove(self._last)
+                order.append(self._last)
+            else:
+                order = [(self._last + 1 + i) % count for i in range(count)]
+        return [self.params[i] for i in order]
+
+    def connected(self, params: Any) -> str:
+        """Note that the connection with *params* opened; its node, ``host:port``."""
+        for index, mine in enumerate(self.params):
+            if mine is params:
+                self._last = index
+        self.node = node_of(params)
+        return self.node
+
+
+def describe(conn: Any, node: str) -> str:
+    """``<host:port> (cluster <name>, RabbitMQ <version>)`` of an open connection, for the log."""
+    props = getattr(conn, "server_properties", None) or {}
+
+    def text(key: str) -> str:
+        value = props.get(key)
+        return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value or "")
+
+    about = ", ".join(part for part in (
+        f"cluster {text('cluster_name')}" if text("cluster_name") else "",
+        f"{text('product')} {text('version')}".strip()) if part)
+    return f"{node} ({about})" if about else node
+
+
+def open_select(
+    addrs: Addresses,
+    *,
+    ioloop: Any,
+    on_open: Callable[[Any], None],
+    on_open_error: Callable[[Any, BaseException], None],
+    on_close: Callable[[Any, BaseException], None],
+) -> Opening:
+    """Open a ``SelectConnection`` to the first of *addrs* that answers (pika's
+    connection workflow: each address in turn, at once). *on_open* gets the open
+    connection (with *on_close* added), *on_open_error* ``(None, error)`` when every
+    address failed (the error lists each attempt). :meth:`Opening.abort` ends an
+    attempt still under way: neither callback is called then."""
+    opening = Opening()
+
+    def done(result: Any) -> None:
+        if opening.aborted:
+            if not isinstance(result, BaseException) and result.is_open:
+                result.close()
+            return
+        opening.workflow = None
+        if isinstance(result, BaseException):
+            on_open_error(None, result)
+            return
+        node = addrs.connected(result.params)
+        result.add_on_close_callback(on_close)
+        log.info("connected to %s", describe(result, node))
+        on_open(result)
+
+    opening.workflow = pika.SelectConnection.create_connection(addrs.sequence(), done, custom_ioloop=ioloop)
+    return opening
+
+
+class Opening:
+    """A connection attempt under way (:func:`open_select`)."""
+
+    def __init__(self) -> None:
+        self.workflow: Any = None
+        self.aborted = False
+
+    @property
+    def pending(self) -> bool:
+        return self.workflow is not None and not self.aborted
+
+    def abort(self) -> None:
+        """Give the attempt up: its outcome is ignored (a connection it opens is closed). pika's
+        own abort asserts while a handshake is pending, so the attempt ends by its timeouts."""
+        self.aborted = True
+
+
+def open_blocking(addrs: Addresses | Sequence[pika.connection.Parameters]) -> pika.BlockingConnection:
+    """A ``BlockingConnection`` to the first address that answers; when none does,
+    ``AMQPConnectionWorkflowFailed`` listing every attempt's error."""
+    sequence = addrs.sequence() if isinstance(addrs, Addresses) else list(addrs)
+    errors: list[BaseException] = []
+    for params in sequence:
+        try:
+            conn = pika.BlockingConnection(params)
+        except FAILURES as exc:
+            errors.append(exc)
+            continue
+        if isinstance(addrs, Addresses):
+            addrs.connected(params)
+        log.debug("connected to %s", node_of(params))
+        return conn
+    raise AMQPConnectionWorkflowFailed(errors)
+
+
 def parameters(url: str, *, name: str) -> pika.URLParameters:
-    """Connection parameters from an AMQP URL, named for the management UI."""
+    """Connection parameters from one AMQP URL, named for the management UI."""
     try:
         params = pika.URLParameters(url)
     except Exception as exc:  # pika raises assorted errors for a bad URL
@@ -65,14 +269,23 @@ def parameters(url: str, *, name: str) -> pika.URLParameters:
 
 
 def redact(url: str) -> str:
-    """The URL without its password, for messages."""
+    """The address (one URL or several) without its passwords, for messages: every host shown."""
+    try:
+        urls = addresses(url)
+    except BrokerError:
+        return "<invalid url>"
+    return ", ".join(_redact_one(one) for one in urls)
+
+
+def _redact_one(url: str) -> str:
     try:
         params = pika.URLParameters(url)
     except Exception:
         return "<invalid url>"
     vhost = params.virtual_host
     user = getattr(params.credentials, "username", "?")
-    return f"amqp://{user}@{params.host}:{params.port}/{vhost}"
+    scheme = "amqps" if url.lower().startswith("amqps:") else "amqp"
+    return f"{scheme}://{user}@{params.host}:{params.port}/{vhost}"
 
 
 def _innermost(exc: BaseException) -> BaseException:
@@ -94,11 +307,43 @@ def _innermost(exc: BaseException) -> BaseException:
     return exc
 
 
+#: A broker's answer about a queue that exists but cannot be reached now: its
+#: home node down (a classic queue), no quorum or a timeout of its members (a
+#: quorum queue), its process restarting.
+_UNREACHABLE_QUEUE = re.compile(
+    r"down or inaccessible|time ?out|timed out|stopped by supervisor|nodedown|noproc|quorum|no_?majority"
+    r"|not enough members", re.IGNORECASE)
+
+
+def unreachable_queue(exc: BaseException) -> bool:
+    """Whether a broker's close means "the queue exists but is unavailable now" (retry it),
+    not a mistake: 541 INTERNAL_ERROR, or a 404 naming its home node down or a timeout."""
+    if not isinstance(exc, (pex.ConnectionClosedByBroker, pex.ChannelClosedByBroker)):
+        return False
+    # queue names are quoted in the text: a queue called "x.timeout" says nothing
+    text = re.sub(r"'[^']*'", "''", str(exc.reply_text))
+    return exc.reply_code == 541 or (exc.reply_code == 404 and bool(_UNREACHABLE_QUEUE.search(text)))
+
+
 def classify(exc: BaseException | None, *, url: str = "") -> BrokerError:
-    """Map a pika failure to BrokerFatal or BrokerUnavailable, with one clear line."""
+    """Map a pika failure to BrokerFatal or BrokerUnavailable, with one clear line.
+
+    A failed attempt at several addresses is fatal when a broker answered so
+    (it refused the credentials or the vhost: the nodes of a cluster share
+    them; nodes that do not answer do not make that right); else it is
+    unavailable, naming what each attempt met.
+    """
     where = f" ({redact(url)})" if url else ""
     if isinstance(exc, BrokerError):
         return exc
+    attempts = getattr(exc, "exceptions", None)
+    if isinstance(exc, AMQPConnectionWorkflowFailed) and attempts and len(attempts) > 1:
+        each = [classify(one) for one in attempts]
+        fatal = [one for one in each if isinstance(one, BrokerFatal)]
+        if fatal:
+            return BrokerFatal(f"{fatal[0]}{where}")
+        said = list(dict.fromkeys(str(one) for one in each))
+        return BrokerUnavailable(f"no broker address answered{where}: {'; '.join(said)}")
     if exc is not None:
         exc = _innermost(exc)
     # pika guesses these from the stage at which the connection closed; only a
@@ -124,6 +369,9 @@ def classify(exc: BaseException | None, *, url: str = "") -> BrokerError:
                                  "connection silent or half-open")
     if isinstance(exc, (pex.ConnectionClosedByBroker, pex.ChannelClosedByBroker)):
         code, text = exc.reply_code, exc.reply_text
+        if unreachable_queue(exc):
+            return BrokerUnavailable(f"queue unavailable{where}: {code} {text} (a node or quorum of the "
+                                     "cluster is down; retrying)")
         if code in _FATAL_REPLY_CODES:
             return BrokerFatal(f"broker refused{where}: {code} {_FATAL_REPLY_CODES[code]}: {text}")
         return BrokerUnavailable(f"broker closed the connection{where}: {code} {text}")

@@ -34,7 +34,7 @@ from ..deliveries import Delivery, OutMessage
 from ..errors import BrokerError, BrokerFatal, BrokerUnavailable
 from ..retry import RECONNECT_CAP_S, reconnect_delay_s
 from ..topology import Topology
-from .connection import classify, parameters
+from .connection import Addresses, classify, open_select
 from .declare import Steps, declare_steps
 from .publisher import confirm_mode, properties, take_confirmed
 
@@ -73,7 +73,7 @@ class ConsumerIO:
         self.url = url
         self.topology = topology
         self.prefetch = prefetch
-        self._params = parameters(url, name=name)
+        self._addrs = Addresses(url, name=name)
         self._on_delivery = on_delivery
         self._on_channel_cb = on_channel
         self._on_lost = on_lost
@@ -122,13 +122,9 @@ class ConsumerIO:
             self.ioloop.stop()
             return
         self._attempt_started = time.monotonic()
-        self._conn = pika.SelectConnection(
-            self._params,
-            on_open_callback=self._on_open,
-            on_open_error_callback=self._on_open_error,
-            on_close_callback=self._on_closed,
-            custom_ioloop=self.ioloop,
-        )
+        self._conn = None  # set once open: each address in turn, failing over at once
+        open_select(self._addrs, ioloop=self.ioloop, on_open=self._on_open, on_open_error=self._on_open_error,
+                    on_close=self._on_closed)
 
     def _retry_later(self, why: BrokerError) -> None:
         if self._stopping:
@@ -164,7 +160,13 @@ class ConsumerIO:
         self._conn = None
         self._retry_later(classify(exc, url=self.url))
 
+    @property
+    def node(self) -> str | None:
+        """``host:port`` of the broker node of the current (or last) connection."""
+        return self._addrs.node
+
     def _on_open(self, conn: pika.SelectConnection) -> None:
+        self._conn = conn
         conn.channel(on_open_callback=self._on_consume_channel)
 
     def _on_consume_channel(self, channel: Any) -> None:

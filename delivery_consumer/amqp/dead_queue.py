@@ -16,12 +16,11 @@ from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
-import pika
 import pika.exceptions as pex
 
 from ..deliveries import OutMessage, PublishResult
 from ..errors import BrokerError, BrokerFatal, BrokerUnavailable
-from .connection import FAILURES, classify, parameters, redact
+from .connection import FAILURES, Addresses, classify, open_blocking, redact
 from .publisher import properties
 
 
@@ -59,7 +58,7 @@ class DeadQueue:
                  settle_s: float = 0.2, timeout_s: float = 120.0) -> None:
         self.url = url
         self.queue = queue
-        self._params = parameters(url, name=name)
+        self._params = Addresses(url, name=name)
         self._settle_s = settle_s
         self._timeout_s = timeout_s
         self._conn: Any = None
@@ -87,7 +86,7 @@ class DeadQueue:
         *prefetch* 0 lets the broker send every message (up to 65535 otherwise).
         """
         try:
-            self._conn = pika.BlockingConnection(self._params)
+            self._conn = open_blocking(self._params)
             self._channel = self._conn.channel()
             self.opened_at = time.time()
             frame = self._channel.queue_declare(self.queue, passive=True)

@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import time
 
-import pika
-
 from ..errors import BrokerError
-from .connection import FAILURES
+from .connection import FAILURES, open_blocking
 from .dead_queue import DeadQueue, HeldMessage
 
 
@@ -41,7 +39,7 @@ class WindowReader(DeadQueue):
         """Connect (no consumer yet); returns the ready count."""
         del prefetch  # each window sets its own
         try:
-            self._conn = pika.BlockingConnection(self._params)
+            self._conn = open_blocking(self._params)
             self._channel = self._conn.channel()
             self.opened_at = time.time()
             self.count_at_open = self._ready()

@@ -22,7 +22,7 @@ from pika.adapters.select_connection import IOLoop, PollEvents
 from ..deliveries import OutMessage, PublishResult
 from ..errors import BrokerError, BrokerFatal, BrokerUnavailable, safe_reason
 from ..topology import DEFAULT_URL, Route, Topology
-from .connection import classify, parameters
+from .connection import Addresses, Opening, classify, open_select
 from .declare import Steps, declare_steps
 
 PERSISTENT = 2
@@ -77,7 +77,8 @@ class Publisher:
         window: int = 1000,
     ) -> None:
         self.url = url
-        self._params = parameters(url, name=name)
+        self._addrs = Addresses(url, name=name)
+        self._opening: Opening | None = None
         self._topologies = list(topologies)
         self._exchanges = list(exchanges)
         self._routes = list(routes)
@@ -124,13 +125,9 @@ class Publisher:
         if self._ready:
             return
         self._error = None
-        self._conn = pika.SelectConnection(
-            self._params,
-            on_open_callback=self._on_open,
-            on_open_error_callback=lambda _c, exc: self._fail(classify(exc, url=self.url)),
-            on_close_callback=self._on_closed,
-            custom_ioloop=self._ioloop,
-        )
+        self._opening = open_select(self._addrs, ioloop=self._ioloop, on_open=self._on_open,
+                                    on_open_error=lambda _c, exc: self._fail(classify(exc, url=self.url)),
+                                    on_close=self._on_closed)
         self._run_until(lambda: self._ready, "open the connection")
         if self._error is not None:
             error, self._error = self._error, None
@@ -138,6 +135,7 @@ class Publisher:
             raise error
 
     def _on_open(self, conn: pika.SelectConnection) -> None:
+        self._conn, self._opening = conn, None
         conn.channel(on_open_callback=self._on_channel)
 
     def _on_channel(self, channel: Any) -> None:
@@ -177,6 +175,9 @@ class Publisher:
         self._pending.clear()
 
     def _abort(self) -> None:
+        if self._opening is not None:
+            self._opening.abort()  # every address tried in turn is given up, not left connecting
+            self._opening = None
         conn = self._conn
         if conn is not None and conn.is_open:
             conn.close()
@@ -193,7 +194,8 @@ class Publisher:
         self._ioloop.add_callback_threadsafe(self._on_interrupt)
 
     def _on_interrupt(self) -> None:
-        if self._conn is not None and not self._ready and self._waiting is not None:
+        opening = self._opening is not None and self._opening.pending
+        if (self._conn is not None or opening) and not self._ready and self._waiting is not None:
             self._fail(BrokerUnavailable("stopped while waiting for the broker"))
 
     # confirms and returns

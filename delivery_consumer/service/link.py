@@ -92,7 +92,7 @@ class WorkerLink:
 
     def channel(self, generation: int) -> None:
         if self.exposition is not None:
-            self.exposition.connection_state(True)
+            self.exposition.connection_state(True, self.io.node if self.io is not None else None)
         self._send(ChannelOpened(generation))
 
     def lost(self, generation: int, why: str) -> None:
