@@ -10,6 +10,7 @@ from typing import Any
 from delivery_consumer import outbox
 from delivery_consumer.deliveries import OutMessage, PublishResult
 from delivery_consumer.errors import BrokerUnavailable
+from delivery_consumer.partitions import slot_of
 
 
 def envelope(article: str = "article-1", revision: int = 1, **extra: Any) -> dict[str, Any]:
@@ -81,6 +82,13 @@ class FakePublisher:
 
     def idle(self, seconds: float, wake: int | None = None) -> None:
         self.idled.append(seconds)
+
+
+def twin(key: str) -> str:
+    """Another ordering key in the same partition slot as *key*: with the same routing key its rows go to the
+    same destination, so a confirm of one of them behind a nack of *key*'s makes that nack the row's own
+    (outbox.outage.own_nacks)."""
+    return next(f"{key}-twin{i}" for i in range(100_000) if slot_of(f"{key}-twin{i}") == slot_of(key))
 
 
 def add(conn: sqlite3.Connection, *envs: dict[str, Any]) -> list[str]:

@@ -32,6 +32,7 @@ from ..sqlite import now_iso
 from ..topology import H_PRODUCED_MS
 from . import owners, wake
 from .db import OutboxDb, WakeListener, as_db
+from .outage import PROBE_ROWS, Destination, Outage, describe, destination, own_nacks
 from .table import MAX_ERROR_CHARS, routing_key_problem
 
 if TYPE_CHECKING:
@@ -45,6 +46,9 @@ PERMANENT: Final = frozenset({"returned", "unencodable"})
 REAP_EVERY_S: Final = 1.0
 #: A connect or a batch's confirms waiting this long (seconds) is logged, once, and so is its end.
 STALL_LOG_S = 5.0
+#: Rows of the first batch after a reconnect during an outage (the probe; one batch in
+#: flight): confirms that never come cost the fewest rows (duplicates if they come late).
+LINK_PROBE_ROWS: Final = 10
 
 
 @contextmanager
@@ -106,6 +110,8 @@ class Claimed(NamedTuple):
     #: ``created_at`` is not a time): the message carries it (``x-produced-ms``),
     #: for the consumers' age at commit.
     produced_ms: int | None = None
+    #: Its failures so far: a row whose nacks were its own before keeps them its own (.outage).
+    failures: int = 0
 
 
 @dataclass
@@ -158,6 +164,16 @@ class DispatchConfig:
         return max(0.5, min(30.0, self.lease_s / (self.depth + 2)))
 
 
+def _own_nacks(rows: Sequence[Claimed], results: Sequence[PublishResult]) -> set[int]:
+    """Indexes of the nacks of *results* that are their row's own (:func:`.outage.own_nacks`), and those of
+    rows whose earlier nacks were their own (their destination took other rows meanwhile)."""
+    if not any(r.status == "nacked" for r in results):
+        return set()
+    statuses = [r.status for r in results]
+    return own_nacks([destination(r.routing_key, r.ordering_key) for r in rows], statuses) | {
+        i for i, (row, status) in enumerate(zip(rows, statuses, strict=True)) if status == "nacked" and row.failures}
+
+
 def default_owner() -> str:
     """A dispatcher's lease owner id: host, pid and a random part."""
     return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
@@ -177,6 +193,9 @@ class DispatchStats:
     last_outage: str = ""
     #: Whether the broker answers now (the ``outbox_dispatch_connected`` gauge).
     online: bool = False
+    #: Whether an outage is open (the ``outbox_dispatch_outage`` gauge): no
+    #: connection, confirms lost, or destinations that nack everything.
+    in_outage: bool = False
     #: time.perf_counter() of the first claim and of the last mark.
     first_claim: float = 0.0
     last_mark: float = 0.0
@@ -235,8 +254,8 @@ class Dispatcher:
         self._failures = 0  # consecutive broker failures, for the backoff
         self._db_failures = 0  # consecutive database-busy failures
         self._connected = False
-        self._outage_why: str | None = None  # the outage being waited out, logged once
-        self._outage_since = 0.0
+        self._episode: Outage | None = None  # the outage being waited out (.outage)
+        self._probes: set[int] = set()  # seqs in flight as probes of refusing destinations
         self._inflight: deque[tuple[list[Claimed], Any]] = deque()  # sent, not yet collected
         self._reaped_at = float("-inf")
         self._good_keys: set[str] = set()  # routing keys already checked and found good
@@ -261,8 +280,8 @@ class Dispatcher:
             self._good_keys.add(key)
         return problem
 
-    def claim(self) -> list[Claimed]:
-        """Lease up to ``batch`` publishable rows, in creation order.
+    def claim(self, limit: int | None = None) -> list[Claimed]:
+        """Lease up to ``batch`` (or *limit*) publishable rows, in creation order.
 
         A row is publishable when it is pending, not under a live lease, past
         its backoff, and no earlier pending row of its ordering key is under
@@ -272,6 +291,12 @@ class Dispatcher:
         known dead are taken back first (:func:`.owners.reap`). Raises
         DatabaseLost, claiming nothing, once the database file was deleted or
         replaced: nothing more is published from a file nobody else will read.
+
+        During an outage the rows of a destination that refuses (nacks
+        everything) are not claimed, and hold their keys, except for its
+        probe when one is due: its oldest waiting rows, of different keys
+        (:data:`.outage.PROBE_ROWS`). A destination none of whose rows is
+        found waiting any more is let go.
         """
         db = self.db
         db.check_alive()
@@ -283,14 +308,24 @@ class Dispatcher:
         taken: list[Claimed] = []
         expired: list[tuple[str, int]] = []
         invalid: list[tuple[str, str, int]] = []
+        batch = self.config.batch if limit is None else max(1, min(limit, self.config.batch))
+        episode = self._episode
+        refused = episode.refused if episode is not None else {}
+        probing = bool(refused) and episode is not None and episode.probe_at <= now
         # An idle poll only reads: the write lock (which the producer needs
         # for its own transactions) is taken only when some row is due.
         due = db.execute(
             "SELECT 1 FROM outbox WHERE status = 'pending' AND coalesce(next_attempt_at, '') <= ?1"
             " AND coalesce(lease_until, '') <= ?1 LIMIT 1", (now_s,)).fetchone()
         if due is None:
+            if probing and not self._inflight:  # nothing of the refusing destinations waits any more
+                refused.clear()
+                self._maybe_end()
             return taken
         good = self._good_keys
+        probed: dict[Destination, int] = {}  # refusing destination -> rows taken as its probe
+        seen: set[Destination] = set()  # refusing destinations with a row waiting
+        complete = True  # the scan saw every pending row
         with db.transaction() as conn:
             conn.lock_claims()
             blocked: set[str] = set()
@@ -300,30 +335,46 @@ class Dispatcher:
             apart = conn.body_sql != "body"
             cur = conn.scan(
                 f"SELECT seq, event_id, routing_key, ordering_key, {conn.body_sql}, attempts, next_attempt_at,"
-                f" lease_owner, lease_until, {conn.created_ms_sql} FROM outbox WHERE status = 'pending' ORDER BY seq",
-                (), self.config.batch * 2)
+                f" lease_owner, lease_until, {conn.created_ms_sql}, failures FROM outbox WHERE status = 'pending'"
+                " ORDER BY seq",
+                (), batch * 2)
             try:
-                for seq, event_id, routing_key, key, body, attempts, next_at, owner, lease_until, created in cur:
+                for (seq, event_id, routing_key, key, body, attempts, next_at, owner, lease_until, created,
+                     failures) in cur:
                     if key in blocked:
                         continue
                     if (next_at is not None and next_at > now_s) or (lease_until is not None and lease_until > now_s):
                         blocked.add(key)
+                        if refused and owner == self.config.owner:  # in flight here: it still waits on it
+                            seen.add(destination(routing_key, key))
                         continue
                     if routing_key not in good and (problem := self._key_problem(routing_key)) is not None:
                         reason = safe_reason(f"invalid: {problem}", MAX_ERROR_CHARS)
                         invalid.append((reason, now_s, seq))
                         continue
+                    if refused and (dest := destination(routing_key, key)) in refused:
+                        # It waits on the outage, and so do the later rows of its key.
+                        seen.add(dest)
+                        blocked.add(key)
+                        if not probing or probed.get(dest, 0) >= PROBE_ROWS:
+                            continue
+                        probed[dest] = probed.get(dest, 0) + 1
                     length = body if apart else len(body)
                     if taken and size + length > self.config.batch_bytes:
+                        complete = False
                         break
                     size += length
-                    taken.append(Claimed(seq, event_id, routing_key, b"" if apart else body, attempts, key, created))
-                    if next_at is not None:  # a retry goes out alone for its article
+                    taken.append(Claimed(seq, event_id, routing_key, b"" if apart else body, attempts, key, created,
+                                         failures))
+                    if key in blocked:  # a probe
+                        self._probes.add(seq)
+                    elif next_at is not None:  # a retry goes out alone for its article
                         blocked.add(key)
                     if owner is not None:
                         expired.append((safe_reason(f"lease of {owner} expired before it marked this row",
                                                     MAX_ERROR_CHARS), seq))
-                    if len(taken) >= self.config.batch:
+                    if len(taken) >= batch:
+                        complete = False
                         break
             finally:
                 cur.close()
@@ -345,6 +396,14 @@ class Dispatcher:
         if invalid:
             self.stats.quarantined += len(invalid)
             log.warning("quarantined %d rows at claim: %s", len(invalid), invalid[0][0])
+        if probing and episode is not None:
+            if probed:
+                episode.probes += 1
+                episode.probe_at = float("inf")  # the next one is scheduled when this one is settled
+            if complete:  # nothing of theirs waits here any more (published elsewhere, dropped)
+                for dest in [d for d in refused if d not in seen]:
+                    del refused[dest]
+                self._maybe_end()
         return taken
 
     def mark(self, rows: Sequence[Claimed], results: Sequence[PublishResult]) -> None:
@@ -352,19 +411,25 @@ class Dispatcher:
 
         Confirmed: ``published_at`` (kept if another dispatcher set it first).
         Otherwise ``published_at`` stays empty, ``attempts + 1`` and a short
-        ``last_error``; a permanent failure quarantines the row; a nack adds
-        a failure and a backoff, or quarantines at ``max_attempts``; an
-        unconfirmed row (connection lost) goes again without either. A
-        failure is recorded only while this dispatcher still owns the row.
+        ``last_error``; a permanent failure quarantines the row; a nack of
+        the row's own (:func:`.outage.own_nacks`) adds a failure and a
+        backoff, or quarantines at ``max_attempts``; any other nack (its
+        destination refuses everything: an outage) makes it a retry due at
+        once, with no failure: it waits on the outage, not on a backoff of
+        its own; an unconfirmed row (connection lost) goes again without
+        either. A failure is recorded only while this dispatcher still owns
+        the row.
         """
         now = self.clock()
         now_s = now_iso(now)
         cfg = self.config
+        own = _own_nacks(rows, results)
         published: list[int] = []
         failed: list[tuple[str, str | None, int, str, int]] = []
         quarantined: list[tuple[str, str, int, str]] = []
         nacked: list[tuple[int, str]] = []
-        for row, result in zip(rows, results, strict=True):
+        waiting: list[tuple[str, int, str]] = []
+        for i, (row, result) in enumerate(zip(rows, results, strict=True)):
             if result.ok:
                 published.append(row.seq)
                 continue
@@ -374,8 +439,10 @@ class Dispatcher:
                 failed.append((error, None, row.seq, cfg.owner, 0))
             elif result.status in PERMANENT:
                 quarantined.append((error, error, row.seq, cfg.owner))
-            else:
+            elif i in own:
                 nacked.append((row.seq, error))
+            else:
+                waiting.append((error, row.seq, cfg.owner))
         half = len(published) // 2
         with self.db.transaction() as conn:
             # The failure count is read only for the rows that need it (rare),
@@ -407,6 +474,13 @@ class Dispatcher:
                 " lease_until = NULL"
                 " WHERE seq = ?3 AND status = 'pending' AND lease_owner = ?4",
                 [(*f, now_s) for f in failed],
+            )
+            conn.executemany(
+                # Waits on the outage: a retry (alone for its key), due now; the dispatcher probes.
+                "UPDATE outbox SET attempts = attempts + 1, last_error = ?1, last_attempt_at = ?4,"
+                " next_attempt_at = coalesce(next_attempt_at, ?4), lease_owner = NULL, lease_until = NULL"
+                " WHERE seq = ?2 AND status = 'pending' AND lease_owner = ?3",
+                [(*w, now_s) for w in waiting],
             )
             cur = conn.executemany(
                 "UPDATE outbox SET status = 'quarantined', attempts = attempts + 1, failures = failures + 1,"
@@ -454,30 +528,31 @@ class Dispatcher:
                     self.publisher.connect()
             except BrokerUnavailable as exc:
                 if not self.stopping:  # else: interrupted by a stop, nothing to wait out
-                    self._outage(str(exc), spent=time.monotonic() - started)
+                    self._outage(str(exc), spent=time.monotonic() - started, connect=True)
                 return 0
             self._connected = self.stats.connected = self.stats.online = True
-            if self._outage_why is not None:
-                log.warning("broker reachable again after %.0fs", time.monotonic() - self._outage_since)
-                self._outage_why = None
-        while len(self._inflight) < self.config.depth and not self.stopping:
-            rows = self.claim()  # a busy database raises here; what is in flight stays in flight
+        while len(self._inflight) < self._depth() and not self.stopping:
+            rows = self.claim(self._limit())  # a busy database raises here; what is in flight stays in flight
             if not rows:
                 break
             self._send(rows)
         if not self._inflight:
+            episode = self._episode
+            if episode is not None and episode.link is not None and not self.stopping:
+                episode.link = None  # connected, and nothing to prove it with: nothing waits on it
+                self._maybe_end()
             return 0
         rows, ticket = self._inflight[0]
         listener = self._listener
         # Rows committed while the oldest batch waits for its confirms go out
         # behind it at once, not after it is marked.
-        while listener is not None and len(self._inflight) < self.config.depth and not self.stopping:
+        while listener is not None and len(self._inflight) < self._depth() and not self.stopping:
             if self.publisher.wait(ticket, listener.fileno()):
                 break
             self._woken(listener)
             if self._listener is None:
                 break
-            more = self.claim()
+            more = self.claim(self._limit())
             if more:
                 self._send(more)
         try:
@@ -502,6 +577,16 @@ class Dispatcher:
             self._settle(later, self.publisher.collect(ticket))
         self._outage(lost)
         return len(rows)
+
+    def _depth(self) -> int:
+        """Batches in flight: one while an outage's connection is being proved."""
+        episode = self._episode
+        return 1 if episode is not None and episode.link is not None else self.config.depth
+
+    def _limit(self) -> int | None:
+        """Rows of the next claim: a probe's few while an outage's connection is being proved."""
+        episode = self._episode
+        return LINK_PROBE_ROWS if episode is not None and episode.link is not None else None
 
     def _send(self, rows: list[Claimed]) -> None:
         """Send *rows* behind the batches in flight."""
@@ -531,6 +616,7 @@ class Dispatcher:
         with suppress(DeliveryError):
             self.release([*rows, *(row for batch, _ in self._inflight for row in batch)])
         self._inflight.clear()
+        self._probes.clear()
 
     def _settle(self, rows: list[Claimed], results: list[PublishResult], *, retry: bool = True) -> None:
         """Mark a collected batch. When the database fails (an outage, a timeout)
@@ -545,30 +631,112 @@ class Dispatcher:
         self.stats.last_mark = time.perf_counter()
         self.stats.batches += 1
         self.stats.results.update(r.status for r in results)
+        self._observe(rows, results)
         bad = [(row, r) for row, r in zip(rows, results, strict=True) if not r.ok]
+        episode = self._episode
+        if episode is not None and episode.logged:  # the outage's own lines say it, not one per row
+            bad = [(row, r) for row, r in bad if r.status not in ("nacked", "unconfirmed")]
         for row, r in bad[:3]:
             log.warning("%s not published: %s %s", row.event_id, r.status, r.reason)
-        log.debug("batch of %d: %d confirmed", len(rows), len(rows) - len(bad))
+        log.debug("batch of %d: %d confirmed", len(rows), sum(r.ok for r in results))
 
-    def _outage(self, why: str, spent: float = 0.0) -> None:
-        """Wait before the next attempt; *spent*: what the failed one took
+    # -- outages (.outage) --
+
+    def _begin(self, why: str) -> Outage:
+        if self._episode is None:
+            self._episode = Outage(why=why, since=time.monotonic(), probe_at=self.clock())
+        return self._episode
+
+    def _announce(self, episode: Outage, line: str, *args: Any) -> None:
+        """The outage's first line: logged once, and counted."""
+        if not episode.logged:
+            episode.logged = True
+            self.stats.outages += 1
+            self.stats.in_outage = True
+            log.warning(line, *args)
+
+    def _observe(self, rows: Sequence[Claimed], results: Sequence[PublishResult]) -> None:
+        """What a settled batch says of the outage: a destination whose every
+        message was nacked refuses (its rows wait on the outage); a confirm
+        ends the refusal of its destination; any answer proves the connection."""
+        statuses = [r.status for r in results]
+        own = _own_nacks(rows, results)
+        storm = sum(s == "nacked" for s in statuses) > len(own)
+        probe = bool(self._probes) and any(row.seq in self._probes for row in rows)
+        if probe:
+            self._probes.difference_update(row.seq for row in rows)
+        lost = next((r.reason for r in results if r.status == "unconfirmed"), None)
+        episode = self._episode
+        if episode is None:
+            if not storm and lost is None:
+                return
+            episode = self._begin(lost or "the broker nacked every message of a destination")
+        if episode.link is not None and any(s in ("confirmed", "nacked", "returned") for s in statuses):
+            episode.link = None  # the broker answers
+        if lost is not None:
+            episode.link = lost
+        recovered = refusing = False
+        for i, (row, status) in enumerate(zip(rows, statuses, strict=True)):
+            if status == "unconfirmed":
+                episode.unconfirmed += 1
+            elif status == "confirmed":
+                if episode.refused and episode.confirmed(destination(row.routing_key, row.ordering_key)):
+                    recovered = True
+            elif status == "nacked" and i not in own:
+                episode.refuse(destination(row.routing_key, row.ordering_key), row.seq)
+                refusing = True
+        if refusing:
+            self._announce(
+                episode, "the broker nacks every message to %s (no quorum, a queue full or unavailable?): one"
+                " outage; its rows wait for it, no backoff of their own; probing every %.0fs at most, other"
+                " destinations go on", describe(episode.refused), RECONNECT_CAP_S)
+        now = self.clock()
+        if recovered:
+            episode.tries, episode.probe_at = 0, now  # it confirms again: probe the rest at once
+        elif refusing or probe:
+            episode.tries += 1
+            if probe or episode.probe_at != float("inf"):
+                episode.probe_at = now + reconnect_delay_s(episode.tries)
+        self._maybe_end()
+
+    def _maybe_end(self) -> None:
+        """Close the outage once the broker answers and no destination refuses; one line, with its counts."""
+        episode = self._episode
+        if episode is None or not episode.over:
+            return
+        self._episode = None
+        self._probes.clear()
+        self.stats.in_outage = False
+        if episode.logged:
+            log.warning("broker %s again after %.1fs: one outage, %s; every row that waited on it goes now",
+                        "reachable" if episode.link_seen else "confirms", time.monotonic() - episode.since,
+                        episode.summary())
+
+    def _outage(self, why: str, spent: float = 0.0, *, connect: bool = False) -> None:
+        """No connection (*connect*: a connect failed), or the confirms were
+        lost: wait before the next attempt; *spent*: what the failed one took
         (a handshake that timed out), which counts towards the wait."""
         self._failures += 1
-        self.stats.outages += 1
         self.stats.last_outage = why
         delay = max(0.0, reconnect_delay_s(self._failures) - spent)
         if self._idle_deadline is not None:  # never wait past the time --exit-when-idle allows
             delay = min(delay, max(0.01, self._idle_deadline - self.clock()))
         self.stats.online = False
-        # Logged once per change of state, not once per attempt.
-        if why != self._outage_why:
-            if self._outage_why is None:
-                self._outage_since = time.monotonic()
-            self._outage_why = why
-            log.warning("%s; retrying in %.1fs, then every %.0fs at most until it answers", why, delay,
-                        RECONNECT_CAP_S)
+        episode = self._begin(why)
+        episode.link = why
+        episode.link_seen = True
+        episode.connects += connect
+        episode.probe_at = self.clock()  # after reconnecting, probe the refusing destinations at once
+        self._probes.clear()
+        # Logged once per outage (and once per change of its reason), not once per attempt.
+        if not episode.logged:
+            self._announce(episode, "%s; retrying in %.1fs, then every %.0fs at most until it answers", why, delay,
+                           RECONNECT_CAP_S)
+        elif why != episode.last_why:
+            log.info("still waiting for the broker: %s", why)
         else:
             log.debug("%s; retrying in %.1fs (attempt %d)", why, delay, self._failures)
+        episode.last_why = why
         self.sleep(delay)
 
     def _pause(self, seconds: float) -> None:
@@ -687,6 +855,9 @@ class Dispatcher:
             if settled:
                 continue
             pause = self.config.poll_s
+            episode = self._episode
+            if episode is not None and episode.refused and episode.probe_at != float("inf"):
+                pause = min(pause, max(0.01, episode.probe_at - now))  # the next probe is due then
             if limit is not None:
                 pause = min(pause, max(0.01, limit - (now - idle_since)))
             self._pause(pause)

@@ -5,7 +5,8 @@ dispatcher did the work): rows by state -- ``due``, ``leased``,
 ``retrying``, ``held``, ``quarantined``, ``published``, ``dropped`` -- and the
 age of the oldest pending row (quarantined rows wait for a person: their
 count is the ``quarantined`` state). Counters of this process: publication
-results by status, rows quarantined, broker outages; whether it is connected.
+results by status, rows quarantined, broker outages; whether it is connected, and whether an
+outage is open.
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ class OutboxCollector(Collector):
                                       value=self.dispatch.outages)
             yield GaugeMetricFamily("outbox_dispatch_connected", "1 while this process is connected to the "
                                     "broker, 0 while it waits for it.", value=1 if self.dispatch.online else 0)
+            yield GaugeMetricFamily("outbox_dispatch_outage", "1 while this process waits out a broker outage: no "
+                                    "connection, confirms lost, or a destination that nacks every message.",
+                                    value=1 if self.dispatch.in_outage else 0)
 
 
 def registry(path: Path | str, dispatch: DispatchStats | None = None) -> CollectorRegistry:

@@ -29,7 +29,7 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from outboxkit import Clock, FakePublisher, add, dispatcher, envelope, row
+from outboxkit import Clock, FakePublisher, add, dispatcher, envelope, row, twin
 from support import wait_until
 
 from delivery_consumer import liveness, outbox, producer
@@ -180,19 +180,22 @@ def test_permanent_failures_are_quarantined_at_once(conn: sqlite3.Connection) ->
 
 
 def test_a_nacked_row_is_quarantined_after_max_attempts_with_growing_backoff(conn: sqlite3.Connection) -> None:
-    """Transient failures back off (growing) and quarantine the row at max_attempts, saying so."""
+    """Nacks of the row's own (its destination confirms the rows behind it) back off (growing) and quarantine the
+    row at max_attempts, saying so."""
     event_id = add(conn, envelope())[0]
     pub, clock = FakePublisher(), Clock()
     pub.verdicts[event_id] = "nacked"
     d = dispatcher(conn, pub, clock, retry_base_s=1, retry_cap_s=100, max_attempts=4)
     waits = []
-    for _ in range(3):
-        assert 1 == d.step()
+    for n in range(3):
+        add(conn, envelope(twin("article-1"), n + 1))
+        assert 2 == d.step()
         assert "retrying" == row(conn, event_id)["state"]
         waits.append(datetime.fromisoformat(row(conn, event_id)["nextAttemptAt"]).timestamp() - clock.now)
         clock.now += 10
     assert waits == sorted(waits) and 0.5 <= waits[0] <= 1 and 2 <= waits[2] <= 4
-    assert 1 == d.step()
+    add(conn, envelope(twin("article-1"), 4))
+    assert 2 == d.step()
     r = row(conn, event_id)
     assert ("quarantined", 4, 4) == (r["state"], r["attempts"], r["failures"])
     assert "(failed 4 times, max-attempts 4)" in r["quarantineReason"]
@@ -240,14 +243,15 @@ def add_in(conn: sqlite3.Connection, env: dict[str, Any]) -> str:
 
 
 def test_later_rows_wait_for_a_retry_and_go_on_once_it_is_quarantined(conn: sqlite3.Connection) -> None:
-    """While a1 is retried, a2 and a3 wait (held behind it) and other articles go on; once a1 is quarantined they
-    are published, and show(a1) names them as having gone past it."""
-    a1, b1 = add(conn, envelope("a", 1), envelope("b", 1))
+    """While a1 is retried (its own nacks: its destination confirms a twin key's rows behind it), a2 and a3 wait
+    (held behind it) and other articles go on; once a1 is quarantined they are published, and show(a1) names
+    them as having gone past it."""
+    a1, b1 = add(conn, envelope("a", 1), envelope(twin("a"), 1))
     pub, clock = FakePublisher(), Clock()
     pub.verdicts[a1] = "nacked"
     d = dispatcher(conn, pub, clock, retry_base_s=1, retry_cap_s=1, max_attempts=3)
     d.step()
-    a2, a3, b2 = add(conn, envelope("a", 2), envelope("a", 3), envelope("b", 2))
+    a2, a3, b2 = add(conn, envelope("a", 2), envelope("a", 3), envelope(twin("a"), 2))
     pub.sent.clear()
     d.step()
     assert [b2] == [m.message_id for m in pub.sent]
@@ -255,11 +259,12 @@ def test_later_rows_wait_for_a_retry_and_go_on_once_it_is_quarantined(conn: sqli
     assert "retrying" == listed[a1]["state"]
     assert (f"held behind {a1}", f"held behind {a1}") == (listed[a2]["detail"], listed[a3]["detail"])
     assert [a2, a3] == [r["eventId"] for r in outbox.list_rows(conn, state="held", now=clock.now)]
-    for _ in range(2):  # two more failed attempts, each alone
+    for n in range(2):  # two more failed attempts, each alone for its article
+        twin_row = add(conn, envelope(twin("a"), 3 + n))[0]
         clock.now += 1.01
         pub.sent.clear()
         d.step()
-        assert [a1] == [m.message_id for m in pub.sent]
+        assert [a1, twin_row] == [m.message_id for m in pub.sent]
     assert "quarantined" == row(conn, a1)["state"]
     assert [] == row(conn, a1)["passedBy"]
     pub.sent.clear()
@@ -320,7 +325,7 @@ def test_order_per_article_under_random_failures(tmp_path: Path, plan: list[tupl
             d.step()
             states = {r["eventId"]: r["state"] for r in outbox.list_rows(conn, limit=0, now=clock.now)}
             in_retry = {e for e, s in states.items() if s not in ("published", "quarantined") and
-                        row(conn, e)["failures"] > 0}
+                        row(conn, e)["nextAttemptAt"] is not None}  # nacked (its own, or in an outage)
             if all(s in ("published", "quarantined") for s in states.values()):
                 break
             clock.now += 1.01
@@ -535,17 +540,18 @@ def test_run_registers_with_a_heartbeat_and_leaves_cleanly(conn: sqlite3.Connect
 
 
 def test_exit_when_idle_counts_only_progress(conn: sqlite3.Connection) -> None:
-    """A row that keeps failing is not progress: run() returns after the idle time, the row still retrying."""
+    """A row that keeps failing is not progress: run() returns after the idle time, the row still waiting (on
+    the outage its nacks are: probed again and again, due at once)."""
     event_id = add(conn, envelope())[0]
     pub, clock = FakePublisher(), Clock()
     pub.verdicts[event_id] = "nacked"
-    d = dispatcher(conn, pub, clock, exit_when_idle_s=5, poll_s=0.1, retry_base_s=0.2, retry_cap_s=0.2,
-                   max_attempts=1000)
+    d = dispatcher(conn, pub, clock, exit_when_idle_s=5, poll_s=0.1, max_attempts=1000)
     started = clock.now
     stats = d.run()
     assert 5 <= clock.now - started < 6
-    assert stats.results["nacked"] >= 10 and 0 == stats.progress
-    assert Counter(retrying=1) == outbox.waiting(conn, now=clock.now)
+    assert stats.results["nacked"] >= 3 and 0 == stats.progress
+    assert (1, True) == (stats.outages, stats.in_outage)
+    assert Counter(pending=1) == outbox.waiting(conn, now=clock.now)
 
 
 def test_exit_when_idle_with_the_broker_down_says_it_never_connected(conn: sqlite3.Connection) -> None:
@@ -678,8 +684,9 @@ def test_metrics_count_rows_by_state_and_this_dispatchers_results(conn: sqlite3.
     d.step()
     text = generate_latest(metrics.registry(tmp_path / "producer.db", d.stats)).decode()
     for line in ('outbox_rows{state="quarantined"} 1.0', 'outbox_rows{state="published"} 1.0',
-                 'outbox_rows{state="retrying"} 1.0', 'outbox_rows{state="due"} 0.0',
-                 'outbox_dispatch_results_total{result="nacked"} 1.0', "outbox_dispatch_quarantined_total 1.0"):
+                 'outbox_rows{state="due"} 1.0', 'outbox_rows{state="retrying"} 0.0',
+                 'outbox_dispatch_results_total{result="nacked"} 1.0', "outbox_dispatch_quarantined_total 1.0",
+                 "outbox_dispatch_outages_total 1.0", "outbox_dispatch_outage 1.0"):
         assert line in text
 
 

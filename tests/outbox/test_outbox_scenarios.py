@@ -132,15 +132,17 @@ def test_rows_go_out_in_creation_order_and_are_marked_published(backend: Backend
 
 
 def test_a_nacked_row_retries_alone_and_holds_the_later_rows_of_its_key(backend: Backend) -> None:
-    """A nack backs the row off; later rows of its key wait behind it, other keys go on; after the backoff
-    the row goes out and its key follows, in order."""
+    """A nack (its destination confirming nothing after it) makes the row wait on the outage; later rows of its
+    key wait behind it, other keys go on; once the probe is due the row goes out and its key follows, in
+    order."""
     a1, b1, a2 = backend.add(envelope("a", 1), envelope("b", 1), envelope("a", 2))
     pub, clock = FakePublisher(), Clock()
     pub.verdicts[a1] = "nacked"
     d = dispatcher(backend.open(), pub, clock, batch=1, depth=1, retry_base_s=1, retry_cap_s=1)
     assert (1, 1, 0) == (d.step(), d.step(), d.step())
     states = {r["eventId"]: r["state"] for r in outbox.list_rows(d.db)}
-    assert {a1: "retrying", b1: "published", a2: "held"} == states
+    assert {a1: "pending", b1: "published", a2: "held"} == states
+    assert (0, 1) == (outbox.show(d.db, a1)["failures"], d.stats.outages)
     pub.verdicts.clear()
     clock.now += 5
     while d.step():
