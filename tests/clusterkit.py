@@ -522,7 +522,15 @@ class Traffic:
             return all(any(count_rows(db, "inbox", "event_id = ?", (newest,)) for db in self.dbs(c) if db.exists())
                        for c in CONSUMERS)
 
-        wait_until(what, caught_up, timeout=timeout, ignoring=(sqlite3.OperationalError,), interval=0.1)
+        try:
+            wait_until(what, caught_up, timeout=timeout, ignoring=(sqlite3.OperationalError,), interval=0.1)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.logs()}") from None
+
+    def logs(self, tail: int = 1500) -> str:
+        """The end of every process's stderr."""
+        return "\n".join(f"--- {name} ({'alive' if p.poll() is None else f'exit {p.returncode}'}):\n"
+                         f"{p.output()[1][-tail:]}" for name, p in self.procs.items())
 
     # -- the end --
     def finish(self, scenario: str) -> Outcome:
