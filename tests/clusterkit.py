@@ -47,7 +47,7 @@ CLUSTER_CONF = "cluster_partition_handling = pause_minority\n"
 
 #: Few scheduler threads and async I/O threads per node: three nodes and the tests
 #: share two cores with everything else on the machine.
-ERL_ARGS = "+S 1:1 +SDcpu 1:1 +SDio 2 +A 4 +sbwt none +sbwtdcpu none +sbwtdio none"
+ERL_ARGS = "+S 1:1 +SDcpu 1:1 +SDio 2 +A 4"
 
 
 def _ppid_and_comm(pid: int) -> tuple[int, str] | None:
