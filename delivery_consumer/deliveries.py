@@ -104,6 +104,9 @@ class Observer:
     def store_health(self, healthy: bool) -> None:
         """The database as a whole stopped (False) or started again (True) working."""
 
+    def copies_held(self, count: int) -> None:
+        """Deliveries held unacked because their retry or dead-letter copy was not accepted (yet)."""
+
 
 #: Makes the observer in the worker process (where metrics live).
 ObserverFactory = Callable[[], Observer]

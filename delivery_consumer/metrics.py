@@ -80,9 +80,13 @@ class Metrics(Observer):
         self.store_healthy = Gauge("delivery_store_healthy", "1 while the database works, 0 while it fails as "
                                    "a whole (disk full, I/O error, busy, read-only): deliveries are held.",
                                    base, registry=r)
+        self.held = Gauge("delivery_held_deliveries", "Deliveries held unacked because the queue their copy goes "
+                          "to (the dead queue, a retry tier) did not accept it yet; retried, no attempt spent.",
+                          base, registry=r)
         self.connected.labels(*c).set(0)
         self.store_healthy.labels(*c).set(1)
         self.last_commit.labels(*c).set(0)
+        self.held.labels(*c).set(0)
 
     def batch_committed(self, outcomes: Sequence[Outcome], seconds: float, committed_at: float = 0.0) -> None:
         c = self._base
@@ -116,6 +120,9 @@ class Metrics(Observer):
 
     def store_health(self, healthy: bool) -> None:
         self.store_healthy.labels(*self._base).set(1 if healthy else 0)
+
+    def copies_held(self, count: int) -> None:
+        self.held.labels(*self._base).set(count)
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> Any:
         """Expose ``/metrics`` on *addr*:*port* from a daemon thread."""

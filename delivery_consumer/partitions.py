@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .errors import FORWARDED, WRONG_PARTITION, ConfigError
-from .topology import Binding, Route, Topology
+from .topology import Binding, Route, Topology, upgrade_hint
 
 #: Slots of the hash space. Fixed forever: changing it moves every article.
 #: Also the largest partition count.
@@ -116,7 +116,7 @@ def explain(error: str, base: Topology) -> str:
     if "x-max-length" in error and f"'{base.prefix}.{base.consumer}.partitions'" in error:
         return (f"{base.consumer} is partitioned with another count on this broker (the queue "
                 f"{base.prefix}.{base.consumer}.partitions records it); change the count with repartition")
-    return error
+    return upgrade_hint(error, base)
 
 
 def _partition_binding(base: Topology, partition: int, count: int) -> Binding:

@@ -1,8 +1,9 @@
 """Names and arguments of the RabbitMQ objects of a consumer (no pika here).
 
-The main queue and its retry tiers (named after their delay) are quorum
-queues dead-lettering at-least-once; the dead queue is classic. Why, and the
-names of a partitioned consumer's queues: docs/amqp.md, "Queues".
+Every queue is a quorum queue (replicated: no queue lives on one node); the
+main queue and its retry tiers (named after their delay) dead-letter
+at-least-once. Why the dead queue and the partition marker are quorum queues
+too, and the names of a partitioned consumer's queues: docs/amqp.md, "Queues".
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ DEFAULT_RETRY_DELAYS_MS: tuple[int, ...] = (1_000, 10_000, 60_000)
 #: The broker's backstop for a message that kills the process before any code
 #: can count it (our own durable count normally stops it much earlier).
 DEFAULT_DELIVERY_LIMIT = 20
+#: The dead queue's delivery limit: never reached. Its readers give back what they leave by closing
+#: their channel, which a quorum queue counts as a delivery; without a limit of its own, a broker
+#: whose default is one (RabbitMQ 4.0: 20) would drop a dead letter after that many listings.
+#: Not -1: RabbitMQ 3.10 takes it and drops every message at its first return.
+DEAD_DELIVERY_LIMIT = 1_000_000_000
 
 # Headers we set on copies (retry tiers, dead letters, requeues).
 H_ATTEMPTS = "x-attempts"
@@ -77,8 +83,8 @@ class Topology:
 
     @property
     def count_marker(self) -> str:
-        """A partitioned consumer's marker queue: never used, its ``x-max-length``
-        is the partition count, so that declaring another count fails
+        """A partitioned consumer's marker queue (quorum: replicated): never used, its
+        ``x-max-length`` is the partition count, so that declaring another count fails
         (406, inequivalent arg) instead of binding an article to two partitions."""
         return f"{self.prefix}.{self.consumer}.partitions"
 
@@ -112,15 +118,23 @@ class Topology:
             **self.extra_queue_args,
         }
 
+    def dead_arguments(self) -> dict[str, Any]:
+        """The declare arguments of the dead queue (docs/amqp.md, "Queues")."""
+        return {"x-queue-type": "quorum", "x-delivery-limit": DEAD_DELIVERY_LIMIT}
+
+    def marker_arguments(self, count: int) -> dict[str, Any]:
+        """The declare arguments of the partition count's marker queue."""
+        return {"x-queue-type": "quorum", "x-max-length": count}
+
     def queues(self) -> list[tuple[str, dict[str, Any]]]:
         """Every queue with its declare arguments, the dead queue first (it
         must exist before anything can dead-letter into it)."""
         quorum: dict[str, Any] = {"x-queue-type": "quorum"}
         at_least_once = {"x-dead-letter-strategy": "at-least-once", "x-overflow": "reject-publish"}
-        dead: dict[str, Any] = {"x-queue-type": "classic"}  # why classic: docs/amqp.md, "Queues"
-        result: list[tuple[str, dict[str, Any]]] = [(self.dead_queue, dead), (self.queue, self.main_arguments())]
+        result: list[tuple[str, dict[str, Any]]] = [(self.dead_queue, self.dead_arguments()),
+                                                    (self.queue, self.main_arguments())]
         if self.partition_count is not None:  # first: a wrong count fails before anything is declared
-            result.insert(0, (self.count_marker, {"x-queue-type": "classic", "x-max-length": self.partition_count}))
+            result.insert(0, (self.count_marker, self.marker_arguments(self.partition_count)))
         for delay in dict.fromkeys(self.retry_delays_ms):
             result.append(
                 (
@@ -156,6 +170,30 @@ class Route:
     queues: tuple[tuple[str, dict[str, Any]], ...] = ()
     bind: tuple[Binding, ...] = ()
     unbind: tuple[Binding, ...] = ()
+
+
+def classic_leftover(error: str, base: Topology) -> str | None:
+    """The queue of *base*'s consumer that *error* (a refused declare) says an earlier release
+    declared as a classic queue -- its dead queue or its partition marker -- or None."""
+    if "inequivalent arg 'x-queue-type'" not in error or "current is 'classic'" not in error:
+        return None
+    stem = f"'{base.prefix}.{base.consumer}."
+    at = error.find(stem)
+    if at < 0:
+        return None
+    name = error[at + 1:error.find("'", at + 1)]
+    return name if name.endswith((".dead", ".partitions")) else None
+
+
+def upgrade_hint(error: str, base: Topology) -> str:
+    """*error* as one line saying what to run, when it is a classic queue an earlier release declared."""
+    queue = classic_leftover(error, base)
+    if queue is None:
+        return error
+    prefix = "" if base.prefix == DEFAULT_PREFIX else f" --queue-prefix {base.prefix}"
+    return (f"{queue} is a classic queue declared by an earlier release (now every queue is a quorum queue): run "
+            f"delivery-consumer topology upgrade --consumer {base.consumer}{prefix} once, then start again "
+            "(docs/amqp.md, \"Upgrading from classic queues\")")
 
 
 def topic_matches(pattern: str, key: str) -> bool:

@@ -33,9 +33,9 @@ from pika.adapters.select_connection import IOLoop, PollEvents
 from ..deliveries import Delivery, OutMessage
 from ..errors import BrokerError, BrokerFatal, BrokerUnavailable
 from ..retry import RECONNECT_CAP_S, reconnect_delay_s
-from ..topology import Topology
+from ..topology import Topology, upgrade_hint
 from .connection import Addresses, classify, open_select
-from .declare import Steps, declare_steps
+from .declare import Missing, Steps, declare_steps
 from .publisher import confirm_mode, properties, take_confirmed
 
 log = logging.getLogger("delivery_consumer.broker")
@@ -104,6 +104,8 @@ class ConsumerIO:
         self._first_connect_s = first_connect_s
         self._started = self._attempt_started = time.monotonic()
         self._ever_consumed = False
+        #: The whole topology was declared once by this process: a reconnect declares only what is missing.
+        self._declared = False
         self._outage: str | None = None  # what the failing attempts say, logged once
         self._outage_since = 0.0
         self.fatal: BrokerError | None = None
@@ -173,10 +175,38 @@ class ConsumerIO:
         self._channel = channel
         channel.add_on_close_callback(self._on_channel_closed)
         channel.add_on_cancel_callback(self._on_cancelled)
-        Steps(
-            declare_steps(channel, [self.topology]),
-            lambda: self._conn.channel(on_open_callback=self._on_pub_channel) if self._conn else None,
-        ).start()
+        if self._declared:
+            conn = self._conn
+            if conn is None:
+                return
+            missing = Missing(lambda then: conn.channel(on_open_callback=then), [self.topology],
+                              lambda: self._declared_missing(missing.declared), self._missing_failed)
+            missing.start()
+            return
+        Steps(declare_steps(channel, [self.topology]), self._on_declared).start()
+
+    def _on_declared(self) -> None:
+        self._declared = True
+        if self._conn is not None:
+            self._conn.channel(on_open_callback=self._on_pub_channel)
+
+    def _declared_missing(self, declared: list[str]) -> None:
+        if declared:
+            log.warning("declared again what was missing on the broker: %s", ", ".join(declared))
+        if self._conn is not None:
+            self._conn.channel(on_open_callback=self._on_pub_channel)
+
+    def _missing_failed(self, reason: BaseException) -> None:
+        """A reconnect's look at the topology got another answer than "exists" or "no such queue": a
+        queue whose home node is down, no quorum, a lost connection. Waited out like any outage."""
+        error = classify(reason, url=self.url)
+        if isinstance(reason, pex.ChannelClosedByBroker) and reason.reply_code == 404:
+            error = BrokerUnavailable(f"a queue of {self.topology.queue} is not available: {reason.reply_text}")
+        if isinstance(error, BrokerFatal):
+            self.fatal, self._stopping = error, True
+        else:
+            log.error("topology not available: %s", error)
+        self._close()
 
     def _on_pub_channel(self, channel: Any) -> None:
         self._pub = channel
@@ -325,7 +355,7 @@ class ConsumerIO:
         error = classify(reason, url=self.url)
         if self._live_generation == 0 and isinstance(error, BrokerFatal):
             # Failed while declaring: the topology is incompatible; retrying cannot help.
-            self.fatal = error
+            self.fatal = BrokerFatal(upgrade_hint(str(error), self.topology))
             self._stopping = True
         else:
             log.error("channel closed: %s", error)

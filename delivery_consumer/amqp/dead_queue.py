@@ -1,11 +1,12 @@
 """Exclusive, order-preserving access to a dead-letter queue.
 
 ``dead list / requeue / purge`` and ``inbox prune`` read a dead queue through
-:class:`DeadQueue`: one *exclusive* consumer takes every message without
-acknowledging it, acks the ones it removes, and gives back the rest when it
-closes (also when the process is killed). A second reader is refused by the
-broker (:class:`QueueBusy`), which serialises those commands without a lock
-of our own (see docs/amqp.md).
+:class:`DeadQueue`: one consumer takes every message without acknowledging
+it, acks the ones it removes, and gives back the rest when it closes (also
+when the process is killed). Each reader first declares the dead queue's
+*reader lock*, an exclusive queue ``<dead queue>.reader`` that lives as long
+as its connection: a second reader is refused by the broker
+(:class:`QueueBusy`), which serialises those commands (see docs/amqp.md).
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ from ..deliveries import OutMessage, PublishResult
 from ..errors import BrokerError, BrokerFatal, BrokerUnavailable
 from .connection import FAILURES, Addresses, classify, open_blocking, redact
 from .publisher import properties
+
+#: The most messages one reader holds: a quorum queue gives a consumer without a prefetch limit at
+#: most 2,000, so the reader asks for the most AMQP allows (a queue longer than this is listed in part).
+MAX_HELD = 65535
 
 
 class QueueBusy(BrokerError):
@@ -41,6 +46,33 @@ class HeldMessage:
     exchange: str
     routing_key: str
     content_encoding: str | None = None
+
+
+def reader_lock(queue: str) -> str:
+    """The exclusive queue a reader of *queue* holds while it reads (the readers' lock)."""
+    return f"{queue}.reader"
+
+
+def close_returning_in_order(conn: Any) -> None:
+    """Close a ``BlockingConnection`` so that the broker gives back, in their order, every message
+    its consumers were sent and did not ack.
+
+    pika's ``close`` first cancels each consumer (``basic.cancel``) and rejects (requeue) what it
+    received and did not dispatch yet; the broker too gives back at once what was on its way to a
+    cancelled consumer. A quorum queue puts those ahead of (or, without a delivery limit, behind)
+    the messages the closing channel returns: out of order. So the channels are closed with no
+    cancel (their consumers marked as cancelled already, so pika sends none and rejects nothing
+    that arrives meanwhile): the broker returns everything when the channel goes, in order, as
+    it does for a process that was killed.
+    """
+    impl = conn._impl  # pika's blocking layer has no close that leaves deliveries alone
+    for channel in list(impl._channels.values()):
+        channel._cancelled.update(channel._consumers)
+    if impl.is_open:
+        impl.close()
+    deadline = time.monotonic() + 10.0
+    while not conn.is_closed and time.monotonic() < deadline:
+        conn.process_data_events(time_limit=0.05)
 
 
 class DeadQueue:
@@ -65,6 +97,7 @@ class DeadQueue:
         self._channel: Any = None  # consuming channel: deliveries and acks
         self._pub: Any = None  # confirm-mode channel for copies
         self._held: list[HeldMessage] = []
+        self._limit = MAX_HELD  # the prefetch: no more arrive while this many are held
         #: Ready messages when the reader attached, and the time (Unix) it did.
         self.count_at_open = 0
         self.opened_at = 0.0
@@ -75,7 +108,8 @@ class DeadQueue:
         if isinstance(exc, pex.ChannelClosedByBroker) and exc.reply_code == 404:
             return BrokerFatal(f"queue {self.queue} does not exist on {redact(self.url)} (wrong --queue-prefix? "
                                "run topology declare, or start the consumer once)")
-        if isinstance(exc, pex.ChannelClosedByBroker) and exc.reply_code == 403 and "exclusive" in exc.reply_text:
+        if isinstance(exc, pex.ChannelClosedByBroker) and (
+                exc.reply_code == 405 or (exc.reply_code == 403 and "exclusive" in exc.reply_text)):
             return QueueBusy(f"queue {self.queue} is in use by another reader (dead list/requeue/purge or "
                              "inbox prune); try again when it has finished")
         return classify(exc, url=self.url)
@@ -83,15 +117,20 @@ class DeadQueue:
     def open(self, *, prefetch: int = 0) -> int:
         """Connect and start the exclusive consumer; returns the ready count.
 
-        *prefetch* 0 lets the broker send every message (up to 65535 otherwise).
+        *prefetch* 0 asks for as many as one reader may hold (:data:`MAX_HELD`).
         """
         try:
             self._conn = open_blocking(self._params)
             self._channel = self._conn.channel()
             self.opened_at = time.time()
+            # A quorum queue does not refuse a second "exclusive" consumer: the lock is an exclusive
+            # queue of this connection (405 RESOURCE_LOCKED for any other), gone when it closes.
+            self._channel.queue_declare(reader_lock(self.queue), exclusive=True, auto_delete=True,
+                                        arguments={"x-queue-type": "classic"})
             frame = self._channel.queue_declare(self.queue, passive=True)
             self.count_at_open = int(frame.method.message_count)
-            self._channel.basic_qos(prefetch_count=min(max(prefetch, 0), 65535))
+            self._limit = min(prefetch, MAX_HELD) if prefetch > 0 else MAX_HELD
+            self._channel.basic_qos(prefetch_count=self._limit)
             self._channel.basic_consume(self.queue, self._on_message, auto_ack=False, exclusive=True)
         except FAILURES as exc:
             error = self._error(exc)
@@ -114,12 +153,13 @@ class DeadQueue:
 
         Done when the broker has no ready message left -- all of them are held
         here -- and either as many arrived as the queue had at :meth:`open` or
-        none arrived for a moment. Dead letters that arrive later stay at the
-        tail, after everything returned here.
+        none arrived for a moment; or when the reader holds as many as its
+        prefetch lets it (a longer queue: the read is not complete). Dead
+        letters that arrive later stay at the tail, after everything returned here.
         """
         try:
-            self._gather(max_messages, lambda seen, quiet: self._ready() == 0 and (
-                seen >= self.count_at_open or quiet >= self._settle_s))
+            self._gather(max_messages, lambda seen, quiet: seen >= self._limit or (self._ready() == 0 and (
+                seen >= self.count_at_open or quiet >= self._settle_s)))
         except FAILURES as exc:
             raise self._error(exc) from None
         held = self._held if max_messages is None else self._held[:max_messages]
@@ -196,7 +236,7 @@ class DeadQueue:
         self._held = []
         if conn is not None and conn.is_open:
             with suppress(*FAILURES):  # the broker requeues when the socket goes
-                conn.close()
+                close_returning_in_order(conn)
 
     def __enter__(self) -> DeadQueue:
         return self

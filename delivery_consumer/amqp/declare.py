@@ -3,13 +3,19 @@
 Names and arguments come from :mod:`delivery_consumer.topology`; this module
 only turns them into pika's asynchronous channel calls. Used by the
 publisher (before its first message) and by ``run``'s connection (before it
-consumes).
+consumes). A process declares once, at its first connection (where a queue
+declared with other arguments is refused: 406); a reconnect only looks
+(:class:`Missing`: passive declares) and declares what is missing, so that a
+node that is down does not fail a reconnect with its queues' declares
+(docs/amqp.md, "Declaring once").
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import Any
+
+import pika.exceptions as pex
 
 from ..topology import Binding, Route, Topology
 
@@ -67,3 +73,91 @@ def declare_steps(channel: Any, topologies: Sequence[Topology], exchanges: Seque
         steps.extend(bind_step(b) for b in route.bind)
         steps.extend(bind_step(b, unbind=True) for b in route.unbind)
     return steps
+
+
+def _absent(reason: BaseException, kind: str) -> bool:
+    """A refused passive declare that says the object does not exist (not "home node down")."""
+    return (isinstance(reason, pex.ChannelClosedByBroker) and reason.reply_code == 404
+            and f"no {kind} " in reason.reply_text)
+
+
+class Missing:
+    """On a reconnect: ask for each exchange and queue of *topologies* with a passive declare, and
+    declare only those the broker says do not exist (and a main queue's bindings with it).
+
+    *open_channel* opens a channel on the connection and calls its argument with it (a refused
+    passive declare closes its channel: each object missing costs a new one). *done* is called when
+    everything exists; *failed* with the reason when the broker answered anything else (a queue whose
+    home node is down: 404 "home node"; no quorum; a closed connection).
+    """
+
+    def __init__(self, open_channel: Callable[[Callable[[Any], None]], None], topologies: Sequence[Topology],
+                 done: Callable[[], None], failed: Callable[[BaseException], None],
+                 exchanges: Sequence[str] = ()) -> None:
+        self._open_channel = open_channel
+        self._done = done
+        self._failed = failed
+        self._todo: list[tuple[str, str, Any]] = [
+            ("exchange", ex, None) for ex in dict.fromkeys([*exchanges, *(t.exchange for t in topologies)])]
+        for topo in topologies:
+            self._todo.extend(("queue", q, (a, topo if q == topo.queue else None)) for q, a in topo.queues())
+        self._channel: Any = None
+        self._finished = False
+        self._declaring = False  # an active declare (not a passive one) is under way
+        #: What this reconnect declared, for the log.
+        self.declared: list[str] = []
+
+    def start(self) -> None:
+        self._open_channel(self._opened)
+
+    def _opened(self, channel: Any) -> None:
+        self._channel = channel
+        channel.add_on_close_callback(self._closed)
+        self._next()
+
+    def _next(self, _frame: Any = None) -> None:
+        self._declaring = False
+        if not self._todo:
+            self._finished = True
+            if self._channel is not None and self._channel.is_open:
+                self._channel.close()
+            self._done()
+            return
+        kind, name, _extra = self._todo[0]
+        if kind == "exchange":
+            self._channel.exchange_declare(name, passive=True, callback=self._exists)
+        else:
+            self._channel.queue_declare(name, passive=True, callback=self._exists)
+
+    def _exists(self, _frame: Any) -> None:
+        self._todo.pop(0)
+        self._next()
+
+    def _closed(self, channel: Any, reason: BaseException) -> None:
+        if self._finished or channel is not self._channel:
+            return
+        if self._declaring or not self._todo or not _absent(reason, self._todo[0][0]):
+            self._finished = True
+            self._failed(reason)
+            return
+        kind, name, extra = self._todo.pop(0)
+        self.declared.append(name)
+        self._open_channel(lambda channel: self._declare(channel, kind, name, extra))
+
+    def _declare(self, channel: Any, kind: str, name: str, extra: Any) -> None:
+        self._channel, self._declaring = channel, True
+        channel.add_on_close_callback(self._closed)
+        if kind == "exchange":
+            channel.exchange_declare(name, exchange_type="topic", durable=True, callback=self._next)
+            return
+        args, topo = extra
+        if topo is None:
+            channel.queue_declare(name, durable=True, arguments=args, callback=self._next)
+            return
+        steps: list[Step] = [lambda cb: channel.queue_declare(name, durable=True, arguments=args, callback=cb)]
+
+        def bind(key: str) -> Step:
+            return lambda cb: channel.queue_bind(name, topo.exchange, routing_key=key, callback=cb)
+
+        steps.extend(bind(key) for key in topo.queue_binding_keys)
+        Steps(steps, self._next).start()

@@ -24,7 +24,7 @@ import time
 
 from ..errors import BrokerError
 from .connection import FAILURES, open_blocking
-from .dead_queue import DeadQueue, HeldMessage
+from .dead_queue import DeadQueue, HeldMessage, reader_lock
 
 
 class WindowReader(DeadQueue):
@@ -42,6 +42,8 @@ class WindowReader(DeadQueue):
             self._conn = open_blocking(self._params)
             self._channel = self._conn.channel()
             self.opened_at = time.time()
+            self._channel.queue_declare(reader_lock(self.queue), exclusive=True, auto_delete=True,
+                                        arguments={"x-queue-type": "classic"})  # the readers' lock (dead_queue.py)
             self.count_at_open = self._ready()
         except FAILURES as exc:
             error = self._error(exc)

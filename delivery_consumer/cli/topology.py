@@ -39,10 +39,15 @@ def declare_cmd(names: tuple[str, ...], amqp_url: str, exchange: str, queue_pref
     Without --consumer, every consumer the deployment file names, each with
     its partition count (``partitions = N``); flags override the file.
     """
+    _declare(amqp_url, _declared_counts(names, partitions), exchange, queue_prefix, retry_delays, delivery_limit)
+
+
+def _declare(amqp_url: str, counts: dict[str, int | None], exchange: str, queue_prefix: str,
+             retry_delays: tuple[int, ...], delivery_limit: int) -> None:
+    """Declare the consumers of *counts* (consumer -> partition count) and say what was declared."""
     from ..amqp.admin import declare
     from ..errors import BrokerError
 
-    counts = _declared_counts(names, partitions)
     bases = [topology_for(n, exchange, queue_prefix, retry_delays_ms=retry_delays,
                        delivery_limit=delivery_limit) for n in counts]
     topologies: list[Topology] = []
@@ -62,7 +67,10 @@ def declare_cmd(names: tuple[str, ...], amqp_url: str, exchange: str, queue_pref
                 raise Fatal(conflict)
         declare(amqp_url, topologies, routes=routes)
     except BrokerError as exc:
-        raise Fatal(explain(str(exc), bases[0]) if len(bases) == 1 else str(exc)) from None
+        message = str(exc)
+        for base in bases:  # the first that recognises it says it in the operator's words
+            message = explain(message, base)
+        raise Fatal(message) from None
     for base in bases:
         count = counts[base.consumer]
         if count is None:
@@ -74,6 +82,58 @@ def declare_cmd(names: tuple[str, ...], amqp_url: str, exchange: str, queue_pref
         click.echo(f"{base.consumer}: {exchange} -[{' '.join(base.binding_keys)}]-> {base.prefix}.{base.consumer}"
                    f".slots -[{SLOT_HEADER} mod {count}]-> {first} .. {last}; also declared, not bound: "
                    "their .dead and .retry.* queues")
+
+
+@topology.command("upgrade")
+@click.option("--consumer", "-c", "names", multiple=True,
+              help="Consumer (repeatable; default: every consumer of the deployment file).")
+@amqp_options
+@click.option("--retry-delays", default="1s,10s,60s", show_default=True, type=RETRY_DELAYS)
+@click.option("--delivery-limit", default=DEFAULT_DELIVERY_LIMIT, show_default=True, type=click.IntRange(1))
+@click.option("--partitions", type=click.IntRange(1), envvar="DELIVERY_PARTITIONS",
+              help="The consumer's partition count (default: the deployment file's, else the count the broker "
+                   "records).")
+@handle_errors
+def upgrade_cmd(names: tuple[str, ...], amqp_url: str, exchange: str, queue_prefix: str,
+                retry_delays: tuple[int, ...], delivery_limit: int, partitions: int | None) -> None:
+    """Turn the classic queues an earlier release declared into quorum queues, then declare the rest.
+
+    Each dead queue's messages move, confirmed, to ``<dead queue>.upgrade`` and back into the quorum
+    queue of the same name (headers and properties kept, in order; a crash midway leaves at worst a
+    duplicate: run it again to finish); a partitioned consumer's classic count marker is replaced.
+    Idempotent: on a topology already upgraded it only declares. Stop the runs of the earlier release
+    first (docs/amqp.md, "Upgrading from classic queues").
+    """
+    from ..amqp.admin import queue_counts
+    from ..amqp.upgrade import replace_marker, upgrade_queue
+    from ..errors import BrokerError
+    from ..partition_queues import layout, recorded_count
+
+    counts = _declared_counts(names, partitions)
+    try:
+        for consumer, count in list(counts.items()):
+            base = topology_for(consumer, exchange, queue_prefix, retry_delays_ms=retry_delays,
+                                delivery_limit=delivery_limit)
+            if count is None:
+                count = counts[consumer] = recorded_count(amqp_url, base)
+            topologies = layout(base, count)
+            watched = [base.count_marker, *(q for t in topologies for q in (t.dead_queue, f"{t.dead_queue}.upgrade"))]
+            present = {q for q, state in queue_counts(amqp_url, watched, name="delivery-consumer topology").items()
+                       if state is not None}  # what is absent is declared below, after the layout check
+            if count is not None and base.count_marker in present:
+                check_count(count)
+                done = replace_marker(amqp_url, base.count_marker,
+                                      {"x-queue-type": "classic", "x-max-length": count}, base.marker_arguments(count))
+                click.echo(f"{base.count_marker}: {done}")
+            for topo in topologies:
+                if topo.dead_queue not in present and f"{topo.dead_queue}.upgrade" not in present:
+                    continue
+                result = upgrade_queue(amqp_url, topo.dead_queue, topo.dead_arguments())
+                moved = f", {result.moved} dead letters moved" if result.outcome == "upgraded" else ""
+                click.echo(f"{topo.dead_queue}: {result.outcome}{moved}")
+    except BrokerError as exc:
+        raise Fatal(str(exc)) from None
+    _declare(amqp_url, counts, exchange, queue_prefix, retry_delays, delivery_limit)
 
 
 def _declared_counts(names: tuple[str, ...], partitions: int | None) -> dict[str, int | None]:

@@ -50,6 +50,10 @@ log = logging.getLogger("delivery_consumer.run")
 _T = TypeVar("_T")
 #: The longest the worker waits for the connection in one go (then it looks at its flags).
 _IDLE_WAIT_S = 0.2
+#: How long an idle ``--exit-when-idle`` run waits for its queue's answer before it looks again.
+_IDLE_CHECK_S = 5.0
+#: The longest wait between two tries of a held delivery's copies.
+_HOLD_RETRY_CAP_S = 10.0
 #: How often an idle worker looks at its file (replaced, its content copied over, taken over),
 #: and how often the record of what was acknowledged (acked.py) is brought up to date.
 _LOOK_EVERY_S = 1.0
@@ -133,6 +137,24 @@ def _observe_ages(observer: Observer, items: Sequence[Delivery], parsed: Sequenc
         observer.event_ages("occurred", occurred)
 
 
+@dataclass
+class _Held:
+    """Deliveries whose copies the broker did not accept (a dead queue or retry tier that does not
+    answer: 312 NO_ROUTE, a nack, no confirm in time): held unacked, their copies sent again."""
+
+    generation: int
+    copies: list[Copy]
+    why: str
+    since: float
+    tries: int = 1
+    next_at: float = 0.0
+    told: str = ""
+
+    @property
+    def tags(self) -> set[int]:
+        return {c.delivery.tag for c in self.copies}
+
+
 class Worker(threading.Thread):
     """Owns the database; turns deliveries into commits, copies and acks."""
 
@@ -173,6 +195,9 @@ class Worker(threading.Thread):
         self.watched: IntegrityCheck | None = None
         self._acked_rowid = -1
         self._looked_at = 0.0
+        #: Deliveries held unacked until their copies are accepted (:class:`_Held`).
+        self._holds: list[_Held] = []
+        self._idle_said = ""  # why the last idle period did not end the run
 
     # -- what the connection says (WorkerIO.pump calls these) --
     def deliver_all(self, deliveries: Sequence[Delivery]) -> None:
@@ -198,6 +223,7 @@ class Worker(threading.Thread):
     def channel_lost(self, generation: int, why: str) -> None:
         if self.live_generation == generation:
             self.live_generation = 0
+        self._drop_holds(generation)
         self.observer.connection_state(False)
         if not self.stop_requested.is_set():
             log.warning("connection lost (%s); unacked deliveries of channel %d will be redelivered", why, generation)
@@ -328,20 +354,49 @@ class Worker(threading.Thread):
     def _loop(self) -> None:
         assert self.io is not None
         while not self.stop_requested.is_set():
+            if self._holds:
+                self._retry_holds()
             batch = self._collect()
             if batch:
                 self._last_activity = time.monotonic()
                 self.process(batch)
                 self._record_acked()
             elif self._idle_expired():
-                log.info("no delivery for %.1fs; exiting", self.config.exit_when_idle_s or 0)
-                return
+                why = self._not_drained()
+                if why is None:
+                    log.info("no delivery for %.1fs; exiting", self.config.exit_when_idle_s or 0)
+                    return
+                if why != self._idle_said:
+                    self._idle_said = why
+                    log.warning("no delivery for %.1fs, but %s: not exiting while the queue cannot be consumed; "
+                                "looking again every %.1fs", self.config.exit_when_idle_s or 0, why,
+                                self.config.exit_when_idle_s or 0)
+                self._last_activity = time.monotonic()
             else:
                 self._look()
 
+    def _not_drained(self) -> str | None:
+        """Why an idle ``--exit-when-idle`` run must not exit 0 yet (None: it may): its queue must
+        answer, with nothing ready. A queue without quorum, or whose messages do not reach this run,
+        is not an empty one (docs/run.md, "--exit-when-idle")."""
+        from ..amqp.admin import queue_counts
+        from ..errors import BrokerError
+
+        queue = self.topology.queue
+        try:
+            state = queue_counts(self.config.url, [queue], name=f"delivery-consumer run {self.config.consumer}",
+                                 timeout_s=_IDLE_CHECK_S).get(queue)
+        except BrokerError as exc:
+            return f"{queue} does not answer ({exc})"
+        if state is None:
+            return f"{queue} does not exist"
+        if state.ready:
+            return f"{queue} still holds {state.ready} ready messages that do not reach this run"
+        return None
+
     def _idle_expired(self) -> bool:
         limit = self.config.exit_when_idle_s
-        if limit is None or not self.live_generation:
+        if limit is None or not self.live_generation or self._holds:
             return False
         return time.monotonic() - self._last_activity >= limit
 
@@ -468,9 +523,10 @@ class Worker(threading.Thread):
         if self.observer.wants_ages:
             _observe_ages(self.observer, items, parsed, outcomes, self.stats.last_commit)
         copies = [c for c in (self._copy_for(d, o, p) for d, o, p in zip(items, outcomes, parsed, strict=True)) if c]
-        if copies and not self._publish_copies(gen, copies):
+        held = self._copy_or_hold(gen, copies) if copies else set()
+        if held is None:
             return False
-        self._settle(gen, items, outcomes, parsed)
+        self._settle(gen, items, outcomes, parsed, held)
         trace.end()
         return True
 
@@ -632,14 +688,22 @@ class Worker(threading.Thread):
         crashpoint(name)
 
     def _settle(self, gen: int, items: list[Delivery], outcomes: list[Outcome],
-                parsed: Sequence[Envelope | Rejection]) -> None:
+                parsed: Sequence[Envelope | Rejection], held: set[int] | None = None) -> None:
+        """Ack *items* but those *held* (their copies not accepted yet): with one cumulative ack,
+        unless a delivery held on the channel is older than the last of them (acked one by one then)."""
         assert self.io is not None
-        self.io.ack(gen, items[-1].tag, multiple=True)
+        holding = {t for h in self._holds if h.generation == gen for t in h.tags}
+        if any(t <= items[-1].tag for t in holding):
+            for d in items:
+                if d.tag not in holding:
+                    self.io.ack(gen, d.tag, multiple=False)
+        else:
+            self.io.ack(gen, items[-1].tag, multiple=True)
         self.stats.last_ack = now = time.perf_counter()
         if self.stats.busy_since is not None:
             self.stats.busy_s += now - self.stats.busy_since
             self.stats.busy_since = now if self.waiting else None
-        self.stats.acked += len(items)
+        self.stats.acked += len(items) - len(held or ())
         self.stats.batches += 1
         for outcome in outcomes:
             if outcome.result is not None:
@@ -674,31 +738,107 @@ class Worker(threading.Thread):
             origin=origin_of(parsed),
         )
         copy = self.copies.dead(d, rejection, self.copies.attempts(d) + 1)
-        if not self._publish_copies(d.generation, [copy]):
+        held = self._copy_or_hold(d.generation, [copy])
+        if held is None:
             return False
-        self._settle(d.generation, [d], [Outcome(parsed.event_id, rejection=rejection)], [parsed])
+        if not held:
+            self._settle(d.generation, [d], [Outcome(parsed.event_id, rejection=rejection)], [parsed])
         return True
 
     # -- copies --
-    def _publish_copies(self, gen: int, copies: list[Copy]) -> bool:
-        """Publish and confirm *copies*, then record the dead ones in ``rejected``.
-
-        False when a copy could not be confirmed: the channel is given up
-        (nothing more is acked on it) and the connection recycled.
-        """
-        assert self.io is not None and self.db is not None
+    def _confirm(self, gen: int, copies: list[Copy]) -> str | None:
+        """Publish *copies* and wait for their confirms; None when every one is confirmed, else why not."""
+        assert self.io is not None
         try:
             confirmed = self.io.publish_copies(gen, [c.message for c in copies])
             deadline = time.monotonic() + self.config.confirm_timeout_s
             while not confirmed.done() and not self.abandoned.is_set() and time.monotonic() < deadline:
                 self.io.pump(min(deadline - time.monotonic(), _IDLE_WAIT_S))
+            if not confirmed.done():
+                return f"no confirm within {self.config.confirm_timeout_s:g}s"
             confirmed.result(0)
-        except Exception as exc:  # BrokerUnavailable, or a timeout waiting for the confirm
-            why = str(exc) or type(exc).__name__
+        except Exception as exc:  # BrokerUnavailable: returned (312 NO_ROUTE), nacked, or the channel is gone
+            return str(exc) or type(exc).__name__
+        return None
+
+    def _copy_or_hold(self, gen: int, copies: list[Copy]) -> set[int] | None:
+        """Publish *copies* (confirmed, then recorded); the delivery tags held when the broker did not
+        accept them: those deliveries stay unacked and their copies are sent again with backoff
+        (:meth:`_retry_holds`) while the rest is applied and acked -- a dead queue or retry tier that
+        does not answer is an outage, never the message's fault: no attempt is spent. None when the
+        batch must not go on (the channel is gone, the process stops): the broker redelivers it."""
+        why = self._confirm(gen, copies)
+        if why is None:
+            self._copied(copies)
+            return set()
+        if gen != self.live_generation or self.stop_requested.is_set() or self.abandoned.is_set():
             log.error("could not confirm %d retry/dead copies (%s); giving up channel %d", len(copies), why, gen)
             self._given_up.add(gen)
-            self.io.reconnect("a copy was not confirmed")
-            return False
+            return None
+        now = time.monotonic()
+        hold = _Held(gen, copies, why, now, next_at=now + reconnect_delay_s(1))
+        self._holds.append(hold)
+        self._tell_held(hold)
+        return hold.tags
+
+    def _tell_held(self, hold: _Held) -> None:
+        if hold.why == hold.told:
+            return
+        hold.told = hold.why
+        for c in hold.copies:
+            event_id = c.rejection.event_id if c.rejection is not None else c.event_id
+            log.warning("event %s held unacked: its %s copy to %s was not accepted (%s); trying again with "
+                        "backoff, no attempt spent, the other deliveries go on", event_id or "-", c.kind,
+                        c.message.routing_key, hold.why,
+                        extra={"eventId": event_id, "outcome": "held", "reason": hold.why,
+                               "deliveryTag": c.delivery.tag, "queue": c.message.routing_key})
+        self.observer.copies_held(sum(len(h.copies) for h in self._holds))
+
+    def _retry_holds(self) -> None:
+        """Send the copies of held deliveries again when their time comes; ack those now accepted."""
+        now = time.monotonic()
+        for hold in list(self._holds):
+            if hold.generation != self.live_generation:
+                self._drop_holds(hold.generation)
+                continue
+            if now < hold.next_at or self.stop_requested.is_set():
+                continue
+            why = self._confirm(hold.generation, hold.copies)
+            if hold not in self._holds:  # its channel went while waiting for the confirm
+                continue
+            if why is not None:
+                hold.why, hold.tries = why, hold.tries + 1
+                hold.next_at = time.monotonic() + reconnect_delay_s(hold.tries, cap_s=_HOLD_RETRY_CAP_S)
+                self._tell_held(hold)
+                continue
+            self._holds.remove(hold)
+            self._copied(hold.copies)
+            log.warning("%d held deliveries released after %.1fs: their copies were accepted", len(hold.copies),
+                        time.monotonic() - hold.since)
+            self._release(hold.generation, hold.copies)
+            self.observer.copies_held(sum(len(h.copies) for h in self._holds))
+
+    def _release(self, gen: int, copies: list[Copy]) -> None:
+        """Ack the held deliveries of *copies*, whose copies are now accepted: cumulatively when no
+        delivery still held on the channel is older."""
+        assert self.io is not None
+        holding = {t for h in self._holds if h.generation == gen for t in h.tags}
+        for tag in sorted({c.delivery.tag for c in copies}):
+            self.io.ack(gen, tag, multiple=not any(t < tag for t in holding))
+            self.stats.acked += 1
+
+    def _drop_holds(self, generation: int) -> None:
+        """The channel of these held deliveries is gone: the broker redelivers them."""
+        dropped = [h for h in self._holds if h.generation == generation]
+        if not dropped:
+            return
+        self._holds = [h for h in self._holds if h.generation != generation]
+        log.warning("%d held deliveries of channel %d will be redelivered (channel gone)",
+                    sum(len(h.copies) for h in dropped), generation)
+        self.observer.copies_held(sum(len(h.copies) for h in self._holds))
+
+    def _copied(self, copies: list[Copy]) -> None:
+        """*copies* are confirmed: count and log them, record the dead ones in ``rejected``."""
         dead = [c for c in copies if c.kind == "dead"]
         self.crashpoint("after-dead-confirm" if dead else "after-retry-confirm")
         for c in copies:
@@ -732,7 +872,6 @@ class Worker(threading.Thread):
         # The copies are safe in the dead queue; the ack waits for their local record.
         if dead and self._until_stored(None, lambda: self._record_dead(dead)) is None:
             log.error("dead-lettered %d events but could not record them in rejected (stopping)", len(dead))
-        return True
 
     def _record_dead(self, dead: list[Copy]) -> bool:
         assert self.db is not None

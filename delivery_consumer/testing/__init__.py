@@ -176,15 +176,28 @@ class _Incarnation(Worker):
             return
         super().close()
 
-    def _publish_copies(self, gen: int, copies: list[Copy]) -> bool:
-        done = super()._publish_copies(gen, copies)
-        if done:
-            self._copies.update((c.delivery.tag, c) for c in copies)
-        return done
+    def _not_drained(self) -> str | None:
+        return None  # in memory: the link's queue says when it is drained
+
+    def _copied(self, copies: list[Copy]) -> None:
+        super()._copied(copies)
+        self._copies.update((c.delivery.tag, c) for c in copies)
+
+    def _release(self, gen: int, copies: list[Copy]) -> None:
+        for c in copies:  # held until the broker took their copies: settled now
+            self._copies.pop(c.delivery.tag, None)
+            rejection = c.rejection
+            self.settled.append(Delivered(
+                c.event_id, rejection.code if rejection is not None else "retry",
+                RETRIED if c.kind == "retry" else DEAD_LETTERED, c.attempts, c.delivery.redelivered, None,
+                rejection, None, None if c.origin is None else CloudEventId(*c.origin)))
+        super()._release(gen, copies)
 
     def _settle(self, gen: int, items: list[Delivery], outcomes: list[Outcome],
-                parsed: Sequence[Envelope | Rejection]) -> None:
+                parsed: Sequence[Envelope | Rejection], held: set[int] | None = None) -> None:
         for d, o, p in zip(items, outcomes, parsed, strict=True):
+            if held and d.tag in held:
+                continue
             copy = self._copies.pop(d.tag, None)
             fate = ACKED if copy is None else RETRIED if copy.kind == "retry" else DEAD_LETTERED
             rejection = o.rejection if copy is None or copy.rejection is None else copy.rejection
@@ -192,7 +205,7 @@ class _Incarnation(Worker):
                 o.event_id, rejection.code if rejection is not None else o.status, fate, self.copies.attempts(d) + 1,
                 d.redelivered, o.result, rejection, o.transient,
                 p.cloudevent if isinstance(p, Envelope) else None if p.origin is None else CloudEventId(*p.origin)))
-        super()._settle(gen, items, outcomes, parsed)
+        super()._settle(gen, items, outcomes, parsed, held)
 
 
 class ConsumerHarness:

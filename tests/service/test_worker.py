@@ -214,19 +214,43 @@ def test_a_rejection_is_dead_lettered_confirmed_and_recorded_before_the_ack(
     assert {event_id(batch[0]), event_id(batch[2])} == ack.receipts
 
 
-def test_an_unconfirmed_copy_gives_up_the_channel(make_worker: Callable[..., tuple[Worker, Recorder]]) -> None:
-    """When the broker does not confirm a copy nothing more is acked on that
-    channel (the connection is recycled and everything is redelivered), and
-    the rejection is not recorded as dead-lettered."""
+def test_an_unaccepted_copy_holds_its_delivery_and_the_rest_goes_on(
+        make_worker: Callable[..., tuple[Worker, Recorder]]) -> None:
+    """When the broker does not accept a dead-letter copy (nacked, returned) its delivery is held
+    unacked, the others are acked one by one (a cumulative ack would take the held one), nothing is
+    recorded as dead-lettered; once the copy is accepted the held delivery is acked, its rejection
+    recorded, and its attempt count is the one it had: the outage spent nothing."""
     worker, io = make_worker()
     assert io.link is not None
     io.link.refuse_copies(1)
-    worker.process([delivery(1), delivery(2, b"[]", message_id=str(uuid.uuid4()))])
-    assert ["publish", "reconnect"] == io.kinds()
+    reused = str(uuid.uuid4())
+    worker.process([delivery(1), delivery(2, b"[]", message_id=reused), delivery(3)])
+    assert ["publish", "ack", "ack"] == io.kinds()
+    assert [(1, False), (3, False)] == [(c.tag, c.multiple) for c in io.acks()]
     assert worker.db is not None and [] == read_rows(worker.db.path, "rejected")
-    later = delivery(3)
-    worker.deliver(later)  # still channel 1, which was given up
-    assert worker._next_live() is None
+    later = delivery(4)
+    worker.process([later])  # the channel goes on; 2 is still held below it
+    assert (4, False) == (io.calls[-1].tag, io.calls[-1].multiple)
+    worker._holds[0].next_at = 0.0  # its backoff is over
+    worker._retry_holds()
+    assert ["publish", "ack"] == io.kinds()[-2:]
+    retried, released = io.calls[-2:]
+    assert (2, True) == (released.tag, released.multiple)
+    assert 1 == retried.messages[0].headers[H_ATTEMPTS]
+    assert [MALFORMED_JSON] == released.rejected
+    assert not worker._holds
+
+
+def test_a_held_delivery_of_a_channel_that_went_is_left_to_the_broker(
+        make_worker: Callable[..., tuple[Worker, Recorder]]) -> None:
+    """A delivery held for its copy on a channel that is gone is dropped: the broker redelivers it."""
+    worker, io = make_worker()
+    assert io.link is not None
+    io.link.refuse_copies(1)
+    worker.process([delivery(1, b"[]", message_id=str(uuid.uuid4()))])
+    assert ["publish"] == io.kinds() and worker._holds
+    worker.channel_lost(1, "connection reset")
+    assert not worker._holds
 
 
 def flaky_spec() -> ConsumerSpec:
