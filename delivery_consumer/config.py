@@ -49,13 +49,17 @@ ENV = "DELIVERY_CONFIG"
 BROKER_ENV = {"amqp_url": "DELIVERY_AMQP_URL", "exchange": "DELIVERY_EXCHANGE", "queue_prefix": "DELIVERY_QUEUE_PREFIX"}
 #: An unpublished outbox row older than this makes ``status`` ask for a person.
 DEFAULT_OUTBOX_MAX_AGE_S = 300.0
+#: A backlog with consumers listed and no receipt for longer than this makes ``status`` ask for a person.
+DEFAULT_RECEIPT_MAX_AGE_S = 120.0
+#: The management API's URL from the environment (over the file's ``management_url``).
+MANAGEMENT_ENV = "DELIVERY_MANAGEMENT_URL"
 
 _TOP_KEYS = ("amqp_url", "amqp_order", "exchange", "queue_prefix", "management_url", "consumers", "producers", "status")
 #: Keys of ``[consumers.NAME]``, with the CLI option each one stands for.
 CONSUMER_KEYS: Mapping[str, str] = {"db": "db_path", "webhook_url": "webhook_url", "metrics_port": "metrics_port",
                                     "partitions": "partitions"}
 _PRODUCER_KEYS = ("db",)
-_STATUS_KEYS = ("outbox_max_age", "backlog_max")
+_STATUS_KEYS = ("outbox_max_age", "backlog_max", "receipt_max_age")
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,8 @@ class Deployment:
     outbox_max_age_s: float = DEFAULT_OUTBOX_MAX_AGE_S
     #: Ready messages above which a queue with no consumer connected needs a person.
     backlog_max: int = 0
+    #: Seconds without a receipt after which a backlog with consumers listed needs a person.
+    receipt_max_age_s: float = DEFAULT_RECEIPT_MAX_AGE_S
 
     def key(self, dotted: str) -> str:
         """``<file>: <key>``, the prefix of every message about the file."""
@@ -137,7 +143,8 @@ def load(explicit: str | Path | None = None) -> Deployment | None:
         raise ConfigError(f"{path}: no such deployment file (named by {how})")
     found = parse_file(path)
     given = {key: os.environ.get(var) or getattr(found, key) for key, var in BROKER_ENV.items()}
-    return replace(found, amqp_url=given["amqp_url"], exchange=given["exchange"], queue_prefix=given["queue_prefix"])
+    return replace(found, amqp_url=given["amqp_url"], exchange=given["exchange"], queue_prefix=given["queue_prefix"],
+                   management_url=os.environ.get(MANAGEMENT_ENV) or found.management_url)
 
 
 def parse_file(path: Path) -> Deployment:
@@ -249,17 +256,19 @@ def parse(raw: Mapping[str, Any], path: Path) -> Deployment:
             producers[name] = ProducerEntry(name, _db(table, base, path, where))
     status = _table(raw.get("status", {}), path, "status")
     _known(status, _STATUS_KEYS, path, "status")
-    max_age = DEFAULT_OUTBOX_MAX_AGE_S
-    if "outbox_max_age" in status:
-        value = status["outbox_max_age"]
+    ages = {"outbox_max_age": DEFAULT_OUTBOX_MAX_AGE_S, "receipt_max_age": DEFAULT_RECEIPT_MAX_AGE_S}
+    for key in ages:
+        if key not in status:
+            continue
+        value = status[key]
         # a TOML number is a bare number: seconds, as on the command line
         if isinstance(value, bool) or not isinstance(value, int | float | str):
-            raise ConfigError(f'{path}: status.outbox_max_age: must be a duration: a string such as "5m", '
+            raise ConfigError(f'{path}: status.{key}: must be a duration: a string such as "5m", '
                               "or a number of seconds")
         try:
-            max_age = parse_duration(str(value))
+            ages[key] = parse_duration(str(value))
         except ValueError as exc:
-            raise ConfigError(f"{path}: status.outbox_max_age: {exc}") from None
+            raise ConfigError(f"{path}: status.{key}: {exc}") from None
     backlog = status.get("backlog_max", 0)
     if not isinstance(backlog, int) or isinstance(backlog, bool) or backlog < 0:
         raise ConfigError(f"{path}: status.backlog_max: must be a whole number >= 0")
@@ -279,8 +288,9 @@ def parse(raw: Mapping[str, Any], path: Path) -> Deployment:
         management_url=top["management_url"],
         consumers=found,
         producers=producers,
-        outbox_max_age_s=max_age,
+        outbox_max_age_s=ages["outbox_max_age"],
         backlog_max=backlog,
+        receipt_max_age_s=ages["receipt_max_age"],
     )
 
 

@@ -10,7 +10,10 @@ be asked, ``delivery_queue_up`` is 0 and the depths are left out.
 The asking runs in a thread of its own: a scrape waits for it at most
 :data:`SCRAPE_TIMEOUT_S`, and a broker that does not answer makes the scrape
 say ``delivery_queue_up 0`` then, not hang (the next scrape waits for the same
-question again, never stacks another one).
+question again, never stacks another one). Each broker call of the question has
+a deadline of its own (:func:`amqp.admin.queue_states`): a queue that cannot be
+read (its node down, no answer in time, no quorum to answer) while the broker
+answers for the others is ``delivery_queue_readable 0``, its depths left out.
 
 A partition's run labels these series ``partition`` as :class:`metrics.Metrics`
 labels the rest of its series, so that an alert can join a partition's queue
@@ -35,8 +38,8 @@ SCRAPE_TIMEOUT_S = 3.0
 
 
 class QueueCollector(Collector):
-    """``delivery_queue_ready``, ``delivery_queue_consumers`` and ``delivery_queue_up``
-    for the consumer's (or the partition's) main queue (``kind="main"``) and dead
+    """``delivery_queue_ready``, ``delivery_queue_consumers``, ``delivery_queue_readable`` and
+    ``delivery_queue_up`` for the consumer's (or the partition's) main queue (``kind="main"``) and dead
     queue (``kind="dead"``)."""
 
     def __init__(self, url: str, topology: Topology) -> None:
@@ -47,14 +50,17 @@ class QueueCollector(Collector):
         self._answer: dict[str, Any] | None = None
 
     def _ask(self, queues: list[str]) -> None:
-        from .amqp.admin import queue_counts  # pika, only when the broker is asked
+        from .amqp.admin import Unreadable, queue_states  # pika, only when the broker is asked
 
         try:
-            answer: dict[str, Any] | None = queue_counts(
+            answer: dict[str, Any] | None = queue_states(
                 self.url, queues, name=f"delivery-consumer metrics {self.topology.consumer}",
                 timeout_s=SCRAPE_TIMEOUT_S)
         except BrokerError:
             answer = None
+        if answer and all(isinstance(state, Unreadable) for state in answer.values()) and len(
+                {state.reason for state in answer.values()}) == 1:
+            answer = None  # not one queue answered: the broker itself
         with self._lock:
             self._answer = answer
 
@@ -82,19 +88,27 @@ class QueueCollector(Collector):
         consumers = GaugeMetricFamily("delivery_queue_consumers", "Consumers attached to the queue.", labels=labels)
         up = GaugeMetricFamily("delivery_queue_up", "1 when the broker answered the scrape's passive declare.",
                                labels=base)
+        readable = GaugeMetricFamily("delivery_queue_readable", "1 when the queue answered the scrape's passive "
+                                     "declare, 0 when the broker could not serve it (its node down, no answer "
+                                     "in time, no quorum).", labels=labels)
         queues = {topo.queue: "main", topo.dead_queue: "dead"}
         counts = self._counts(list(queues))
         if counts is None:
             up.add_metric(values, 0)
             yield up
             return
+        from .amqp.admin import Unreadable
+
         up.add_metric(values, 1)
         for queue, kind in queues.items():
             count = counts.get(queue)
-            if count is not None:
+            if isinstance(count, Unreadable):
+                readable.add_metric([*values, queue, kind], 0)
+            elif count is not None:
+                readable.add_metric([*values, queue, kind], 1)
                 ready.add_metric([*values, queue, kind], count.ready)
                 consumers.add_metric([*values, queue, kind], count.consumers)
-        yield from (ready, consumers, up)
+        yield from (ready, consumers, readable, up)
 
     def describe(self) -> Iterator[GaugeMetricFamily]:
         return iter(())  # no collect() at registration: that would connect to the broker

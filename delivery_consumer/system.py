@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import orjson
 
@@ -374,14 +375,17 @@ def _consumer_db_status(db: ConsumerDB, now: float) -> Row:
         # The newest receipt is among the last written (appended in time order).
         (newest,) = conn.execute(
             "SELECT max(received_at) FROM (SELECT received_at FROM inbox ORDER BY rowid DESC LIMIT 1000)").fetchone()
+        (rejected,) = conn.execute("SELECT rejected_at FROM rejected ORDER BY id DESC LIMIT 1").fetchone() or (None,)
         unresolved = dict_rows(conn.execute(
             "SELECT code, count(*) AS n FROM rejected WHERE resolved_at IS NULL GROUP BY code ORDER BY code"))
         # Events of other partitions this one's run sent on to theirs (misplaced: run records forwarded:p<k>).
         forwarded, last_forwarded = conn.execute(
             "SELECT count(*), max(last_at) FROM deliveries WHERE last_at >= ? AND last_outcome LIKE ?",
             (now_iso(now - HOUR_S), f"{FORWARDED}:%")).fetchone()
+    progress = max((t for t in (newest, rejected) if t), default=None)
     return {"receiptsLastMinute": last_minute, "receiptsLastHour": last_hour, "newestReceivedAt": newest,
-            "newestAgeSeconds": age_s(newest, now), "unresolvedRejections": {r["code"]: r["n"] for r in unresolved},
+            "newestAgeSeconds": age_s(newest, now), "lastProgressAgeSeconds": age_s(progress, now),
+            "unresolvedRejections": {r["code"]: r["n"] for r in unresolved},
             "forwardedLastHour": forwarded, "lastForwardedAt": last_forwarded,
             **_writer(db)}
 
@@ -409,24 +413,18 @@ def _writer(db: ConsumerDB) -> Row:
 
 
 def unacknowledged(dep: Deployment, queue: str) -> int | None:
-    """Unacknowledged messages from the management API, when the file names it."""
+    """Unacknowledged messages of one queue from the management API, when the file names it
+    (``status`` asks for every queue at once: :func:`management.queue_infos`)."""
     if not dep.management_url:
         return None
-    from urllib.parse import quote, urlparse
-
     import httpx
 
-    from .amqp.connection import addresses
-    from .errors import BrokerError
+    from .management import credentials, vhost_of
 
+    base, auth = credentials(dep.management_url, dep.amqp_url)
+    url = f"{base}/api/queues/{vhost_of(dep.amqp_url)}/{quote(queue, safe='')}"
     try:
-        amqp = urlparse(addresses(dep.amqp_url)[0])  # the nodes of a cluster share vhost and users
-    except BrokerError:
-        return None
-    vhost = amqp.path[1:] or "%2F"
-    url = f"{dep.management_url.rstrip('/')}/api/queues/{vhost}/{quote(queue, safe='')}"
-    try:
-        answer = httpx.get(url, auth=(amqp.username or "guest", amqp.password or "guest"), timeout=5)
+        answer = httpx.get(url, auth=auth, timeout=5)
         answer.raise_for_status()
         value = answer.json().get("messages_unacknowledged")
     except (httpx.HTTPError, ValueError):
@@ -434,19 +432,73 @@ def unacknowledged(dep: Deployment, queue: str) -> int | None:
     return value if isinstance(value, int) else None
 
 
+def _state(counts: dict[str, Any], queue: str) -> Any:
+    """The queue's counts (a QueueCount), or None when it is missing or cannot be read."""
+    from .amqp.admin import QueueCount
+
+    found = counts.get(queue)
+    return found if isinstance(found, QueueCount) else None
+
+
+def queue_rows(topo: Topology, counts: dict[str, Any], infos: dict[str, Any] | None) -> list[Row]:
+    """Each queue of *topo* as asked: readable (True, False, or None when not asked or missing),
+    why not, and what the management API tells (leader, members online, quorum lost) when asked."""
+    from .amqp.admin import Unreadable
+
+    kinds = [(topo.queue, "main"), (topo.dead_queue, "dead"), (topo.handover_queue, "handover"),
+             *((topo.retry_queue(i), "retry") for i in range(len(topo.retry_delays_ms)))]
+    rows = []
+    for queue, kind in kinds:
+        found = counts.get(queue, "not asked")
+        if kind == "handover" and found is None:
+            continue  # made by a repartition only
+        row: Row = {"queue": queue, "kind": kind,
+                    "readable": None if found in (None, "not asked") else not isinstance(found, Unreadable),
+                    "error": found.reason if isinstance(found, Unreadable) else None}
+        if found is None:
+            row["note"] = "no queue yet"
+        info = None if infos is None else infos.get(queue)
+        if info is not None:
+            row.update(info.to_json())
+            if info.down and row["readable"] is not True:
+                row["readable"] = False
+        rows.append(row)
+    return rows
+
+
 def _queue_figures(dep: Deployment, label: str, topo: Topology, counts: dict[str, Any], asked: bool,
-                   problems: list[str], shared: Any = None) -> Row:
+                   problems: list[str], shared: Any = None, infos: dict[str, Any] | None = None) -> Row:
     """The figures of one consumer's (or partition's) queues, and the problems they show."""
-    main, dead, handover = counts.get(topo.queue), counts.get(topo.dead_queue), counts.get(topo.handover_queue)
+    main, dead, handover = (_state(counts, q) for q in (topo.queue, topo.dead_queue, topo.handover_queue))
     waiting = handover.ready if handover else 0
+    queues = queue_rows(topo, counts, infos) if asked else []
+    first = queues[0] if queues else {}
+    unacked = first.get("unacked") if main else None
     item: Row = {"queue": topo.queue, "deadQueue": topo.dead_queue,
                  "ready": main.ready + waiting if main else None,
-                 "unacked": unacknowledged(dep, topo.queue) if main else None,
+                 "unacked": unacked if isinstance(unacked, int) else None,
                  "consumersConnected": main.consumers + (handover.consumers if handover else 0) if main else None,
                  "deadLetters": dead.ready if dead else None, "deadByCode": {}, "deadGroups": [],
-                 "handover": {"queue": topo.handover_queue, "ready": waiting} if handover else None}
-    if asked and main is None:
+                 "handover": {"queue": topo.handover_queue, "ready": waiting} if handover else None,
+                 "queues": queues, "readable": first.get("readable") if asked else None,
+                 "leader": first.get("leader"), "online": first.get("online"), "members": first.get("members"),
+                 "quorumLost": first.get("quorumLost")}
+    if asked and counts.get(topo.queue, "not asked") is None:
         item["queueNote"] = "no queue yet (topology declare)"
+    unreadable = [q for q in queues if q["readable"] is False]
+    lost = [q for q in queues if q.get("quorumLost")]
+    if unreadable or lost:
+        item["brokerNote"] = "; ".join(
+            [f"{q['queue']} unreadable: {q['error'] or 'its node is ' + str(q.get('state'))}" for q in unreadable]
+            + [f"{q['queue']}: quorum lost ({len(q['online'])}/{len(q['members'])} members online)" for q in lost
+               if q not in unreadable])
+    for q in unreadable:
+        why = q["error"] or f"the management API says its state is {q.get('state')}"
+        problems.append(f"{label}: queue {q['queue']} cannot be read: {why}")
+    for q in lost:
+        online = ", ".join(q["online"]) or "none"
+        problems.append(f"{label}: queue {q['queue']} has lost its quorum: {len(q['online'])} of "
+                        f"{len(q['members'])} members online ({online}); publishes to it are refused")
     if dead is not None and dead.ready:
         letters = dead_letters(dep, topo.consumer, topo, shared=shared)
         if "error" in letters:
@@ -464,6 +516,37 @@ def _queue_figures(dep: Deployment, label: str, topo: Topology, counts: dict[str
         problems.append(f"{label}: {_count(item['ready'], 'message')} {'waits' if item['ready'] == 1 else 'wait'} "
                         f"in {' and '.join(where)} and no consumer is connected")
     return item
+
+
+def _ghosts(dep: Deployment, label: str, item: Row, path: Path, problems: list[str]) -> None:
+    """A backlog with consumers listed but no receipt for longer than ``receipt_max_age``:
+    consumers the broker still lists (a channel on a lost node, a stuck run) that do not
+    consume. With no receipt yet, the database's last write stands for the newest receipt;
+    with no database, no run of ours ever started on it."""
+    ready, consumers = item.get("ready"), item.get("consumersConnected")
+    if ready is None or consumers is None or ready <= dep.backlog_max or consumers == 0:
+        return
+    newest = item.get("lastProgressAgeSeconds")
+    since = "receipt"
+    if newest is None:
+        newest = _last_write_age(path)
+        since = "receipt (none yet; the database was last written)"
+    if newest is not None and newest <= dep.receipt_max_age_s:
+        return
+    item["stalledSeconds"] = None if newest is None else round(newest, 1)
+    ago = "never" if newest is None else f"{age_text(newest)} ago"
+    problems.append(f"{label}: {_count(ready, 'message')} ready in {item['queue']} with "
+                    f"{_count(consumers, 'consumer')} listed, but the newest {since} {ago} (more than "
+                    f"{format_duration(dep.receipt_max_age_s)}): ghost consumers (a channel on a lost broker node) "
+                    "or a stuck run")
+
+
+def _last_write_age(path: Path) -> float | None:
+    """Seconds since the database (or its write-ahead log) was last written; None without one.
+    An empty log is a reader's (opening a database creates it), not a write."""
+    wal = Path(f"{path}-wal")
+    times = [p.stat().st_mtime for p in (path, wal) if p.exists() and (p != wal or p.stat().st_size)]
+    return max(0.0, time.time() - max(times)) if times else None
 
 
 def _former_queues(dep: Deployment, name: str, found: list[tuple[str | None, Path, Topology]]) -> dict[str, str]:
@@ -512,13 +595,13 @@ def _layout_problems(dep: Deployment, name: str, found: list[tuple[str | None, P
     if pending is not None:
         queues = [*former, *(q for _, _, topo in found for q in (topo.queue, *(
             topo.retry_queue(i) for i in range(len(topo.retry_delays_ms)))))]
-        held = sum(state.ready for q in dict.fromkeys(queues) if (state := counts.get(q)) is not None)
+        held = sum(state.ready for q in dict.fromkeys(queues) if (state := _state(counts, q)) is not None)
         problems.append(f"{name}: its repartition to {pending_words(pending)[0]} has not finished: its runs refuse to "
                         f"start, and what its queues hold ({_count(held, 'message')}) was routed by the former "
                         f"layout and is not in its partitions' handover queues yet; {again}")
         return
     for queue, what in former.items():
-        left = counts.get(queue)
+        left = _state(counts, queue)
         if left is not None and left.ready:
             problems.append(
                 f"{name}: {_count(left.ready, 'message')} in {queue}, a queue of {what}, not of {now}: nothing "
@@ -529,8 +612,27 @@ def notes(row: Row) -> str | None:
     """What a status row has to say besides its figures, in a few words."""
     if row.get("error"):
         return str(row["error"])
-    found = [row[key] for key in ("note", "queueNote", "deadNote", "writerNote") if row.get(key)]
+    found = [row[key] for key in ("note", "queueNote", "brokerNote", "deadNote", "writerNote") if row.get(key)]
     return "; ".join(found) or None
+
+
+def queue_word(row: Row) -> str | None:
+    """A status row's queue state in a word: ``ok``, ``UNREADABLE``, ``NO QUORUM``, ``GHOSTS``;
+    None when the broker was not asked or the queue does not exist yet."""
+    queues = row.get("queues") or []
+    if any(q["readable"] is False for q in queues):
+        return "UNREADABLE"
+    if any(q.get("quorumLost") for q in queues):
+        return "NO QUORUM"
+    if "stalledSeconds" in row:
+        return "GHOSTS"
+    return "ok" if row.get("readable") else None
+
+
+def online_text(row: Row) -> str | None:
+    """``online/members`` of a status row's main queue (a quorum queue, management API asked)."""
+    members = row.get("members")
+    return f"{len(row.get('online') or [])}/{len(members)}" if members else None
 
 
 def _total(values: list[Any]) -> int | None:
@@ -538,17 +640,25 @@ def _total(values: list[Any]) -> int | None:
     return None if not values or any(v is None for v in values) else sum(values)
 
 
-def status(dep: Deployment, *, now: float | None = None, broker: bool = True, shared: Any = None) -> Row:
+#: Each broker call of ``status`` (the connection, each passive declare, the management API) must answer within this.
+BROKER_TIMEOUT_S = 5.0
+
+
+def status(dep: Deployment, *, now: float | None = None, broker: bool = True, shared: Any = None,
+           timeout_s: float = BROKER_TIMEOUT_S) -> Row:
     """Every consumer (every partition) and producer of *dep*, and the problems that need a person
-    (dead queues read through *shared*, a :class:`deadletters.SharedReads`, when given)."""
+    (dead queues read through *shared*, a :class:`deadletters.SharedReads`, when given). Each
+    broker call answers within *timeout_s* or its queue is shown unreadable."""
     from . import outbox
-    from .amqp.admin import queue_counts
-    from .errors import BrokerError
+    from .amqp.admin import Unreadable, queue_states
+    from .management import ManagementError, credentials, queue_infos
 
     now = time.time() if now is None else now
     problems: list[str] = []
     counts: dict[str, Any] = {}
     broker_error = None
+    infos: dict[str, Any] | None = None
+    management: Row | None = None
     layout = {name: dep.placement(name).topologies() for name in dep.consumers}
     partitioned = {name for name, found in layout.items() if any(partition for partition, _, _ in found)}
     former = {name: _former_queues(dep, name, layout[name]) for name in dep.consumers}
@@ -558,11 +668,19 @@ def status(dep: Deployment, *, now: float | None = None, broker: bool = True, sh
                       topo.retry_queue(i) for i in range(len(topo.retry_delays_ms))))]
         queues += [unrouted_name(dep.placement(name).topology()) for name in partitioned]
         queues += [q for found in former.values() for q in found]
-        try:
-            counts = queue_counts(dep.amqp_url, queues)
-        except BrokerError as exc:
-            broker_error = str(exc)
-            problems.append(f"broker: {exc}")
+        counts = queue_states(dep.amqp_url, queues, timeout_s=timeout_s)
+        reasons = {state.reason for state in counts.values() if isinstance(state, Unreadable)}
+        if len(reasons) == 1 and all(isinstance(state, Unreadable) for state in counts.values()):
+            broker_error = reasons.pop()  # not one queue answered: the broker itself
+            problems.append(f"broker: {broker_error}")
+            counts = {}
+        if dep.management_url:
+            management = {"url": credentials(dep.management_url, dep.amqp_url)[0], "error": None}
+            try:
+                infos = queue_infos(dep.management_url, dep.amqp_url, timeout_s=timeout_s)
+            except ManagementError as exc:
+                management["error"] = str(exc)
+                problems.append(f"management API: {exc}")
     asked = broker and broker_error is None
     out_consumers = []
     for name, entry in dep.consumers.items():
@@ -571,7 +689,7 @@ def status(dep: Deployment, *, now: float | None = None, broker: bool = True, sh
         for partition, path, topo in layout[name]:
             label = _label(entry, partition)
             db_item: Row = {"partition": partition, "database": str(path)}
-            db_item.update(_queue_figures(dep, label, topo, counts, asked, problems, shared))
+            db_item.update(_queue_figures(dep, label, topo, counts, asked, problems, shared, infos))
             if not path.exists():
                 db_item["note"] = "no database yet"
             else:
@@ -587,6 +705,8 @@ def status(dep: Deployment, *, now: float | None = None, broker: bool = True, sh
                     codes = ", ".join(f"{n} {code}" for code, n in unresolved.items())
                     problems.append(f"{label}: {_count(sum(unresolved.values()), 'unresolved rejection')} ({codes}); "
                                     "the broker was not asked for its dead letters")
+            if asked:
+                _ghosts(dep, label, db_item, path, problems)
             item["databases"].append(db_item)
         rows = item["databases"]
         # the consumer as a whole: its own queues, or the sums over its partitions
@@ -602,7 +722,7 @@ def status(dep: Deployment, *, now: float | None = None, broker: bool = True, sh
         item["unrouted"] = None
         if name in partitioned:
             queue = unrouted_name(dep.placement(name).topology())
-            waiting = counts.get(queue)
+            waiting = _state(counts, queue)
             item["unrouted"] = {"queue": queue, "ready": waiting.ready if waiting else None}
             if waiting is not None and waiting.ready:
                 problems.append(f"{name}: {_count(waiting.ready, 'message')} in {queue} reached no partition "
@@ -643,7 +763,8 @@ def status(dep: Deployment, *, now: float | None = None, broker: bool = True, sh
             problems.append(f"producer {name}: {_count(quarantined, 'quarantined outbox row')}")
         out_producers.append(p_item)
     return {"deployment": str(dep.path), "now": now_iso(now), "healthy": not problems, "problems": problems,
-            "broker": {"url": _redacted(dep.amqp_url), "error": broker_error} if broker else None,
+            "broker": {"url": _redacted(dep.amqp_url), "error": broker_error, "timeoutSeconds": timeout_s,
+                       "management": management} if broker else None,
             "consumers": out_consumers, "producers": out_producers}
 
 
@@ -658,7 +779,10 @@ __all__ = [
     "dead_letters",
     "group_dead_letters",
     "notes",
+    "online_text",
     "outbox_history",
+    "queue_rows",
+    "queue_word",
     "status",
     "topic_matches",
     "trace_event",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import logging
 import signal
@@ -36,8 +37,14 @@ def _loopback(host: str) -> bool:
               help="Deprecated: --window in hours.")
 @click.option("--allow-actions", is_flag=True,
               help="Allow requeue and purge of dead letters (POST with a confirmation step and a CSRF token).")
+@click.option("--management-url", metavar="URL",
+              help="RabbitMQ's management API, for each queue's leader, members online and quorum (default: "
+                   "$DELIVERY_MANAGEMENT_URL, else the file's management_url; as status).")
+@click.option("--broker-timeout", type=Duration(positive=True), default=5.0, show_default=True,
+              help="Each broker call of the status page answers within this, or its queue is shown unavailable.")
 @handle_errors
-def console(host: str, port: int, window_s: float, hours: float | None, allow_actions: bool) -> None:
+def console(host: str, port: int, window_s: float, hours: float | None, allow_actions: bool,
+            management_url: str | None, broker_timeout: float) -> None:
     """A local web page for the deployment: status, outcomes per minute, dead
     letters by code, trace search; read-only unless --allow-actions."""
     from ..console import Console, make_server
@@ -48,7 +55,10 @@ def console(host: str, port: int, window_s: float, hours: float | None, allow_ac
         window_s = hours * 3600
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("pika").setLevel(logging.WARNING)  # a connection per dead queue read: no news
-    app = Console(checked_deployment(), allow_actions=allow_actions, window_s=window_s)
+    dep = checked_deployment()
+    if management_url:
+        dep = dataclasses.replace(dep, management_url=management_url)
+    app = Console(dep, allow_actions=allow_actions, window_s=window_s, broker_timeout_s=broker_timeout)
     try:
         server = make_server(app, host, port)
     except OSError as exc:

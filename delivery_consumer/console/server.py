@@ -98,6 +98,14 @@ def _ago(age: float | None, at: str | None) -> str:
     return f'<span title="{_e(at)}">{escape(durations.age(age))} ago</span>'
 
 
+def _queue_state(row: dict[str, Any]) -> str:
+    """The row's queue state in a word (system.queue_word), marked bad unless ``ok``."""
+    word = system.queue_word(row)
+    if word is None:
+        return "-"
+    return f'<span class="{"ok" if word == "ok" else "bad"} queue-state">{escape(word)}</span>'
+
+
 class Recent:
     """The last value of *build*, shared by every thread for *ttl_s* seconds.
 
@@ -144,8 +152,10 @@ class Recent:
 class Console:
     """What the pages need: the deployment, the mode, the CSRF token, the minute cache."""
 
-    def __init__(self, dep: Deployment, *, allow_actions: bool = False, window_s: float = 3 * 3600) -> None:
+    def __init__(self, dep: Deployment, *, allow_actions: bool = False, window_s: float = 3 * 3600,
+                 broker_timeout_s: float = system.BROKER_TIMEOUT_S) -> None:
         self.dep = dep
+        self.broker_timeout_s = broker_timeout_s
         self.allow_actions = allow_actions
         self.window_s = window_s
         self.token = secrets.token_urlsafe(32)
@@ -188,7 +198,7 @@ class Console:
 
     def build_status_page(self) -> str:
         started = time.perf_counter()
-        shown = system.status(self.dep, shared=self.dead)
+        shown = system.status(self.dep, shared=self.dead, timeout_s=self.broker_timeout_s)
         parts = []
         if shown["healthy"]:
             parts.append('<p class="ok" id="verdict">healthy</p>')
@@ -206,14 +216,21 @@ class Console:
                              _ago(db.get("newestAgeSeconds"), db.get("newestReceivedAt")),
                              None if db.get("unresolvedRejections") is None
                              else sum(db["unresolvedRejections"].values()),
-                             _e(system.notes(db))])
+                             _queue_state(db), db.get("leader"), system.online_text(db), _e(system.notes(db))])
             unrouted = item.get("unrouted")
             if unrouted and unrouted["ready"]:
                 rows.append([f"{item['consumer']}/unrouted", unrouted["ready"], None, None, None, None, None, "-",
-                             None, f'<span class="bad">{_e(unrouted["queue"])}: reached no partition</span>'])
-        parts.append("<section><h2>Consumers</h2>" + _table(
+                             None, "-", None, None,
+                             f'<span class="bad">{_e(unrouted["queue"])}: reached no partition</span>'])
+        broker = shown["broker"]
+        unknown = ('<p id="management"><small>leaders and members online unknown: no management API given '
+                   "(--management-url, $DELIVERY_MANAGEMENT_URL or the file's management_url); each queue's "
+                   "readability is shown</small></p>"
+                   if broker is not None and broker.get("management") is None else "")
+        parts.append('<section id="consumers"><h2>Consumers</h2>' + _table(
             ["consumer", "ready", "unacked", "consumers", "dead letters", "last minute", "last hour", "newest receipt",
-             "unresolved", "note"], rows, numeric={1, 2, 3, 4, 5, 6, 8}, raw={7, 9}) + "</section>")
+             "unresolved", "queue", "leader", "online", "note"], rows, numeric={1, 2, 3, 4, 5, 6, 8},
+            raw={7, 9, 12}) + unknown + "</section>")
         prows = [[p["producer"], p.get("unpublished"),
                   _ago(p.get("oldestPendingAgeSeconds"), p.get("oldestPendingAt")), p.get("failed"),
                   p.get("quarantined"), p.get("lastPublishedAt"), system.notes(p)] for p in shown["producers"]]

@@ -18,8 +18,8 @@ from delivery_consumer.cli import main
 from delivery_consumer.cli.duration_type import Duration
 
 #: Option names that say "this is a time": every such option must be a Duration.
-TIME_WORDS = re.compile(r"timeout|delay|idle|lease|wait|older|horizon|poll|retry-base|retry-cap|interval|age|ttl"
-                        r"|window")
+TIME_WORDS = re.compile(r"timeout|delay|idle|lease|wait|older|horizon|poll|retry-base|retry-cap|interval|"
+                        r"(?<!man)age|ttl|window")  # (--management-url is no age)
 
 
 @pytest.mark.parametrize(("text", "seconds"), [

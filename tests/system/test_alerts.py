@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pika
 import pytest
 import yaml
 from alertkit import DETAILED, PrivateBroker, Scrape, Target, Timeline, promtool_test, scrape, target
@@ -177,8 +178,10 @@ def test_every_alert_fires_in_its_scenario_and_stays_silent_in_the_healthy_one(s
     Broker down: the active run disconnected and not answering (not the standby), the pending row
     too old; afterwards the active run still holds the partition. Database locked: no commit while
     the backlog grows. Runs and dispatcher killed: down, and the backlog without a consumer from the
-    broker's own figures. No target at all: down (absent). The dashboard counts a queue once,
-    active and standby."""
+    broker's own figures. No target at all: down (absent). A queue the broker cannot serve: unreadable
+    (from both runs). A consumer listed that never acks, no run left: the backlog not draining (ghost
+    consumers), as it is for a run that commits nothing. The dashboard counts a queue once, active
+    and standby."""
     needed(None if subprocess.run(["which", "promtool"], capture_output=True).returncode == 0 else
            "promtool is not installed (Debian package prometheus; .ci/run installs it)")
     s = system
@@ -275,6 +278,30 @@ def test_every_alert_fires_in_its_scenario_and_stays_silent_in_the_healthy_one(s
         and x.value("rabbitmq_detailed_queue_consumers", queue=MAIN) == 1))
     assert "taking over" not in standby.output()[1], standby.output()[1][-3000:]
 
+    # A queue the broker cannot serve while it answers for the others: the dead queue held by
+    # another connection (its passive declare refused, as a queue whose home node is down is).
+    holder = pika.BlockingConnection(pika.URLParameters(s.broker.url))
+    try:
+        held = holder.channel()
+        held.queue_delete(DEAD)  # its dead letter goes with it: put back below
+        held.queue_declare(DEAD, exclusive=True)
+        unreadable = s.settle("both runs: the dead queue unreadable, the main one readable", lambda x: (
+            x.values("delivery_queue_readable", kind="dead") == [0, 0]
+            and x.values("delivery_queue_readable", kind="main") == [1, 1]
+            and x.values("delivery_queue_up") == [1, 1]))
+    finally:
+        holder.close()
+    seen.append(unreadable)
+    timeline = Timeline()
+    timeline.add(unreadable, 5)
+    scenarios.append(("a queue that cannot be read", timeline, expect(quarantined, alert(
+        "DeliveryQueueUnreadable", consumer="catalog", partition="0", queue=DEAD, kind="dead")), []))
+    s.cluster.declare()
+    s.ns.publish([orjson.dumps(bad)], routing_key="material.published")  # the dead letter again, for what follows
+    s.settle("the dead queue readable again, its dead letter back", lambda x: (
+        x.values("delivery_queue_readable", kind="dead") == [1, 1]
+        and x.values("delivery_queue_ready", kind="dead") == [1, 1]))
+
     # The database locked: the active run cannot commit while the backlog grows past 10000.
     lock = sqlite3.connect(s.cluster.db(0), isolation_level=None)
     try:
@@ -295,6 +322,8 @@ def test_every_alert_fires_in_its_scenario_and_stays_silent_in_the_healthy_one(s
         scenarios.append(("no commit while the backlog grows", timeline, expect(
             quarantined, dead_letters,
             alert("DeliveryNoCommit", consumer="catalog", partition="0"),
+            # the active run is listed on the queue and commits nothing: no progress
+            alert("DeliveryBacklogNotDraining", queue=MAIN),
             alert("DeliveryStoreUnhealthy", **s.labels("active")),
             alert("DeliveryBacklogGrowing", consumer="catalog", partition="0", queue=MAIN)), []))
 
@@ -324,6 +353,26 @@ def test_every_alert_fires_in_its_scenario_and_stays_silent_in_the_healthy_one(s
     scenarios.append(("no target left", timeline, expect(
         dead_letters, backlog, alert("OutboxDispatcherDown", job="delivery-dispatch"),
         alert("DeliveryConsumerDown", job="delivery-consumer")), []))
+
+    # Ghost consumers: every run gone, and a consumer the broker lists (one that never acks, as a
+    # channel on a lost node): not "without consumer", but not draining.
+    ghost_conn = pika.BlockingConnection(pika.URLParameters(s.broker.url))
+    try:
+        ghost_channel = ghost_conn.channel()
+        ghost_channel.basic_qos(prefetch_count=1)
+        ghost_channel.basic_consume(MAIN, lambda *args: None)
+        ghost = s.settle("a consumer that never acks listed on the backlog", lambda x: (
+            x.value("rabbitmq_detailed_queue_consumers", queue=MAIN) == 1
+            and (x.value("rabbitmq_detailed_queue_messages_ready", queue=MAIN) or 0) > 0), targets=[s.rabbitmq])
+    finally:
+        ghost_conn.close()
+    seen.append(ghost)
+    timeline = Timeline()
+    timeline.add(ghost, 10)
+    scenarios.append(("ghost consumers", timeline, expect(
+        dead_letters, alert("DeliveryBacklogNotDraining", queue=MAIN),
+        alert("OutboxDispatcherDown", job="delivery-dispatch"), alert("DeliveryConsumerDown", job="delivery-consumer")),
+        []))
 
     # Every metric the rules and panels name was in a real scrape.
     named = metric_names([rule["expr"] for rule in rules()] + exprs)

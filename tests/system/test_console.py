@@ -276,3 +276,35 @@ def test_slow_clients_are_dropped_and_never_grow_the_threads(
         trickler.join()
         for sock in slow:
             sock.close()
+
+
+def test_the_page_shows_a_queue_that_cannot_be_read(
+        ns: Namespace, tmp_path: Path, browser: Any, start_console: Any) -> None:
+    """The dead queue held by another connection (its passive declare refused, as for a queue whose
+    node is down): the page says "needs a person", names the queue, and its row shows UNREADABLE
+    (not "-" and healthy); once the queue answers again, the page is healthy with the row "ok"."""
+    config = write_deployment(tmp_path, ns=ns, consumers=("catalog",))
+    assert 0 == dc(config, "topology", "declare", "--consumer", "catalog").returncode
+    dead = f"{ns.prefix}.catalog.dead"
+    conn, ch = ns.channel()
+    try:
+        ch.queue_delete(dead)
+        ch.queue_declare(dead, exclusive=True)
+        console = start_console(config)
+        page = browser
+        page.goto(console.url)
+        verdict = page.inner_text("#verdict")
+        assert "needs a person" in verdict and f"queue {dead} cannot be read" in verdict, verdict
+        row = page.locator("#consumers tr", has_text="catalog")
+        assert "UNREADABLE" == row.locator(".queue-state").inner_text()
+        assert "leaders and members online unknown" in page.inner_text("#management")
+    finally:
+        conn.close()
+    assert 0 == dc(config, "topology", "declare", "--consumer", "catalog").returncode
+
+    def healthy() -> bool:
+        page.goto(console.url)  # the page is shared for a few seconds: ask until it is built again
+        return "healthy" == page.inner_text("#verdict")
+
+    wait_until("the page healthy again", healthy, timeout=60, interval=0.5)
+    assert "ok" == page.locator("#consumers tr", has_text="catalog").locator(".queue-state").inner_text()

@@ -123,7 +123,7 @@ def test_a_partition_runs_queue_metrics_carry_its_partition_label(ns: Namespace)
         expected = {"consumer": "catalog", "partition": str(k)}
         assert [expected] == samples(text, "delivery_last_commit_timestamp_seconds"), text
         assert [expected] == samples(text, "delivery_queue_up"), text
-        for name in ("delivery_queue_ready", "delivery_queue_consumers"):
+        for name in ("delivery_queue_ready", "delivery_queue_consumers", "delivery_queue_readable"):
             assert [{**expected, "kind": "main", "queue": queue}, {**expected, "kind": "dead", "queue": queue + ".dead"}
                     ] == sorted(samples(text, name), key=lambda labels: labels["queue"]), text
     finally:
@@ -136,7 +136,8 @@ def test_the_alert_rules_are_well_formed() -> None:
     """Every rule has an alert name, an expression, a duration, a severity and a summary;
     promtool agrees when it is installed."""
     found = rules()
-    assert {"DeliveryDeadLetters", "DeliveryBacklogWithoutConsumer", "DeliveryNoCommit",
+    assert {"DeliveryDeadLetters", "DeliveryBacklogWithoutConsumer", "DeliveryBacklogNotDraining",
+            "DeliveryQueueUnreadable", "DeliveryNoCommit",
             "DeliveryStoreUnhealthy", "DeliveryConsumerDown", "OutboxQuarantined", "OutboxPendingTooOld",
             "OutboxDispatcherDown"} <= {rule["alert"] for rule in found}
     for rule in found:
