@@ -26,7 +26,17 @@ from urllib.parse import unquote, urlparse
 from . import consumers
 from .config import Deployment
 from .event_types import EventTypes, default_types
-from .topology import DEFAULT_EXCHANGE, DEFAULT_PREFIX, DEFAULT_URL, H_ATTEMPTS, H_ERROR_CODE, H_ERROR_REASON, Topology
+from .topology import (
+    DEFAULT_EXCHANGE,
+    DEFAULT_PREFIX,
+    DEFAULT_URL,
+    H_ATTEMPTS,
+    H_ERROR_CODE,
+    H_ERROR_REASON,
+    AddressError,
+    Topology,
+    addresses,
+)
 from .version import __version__
 
 ASYNCAPI_VERSION = "3.0.0"
@@ -73,8 +83,13 @@ def for_consumer(name: str, *, url: str = DEFAULT_URL, exchange: str = DEFAULT_E
 def document(receivers: Sequence[Party], senders: Sequence[Party], *, url: str = DEFAULT_URL,
              exchange: str = DEFAULT_EXCHANGE, title: str = "delivery-consumer", version: str | None = None,
              description: str = "") -> dict[str, Any]:
-    """The AsyncAPI 3.0 document of *receivers* (consumers) and *senders* (producers)."""
-    vhost = _vhost(url)
+    """The AsyncAPI 3.0 document of *receivers* (consumers) and *senders* (producers); one server per
+    node when *url* names several (``rabbitmq``, ``rabbitmq-2``, ...)."""
+    try:
+        urls = addresses(url)
+    except AddressError:
+        urls = [url]
+    vhost = _vhost(urls[0])
     types: dict[str, Any] = {}
     for party in (*receivers, *senders):
         for declared in party.types:
@@ -159,7 +174,7 @@ def document(receivers: Sequence[Party], senders: Sequence[Party], *, url: str =
               "(docs/envelope.md).",
         },
         "defaultContentType": "application/json",
-        "servers": {"rabbitmq": _server(url)},
+        "servers": {"rabbitmq" if i == 0 else f"rabbitmq-{i + 1}": _server(one) for i, one in enumerate(urls)},
         "channels": channels,
         "operations": operations,
         "components": {"schemas": schemas, "messages": messages},

@@ -39,7 +39,7 @@ from typing import Any
 from .errors import ConfigError, DeliveryError
 from .partitions import SLOT_COUNT
 from .placement import Placement, resolve
-from .topology import AMQP_ORDERS, DEFAULT_EXCHANGE, DEFAULT_PREFIX, DEFAULT_URL
+from .topology import AMQP_ORDERS, DEFAULT_EXCHANGE, DEFAULT_PREFIX, DEFAULT_URL, AddressError, addresses
 
 DEFAULT_NAME = "delivery.toml"
 ENV = "DELIVERY_CONFIG"
@@ -176,9 +176,14 @@ def _addresses(raw: Mapping[str, Any], path: Path) -> str | None:
     if isinstance(value, list):
         if not value or not all(isinstance(one, str) and one.strip() for one in value):
             raise ConfigError(f"{path}: amqp_url: must be a URL or a non-empty list of URLs")
-        return ",".join(one.strip() for one in value)
-    if value is not None and (not isinstance(value, str) or not value.strip()):
+        value = ",".join(one.strip() for one in value)
+    elif value is not None and (not isinstance(value, str) or not value.strip()):
         raise ConfigError(f"{path}: amqp_url: must be a URL or a non-empty list of URLs")
+    if value is not None:
+        try:
+            addresses(value)
+        except AddressError as exc:
+            raise ConfigError(f"{path}: amqp_url: {exc}") from None
     return value
 
 

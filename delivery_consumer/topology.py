@@ -3,13 +3,19 @@
 Every queue is a quorum queue (replicated: no queue lives on one node); the
 main queue and its retry tiers (named after their delay) dead-letter
 at-least-once. Why the dead queue and the partition marker are quorum queues
-too, and the names of a partitioned consumer's queues: docs/amqp.md, "Queues".
+too, and the names of a partitioned consumer's queues: docs/amqp.md, "Queues". A broker
+address string may name several nodes (:func:`addresses`, docs/amqp.md,
+"Several addresses").
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from .errors import ConfigError
 
 #: The broker when neither a flag, DELIVERY_AMQP_URL nor the deployment file names one.
 DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
@@ -18,6 +24,57 @@ DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
 AMQP_ORDER_ENV = "DELIVERY_AMQP_ORDER"
 #: The orders: as given (the default), or shuffled for every attempt.
 AMQP_ORDERS = ("in-order", "shuffle")
+
+
+class AddressError(ConfigError):
+    """A broker address string that names no AMQP URL, or a malformed multi-host URL."""
+
+
+_SCHEME = re.compile(r"^amqps?://", re.IGNORECASE)
+
+
+def addresses(text: str) -> list[str]:
+    """The AMQP URLs of an address string, in order (AddressError when it names none or is malformed).
+
+    URLs are separated by commas or whitespace; a piece without a scheme is one
+    more host of the URL before it (``amqp://u:p@h1:5672,h2:5673/vhost?q``): it
+    gets that URL's scheme and user, and the path and query written after the
+    last host. A comma inside a password must be percent-encoded (``%2C``).
+    """
+    groups: list[list[str]] = []
+    for piece in re.split(r"[,\s]+", text.strip()):
+        if not piece:
+            continue
+        if _SCHEME.match(piece):
+            groups.append([piece])
+        elif groups:
+            groups[-1].append(piece)
+        else:
+            raise AddressError(f"{piece.split('@')[-1]!r} is not an amqp:// or amqps:// URL")
+    if not groups:
+        raise AddressError("no address given")
+    urls: list[str] = []
+    for group in groups:
+        if len(group) == 1:
+            urls.append(group[0])
+            continue
+        head, *hosts = group
+        scheme, rest = head.split("://", 1)
+        userinfo, first = rest.rsplit("@", 1) if "@" in rest else ("", rest)
+        cut = re.search(r"[/?]", hosts[-1])
+        tail = hosts[-1][cut.start():] if cut else ""
+        hosts[-1] = hosts[-1][:cut.start()] if cut else hosts[-1]
+        if re.search(r"[/?]", first) or any(re.search(r"[/?@]", host) or not host for host in hosts):
+            raise AddressError("in a URL with several hosts (amqp://user:password@h1:port,"
+                              "h2:port/vhost) only the last host may be followed by /vhost or ?options")
+        prefix = f"{scheme}://{userinfo}@" if userinfo else f"{scheme}://"
+        urls.extend(f"{prefix}{host}{tail}" for host in [first, *hosts])
+    return urls
+
+
+def join(urls: Sequence[str]) -> str:
+    """The address string of *urls* (the inverse of :func:`addresses` for URLs without commas)."""
+    return ",".join(urls)
 DEFAULT_EXCHANGE = "delivery.events"
 DEFAULT_PREFIX = "delivery"
 #: Retry delays in milliseconds (1 s, 10 s, 60 s).

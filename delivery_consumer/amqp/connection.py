@@ -2,8 +2,8 @@
 
 A broker *address* is one AMQP URL or several, separated by commas (or
 whitespace), or one URL naming several hosts (``amqp://u:p@h1:5672,h2:5673/v``):
-:func:`addresses` splits such a string into full URLs, :func:`join` is its
-inverse. :class:`Addresses` holds their pika parameters -- the timeouts of
+``topology.addresses`` splits such a string into full URLs, ``topology.join`` is
+its inverse. :class:`Addresses` holds their pika parameters -- the timeouts of
 docs/amqp.md ("Timeouts") unless a URL sets its own -- and the order of the next
 attempt (as given or shuffled, :data:`ORDER_ENV`; a reconnect starts after the
 node it lost); :func:`open_select` and :func:`open_blocking` try them in turn,
@@ -34,7 +34,7 @@ from pika.adapters.utils.connection_workflow import (
 )
 
 from ..errors import BrokerError, BrokerFatal, BrokerUnavailable
-from ..topology import AMQP_ORDER_ENV, AMQP_ORDERS
+from ..topology import AMQP_ORDER_ENV, AMQP_ORDERS, AddressError, addresses
 
 log = logging.getLogger("delivery_consumer.broker")
 
@@ -66,53 +66,6 @@ FAILURES: tuple[type[BaseException], ...] = (pex.AMQPError, OSError, AMQPConnect
 
 #: The environment variable of the order of several addresses, and the orders.
 ORDER_ENV, ORDERS = AMQP_ORDER_ENV, AMQP_ORDERS
-_SCHEME = re.compile(r"^amqps?://", re.IGNORECASE)
-
-
-def addresses(text: str) -> list[str]:
-    """The AMQP URLs of an address string, in order (BrokerFatal when it names none or is malformed).
-
-    URLs are separated by commas or whitespace; a piece without a scheme is one
-    more host of the URL before it (``amqp://u:p@h1:5672,h2:5673/vhost?q``): it
-    gets that URL's scheme and user, and the path and query written after the
-    last host. A comma inside a password must be percent-encoded (``%2C``).
-    """
-    groups: list[list[str]] = []
-    for piece in re.split(r"[,\s]+", text.strip()):
-        if not piece:
-            continue
-        if _SCHEME.match(piece):
-            groups.append([piece])
-        elif groups:
-            groups[-1].append(piece)
-        else:
-            raise BrokerFatal(f"invalid AMQP URL: {piece.split('@')[-1]!r} is not an amqp:// or amqps:// URL")
-    if not groups:
-        raise BrokerFatal("invalid AMQP URL: no address given")
-    urls: list[str] = []
-    for group in groups:
-        if len(group) == 1:
-            urls.append(group[0])
-            continue
-        head, *hosts = group
-        scheme, rest = head.split("://", 1)
-        userinfo, first = rest.rsplit("@", 1) if "@" in rest else ("", rest)
-        cut = re.search(r"[/?]", hosts[-1])
-        tail = hosts[-1][cut.start():] if cut else ""
-        hosts[-1] = hosts[-1][:cut.start()] if cut else hosts[-1]
-        if re.search(r"[/?]", first) or any(re.search(r"[/?@]", host) or not host for host in hosts):
-            raise BrokerFatal("invalid AMQP URL: in a URL with several hosts (amqp://user:password@h1:port,"
-                              "h2:port/vhost) only the last host may be followed by /vhost or ?options")
-        prefix = f"{scheme}://{userinfo}@" if userinfo else f"{scheme}://"
-        urls.extend(f"{prefix}{host}{tail}" for host in [first, *hosts])
-    return urls
-
-
-def join(urls: Sequence[str]) -> str:
-    """The address string of *urls* (the inverse of :func:`addresses` for URLs without commas)."""
-    return ",".join(urls)
-
-
 def order_from_env() -> str:
     """The order of :data:`ORDER_ENV` (``in-order`` when unset; BrokerFatal when unknown)."""
     value = os.environ.get(ORDER_ENV, "").strip() or ORDERS[0]
@@ -138,7 +91,11 @@ class Addresses:
 
     def __init__(self, url: str, *, name: str, order: str | None = None) -> None:
         self.url = url
-        self.params = [parameters(one, name=name) for one in addresses(url)]
+        try:
+            urls = addresses(url)
+        except AddressError as exc:
+            raise BrokerFatal(f"invalid AMQP URL: {exc}") from None
+        self.params = [parameters(one, name=name) for one in urls]
         self.order = order or order_from_env()
         self._last: int | None = None
         #: ``host:port`` of the node of the open connection (None before the first).
@@ -160,9 +117,12 @@ class Addresses:
 
     def connected(self, params: Any) -> str:
         """Note that the connection with *params* opened; its node, ``host:port``."""
-        for index, mine in enumerate(self.params):
-            if mine is params:
-                self._last = index
+        # pika's connection holds a copy of the parameters it was given: compare by value
+        same = [i for i, mine in enumerate(self.params) if mine is params] or \
+            [i for i, mine in enumerate(self.params) if mine == params] or \
+            [i for i, mine in enumerate(self.params) if (mine.host, mine.port) == (params.host, params.port)]
+        if same:
+            self._last = same[0]
         self.node = node_of(params)
         return self.node
 
@@ -272,7 +232,7 @@ def redact(url: str) -> str:
     """The address (one URL or several) without its passwords, for messages: every host shown."""
     try:
         urls = addresses(url)
-    except BrokerError:
+    except AddressError:
         return "<invalid url>"
     return ", ".join(_redact_one(one) for one in urls)
 

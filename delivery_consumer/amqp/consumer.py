@@ -34,7 +34,7 @@ from ..deliveries import Delivery, OutMessage
 from ..errors import BrokerError, BrokerFatal, BrokerUnavailable
 from ..retry import RECONNECT_CAP_S, reconnect_delay_s
 from ..topology import Topology, upgrade_hint
-from .connection import Addresses, classify, open_select
+from .connection import Addresses, classify, open_select, unreachable_queue
 from .declare import Missing, Steps, declare_steps
 from .publisher import confirm_mode, properties, take_confirmed
 
@@ -256,7 +256,8 @@ class ConsumerIO:
         self._probe = None
         if gen != self._live_generation or self._stopping or isinstance(reason, pex.ChannelClosedByClient):
             return
-        if isinstance(reason, pex.ChannelClosedByBroker) and reason.reply_code == 404:
+        if isinstance(reason, pex.ChannelClosedByBroker) and reason.reply_code == 404 \
+                and not unreachable_queue(reason):
             self._consume_main(gen)  # no handover queue (the usual case), or it is gone
             return
         log.error("channel closed: %s", classify(reason, url=self.url))

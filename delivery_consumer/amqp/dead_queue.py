@@ -21,7 +21,7 @@ import pika.exceptions as pex
 
 from ..deliveries import OutMessage, PublishResult
 from ..errors import BrokerError, BrokerFatal, BrokerUnavailable
-from .connection import FAILURES, Addresses, classify, open_blocking, redact
+from .connection import FAILURES, Addresses, classify, open_blocking, redact, unreachable_queue
 from .publisher import properties
 
 #: The most messages one reader holds: a quorum queue gives a consumer without a prefetch limit at
@@ -105,7 +105,7 @@ class DeadQueue:
         self.complete = False
 
     def _error(self, exc: BaseException) -> BrokerError:
-        if isinstance(exc, pex.ChannelClosedByBroker) and exc.reply_code == 404:
+        if isinstance(exc, pex.ChannelClosedByBroker) and exc.reply_code == 404 and not unreachable_queue(exc):
             return BrokerFatal(f"queue {self.queue} does not exist on {redact(self.url)} (wrong --queue-prefix? "
                                "run topology declare, or start the consumer once)")
         if isinstance(exc, pex.ChannelClosedByBroker) and (

@@ -3,6 +3,7 @@ nodes are tried, and what a cluster's answers about an unavailable queue mean.""
 
 from __future__ import annotations
 
+from pathlib import Path
 from urllib.parse import quote
 
 import pika.exceptions as pex
@@ -19,13 +20,15 @@ from delivery_consumer.amqp.connection import (
     CONNECT_TIMEOUT_S,
     HANDSHAKE_TIMEOUT_S,
     Addresses,
-    addresses,
     classify,
-    join,
     redact,
     unreachable_queue,
 )
-from delivery_consumer.errors import BrokerFatal, BrokerUnavailable
+from delivery_consumer.amqp.dead_queue import DeadQueue
+from delivery_consumer.asyncapi import document
+from delivery_consumer.config import parse_file
+from delivery_consumer.errors import BrokerFatal, BrokerUnavailable, ConfigError
+from delivery_consumer.topology import addresses, join
 
 HOSTS = st.one_of(st.from_regex(r"[a-z][a-z0-9-]{0,12}(\.[a-z][a-z0-9-]{0,8}){0,2}", fullmatch=True),
                   st.from_regex(r"10\.[0-9]{1,3}\.[0-9]{1,3}\.[0-9]{1,3}", fullmatch=True))
@@ -182,3 +185,33 @@ def test_credentials_refused_by_a_node_that_answered_are_fatal_though_another_is
     refused_login = pex.ProbableAuthenticationError(repr(pex.ConnectionClosedByBroker(403, "ACCESS_REFUSED")))
     error = classify(AMQPConnectionWorkflowFailed([REFUSED, refused_login]))
     assert isinstance(error, BrokerFatal) and "authentication failed" in str(error)
+
+
+def test_the_deployment_file_takes_a_list_of_urls_and_an_order(tmp_path: Path) -> None:
+    """``amqp_url = [..]`` is every node, in order; ``amqp_order`` is read; a list that is empty, holds a
+    non-string or a malformed multi-host URL is refused naming the key."""
+    path = tmp_path / "delivery.toml"
+    path.write_text('amqp_url = ["amqp://u:p@h1/%2F", "amqp://u:p@h2:5673,h3/%2F"]\namqp_order = "shuffle"\n')
+    dep = parse_file(path)
+    assert ["amqp://u:p@h1/%2F", "amqp://u:p@h2:5673/%2F", "amqp://u:p@h3/%2F"] == addresses(dep.amqp_url)
+    assert "shuffle" == dep.amqp_order
+    for bad in ("[]", "[1]", '["h1:5672"]', '"amqp://u:p@h1/v,h2/v"'):
+        path.write_text(f"amqp_url = {bad}\n")
+        with pytest.raises(ConfigError, match="amqp_url"):
+            parse_file(path)
+
+
+def test_the_asyncapi_document_names_every_node() -> None:
+    """Several addresses: one AsyncAPI server per node, the first still ``rabbitmq``, no credentials."""
+    doc = document([], [], url="amqp://u:secret@h1:5672/%2F,amqp://u:secret@h2:5673/%2F")
+    assert {"rabbitmq": "h1:5672", "rabbitmq-2": "h2:5673"} == {k: v["host"] for k, v in doc["servers"].items()}
+    assert "secret" not in str(doc["servers"])
+
+
+def test_the_dead_queue_reader_waits_for_a_dead_queue_whose_node_is_down() -> None:
+    """dead list/requeue/purge: a dead queue whose home node is down is unavailable (try again), not "does not
+    exist" (exit 2 with advice to declare it); a dead queue that does not exist still says so."""
+    reader = DeadQueue("amqp://guest:secret@h1:5672/%2F,amqp://guest:secret@h2:5672/%2F", "d.audit.dead")
+    assert isinstance(reader._error(pex.ChannelClosedByBroker(404, HOME_NODE_DOWN)), BrokerUnavailable)
+    missing = reader._error(pex.ChannelClosedByBroker(404, "NOT_FOUND - no queue 'd.audit.dead' in vhost '/'"))
+    assert isinstance(missing, BrokerFatal) and "does not exist" in str(missing) and "secret" not in str(missing)
