@@ -43,6 +43,7 @@ from clusterkit import SCENARIOS, ClusterNamespace, Outcome, RabbitCluster, play
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--failures", type=Path, help="append each failed play's whole message (its logs) here")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated, of: " + ", ".join(SCENARIOS))
     args = parser.parse_args()
     names = [n for n in args.scenarios.split(",") if n]
@@ -72,6 +73,9 @@ def main() -> int:
                     except (AssertionError, OSError) as exc:
                         reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else repr(exc)
                         failures[name].append(reason)
+                        if args.failures:
+                            with args.failures.open("a") as out:
+                                out.write(f"=== {name} #{round_ + 1}\n{exc}\n")
                         print(f"{name} #{round_ + 1}: FAILED ({time.monotonic() - began:.0f}s): {reason}", flush=True)
                         continue
                     finally:
