@@ -525,7 +525,15 @@ class Traffic:
         try:
             wait_until(what, caught_up, timeout=timeout, ignoring=(sqlite3.OperationalError,), interval=0.1)
         except AssertionError as exc:
-            raise AssertionError(f"{exc}\n{self.logs()}") from None
+            raise AssertionError(f"{exc} (whole logs: {self.save_logs()})\n{self.logs()}") from None
+
+    def save_logs(self) -> Path:
+        """Every process's whole stderr, a file each in *workdir*/logs; that directory."""
+        where = self.ns.workdir / "logs"
+        where.mkdir(exist_ok=True)
+        for name, proc in self.procs.items():
+            (where / f"{name}.log").write_text(proc.output()[1])
+        return where
 
     def logs(self, tail: int = 1500) -> str:
         """The end of every process's stderr."""
