@@ -701,6 +701,14 @@ SCENARIOS: dict[str, tuple[Callable[[RabbitCluster, Traffic], None], dict[str, i
 }
 
 
+class ScenarioFailed(AssertionError):
+    """A scenario's failure, with every process's whole stderr (:attr:`logs`, by process name)."""
+
+    def __init__(self, message: str, logs: dict[str, str]) -> None:
+        super().__init__(message)
+        self.logs = logs
+
+
 def play(cluster: RabbitCluster, ns: ClusterNamespace, name: str) -> Outcome:
     """Run scenario *name* on *cluster* in namespace *ns*: traffic started, the fault, the ledger
     checked, every process stopped (killed on failure); the cluster whole again afterwards."""
@@ -710,6 +718,8 @@ def play(cluster: RabbitCluster, ns: ClusterNamespace, name: str) -> Outcome:
         traffic.start()
         scenario(cluster, traffic)
         return traffic.finish(name)
+    except AssertionError as exc:
+        raise ScenarioFailed(str(exc), {n: p.output()[1] for n, p in traffic.procs.items()}) from exc
     finally:
         traffic.kill_all()
         cluster.heal()
