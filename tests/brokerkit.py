@@ -412,7 +412,7 @@ class RabbitNode:
     may stop, restart or kill it; the shared broker is never touched."""
 
     def __init__(self, sbin: Path, base: Path, *, name: str | None = None, home: Path | None = None,
-                 conf: str = "", extra_env: dict[str, str] | None = None) -> None:
+                 conf: str = "") -> None:
         self.sbin = sbin
         self.base = base
         self.name = name or f"delivery-test-{os.getpid()}-{uuid.uuid4().hex[:6]}@localhost"
@@ -422,7 +422,7 @@ class RabbitNode:
         (base / "rabbitmq-env.conf").write_text("")
         (base / "rabbitmq.conf").write_text(conf)
         (base / "enabled_plugins").write_text("[].\n")
-        self.env = {**node_env(base, self.name, self.port, self.dist_port, home=home), **(extra_env or {})}
+        self.env = node_env(base, self.name, self.port, self.dist_port, home=home)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property

@@ -20,7 +20,9 @@ import contextlib
 import datetime as dt
 import itertools
 import os
+import random
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -35,7 +37,7 @@ from typing import Any
 import orjson
 import pika
 import pytest
-from brokerkit import Namespace, RabbitNode, RunProcess, rabbitmq_sbin, session_processes
+from brokerkit import Namespace, RabbitNode, RunProcess, node_env, rabbitmq_sbin, session_processes
 from partitionkit import Cluster as PartitionedConsumer
 from support import count_rows, read_rows, wait_until
 
@@ -63,13 +65,39 @@ def _ppid_and_comm(pid: int) -> tuple[int, str] | None:
     return int(fields[1]), comm
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def lasting_port() -> int:
+    """A free loopback port below the kernel's ephemeral range. A node that is killed and started
+    again needs its ports back, and a port the kernel handed out (``bind(0)``) goes, once freed, to
+    the next outgoing connection of any process: the restart then fails with ``dist_port_already_used``."""
+    rnd = random.Random()
+    low = _ephemeral_low()
+    for _ in range(1000):
+        port = rnd.randrange(12000, max(12001, low - 1))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no free port below the ephemeral range")
+
+
 class ClusterNode(RabbitNode):
-    """One node of a :class:`RabbitCluster`."""
+    """One node of a :class:`RabbitCluster`, on ports of its own for its whole life (:func:`lasting_port`)."""
 
     def __init__(self, sbin: Path, base: Path, *, index: int, tag: str, home: Path) -> None:
-        super().__init__(sbin, base, name=f"dc{index}-{tag}@localhost", home=home, conf=CLUSTER_CONF,
-                         extra_env={"RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": ERL_ARGS})
+        super().__init__(sbin, base, name=f"dc{index}-{tag}@localhost", home=home, conf=CLUSTER_CONF)
         self.index = index
+        self.port, self.dist_port = lasting_port(), lasting_port()
+        self.env = {**node_env(base, self.name, self.port, self.dist_port, home=home),
+                    "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": ERL_ARGS}
 
     def __repr__(self) -> str:
         return f"<node {self.name} :{self.port}>"
@@ -218,6 +246,10 @@ class RabbitCluster:
         names = {n.name for n in self.nodes}
 
         def whole() -> bool:
+            for n in self.nodes:
+                if n.proc is not None and n.proc.poll() is not None:
+                    log = (n.base / "server.out").read_text(errors="replace")[-2000:]
+                    raise RuntimeError(f"{n} exited ({n.proc.returncode}):\n{log}")
             return all(n.running and _takes_connections(n.url) and self.running_nodes(n) == names
                        for n in self.nodes)
 
