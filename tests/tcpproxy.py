@@ -12,6 +12,9 @@ Run as a process (``python tcpproxy.py HOST PORT``): it prints
 * ``halfopen`` -- the established connections go silent (sockets open, nothing
   forwarded either way, as after a lost NAT entry); new ones are forwarded;
 * ``slow`` -- every chunk is forwarded after a delay (``slow 0.2``: seconds, the default);
+* ``noconfirm`` -- new connections are forwarded, but the broker's publisher confirms
+  (``basic.ack`` / ``basic.nack`` frames) never reach the client: the messages are
+  stored, the confirms never come;
 * ``reset`` -- every established connection is closed now (the mode stays);
 * ``count`` -- answers ``ok count <accepted connections>``.
 
@@ -40,6 +43,7 @@ class _Pair:
         self.client = client
         self.upstream = upstream
         self.frozen = upstream is None
+        self.noconfirm = False  # drop the broker's basic.ack / basic.nack frames
 
     def close(self) -> None:
         for sock in (self.client, self.upstream):
@@ -83,7 +87,7 @@ class _Server:
                 for pair in pairs:
                     pair.close()
                 return "reset"
-            if name not in ("forward", "refuse", "close", "blackhole", "halfopen", "slow"):
+            if name not in ("forward", "refuse", "close", "blackhole", "halfopen", "slow", "noconfirm"):
                 return f"unknown {name}"
             if name == "slow" and len(words) > 1:
                 self.delay = float(words[1])
@@ -127,6 +131,7 @@ class _Server:
                     client.close()
                     continue
             pair = _Pair(client, upstream)
+            pair.noconfirm = mode == "noconfirm"
             with self.lock:
                 self.pairs.append(pair)
             threading.Thread(target=self._pump, args=(pair, client, upstream), daemon=True).start()
@@ -134,6 +139,7 @@ class _Server:
                 threading.Thread(target=self._pump, args=(pair, upstream, client), daemon=True).start()
 
     def _pump(self, pair: _Pair, src: socket.socket, dst: socket.socket | None) -> None:
+        frames = _ConfirmFilter() if pair.noconfirm and src is pair.upstream else None
         try:
             while True:
                 data = src.recv(65536)
@@ -143,11 +149,34 @@ class _Server:
                     continue  # silent: taken and dropped
                 if self.mode == "slow":
                     time.sleep(self.delay)
+                if frames is not None:
+                    data = frames.feed(data)
                 dst.sendall(data)
         except OSError:
             pass
         if not pair.frozen:
             pair.close()
+
+
+class _ConfirmFilter:
+    """The broker's side of an AMQP 0-9-1 connection, frame by frame (type, channel, size, payload, 0xCE),
+    without its publisher confirms: method frames of class 60 (basic), method 80 (ack) or 120 (nack)."""
+
+    def __init__(self) -> None:
+        self.buffer = b""
+
+    def feed(self, data: bytes) -> bytes:
+        self.buffer += data
+        out = []
+        while len(self.buffer) >= 7:
+            size = int.from_bytes(self.buffer[3:7], "big")
+            if len(self.buffer) < size + 8:
+                break
+            frame, self.buffer = self.buffer[:size + 8], self.buffer[size + 8:]
+            if frame[0] == 1 and frame[7:11] in (b"\x00\x3c\x00\x50", b"\x00\x3c\x00\x78"):
+                continue
+            out.append(frame)
+        return b"".join(out)
 
 
 def main() -> None:

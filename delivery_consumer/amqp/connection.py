@@ -21,6 +21,7 @@ import logging
 import os
 import random
 import re
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import parse_qs, urlparse
@@ -63,9 +64,32 @@ BLOCKED_TIMEOUT_S = 60.0
 #: workflow's errors (a stack timeout is not an ``AMQPError``).
 FAILURES: tuple[type[BaseException], ...] = (pex.AMQPError, OSError, AMQPConnectorException)
 
-
 #: The environment variable of the order of several addresses, and the orders.
 ORDER_ENV, ORDERS = AMQP_ORDER_ENV, AMQP_ORDERS
+#: Seconds during which an address that could not be connected to is tried after
+#: the others by every client of this process: a silent node costs its handshake
+#: timeout once, not once per connection (run's layout check, then its consumer).
+RECENT_FAILURE_S = 60.0
+_failed_at: dict[tuple[str, int], float] = {}
+
+
+def _key(params: Any) -> tuple[str, int]:
+    return str(params.host), int(params.port)
+
+
+def note_attempt(params: Any, ok: bool) -> None:
+    """Remember whether connecting to *params* worked (see :data:`RECENT_FAILURE_S`)."""
+    if ok:
+        _failed_at.pop(_key(params), None)
+    else:
+        _failed_at[_key(params)] = time.monotonic()
+
+
+def _recently_failed(params: Any) -> bool:
+    at = _failed_at.get(_key(params))
+    return at is not None and time.monotonic() - at < RECENT_FAILURE_S
+
+
 def order_from_env() -> str:
     """The order of :data:`ORDER_ENV` (``in-order`` when unset; BrokerFatal when unknown)."""
     value = os.environ.get(ORDER_ENV, "").strip() or ORDERS[0]
@@ -86,7 +110,8 @@ class Addresses:
     :meth:`sequence` gives the parameters to try, all of them: as given, or
     shuffled (*order*, default :func:`order_from_env`); the node last
     connected to (:meth:`connected`) goes last, so that a reconnect after
-    losing it tries the others first.
+    losing it tries the others first; a node that failed an attempt of this
+    process in the last :data:`RECENT_FAILURE_S` goes after the others.
     """
 
     def __init__(self, url: str, *, name: str, order: str | None = None) -> None:
@@ -113,6 +138,7 @@ class Addresses:
                 order.append(self._last)
             else:
                 order = [(self._last + 1 + i) % count for i in range(count)]
+        order.sort(key=lambda i: _recently_failed(self.params[i]))  # stable: the order otherwise kept
         return [self.params[i] for i in order]
 
     def connected(self, params: Any) -> str:
@@ -155,8 +181,15 @@ def open_select(
     address failed (the error lists each attempt). :meth:`Opening.abort` ends an
     attempt still under way: neither callback is called then."""
     opening = Opening()
+    sequence = addrs.sequence()
 
     def done(result: Any) -> None:
+        # the workflow tries the addresses in turn: those before the one that answered failed
+        reached = next((i for i, params in enumerate(sequence)
+                        if not isinstance(result, BaseException) and _key(params) == _key(result.params)),
+                       len(sequence))
+        for i, params in enumerate(sequence[:reached + 1]):
+            note_attempt(params, ok=i == reached)
         if opening.aborted:
             if not isinstance(result, BaseException) and result.is_open:
                 result.close()
@@ -170,7 +203,7 @@ def open_select(
         log.info("connected to %s", describe(result, node))
         on_open(result)
 
-    opening.workflow = pika.SelectConnection.create_connection(addrs.sequence(), done, custom_ioloop=ioloop)
+    opening.workflow = pika.SelectConnection.create_connection(sequence, done, custom_ioloop=ioloop)
     return opening
 
 
@@ -201,7 +234,9 @@ def open_blocking(addrs: Addresses | Sequence[pika.connection.Parameters]) -> pi
             conn = pika.BlockingConnection(params)
         except FAILURES as exc:
             errors.append(exc)
+            note_attempt(params, ok=False)
             continue
+        note_attempt(params, ok=True)
         if isinstance(addrs, Addresses):
             addrs.connected(params)
         log.debug("connected to %s", node_of(params))

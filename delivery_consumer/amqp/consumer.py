@@ -420,7 +420,8 @@ class ConsumerIO:
             log.info("dropping ack of tag %d from channel generation %d (channel gone)", tag, generation)
             return
         channel.basic_ack(tag, multiple=multiple)
-        self._acked = max(self._acked, tag)
+        if multiple:  # a single ack says nothing of the tags below it (one may be held unacked)
+            self._acked = max(self._acked, tag)
         if self._handover_done:
             self._drop_handover(generation)
 

@@ -95,6 +95,7 @@ class Missing:
                  done: Callable[[], None], failed: Callable[[BaseException], None],
                  exchanges: Sequence[str] = ()) -> None:
         self._open_channel = open_channel
+        self._topologies = list(topologies)
         self._done = done
         self._failed = failed
         self._todo: list[tuple[str, str, Any]] = [
@@ -123,8 +124,11 @@ class Missing:
                 self._channel.close()
             self._done()
             return
-        kind, name, _extra = self._todo[0]
-        if kind == "exchange":
+        kind, name, extra = self._todo[0]
+        if kind == "bind":  # an exchange declared again lost its bindings: bind again (idempotent)
+            self._declaring = True
+            self._channel.queue_bind(name, extra[0], routing_key=extra[1], callback=self._exists)
+        elif kind == "exchange":
             self._channel.exchange_declare(name, passive=True, callback=self._exists)
         else:
             self._channel.queue_declare(name, passive=True, callback=self._exists)
@@ -148,6 +152,8 @@ class Missing:
         self._channel, self._declaring = channel, True
         channel.add_on_close_callback(self._closed)
         if kind == "exchange":
+            self._todo.extend(("bind", t.queue, (name, key)) for t in self._topologies if t.exchange == name
+                              for key in t.queue_binding_keys)
             channel.exchange_declare(name, exchange_type="topic", durable=True, callback=self._next)
             return
         args, topo = extra

@@ -10,6 +10,7 @@ methods only, so confirms are pipelined (see docs/amqp.md).
 from __future__ import annotations
 
 import struct
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -23,7 +24,7 @@ from ..deliveries import OutMessage, PublishResult
 from ..errors import BrokerError, BrokerFatal, BrokerUnavailable, safe_reason
 from ..topology import DEFAULT_URL, Route, Topology
 from .connection import Addresses, Opening, classify, open_select
-from .declare import Steps, declare_steps
+from .declare import Missing, Steps, declare_steps
 
 PERSISTENT = 2
 _V = TypeVar("_V")
@@ -82,6 +83,7 @@ class Publisher:
         self._topologies = list(topologies)
         self._exchanges = list(exchanges)
         self._routes = list(routes)
+        self._declared = False  # declared once: a reconnect declares only what is missing (declare.Missing)
         self._timeout_s = timeout_s
         self.window = window
         self._ioloop = IOLoop()
@@ -95,6 +97,7 @@ class Publisher:
         self._results: list[PublishResult | None] = []
         self._batch: Sequence[OutMessage] = ()
         self._next = 0
+        self._deadline: float | None = None  # time.monotonic() no wait of publish() goes past
 
     # loop driving
     def _check(self) -> None:
@@ -106,8 +109,10 @@ class Publisher:
         if self._error is None and done():
             return
         self._waiting = done
-        handle = self._ioloop.call_later(self._timeout_s, lambda: self._fail(BrokerUnavailable(
-            f"timed out after {self._timeout_s:g}s waiting for the broker to {what}")))
+        timeout_s, why = self._timeout_s, f"timed out after {self._timeout_s:g}s waiting for the broker to {what}"
+        if self._deadline is not None and self._deadline - time.monotonic() < timeout_s:
+            timeout_s, why = max(0.0, self._deadline - time.monotonic()), f"no answer within the deadline ({what})"
+        handle = self._ioloop.call_later(timeout_s, lambda: self._fail(BrokerUnavailable(why)))
         try:
             self._ioloop.start()
         finally:
@@ -143,10 +148,27 @@ class Publisher:
 
         def confirming() -> None:
             self._seq = 0
-            Steps(declare_steps(channel, self._topologies, self._exchanges, self._routes), self._on_ready).start()
+            conn = self._conn
+            if self._declared and conn is not None:
+                Missing(lambda then: conn.channel(on_open_callback=then), self._topologies, self._on_ready,
+                        self._missing_failed, exchanges=self._exchanges).start()
+                return
+            Steps(declare_steps(channel, self._topologies, self._exchanges, self._routes), self._on_declared).start()
 
         confirm_mode(channel, on_close=self._on_channel_closed, on_return=self._on_return,
                      on_confirm=self._on_confirm, then=confirming)
+
+    def _on_declared(self) -> None:
+        self._declared = True
+        self._on_ready()
+
+    def _missing_failed(self, reason: BaseException) -> None:
+        """A reconnect's look at the topology got another answer than "exists" or "no such queue"
+        (a queue whose home node is down, no quorum): an outage."""
+        if isinstance(reason, pex.ChannelClosedByBroker) and reason.reply_code == 404:
+            self._fail(BrokerUnavailable(f"a queue is not available: {reason.reply_text}"))
+        else:
+            self._fail(classify(reason, url=self.url))
 
     def _on_ready(self) -> None:
         self._ready = True
@@ -181,7 +203,11 @@ class Publisher:
         conn = self._conn
         if conn is not None and conn.is_open:
             conn.close()
-            self._run_until(lambda: self._conn is None, "close the connection")
+            deadline, self._deadline = self._deadline, None  # closing gets its own timeout
+            try:
+                self._run_until(lambda: self._conn is None, "close the connection")
+            finally:
+                self._deadline = deadline
         # A connection still being set up (interrupted) is left to the loop's
         # close: pika cannot close one whose set-up is pending (its workflow asserts).
         self._conn = None
@@ -240,30 +266,39 @@ class Publisher:
             return [PublishResult("unconfirmed", str(exc)) for _ in messages]
         return None
 
-    def publish(self, messages: Sequence[OutMessage]) -> list[PublishResult]:
+    def publish(self, messages: Sequence[OutMessage], *, deadline: float | None = None) -> list[PublishResult]:
         """Publish *messages* in order; return one result per message.
 
         Connection loss is not raised: the affected messages come back
         ``unconfirmed`` (they may or may not have reached the queue), so the
         caller can retry them -- a duplicate is absorbed by the consumer's
-        inbox, a loss would not be.
+        inbox, a loss would not be. *deadline* (a ``time.monotonic()`` value):
+        no wait, connecting included, goes past it; what is not confirmed
+        then comes back ``unconfirmed`` and the connection is closed.
         """
-        done = self._connect_for(messages)
-        if done is not None:
-            return done
-        self._batch = messages
-        self._results = [None] * len(messages)
-        self._next = 0
-        self._pump()
-        self._run_until(lambda: self._next >= len(self._batch) and not self._pending, "confirm messages")
-        if self._error is not None:
-            if isinstance(self._error, BrokerFatal):
-                error, self._error = self._error, None
-                self._abort()
-                raise error
-            self._error = None
-            self._abort()
+        self._deadline = deadline
+        try:
+            done = self._connect_for(messages)
+            if done is not None:
+                return done
+            self._batch = messages
+            self._results = [None] * len(messages)
+            self._next = 0
+            self._pump()
+            self._run_until(lambda: self._next >= len(self._batch) and not self._pending, "confirm messages")
+        finally:
+            self._deadline = None
         reason = "not sent: the connection was lost first"
+        if self._error is not None:
+            error, self._error = self._error, None
+            if not isinstance(error, BrokerFatal):  # what no confirm came for says why
+                reason = f"not sent: {error}"
+                for index in self._pending.values():
+                    self._results[index] = PublishResult("unconfirmed", str(error))
+                self._pending.clear()
+            self._abort()
+            if isinstance(error, BrokerFatal):
+                raise error
         results = [r if r is not None else PublishResult("unconfirmed", reason) for r in self._results]
         self._batch, self._results = (), []
         return results
@@ -378,7 +413,11 @@ class StreamPublisher(Publisher):
             if self._error is not None:
                 error, self._error = self._error, None
                 self._broken = str(error)
-                self._abort()  # closing marks every pending message unconfirmed
+                if not isinstance(error, BrokerFatal):  # what no confirm came for says why
+                    for index in self._pending.values():
+                        self._results[index] = PublishResult("unconfirmed", str(error))
+                    self._pending.clear()
+                self._abort()  # closing marks every (other) pending message unconfirmed
                 if isinstance(error, BrokerFatal):
                     raise error
         reason = f"not sent: {self._broken}"
@@ -431,9 +470,13 @@ class StreamPublisher(Publisher):
     def __enter__(self) -> StreamPublisher:
         return self
 
-    def publish(self, messages: Sequence[OutMessage]) -> list[PublishResult]:
+    def publish(self, messages: Sequence[OutMessage], *, deadline: float | None = None) -> list[PublishResult]:
         """Publisher.publish's contract: one call, one settled batch."""
-        done = self._connect_for(messages)
-        if done is not None:
-            return done
-        return self.collect(self.send(messages))
+        self._deadline = deadline
+        try:
+            done = self._connect_for(messages)
+            if done is not None:
+                return done
+            return self.collect(self.send(messages))
+        finally:
+            self._deadline = None

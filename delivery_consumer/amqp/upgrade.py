@@ -14,11 +14,10 @@ from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
-import pika
 import pika.exceptions as pex
 
 from ..errors import BrokerError, BrokerFatal, BrokerUnavailable
-from .connection import FAILURES, classify, parameters
+from .connection import FAILURES, Addresses, classify, open_blocking
 
 #: Messages taken at once from a queue being emptied (the reader's prefetch, acked together).
 WINDOW = 500
@@ -50,7 +49,7 @@ class _Session:
 
     def __init__(self, url: str, name: str) -> None:
         self.url = url
-        self.conn: Any = pika.BlockingConnection(parameters(url, name=name))
+        self.conn: Any = open_blocking(Addresses(url, name=name))
         self.channel: Any = self.conn.channel()
         self.pub: Any = self.conn.channel()
         self.pub.confirm_delivery()

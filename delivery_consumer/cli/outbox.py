@@ -86,11 +86,13 @@ def reading(db_path: Path | str) -> Iterator[outbox_lib.OutboxDb]:
                    " dispatcher at once; the poll is the fallback (another host, a producer committing by itself,"
                    " a lost LISTEN connection).")
 @click.option("--retry-base", "retry_base_s", default="1s", show_default=True, type=Duration(positive=True),
-              help="First backoff of a nacked row (doubles per failure, jittered).")
+              help="First backoff of a row nacked on its own (doubles per failure, jittered); a nack storm is"
+                   " one outage, with no backoff per row.")
 @click.option("--retry-cap", "retry_cap_s", default="5m", show_default=True, type=Duration(positive=True),
               help="Longest backoff of one row.")
 @click.option("--max-attempts", default=20, show_default=True, type=click.IntRange(1),
-              help="Nacks of one row before it is quarantined (an outage counts none).")
+              help="Nacks of a row's own before it is quarantined (an outage, a nack storm included, counts"
+                   " none).")
 @click.option("--exit-when-idle", "exit_when_idle_s", type=Duration(),
               help="Exit after no row was published or quarantined for this long (e.g. 2s).")
 @click.option("--metrics-port", type=click.IntRange(0, 65535),
@@ -107,9 +109,13 @@ def dispatch(db_path: Path | str, amqp_url: str, exchange: str, queue_prefix: st
 
     Persistent, mandatory, message_id = eventId, pipelined publisher
     confirms; published_at is set only when the confirm arrived. An
-    unroutable or unencodable row is quarantined at once, a nacked one is
-    retried with backoff and quarantined after --max-attempts; later rows of
-    its article wait while it is retried. A broker outage is waited out.
+    unroutable or unencodable row is quarantined at once. A nack storm (no
+    quorum, a full reject-publish queue: every message to a destination
+    nacked) is one outage: its rows wait, the dispatcher probes, and the
+    first confirm lets them all go, each article in order; a nack of the
+    row's own (its destination took later messages) is retried with backoff
+    and quarantined after --max-attempts; later rows of its article wait
+    while it is retried. A broker outage is waited out, logged once.
     Several dispatchers may share a database: each leases the rows it
     publishes, and takes back at once the leases of one that died. Runs
     until SIGTERM/SIGINT (settles the batches in flight, exit 0) or

@@ -22,6 +22,7 @@ from ..event_types import default_types
 from ..partitions import slot_headers
 from ._broker import amqp_options, topology_for
 from ._common import EXIT_OK, EXIT_REJECTED, Fatal, emit_json, handle_errors
+from .duration_type import Duration
 
 
 @click.command()
@@ -31,11 +32,15 @@ from ._common import EXIT_OK, EXIT_REJECTED, Fatal, emit_json, handle_errors
 @click.option("--max-bytes", default=MAX_BODY_BYTES, show_default=True, type=click.IntRange(1))
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per event on stdout.")
 @click.option("--attempts", default=3, show_default=True, type=click.IntRange(1, 100),
-              help="Times an unconfirmed message is published again after a reconnect.")
+              help="Times an unconfirmed message is published again after a reconnect (within --confirm-timeout).")
+@click.option("--confirm-timeout", "confirm_timeout_s", default="30s", show_default=True,
+              type=Duration(positive=True),
+              help="How long to wait for the broker's confirms, from the first message sent, reconnects and"
+                   " attempts included; what is not confirmed by then is reported unconfirmed (exit 1).")
 @click.argument("sources", nargs=-1, required=True)
 @handle_errors
 def publish(amqp_url: str, exchange: str, queue_prefix: str, declare_for: tuple[str, ...], max_bytes: int,
-            as_json: bool, attempts: int, sources: tuple[str, ...]) -> None:
+            as_json: bool, attempts: int, confirm_timeout_s: float, sources: tuple[str, ...]) -> None:
     """Validate envelopes from SOURCES and publish them to the exchange.
 
     A line may be a structured CloudEvent (it has specversion), as replay
@@ -44,9 +49,14 @@ def publish(amqp_url: str, exchange: str, queue_prefix: str, declare_for: tuple[
     Persistent, mandatory, message_id = eventId, routing key = type, with
     pipelined publisher confirms. The types accepted: the material ones, the
     installed ones and those of each --consumer. Invalid envelopes are reported with their
-    rejection code and not sent. Exit 0 when every message was confirmed,
+    rejection code and not sent. The last line on stderr counts them:
+    confirmed, nacked, unconfirmed (and invalid, returned if any). Within
+    --confirm-timeout of the first message sent it says so and exits, even
+    if the broker never confirms (no quorum): an unconfirmed message may or
+    may not be in the queue, and publishing it again is safe (the consumers'
+    inboxes absorb duplicates). Exit 0 when every message was confirmed,
     1 when any was invalid, unroutable, nacked or unconfirmed (named on
-    stderr), 2 for usage or broker errors.
+    stderr), 2 for usage or broker errors (the broker unreachable at the start).
     """
     from ..amqp.publisher import Publisher
     from ..deliveries import OutMessage
@@ -73,21 +83,24 @@ def publish(amqp_url: str, exchange: str, queue_prefix: str, declare_for: tuple[
         messages.append(OutMessage(routing_key=env.type, body=item.body, exchange=exchange,
                                    message_id=env.event_id, headers=slot_headers(env.key),
                                    content_type=STRUCTURED_CONTENT_TYPE if env.cloudevent else "application/json"))
+    timed_out = False
     try:
         with Publisher(amqp_url, topologies=topologies, exchanges=[exchange],
                        name="delivery-consumer publish") as publisher:
             _connect(publisher, attempts)
+            deadline = time.monotonic() + confirm_timeout_s
             todo = list(range(len(messages)))
             final: dict[int, Any] = {}
             for _ in range(attempts):
-                results = publisher.publish([messages[i] for i in todo])
+                results = publisher.publish([messages[i] for i in todo], deadline=deadline)
                 retry = []
                 for i, result in zip(todo, results, strict=True):
-                    final[i] = result
+                    final[i] = result  # a confirm is final: nothing confirmed goes again or counts as lost
                     if result.status == "unconfirmed":
                         retry.append(i)
                 todo = retry
-                if not todo:
+                timed_out = bool(todo) and time.monotonic() >= deadline
+                if not todo or timed_out:
                     break
     except BrokerError as exc:
         raise Fatal(str(exc)) from None
@@ -99,9 +112,23 @@ def publish(amqp_url: str, exchange: str, queue_prefix: str, declare_for: tuple[
                        **({"reason": result.reason} if result.reason else {})})
         elif not result.ok:
             click.echo(f"{msg.message_id} {result.status}: {result.reason}", err=True)
-    summary = ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "nothing to publish"
-    click.echo(f"{len(messages)} published to {exchange}: {summary}", err=True)
+    click.echo(summary_line(len(messages), exchange, counts,
+                            confirm_timeout_s if timed_out else None), err=True)
     sys.exit(EXIT_OK if counts["confirmed"] == sum(counts.values()) else EXIT_REJECTED)
+
+
+def summary_line(sent: int, exchange: str, counts: Counter[str], timed_out_s: float | None = None) -> str:
+    """The last line: ``500 published to X: 3 confirmed, 0 nacked, 497 unconfirmed`` (invalid and returned
+    when there are any); after the confirm deadline, what the unconfirmed ones are."""
+    if not sent and not counts:
+        return f"0 published to {exchange}: nothing to publish"
+    parts = [f"{counts[k]} {k}" for k in ("confirmed", "nacked", "unconfirmed")]
+    parts += [f"{n} {k}" for k, n in sorted(counts.items()) if k not in ("confirmed", "nacked", "unconfirmed")]
+    line = f"{sent} published to {exchange}: {', '.join(parts)}"
+    if timed_out_s is not None and counts["unconfirmed"]:
+        line += (f"; no confirm for {counts['unconfirmed']} within --confirm-timeout {timed_out_s:g}s: they may or"
+                 " may not be in the queue, publishing them again is safe")
+    return line
 
 
 def _connect(publisher: Any, attempts: int) -> None:
@@ -128,4 +155,4 @@ def _report(as_json: bool, obj: dict[str, Any]) -> None:
                    "not sent", err=True)
 
 
-__all__ = ["publish"]
+__all__ = ["publish", "summary_line"]

@@ -32,7 +32,7 @@ from ..sqlite import now_iso
 from ..topology import H_PRODUCED_MS
 from . import owners, wake
 from .db import OutboxDb, WakeListener, as_db
-from .outage import PROBE_ROWS, Destination, Outage, describe, destination, own_nacks
+from .outage import PROBE_CAP_S, PROBE_ROWS, Destination, Outage, describe, destination, own_nacks
 from .table import MAX_ERROR_CHARS, routing_key_problem
 
 if TYPE_CHECKING:
@@ -110,8 +110,6 @@ class Claimed(NamedTuple):
     #: ``created_at`` is not a time): the message carries it (``x-produced-ms``),
     #: for the consumers' age at commit.
     produced_ms: int | None = None
-    #: Its failures so far: a row whose nacks were its own before keeps them its own (.outage).
-    failures: int = 0
 
 
 @dataclass
@@ -165,13 +163,10 @@ class DispatchConfig:
 
 
 def _own_nacks(rows: Sequence[Claimed], results: Sequence[PublishResult]) -> set[int]:
-    """Indexes of the nacks of *results* that are their row's own (:func:`.outage.own_nacks`), and those of
-    rows whose earlier nacks were their own (their destination took other rows meanwhile)."""
+    """Indexes of the nacks of *results* that are their row's own (:func:`.outage.own_nacks`)."""
     if not any(r.status == "nacked" for r in results):
         return set()
-    statuses = [r.status for r in results]
-    return own_nacks([destination(r.routing_key, r.ordering_key) for r in rows], statuses) | {
-        i for i, (row, status) in enumerate(zip(rows, statuses, strict=True)) if status == "nacked" and row.failures}
+    return own_nacks([destination(r.routing_key, r.ordering_key) for r in rows], [r.status for r in results])
 
 
 def default_owner() -> str:
@@ -256,6 +251,11 @@ class Dispatcher:
         self._connected = False
         self._episode: Outage | None = None  # the outage being waited out (.outage)
         self._probes: set[int] = set()  # seqs in flight as probes of refusing destinations
+        # During an outage a claim that found nothing is not repeated before this (the clock's) time,
+        # wake-ups or not, unless a probe is due: every claim scans the rows waiting on the outage.
+        self._scan_at = float("-inf")
+        #: The rows of the last batch marked whose nacks were their destination's, not their own.
+        self.storm_nacked: set[int] = set()
         self._inflight: deque[tuple[list[Claimed], Any]] = deque()  # sent, not yet collected
         self._reaped_at = float("-inf")
         self._good_keys: set[str] = set()  # routing keys already checked and found good
@@ -335,12 +335,10 @@ class Dispatcher:
             apart = conn.body_sql != "body"
             cur = conn.scan(
                 f"SELECT seq, event_id, routing_key, ordering_key, {conn.body_sql}, attempts, next_attempt_at,"
-                f" lease_owner, lease_until, {conn.created_ms_sql}, failures FROM outbox WHERE status = 'pending'"
-                " ORDER BY seq",
+                f" lease_owner, lease_until, {conn.created_ms_sql} FROM outbox WHERE status = 'pending' ORDER BY seq",
                 (), batch * 2)
             try:
-                for (seq, event_id, routing_key, key, body, attempts, next_at, owner, lease_until, created,
-                     failures) in cur:
+                for seq, event_id, routing_key, key, body, attempts, next_at, owner, lease_until, created in cur:
                     if key in blocked:
                         continue
                     if (next_at is not None and next_at > now_s) or (lease_until is not None and lease_until > now_s):
@@ -364,8 +362,7 @@ class Dispatcher:
                         complete = False
                         break
                     size += length
-                    taken.append(Claimed(seq, event_id, routing_key, b"" if apart else body, attempts, key, created,
-                                         failures))
+                    taken.append(Claimed(seq, event_id, routing_key, b"" if apart else body, attempts, key, created))
                     if key in blocked:  # a probe
                         self._probes.add(seq)
                     elif next_at is not None:  # a retry goes out alone for its article
@@ -396,6 +393,8 @@ class Dispatcher:
         if invalid:
             self.stats.quarantined += len(invalid)
             log.warning("quarantined %d rows at claim: %s", len(invalid), invalid[0][0])
+        # A claim during an outage that took nothing is not repeated for a poll (see _quiet).
+        self._scan_at = now + self.config.poll_s if refused and not taken and not invalid else float("-inf")
         if probing and episode is not None:
             if probed:
                 episode.probes += 1
@@ -412,13 +411,14 @@ class Dispatcher:
         Confirmed: ``published_at`` (kept if another dispatcher set it first).
         Otherwise ``published_at`` stays empty, ``attempts + 1`` and a short
         ``last_error``; a permanent failure quarantines the row; a nack of
-        the row's own (:func:`.outage.own_nacks`) adds a failure and a
-        backoff, or quarantines at ``max_attempts``; any other nack (its
-        destination refuses everything: an outage) makes it a retry due at
-        once, with no failure: it waits on the outage, not on a backoff of
-        its own; an unconfirmed row (connection lost) goes again without
-        either. A failure is recorded only while this dispatcher still owns
-        the row.
+        the row's own (:func:`.outage.own_nacks`, or the row failed before:
+        its earlier nacks were its own) adds a failure and a backoff, or
+        quarantines at ``max_attempts``; any other nack (its destination
+        refuses everything: an outage) makes it a retry due at once, with no
+        failure: it waits on the outage, not on a backoff of its own
+        (:attr:`storm_nacked` names them for the outage's bookkeeping); an
+        unconfirmed row (connection lost) goes again without either. A
+        failure is recorded only while this dispatcher still owns the row.
         """
         now = self.clock()
         now_s = now_iso(now)
@@ -427,7 +427,7 @@ class Dispatcher:
         published: list[int] = []
         failed: list[tuple[str, str | None, int, str, int]] = []
         quarantined: list[tuple[str, str, int, str]] = []
-        nacked: list[tuple[int, str]] = []
+        nacked: list[tuple[int, str, bool]] = []  # seq, error, its own
         waiting: list[tuple[str, int, str]] = []
         for i, (row, result) in enumerate(zip(rows, results, strict=True)):
             if result.ok:
@@ -439,17 +439,18 @@ class Dispatcher:
                 failed.append((error, None, row.seq, cfg.owner, 0))
             elif result.status in PERMANENT:
                 quarantined.append((error, error, row.seq, cfg.owner))
-            elif i in own:
-                nacked.append((row.seq, error))
             else:
-                waiting.append((error, row.seq, cfg.owner))
+                nacked.append((row.seq, error, i in own))
         half = len(published) // 2
         with self.db.transaction() as conn:
             # The failure count is read only for the rows that need it (rare),
             # so the claim of every row does not carry it.
             failures = dict(conn.execute(f"SELECT seq, failures FROM outbox WHERE {conn.seq_in_sql}",
-                                         (conn.seqs(seq for seq, _ in nacked),)).fetchall()) if nacked else {}
-            for seq, error in nacked:
+                                         (conn.seqs(seq for seq, _, _ in nacked),)).fetchall()) if nacked else {}
+            for seq, error, its_own in nacked:
+                if not its_own and not failures.get(seq, 0):
+                    waiting.append((error, seq, cfg.owner))
+                    continue
                 n = failures.get(seq, 0) + 1
                 if n >= cfg.max_attempts:
                     reason = safe_reason(f"{error} (failed {n} times, max-attempts {cfg.max_attempts})",
@@ -491,6 +492,7 @@ class Dispatcher:
             )
         if quarantined:
             self.stats.quarantined += max(0, cur.rowcount)
+        self.storm_nacked = {seq for _, seq, _ in waiting}
 
     def release(self, rows: Sequence[Claimed]) -> None:
         """Give up the leases of *rows* without publishing them."""
@@ -532,9 +534,14 @@ class Dispatcher:
                 return 0
             self._connected = self.stats.connected = self.stats.online = True
         while len(self._inflight) < self._depth() and not self.stopping:
-            rows = self.claim(self._limit())  # a busy database raises here; what is in flight stays in flight
+            limit = self._limit()
+            if self._quiet():
+                break
+            rows = self.claim(limit)  # a busy database raises here; what is in flight stays in flight
             if not rows:
                 break
+            if limit is not None and self._episode is not None:
+                self._episode.probes += 1
             self._send(rows)
         if not self._inflight:
             episode = self._episode
@@ -552,7 +559,7 @@ class Dispatcher:
             self._woken(listener)
             if self._listener is None:
                 break
-            more = self.claim(self._limit())
+            more = [] if self._quiet() else self.claim(self._limit())
             if more:
                 self._send(more)
         try:
@@ -577,6 +584,15 @@ class Dispatcher:
             self._settle(later, self.publisher.collect(ticket))
         self._outage(lost)
         return len(rows)
+
+    def _quiet(self) -> bool:
+        """Whether the next claim would only scan the rows waiting on the outage again: one found nothing
+        less than ``poll`` ago, and no probe is due."""
+        episode = self._episode
+        if episode is None or not episode.refused:
+            return False
+        now = self.clock()
+        return now < self._scan_at and now < episode.probe_at
 
     def _depth(self) -> int:
         """Batches in flight: one while an outage's connection is being proved."""
@@ -660,8 +676,8 @@ class Dispatcher:
         message was nacked refuses (its rows wait on the outage); a confirm
         ends the refusal of its destination; any answer proves the connection."""
         statuses = [r.status for r in results]
-        own = _own_nacks(rows, results)
-        storm = sum(s == "nacked" for s in statuses) > len(own)
+        storm_nacked = self.storm_nacked  # as mark() judged them
+        storm = bool(storm_nacked)
         probe = bool(self._probes) and any(row.seq in self._probes for row in rows)
         if probe:
             self._probes.difference_update(row.seq for row in rows)
@@ -676,27 +692,27 @@ class Dispatcher:
         if lost is not None:
             episode.link = lost
         recovered = refusing = False
-        for i, (row, status) in enumerate(zip(rows, statuses, strict=True)):
+        for row, status in zip(rows, statuses, strict=True):
             if status == "unconfirmed":
                 episode.unconfirmed += 1
             elif status == "confirmed":
                 if episode.refused and episode.confirmed(destination(row.routing_key, row.ordering_key)):
                     recovered = True
-            elif status == "nacked" and i not in own:
+            elif status == "nacked" and row.seq in storm_nacked:
                 episode.refuse(destination(row.routing_key, row.ordering_key), row.seq)
                 refusing = True
         if refusing:
             self._announce(
                 episode, "the broker nacks every message to %s (no quorum, a queue full or unavailable?): one"
                 " outage; its rows wait for it, no backoff of their own; probing every %.0fs at most, other"
-                " destinations go on", describe(episode.refused), RECONNECT_CAP_S)
+                " destinations go on", describe(episode.refused), PROBE_CAP_S)
         now = self.clock()
         if recovered:
             episode.tries, episode.probe_at = 0, now  # it confirms again: probe the rest at once
         elif refusing or probe:
             episode.tries += 1
             if probe or episode.probe_at != float("inf"):
-                episode.probe_at = now + reconnect_delay_s(episode.tries)
+                episode.probe_at = now + reconnect_delay_s(episode.tries, cap_s=PROBE_CAP_S)
         self._maybe_end()
 
     def _maybe_end(self) -> None:

@@ -25,6 +25,9 @@ Destination = tuple[str, int]
 #: of different keys. The second one confirmed while the first is nacked tells
 #: that the nack is the first row's own (a body over the queue's byte limit).
 PROBE_ROWS = 2
+#: The longest pause between two probes (seconds): what a recovery waits at most before its rows
+#: go. A probe costs a few rows' publication, so it is shorter than the reconnect backoff's cap.
+PROBE_CAP_S = 2.0
 
 
 @lru_cache(maxsize=65_536)
@@ -101,14 +104,18 @@ class Outage:
         return self.refused.pop(dest, None) is not None
 
     def summary(self) -> str:
-        """The counts for the closing line: ``3 failed connects, 120 nacks of 40 rows, 0 unconfirmed, 5 probes``."""
+        """The counts for the closing line, those that are not 0: ``3 failed connects, 120 nacks of 40 rows,
+        70 unconfirmed, 5 probes``."""
         parts = []
         if self.connects:
             parts.append(count(self.connects, "failed connect"))
-        parts.append(f"{count(self.nacks, 'nack')} of {count(len(self.rows), 'row')}")
-        parts.append(f"{self.unconfirmed} unconfirmed")
-        parts.append(count(self.probes, "probe"))
-        return ", ".join(parts)
+        if self.nacks:
+            parts.append(f"{count(self.nacks, 'nack')} of {count(len(self.rows), 'row')}")
+        if self.unconfirmed:
+            parts.append(f"{self.unconfirmed} unconfirmed")
+        if self.probes:
+            parts.append(count(self.probes, "probe"))
+        return ", ".join(parts) or "no row touched"
 
 
 def describe(refused: dict[Destination, set[int]]) -> str:
@@ -121,4 +128,4 @@ def describe(refused: dict[Destination, set[int]]) -> str:
     return ", ".join(shown) + more
 
 
-__all__ = ["PROBE_ROWS", "Destination", "Outage", "describe", "destination", "own_nacks"]
+__all__ = ["PROBE_CAP_S", "PROBE_ROWS", "Destination", "Outage", "describe", "destination", "own_nacks"]

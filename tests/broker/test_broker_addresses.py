@@ -5,6 +5,7 @@ one; the node in use is in the log and in ``delivery_broker_connected{node=...}`
 from __future__ import annotations
 
 import signal
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -64,8 +65,10 @@ def test_a_dead_first_address_fails_over_to_the_next_at_once(ns: Namespace, prox
     dead(first)
     port = free_port()
     urls = f"{dead.url},{ns.url}"
+    started = time.monotonic()
     proc = ns.start_run("audit", "--metrics-port", str(port), env=ns.env(DELIVERY_AMQP_URL=urls))
     proc.wait_for_log(f"connected to {broker_node(ns)}")
+    print(f"first address {first}: consuming from the second {time.monotonic() - started:.1f}s after the start")
     db = ns.db("audit")
     wait_until("50 events applied", lambda: count_rows(db, "inbox") >= 50, procs=[proc])
     wait_until("the node's metric", lambda: node_metric(port, broker_node(ns)) == 1, procs=[proc], ignoring=(OSError,))
@@ -85,8 +88,10 @@ def test_a_reconnect_after_losing_a_node_starts_with_the_next(ns: Namespace, pro
     proc.wait_for_log(f"connected to 127.0.0.1:{a.port}")
     db = ns.db("audit")
     wait_until("100 events applied", lambda: count_rows(db, "inbox") >= 100, procs=[proc])
+    lost = time.monotonic()
     a("reset")
     proc.wait_for_log(f"connected to 127.0.0.1:{b.port}")
+    print(f"connected to the next node {time.monotonic() - lost:.1f}s after the connection was reset")
     wait_until("the second node's metric 1", lambda: node_metric(port, f"127.0.0.1:{b.port}") == 1, procs=[proc])
     assert 0 == node_metric(port, f"127.0.0.1:{a.port}")
     ns.publish(events(100))

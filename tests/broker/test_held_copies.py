@@ -85,8 +85,9 @@ def test_exit_when_idle_does_not_exit_while_its_queue_holds_messages_it_cannot_g
 
 def test_a_reconnect_declares_only_what_is_missing(ns: Namespace) -> None:
     """After its first start a run's reconnect only looks at its queues: one deleted meanwhile is
-    declared again (the dead queue), one that exists with other arguments (a retry tier replaced
-    by hand) is left alone -- a full declare would have failed on it with 406 and ended the run."""
+    declared again (the dead queue; the exchange, with the queue's bindings), one that exists with
+    other arguments (a retry tier replaced by hand) is left alone -- a full declare would have
+    failed on it with 406 and ended the run."""
     topo = ns.topology("catalog")
     ns.publish([orjson.dumps(new_event(article_id="first"))], declare=["catalog"])
     proxy = Proxy(ns.url)
@@ -99,9 +100,10 @@ def test_a_reconnect_declares_only_what_is_missing(ns: Namespace) -> None:
         tier = topo.retry_queue(0)
         ch.queue_delete(tier)
         ch.queue_declare(tier, durable=True, arguments={"x-queue-type": "quorum"})  # other arguments
+        ch.exchange_delete(ns.exchange)  # and with it the queue's bindings
         conn.close()
         proxy("reset")
-        proc.wait_for_log("declared again what was missing on the broker: " + topo.dead_queue)
+        proc.wait_for_log(f"declared again what was missing on the broker: {ns.exchange}, {topo.dead_queue}")
         ns.publish([orjson.dumps(new_event(article_id="second"))])
         wait_until("the second event applied", lambda: count_rows(db, "inbox") == 2, procs=[proc])
         assert is_declared_as(ns, topo.dead_queue, topo.dead_arguments())

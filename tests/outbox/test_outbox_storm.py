@@ -106,6 +106,7 @@ def test_a_nack_storm_is_one_outage_and_every_waiting_row_goes_once_the_broker_c
     starts, ends = outage_lines(caplog)
     assert (1, 1) == (len(starts), len(ends)), starts + ends
     assert "broker confirms again after" in ends[0] and "nacks of 10 rows" in ends[0], ends[0]  # the first batch
+    assert "unconfirmed" not in ends[0] and "probes" in ends[0], ends[0]
     assert Counter(dict.fromkeys(ids, 1)) == Counter(mid for mid, _ in broker.confirmed)
     for key in set(keys):
         mine = [mid for mid, _ in broker.confirmed if broker.keys[mid] == key]
@@ -242,3 +243,32 @@ def test_after_a_storm_nothing_waits_on_a_timer_of_its_own(tmp_path: Path, keys:
             assert mine == sorted(mine, key=broker.seqs.__getitem__)
     finally:
         conn.close()
+
+
+def test_during_an_outage_a_claim_that_found_nothing_is_not_repeated_before_the_poll(tmp_path: Path) -> None:
+    """Every claim scans the rows waiting on the outage (inside a write transaction): while nothing else can
+    go, steps without the clock moving (a producer's wake-ups) claim nothing more; after --poll, or once a
+    probe is due, the dispatcher looks again."""
+    conn, ids, broker = fresh(tmp_path, ["a", "a", "a"])
+    broker.storm = True
+    clock = Clock()
+    d = dispatcher(conn, broker, clock, poll_s=10.0)
+    claims: list[int | None] = []
+    claim = d.claim
+
+    def counted(limit: int | None = None) -> list[outbox.Claimed]:
+        claims.append(limit)
+        return claim(limit)
+
+    d.claim = counted  # type: ignore[method-assign]
+    d.step()  # all three nacked: the outage begins
+    assert d.stats.in_outage
+    d.step()  # a look that finds nothing but rows waiting on it
+    looked = len(claims)
+    for _ in range(5):
+        assert 0 == d.step()
+    assert looked == len(claims)
+    clock.now += RECONNECT_CAP_S  # a probe is due: it looks again, and probes
+    d.step()
+    assert len(claims) > looked and [ids[0]] == [m.message_id for m in broker.sent[-1:]]
+    conn.close()

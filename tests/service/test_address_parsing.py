@@ -16,6 +16,7 @@ from pika.adapters.utils.connection_workflow import (
     AMQPConnectorStackTimeout,
 )
 
+from delivery_consumer.amqp import connection
 from delivery_consumer.amqp.connection import (
     CONNECT_TIMEOUT_S,
     HANDSHAKE_TIMEOUT_S,
@@ -106,6 +107,22 @@ def test_every_address_gets_the_timeouts_and_keeps_its_own_options() -> None:
 
 def hosts(addrs: Addresses) -> list[str]:
     return [str(p.host) for p in addrs.sequence()]
+
+
+@pytest.fixture(autouse=True)
+def no_failures_remembered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts with no address remembered as failed in this process."""
+    monkeypatch.setattr(connection, "_failed_at", {})
+
+
+def test_a_node_that_just_failed_is_tried_after_the_others_by_every_client() -> None:
+    """An address that failed an attempt (a silent node that cost its handshake timeout) goes after the others
+    in the next attempt of any client of the process, the order otherwise kept; once it answers, it is back."""
+    first = Addresses("amqp://h1,amqp://h2,amqp://h3", name="t", order="in-order")
+    connection.note_attempt(first.params[0], ok=False)
+    assert ["h2", "h3", "h1"] == hosts(first) == hosts(Addresses("amqp://h1,amqp://h2,amqp://h3", name="other"))
+    connection.note_attempt(first.params[0], ok=True)
+    assert ["h1", "h2", "h3"] == hosts(first)
 
 
 def test_in_order_the_nodes_are_tried_as_given_and_a_reconnect_starts_after_the_node_lost() -> None:
