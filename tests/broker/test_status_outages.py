@@ -5,6 +5,7 @@ quorum lost (management API), each red with exit 1; healthy stays healthy (exit 
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -250,15 +251,16 @@ def three_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[tuple
 @pytest.mark.timeout(600)
 def test_on_a_three_node_cluster_status_is_red_exactly_while_a_quorum_is_lost(
         three_nodes: list[tuple[RabbitNode, int]], tmp_path: Path) -> None:
-    """Three clustered private nodes, the main queue a quorum queue on all three: healthy with 3/3
+    """Three clustered private nodes, the main queues quorum queues on all three: healthy with 3/3
     online. Two nodes stopped: status (through the node left) exits 1 within its deadlines, the main
     queue NO QUORUM (1 of 3 online) or unreadable. One node back: 2/3 online, quorum kept, healthy
-    again (exit 0). The node the dead queue lives on stopped: a classic dead queue is unreadable
-    (its home node down), a replicated one is not."""
+    again (exit 0). The node the dead queue lives on paused (SIGSTOP): status through another node
+    is red within its deadlines (two declares cut, the queues after them not asked), a classic dead
+    queue unreadable."""
     (first, api1), (second, api2), (third, _) = three_nodes
     space = Namespace(first.url, "delivery", tmp_path)
-    config = write_deployment(tmp_path, ns=space, consumers=("catalog",))
-    assert 0 == dc(config, "topology", "declare", "--consumer", "catalog").returncode
+    config = write_deployment(tmp_path, ns=space, consumers=("catalog", "audit", "webhook"))
+    assert 0 == dc(config, "topology", "declare").returncode  # through the first node: classic queues live there
     args = ("--management-url", f"http://127.0.0.1:{api1}", "--broker-timeout", "3")
     code, shown = _status(config, *args)
     assert (0, []) == (code, shown["problems"])
@@ -294,18 +296,30 @@ def test_on_a_three_node_cluster_status_is_red_exactly_while_a_quorum_is_lost(
     row = _row(shown)
     assert (3, 2, False) == (len(row["members"]), len(row["online"]), row["quorumLost"]), row
 
-    # The first node (which declared the dead queue) down; asked through the second.
+    # The first node (which declared the dead queue) paused (SIGSTOP: it holds its sockets and
+    # answers nothing, the others wait for it until the cluster's tick times out), asked through
+    # the second: every call cut at its deadline, red; a classic dead queue (its home node paused)
+    # unreadable, a replicated one not necessarily.
     third.ctl("start_app")
     wait_for_broker(third.url)
     dead = next(q for q in row["queues"] if q["kind"] == "dead")
-    first.ctl("stop_app")
-    other = write_deployment(tmp_path / "via-second" if (tmp_path / "via-second").mkdir() is None else tmp_path,
-                             ns=Namespace(second.url, "delivery", tmp_path), consumers=("catalog",))
-    code, shown = _status(other, "--management-url", f"http://127.0.0.1:{api2}", "--broker-timeout", "3",
-                          timeout=120)
+    (tmp_path / "via-second").mkdir()
+    other = write_deployment(tmp_path / "via-second", ns=Namespace(second.url, "delivery", tmp_path),
+                             consumers=("catalog", "audit", "webhook"))
+    assert first.proc is not None
+    os.killpg(first.proc.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        code, shown = _status(other, "--management-url", f"http://127.0.0.1:{api2}", "--broker-timeout", "2",
+                              timeout=120)
+        took = time.monotonic() - started
+    finally:
+        os.killpg(first.proc.pid, signal.SIGCONT)
+    assert 1 == code, shown
+    assert took < 2 * (2 + 1) + 8, took  # the connection and two silent declares at most, python's start-up
     [asked] = [q for q in _row(shown)["queues"] if q["kind"] == "dead"]
-    if dead["type"] == "classic":
-        assert 1 == code and asked["readable"] is False, asked
+    if dead["type"] == "classic":  # three dead queues on the paused node: two cut, the third not asked
+        assert asked["readable"] is False, asked
         assert any(f"queue {asked['queue']} cannot be read" in p for p in shown["problems"]), shown["problems"]
-    else:
-        assert asked["readable"] is True, asked
+        [webhook] = [q for q in _row(shown, "webhook")["queues"] if q["kind"] == "dead"]
+        assert webhook["error"].startswith("not asked (2 queues before it did not answer within 2s)"), webhook
