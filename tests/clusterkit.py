@@ -407,7 +407,7 @@ def cluster_ns(rabbit_cluster: RabbitCluster, tmp_path: Path) -> Iterator[Cluste
 
 #: How long consumption may stay stopped after a fault before the test fails: the toolkit must come
 #: back by itself, with no person; how long it actually took is measured and printed, never asserted.
-RESUME_BOUND = 150.0
+RESUME_BOUND = 60.0
 
 #: The consumers every scenario runs: the catalog (idempotent by revision) and the counter (not
 #: idempotent by itself: a second application of one event would count twice).
@@ -558,6 +558,14 @@ class Traffic:
             wait_until(what, caught_up, timeout=timeout, ignoring=(sqlite3.OperationalError,), interval=0.1)
         except AssertionError as exc:
             raise AssertionError(f"{exc} (whole logs: {self.save_logs()})\n{self.logs()}") from None
+
+    def nacked(self) -> int:
+        """Outbox rows not published yet whose last publish the broker nacked."""
+        if not self.producer_db.exists():
+            return 0
+        with contextlib.closing(outbox.connect(self.producer_db, readonly=True)) as conn:
+            return int(conn.execute("SELECT count(*) FROM outbox WHERE published_at IS NULL"
+                                    " AND last_error LIKE 'nacked%'").fetchone()[0])
 
     def save_logs(self) -> Path:
         """Every process's whole stderr, a file each in *workdir*/logs; that directory."""
@@ -734,11 +742,14 @@ SCENARIOS: dict[str, tuple[Callable[[RabbitCluster, Traffic], None], dict[str, i
 
 
 class ScenarioFailed(AssertionError):
-    """A scenario's failure, with every process's whole stderr (:attr:`logs`, by process name)."""
+    """A scenario's failure, with every process's whole stderr (:attr:`logs`, by process name) and
+    the outbox rows left nacked."""
 
-    def __init__(self, message: str, logs: dict[str, str]) -> None:
+    def __init__(self, message: str, logs: dict[str, str], nacked: int) -> None:
         super().__init__(message)
         self.logs = logs
+        #: Outbox rows still waiting whose last publish the broker nacked.
+        self.nacked = nacked
 
 
 def play(cluster: RabbitCluster, ns: ClusterNamespace, name: str) -> Outcome:
@@ -751,7 +762,8 @@ def play(cluster: RabbitCluster, ns: ClusterNamespace, name: str) -> Outcome:
         scenario(cluster, traffic)
         return traffic.finish(name)
     except AssertionError as exc:
-        raise ScenarioFailed(str(exc), {n: p.output()[1] for n, p in traffic.procs.items()}) from exc
+        raise ScenarioFailed(str(exc), {n: p.output()[1] for n, p in traffic.procs.items()},
+                             traffic.nacked()) from exc
     finally:
         traffic.kill_all()
         cluster.heal()

@@ -22,8 +22,10 @@ def scenario(rabbit_cluster: RabbitCluster, ns: ClusterNamespace, name: str) -> 
     try:
         outcome = play(rabbit_cluster, ns, name)
     except ScenarioFailed as exc:
-        if NACK_STORM in exc.logs.get("dispatch", ""):
-            pytest.xfail("dispatch met a nack storm at the failover and probes it on the same channel: on RabbitMQ "
+        # A failover race, not quorum loss: two nodes stayed up the whole time.
+        if name != "lose-quorum" and (NACK_STORM in exc.logs.get("dispatch", "") or exc.nacked):
+            pytest.xfail(f"dispatch met nacks at the failover ({exc.nacked} rows left nacked) and publishes again "
+                         "on the same channel: on RabbitMQ "
                          "3.10.8 a channel whose first publish to a quorum queue came as the queue's leader died "
                          "has every later publish to it nacked (test_leader_loss_facts.py); dispatch must probe "
                          "on a new channel")
