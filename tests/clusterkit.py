@@ -639,18 +639,23 @@ class Traffic:
         return Outcome(scenario, len(self.written), gap, resumed)
 
     def stop(self) -> None:
-        """SIGTERM every process; each must exit 0."""
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        codes = {}
-        for name, proc in self.procs.items():
-            try:
-                proc.communicate(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate()
-            codes[name] = proc.returncode
+        """SIGTERM every process, the standbys first and alone (a standby told to stop as its
+        active one exits may take over instead: a separate race, not what these scenarios are
+        about); each must exit 0."""
+        standbys = [n for n in self.procs if ".standby" in n]
+        codes: dict[str, int] = {}
+        for group in (standbys, [n for n in self.procs if n not in standbys]):
+            for name in group:
+                if self.procs[name].poll() is None:
+                    self.procs[name].send_signal(signal.SIGTERM)
+            for name in group:
+                proc = self.procs[name]
+                try:
+                    proc.communicate(timeout=60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.communicate()
+                codes[name] = proc.returncode
         bad = {n: c for n, c in codes.items() if c != 0}
         assert not bad, f"processes did not exit 0 on SIGTERM: {bad}:\n" + "\n".join(
             f"--- {n}\n{self.procs[n].output()[1][-2000:]}" for n in bad)
