@@ -1,15 +1,19 @@
 """delivery-consumer: RabbitMQ consumers that survive redelivery, duplicates,
 out-of-order revisions and crashes, with one SQLite database per consumer.
 
+The supported API is what this module exports (``__all__``), imported as
+``from delivery_consumer import ConsumerSpec, Rejection, ...``, and the public
+submodules :mod:`delivery_consumer.outbox` (the producer's outbox) and
+:mod:`delivery_consumer.testing` (the test kit). Every other module is internal
+and may move (docs/adding-a-consumer.md, "The API in one place").
+
+Each name is imported on first use (``__getattr__``): ``import delivery_consumer``
+loads none of the toolkit, so every command starts as fast as before, and pika
+only comes with what runs a broker.
+
 Follow an event by names: bytes -> :mod:`.envelope` -> :func:`.inbox.apply_batch`
 -> :mod:`.consumers` (``catalog``, ``audit``, ...) -> receipt -> commit ->
 :mod:`.amqp.consumer` acks (docs/architecture.md).
-
-:func:`run_consumer` runs a consumer from a program of your own, as
-``delivery-consumer run`` does (:mod:`.service.launch`). :class:`Consumer`,
-:class:`Event` and :func:`event_type` write a consumer as one handler per
-event type, each type declared from a model of its data (:mod:`.typed`).
-The test kit is :mod:`delivery_consumer.testing` (docs/testing-consumers.md).
 """
 
 from typing import TYPE_CHECKING, Any
@@ -17,26 +21,111 @@ from typing import TYPE_CHECKING, Any
 from .version import __version__
 
 if TYPE_CHECKING:
+    from . import outbox, testing
+    from .consumers import register
+    from .contract import ApplyFn, ApplyManyFn, ConsumerSpec, View
+    from .errors import (
+        ConfigError,
+        DatabaseError,
+        DeliveryError,
+        OutboxError,
+        Rejection,
+        TransientError,
+    )
+    from .event_ids import new_event_id
+    from .event_types import MATERIAL, Envelope, EventType, EventTypes, declare, default_types
     from .service.launch import run_consumer
+    from .state import RevisionTable, StateOf
+    from .testing import ConsumerHarness
     from .typed import Consumer, Event, event_type
+    from .typed import envelope as make_envelope
 
-#: Name -> the module that defines it, imported on first use: ``import delivery_consumer``
-#: stays cheap for every command.
-_LAZY = {
-    "run_consumer": "delivery_consumer.service.launch",
-    "Consumer": "delivery_consumer.typed",
-    "Event": "delivery_consumer.typed",
-    "event_type": "delivery_consumer.typed",
+#: Public name -> (the module that defines it, its name there; None: the module
+#: itself), imported on first use.
+_LAZY: dict[str, tuple[str, str | None]] = {
+    # a consumer
+    "ConsumerSpec": ("delivery_consumer.contract", "ConsumerSpec"),
+    "View": ("delivery_consumer.contract", "View"),
+    "ApplyFn": ("delivery_consumer.contract", "ApplyFn"),
+    "ApplyManyFn": ("delivery_consumer.contract", "ApplyManyFn"),
+    "Consumer": ("delivery_consumer.typed", "Consumer"),
+    "Event": ("delivery_consumer.typed", "Event"),
+    "event_type": ("delivery_consumer.typed", "event_type"),
+    "register": ("delivery_consumer.consumers", "register"),
+    # event types and the envelope
+    "EventType": ("delivery_consumer.event_types", "EventType"),
+    "EventTypes": ("delivery_consumer.event_types", "EventTypes"),
+    "MATERIAL": ("delivery_consumer.event_types", "MATERIAL"),
+    "declare": ("delivery_consumer.event_types", "declare"),
+    "default_types": ("delivery_consumer.event_types", "default_types"),
+    "Envelope": ("delivery_consumer.event_types", "Envelope"),
+    "make_envelope": ("delivery_consumer.typed", "envelope"),
+    "new_event_id": ("delivery_consumer.event_ids", "new_event_id"),
+    # errors a consumer raises or its caller catches
+    "DeliveryError": ("delivery_consumer.errors", "DeliveryError"),
+    "Rejection": ("delivery_consumer.errors", "Rejection"),
+    "TransientError": ("delivery_consumer.errors", "TransientError"),
+    "ConfigError": ("delivery_consumer.errors", "ConfigError"),
+    "DatabaseError": ("delivery_consumer.errors", "DatabaseError"),
+    "OutboxError": ("delivery_consumer.errors", "OutboxError"),
+    # state
+    "RevisionTable": ("delivery_consumer.state", "RevisionTable"),
+    "StateOf": ("delivery_consumer.state", "StateOf"),
+    # running and testing it; the producer's side
+    "run_consumer": ("delivery_consumer.service.launch", "run_consumer"),
+    "ConsumerHarness": ("delivery_consumer.testing", "ConsumerHarness"),
+    "outbox": ("delivery_consumer.outbox", None),
+    "testing": ("delivery_consumer.testing", None),
 }
+
+#: The public submodules: their own ``__all__`` is their supported API.
+PUBLIC_MODULES = ("delivery_consumer.outbox", "delivery_consumer.testing")
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
+    where = _LAZY.get(name)
+    if where is None:
         raise AttributeError(f"module 'delivery_consumer' has no attribute {name!r}")
     import importlib
 
-    return getattr(importlib.import_module(module), name)
+    module = importlib.import_module(where[0])
+    value = module if where[1] is None else getattr(module, where[1])
+    globals()[name] = value
+    return value
 
 
-__all__ = ["Consumer", "Event", "__version__", "event_type", "run_consumer"]
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+__all__ = [
+    "MATERIAL",
+    "ApplyFn",
+    "ApplyManyFn",
+    "ConfigError",
+    "Consumer",
+    "ConsumerHarness",
+    "ConsumerSpec",
+    "DatabaseError",
+    "DeliveryError",
+    "Envelope",
+    "Event",
+    "EventType",
+    "EventTypes",
+    "OutboxError",
+    "Rejection",
+    "RevisionTable",
+    "StateOf",
+    "TransientError",
+    "View",
+    "__version__",
+    "declare",
+    "default_types",
+    "event_type",
+    "make_envelope",
+    "new_event_id",
+    "outbox",
+    "register",
+    "run_consumer",
+    "testing",
+]

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -185,7 +186,8 @@ class Envelope(NamedTuple):
 
     @property
     def article_id(self) -> str:
-        """The key, by its name for the material types."""
+        """Deprecated (removed in the next release): :attr:`key`, the key of any type."""
+        _deprecated("article_id", "key")
         return self.key
 
     @property
@@ -201,11 +203,20 @@ class Envelope(NamedTuple):
 
     @property
     def title(self) -> str:
+        """Deprecated (removed in the next release): ``data["title"]`` (a material type's field)."""
+        _deprecated("title", 'data["title"]')
         return str(self.data["title"])
 
     @property
     def url(self) -> str:
+        """Deprecated (removed in the next release): ``data["url"]`` (a material type's field)."""
+        _deprecated("url", 'data["url"]')
         return str(self.data["url"])
+
+
+def _deprecated(name: str, instead: str) -> None:
+    # stacklevel 3: the line that read the property, not the property.
+    warnings.warn(f"Envelope.{name} is deprecated: use Envelope.{instead}", DeprecationWarning, stacklevel=3)
 
 
 # For anything that came from JSON this writes exactly what

@@ -62,11 +62,21 @@ def parse_queue(raw: dict[str, Any]) -> QueueInfo:
                      online=nodes(raw.get("online")), unacked=unacked if isinstance(unacked, int) else None)
 
 
+def _first_address(amqp_url: str) -> str:
+    """The first address of the AMQP URL (a cluster's nodes share their vhosts and users)."""
+    from .topology import AddressError, addresses
+
+    try:
+        return addresses(amqp_url)[0]
+    except (AddressError, IndexError):
+        return amqp_url
+
+
 def credentials(management_url: str, amqp_url: str) -> tuple[str, tuple[str, str]]:
     """The management URL without its user and password, and the user and password to use:
-    the management URL's own, else the AMQP URL's (the first address of a list), else guest."""
+    the management URL's own, else the AMQP URL's (its first address), else guest."""
     parts = urlsplit(management_url)
-    amqp = urlsplit(amqp_url.split(",")[0].strip())
+    amqp = urlsplit(_first_address(amqp_url))
     user = unquote(parts.username or amqp.username or "guest")
     password = unquote(parts.password or amqp.password or "guest")
     host = parts.hostname or ""
@@ -76,7 +86,7 @@ def credentials(management_url: str, amqp_url: str) -> tuple[str, tuple[str, str
 
 def vhost_of(amqp_url: str) -> str:
     """The AMQP URL's virtual host, as it appears (quoted) in a management API path."""
-    path = urlsplit(amqp_url.split(",")[0].strip()).path
+    path = urlsplit(_first_address(amqp_url)).path
     return quote(unquote(path[1:]) if len(path) > 1 else "/", safe="")
 
 

@@ -78,6 +78,9 @@ class Moved:
 
 #: Tables every partition keeps whole: the CloudEvents sources seen (trace looks an id up by them).
 EVERYWHERE = ("ce_sources",)
+#: (table, a column's name in an older schema) -> its name now: a database not yet
+#: migrated is copied into the new ones under the new name.
+RENAMED = {("fence", "article_id"): "entity_key"}
 
 
 def _candidates(old: int, old_count: int, new_count: int) -> list[int]:
@@ -95,6 +98,8 @@ def _table_plan(conn: sqlite3.Connection, table: str) -> tuple[list[str], str]:
     columns = [row[1] for row in info if not (rowid_alias and row[5])]
     if "partition_key" in names:
         key = "t.partition_key"
+    elif "entity_key" in names:
+        key = "t.entity_key"
     elif "article_id" in names:
         key = "t.article_id"
     elif "event_id" in names:
@@ -107,8 +112,8 @@ def _table_plan(conn: sqlite3.Connection, table: str) -> tuple[list[str], str]:
 def split_merge(consumer: str, new_count: int | None, root: Path | None = None) -> Moved:
     """Rewrite the databases of *consumer* for *new_count* partitions (None: unpartitioned).
 
-    Every row follows its key: ``partition_key`` (receipts), ``article_id``
-    (catalog, audit, fence) or, for a row that only names an event, the key
+    Every row follows its key: ``partition_key`` (receipts), ``entity_key``
+    (fence), ``article_id`` (catalog, audit) or, for a row that only names an event, the key
     of that event's receipt. A row without any key (a rejection of a body
     that never parsed, a delivery count of such a body) stays with a new
     partition that the old one's slots go to; a receipt without a key (one
@@ -165,7 +170,7 @@ def split_merge(consumer: str, new_count: int | None, root: Path | None = None) 
                         f" AND name NOT IN ('meta', {', '.join(repr(t) for t in counters.TABLES)})")]
                     for table in tables:
                         columns, key = _table_plan(conn, table)
-                        cols = ", ".join(f'"{c}"' for c in columns)
+                        cols = ", ".join(f'"{RENAMED.get((table, c), c)}"' for c in columns)
                         picked = ", ".join(f't."{c}"' for c in columns)
                         if table in EVERYWHERE:  # whole in every partition
                             cur = conn.execute(f'INSERT OR IGNORE INTO main."{table}" ({cols}) SELECT {picked}'

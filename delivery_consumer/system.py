@@ -282,12 +282,13 @@ def cloudevent_matches(dep: Deployment, ce_id: str) -> list[Row]:
 
 def _key_rows(db: ConsumerDB, key: str) -> dict[str, Row]:
     """eventId -> {revision, type} from every effect table with a key column (the
-    view's ``key_column``, else ``article_id``) and an ``event_id`` column."""
+    view's ``key_column``, else ``entity_key`` (the fence) or ``article_id``) and an ``event_id`` column."""
     out: dict[str, Row] = {}
     view = db.spec.view
     for table in dict.fromkeys([*db.spec.tables, *([view.table] if view is not None else [])]):
         columns = {row[1] for row in db.conn.execute(f'PRAGMA table_info("{table}")').fetchall()}
-        key_column = view.key_column if view is not None and view.table == table and view.key_column else "article_id"
+        key_column = (view.key_column if view is not None and view.table == table and view.key_column
+                      else "entity_key" if "entity_key" in columns else "article_id")
         if not {key_column, "event_id"} <= columns:
             continue
         picks = ["event_id", "revision" if "revision" in columns else "NULL",

@@ -37,7 +37,7 @@ def apply(conn: sqlite3.Connection, env: Envelope) -> str:
         "INSERT INTO counter (article_id, events, last_event_id) VALUES (?, 1, ?)"
         " ON CONFLICT (article_id) DO UPDATE SET events = events + 1,"
         " last_event_id = excluded.last_event_id",
-        (env.article_id, env.event_id),
+        (env.key, env.event_id),
     )
     return RESULT
 

@@ -68,7 +68,7 @@ def _tries(event_id: str) -> int:
 
 def apply(conn: sqlite3.Connection, env: Envelope) -> str:
     """Record the envelope, or fail as its title asks."""
-    title = env.title
+    title = str(env.data["title"])
     if title == "poison":
         die()
     if title == "stall":
@@ -86,7 +86,7 @@ def apply(conn: sqlite3.Connection, env: Envelope) -> str:
         raise disk_full()
     conn.execute(
         "INSERT INTO flaky (event_id, article_id, revision, title) VALUES (?, ?, ?, ?)",
-        (env.event_id, env.article_id, env.revision, title),
+        (env.event_id, env.key, env.revision, title),
     )
     return "recorded"
 

@@ -176,7 +176,7 @@ def _open(url: str, name: str, timeout_s: float) -> Any:
     try:
         addrs = Addresses(url, name=name)
         _timed(addrs.params, timeout_s)
-        return open_blocking(addrs)
+        return open_blocking(addrs)  # each address under its own deadline, in the client's order
     except FAILURES as exc:
         raise classify(exc, url=url) from None
 

@@ -369,10 +369,10 @@ def produce(db_path: Path | str, article_id: str, title: str | None, url: str | 
         raise click.BadParameter(str(exc)) from None
     env = done.envelope
     if as_json:
-        emit_json({"eventId": env.event_id, "type": env.type, "articleId": env.article_id,
+        emit_json({"eventId": env.event_id, "type": env.type, "articleId": env.key,
                    "revision": env.revision, "enqueued": done.enqueued})
     else:
-        click.echo(f"{env.event_id} {env.type} {env.article_id} revision {env.revision}: in the outbox")
+        click.echo(f"{env.event_id} {env.type} {env.key} revision {env.revision}: in the outbox")
 
 
 __all__ = ["dispatch", "outbox", "produce"]

@@ -44,7 +44,7 @@ def apply(conn: sqlite3.Connection, env: Envelope) -> str:
         (
             env.event_id,
             env.type,
-            env.article_id,
+            env.key,
             env.revision,
             env.occurred_at,
             env.fingerprint,

@@ -23,7 +23,7 @@ from .. import tracing
 from ..contract import ConsumerSpec, ExternalBatchFn
 from ..envelope import Envelope, canonical_bytes
 from ..errors import ENDPOINT_REJECTED, ConfigError, Rejection, TransientError, safe_reason
-from ..inbox.fence import MIGRATION, Call, CallResult, apply_fenced
+from ..inbox.fence import MIGRATIONS, Call, CallResult, apply_fenced
 from ..topology import DEFAULT_RETRY_DELAYS_MS
 from ..version import __version__
 
@@ -92,11 +92,11 @@ def idempotency_key_header(key: str) -> str:
 def payload(env: Envelope) -> bytes:
     """The notification of *env*: canonical JSON, so one revision has one body."""
     return canonical_bytes({
-        "articleId": env.article_id,
+        "articleId": env.key,
         "revision": env.revision,
         "published": env.type == PUBLISHED,
-        "title": env.title,
-        "url": env.url,
+        "title": str(env.data["title"]),
+        "url": str(env.data["url"]),
     })
 
 
@@ -221,7 +221,7 @@ def apply(conn: Any, env: Envelope) -> str:
 SPEC = ConsumerSpec(
     name="webhook",
     apply=apply,
-    migrations=(MIGRATION,),
+    migrations=MIGRATIONS,
     binding_keys=("material.*",),
     description="POSTs each material event to --webhook-url once (fenced by <articleId>:<revision>:notify)",
     tables=("fence",),

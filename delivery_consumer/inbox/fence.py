@@ -1,8 +1,8 @@
 """Fence an effect outside the database: claim a stable key, call, complete.
 
 For a consumer whose effect is a call to another system (the webhook): (1)
-claim ``<articleId>:<revision>:<step>`` in a transaction of its own, (2)
-call outside any transaction with that key as the idempotency key, (3)
+claim ``<key>:<revision>:<step>`` (the event's key: an ``articleId``, ...) in
+a transaction of its own, (2) call outside any transaction with that key as the idempotency key, (3)
 complete through the one applier (:func:`inbox.apply_batch`), whose effect
 is the call's answer. Why this is exactly-once, and what a redelivery does
 in each state: docs/fence.md. Also here: the fence table's rows for
@@ -34,8 +34,7 @@ from .in_flight import InFlight
 
 log = logging.getLogger("delivery_consumer.fence")
 
-#: The fence table; a consumer with an external effect puts this in its
-#: ``migrations`` (see consumers/webhook.py).
+#: The fence table as it was first written (the entity's key in ``article_id``).
 MIGRATION = """
 CREATE TABLE fence (
     article_id     TEXT NOT NULL,
@@ -57,10 +56,16 @@ CREATE TABLE fence (
 ) STRICT, WITHOUT ROWID;
 CREATE INDEX fence_event ON fence (event_id);
 """
-#: The key is ``<articleId>:<revision>:<step>``, one-to-one with the primary
-#: key, which orders an article's revisions (the stale check is one probe).
+#: The entity's key is any type's key (``articleId``, ``orderId``, ...): its
+#: column is named for that. A database the first form made is renamed in place.
+RENAME_KEY = "ALTER TABLE fence RENAME COLUMN article_id TO entity_key;"
+#: The fence's migrations, in order; a consumer with an external effect puts
+#: them in its ``migrations`` (see consumers/webhook.py).
+MIGRATIONS = (MIGRATION, RENAME_KEY)
+#: The key is ``<entity key>:<revision>:<step>``, one-to-one with the primary
+#: key, which orders an entity's revisions (the stale check is one probe).
 #: Two b-trees in all: each claim writes as few pages as it can.
-_BY_KEY = "article_id = ? AND step = ? AND revision = ?"
+_BY_KEY = "entity_key = ? AND step = ? AND revision = ?"
 
 STATES = ("claimed", "done", "stale")
 _NO_HOOKS = WorkHooks()
@@ -70,13 +75,13 @@ _NO_HOOKS = WorkHooks()
 COMPLETE_TRIES = 3
 
 
-def fence_key(article_id: str, revision: int, step: str) -> str:
+def fence_key(entity_key: str, revision: int, step: str) -> str:
     """The stable key of a business step: never a random id."""
-    return f"{article_id}:{revision}:{step}"
+    return f"{entity_key}:{revision}:{step}"
 
 
 def key_parts(key: str) -> tuple[str, str, int] | None:
-    """(articleId, step, revision) of a key, as the primary key orders them; None if malformed."""
+    """(entity key, step, revision) of a key, as the primary key orders them; None if malformed."""
     parts = key.rsplit(":", 2)
     if len(parts) != 3 or not parts[1].isdigit() or str(int(parts[1])) != parts[1]:
         return None
@@ -219,7 +224,7 @@ def _claim_all(db: ConsumerDB, parsed: Sequence[Envelope | Rejection], step: Ext
         for i, item in enumerate(parsed):
             if isinstance(item, Rejection) or id(item) in answers:
                 continue
-            if part is not None and misplaced(item.article_id, part):
+            if part is not None and misplaced(item.key, part):
                 continue
             try:
                 answer = _claim(tx, i, item, step, leaders, claimed)
@@ -245,8 +250,8 @@ def _claim(
         # same answer as when its receipt exists (whatever the batch size).
         duplicate((first, ""), env)
     claimed.setdefault(env.event_id, env.fingerprint)
-    key = fence_key(env.article_id, env.revision, step.name)
-    where = (env.article_id, step.name, env.revision)
+    key = fence_key(env.key, env.revision, step.name)
+    where = (env.key, step.name, env.revision)
     payload = step.payload(env)
     sha = hashlib.sha256(payload).hexdigest()
     leader = leaders.get(key)
@@ -257,8 +262,8 @@ def _claim(
     # One probe of the primary key finds this key's row and any newer revision.
     rows = conn.execute(
         "SELECT revision, state, payload_sha256, event_id, calls, in_doubt FROM fence"
-        " WHERE article_id = ? AND step = ? AND revision >= ?",
-        (env.article_id, step.name, env.revision),
+        " WHERE entity_key = ? AND step = ? AND revision >= ?",
+        (env.key, step.name, env.revision),
     ).fetchall()
     row = next((r for r in rows if r[0] == env.revision), None)
     if row is not None and row[2] != sha:
@@ -277,9 +282,9 @@ def _claim(
     mark = 1 if step.idempotent else 0
     if row is None:
         conn.execute(
-            "INSERT INTO fence (key, step, article_id, revision, event_id, payload_sha256, state, calls, in_doubt,"
+            "INSERT INTO fence (key, step, entity_key, revision, event_id, payload_sha256, state, calls, in_doubt,"
             " claimed_at, called_at) VALUES (?, ?, ?, ?, ?, ?, 'claimed', ?, ?, ?, ?)",
-            (key, step.name, env.article_id, env.revision, env.event_id, sha, mark, mark, tx.now,
+            (key, step.name, env.key, env.revision, env.event_id, sha, mark, mark, tx.now,
              tx.now if mark else None),
         )
         prior = (0, 0)
@@ -473,7 +478,7 @@ def _unknown(env: Envelope, key: str, why: str) -> Rejection:
 # -- reading and resolving fences --------------------------------------------------
 
 _COLUMNS = (
-    "key, step, article_id, revision, event_id, state, calls, in_doubt, provider_id, http_status, last_error,"
+    "key, step, entity_key, revision, event_id, state, calls, in_doubt, provider_id, http_status, last_error,"
     " claimed_at, called_at, done_at, payload_sha256"
 )
 
@@ -567,6 +572,8 @@ def resolve(db: ConsumerDB, key: str, *, provider_id: str | None = None, not_sen
 
 __all__ = [
     "MIGRATION",
+    "MIGRATIONS",
+    "RENAME_KEY",
     "Call",
     "CallResult",
     "ExternalStep",

@@ -88,6 +88,26 @@ def test_a_silent_broker_costs_status_one_deadline_not_minutes(ns: Namespace, tm
         proxy.close()
 
 
+def test_a_silent_first_address_costs_one_deadline_and_the_next_answers(ns: Namespace, tmp_path: Path) -> None:
+    """amqp_url a list whose first node accepts and never answers: status asks the next one after
+    one deadline (--broker-timeout 1) and is healthy, every queue readable."""
+    proxy = Proxy(ns.url)
+    try:
+        proxy("blackhole")
+        config = write_deployment(tmp_path, consumers=("catalog",), extra="\n".join([
+            f'amqp_url = ["{proxy.url}", "{ns.url}"]', f'exchange = "{ns.exchange}"',
+            f'queue_prefix = "{ns.prefix}"']))
+        assert 0 == dc(config, "topology", "declare", "--consumer", "catalog").returncode
+        started = time.monotonic()
+        code, shown = _status(config, "--broker-timeout", "1")
+        took = time.monotonic() - started
+        assert (0, []) == (code, shown["problems"])
+        assert all(q["readable"] for q in _row(shown)["queues"]), _row(shown)["queues"]
+        assert took < 10, took
+    finally:
+        proxy.close()
+
+
 def test_a_declare_that_does_not_answer_is_cut_at_its_deadline_and_the_rest_asked_again(ns: Namespace) -> None:
     """A connection that goes silent after its handshake (half-open): the passive declare waiting on it
     ends at the deadline, that queue unreadable, the next ones asked on a new connection (unreadable too

@@ -133,7 +133,7 @@ def test_an_unknown_outcome_at_a_non_idempotent_endpoint_is_dead_lettered_after_
         assert {slow: 1, fine: 1} == server.calls()
         assert ["outcome-unknown"] == dead_codes(ns)
         receipts = "inbox i JOIN fence f USING (event_id)"
-        assert [("fine", "notified")] == read_rows(ns.db("webhook"), receipts, "f.article_id, i.result")
+        assert [("fine", "notified")] == read_rows(ns.db("webhook"), receipts, "f.entity_key, i.result")
 
 
 def test_a_stale_revision_is_not_sent(ns: Namespace) -> None:

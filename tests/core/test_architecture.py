@@ -57,7 +57,7 @@ def test_library_is_imported_only_by_its_owner(library: str, owner: str) -> None
 #: The edge of the package: what talks to the broker, the command line or a person, each with why.
 #: Every other module is the core, and a new module is core until it says otherwise here.
 EDGE = {
-    "delivery_consumer": "the package's face: run_consumer loads the service on first use",
+    "delivery_consumer": "the package's face: its public names, each loaded on first use (the service too)",
     "delivery_consumer.__main__": "python -m delivery_consumer: the command line",
     "delivery_consumer.amqp": "RabbitMQ through pika",
     "delivery_consumer.service": "run: a consumer as a RabbitMQ service",

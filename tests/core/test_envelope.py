@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import re
 import unicodedata
 from typing import Any
 
@@ -117,7 +118,7 @@ def test_no_unicode_normalisation() -> None:
     parsed_nfc, parsed_nfd = envelope.parse(body(nfc)), envelope.parse(body(nfd))
 
     assert parsed_nfc.fingerprint != parsed_nfd.fingerprint
-    assert unicodedata.normalize("NFD", title) == parsed_nfd.title
+    assert unicodedata.normalize("NFD", title) == parsed_nfd.data["title"]
 
 
 def test_parse_and_from_mapping_agree() -> None:
@@ -128,7 +129,7 @@ def test_parse_and_from_mapping_agree() -> None:
     mapped = envelope.from_mapping(env)
 
     assert (EVENT_ID, WITHDRAWN, "article-42", 7, TITLE, URL) == (
-        parsed.event_id, parsed.type, parsed.article_id, parsed.revision, parsed.title, parsed.url
+        parsed.event_id, parsed.type, parsed.key, parsed.revision, parsed.data["title"], parsed.data["url"]
     )
     assert (parsed.canonical, parsed.fingerprint) == (mapped.canonical, mapped.fingerprint)
 
@@ -165,7 +166,7 @@ def test_accepted_edge_cases(changes: dict[str, Any]) -> None:
 
     assert env["revision"] == parsed.revision and type(parsed.revision) is int
     assert env["occurredAt"] == parsed.occurred_at
-    assert env["articleId"] == parsed.article_id
+    assert env["articleId"] == parsed.key
 
 
 @pytest.mark.parametrize(
@@ -366,3 +367,21 @@ def test_unknown_type_reason_is_bounded_and_printable() -> None:
     assert UNKNOWN_TYPE == refused.code
     assert refused.reason.isprintable()
     assert len(refused.reason) <= MAX_REASON_CHARS
+
+
+def test_the_material_names_of_an_envelope_are_deprecated_aliases_of_the_generic_ones() -> None:
+    """``article_id``, ``title`` and ``url`` still answer, each with a DeprecationWarning naming what to
+    use (``key``, ``data[...]``) at the caller's line; ``key`` and ``data`` warn nothing."""
+    import warnings
+
+    env = envelope.parse(body(make_envelope()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        generic = (env.key, env.data["title"], env.data["url"])
+    for name, instead in (("article_id", "Envelope.key"), ("title", 'Envelope.data["title"]'),
+                          ("url", 'Envelope.data["url"]')):
+        with pytest.warns(DeprecationWarning, match=re.escape(instead)) as caught:
+            getattr(env, name)
+        assert __file__ == caught[0].filename
+    with pytest.warns(DeprecationWarning):
+        assert generic == (env.article_id, env.title, env.url)

@@ -33,12 +33,12 @@ EVENT_IDS = [str(uuid.UUID(int=i + 1)) for i in range(6)]
 
 def _moody_apply(conn: sqlite3.Connection, env: Envelope) -> str:
     """An effect without ``apply_many`` that writes, then fails as its title asks."""
-    conn.execute("INSERT INTO moody (event_id, title) VALUES (?, ?)", (env.event_id, env.title))
-    if env.title == "reject":
+    conn.execute("INSERT INTO moody (event_id, title) VALUES (?, ?)", (env.event_id, env.data["title"]))
+    if env.data["title"] == "reject":
         raise Rejection("moody-refused", "the title asks for a rejection", event_id=env.event_id)
-    if env.title == "transient":
+    if env.data["title"] == "transient":
         raise TransientError("the title asks for a retry", code="dependency-down")
-    if env.title == "bug":
+    if env.data["title"] == "bug":
         raise KeyError("a bug in the effect")
     return "recorded"
 

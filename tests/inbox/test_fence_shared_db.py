@@ -80,7 +80,7 @@ def test_two_processes_on_one_webhook_database_call_each_key_once(tmp_path: Path
     for article, revisions in notified.items():
         assert revisions == sorted(revisions), (article, revisions)
         assert revisions[-1] == REVISIONS, (article, revisions)
-    fences = {row[0]: row for row in read_rows(db, "fence", "event_id, state, provider_id, article_id, revision")}
+    fences = {row[0]: row for row in read_rows(db, "fence", "event_id, state, provider_id, entity_key, revision")}
     done = {(row[3], row[4]) for row in fences.values() if row[1] == "done"}
     revision_of = {str(e["eventId"]): (str(e["articleId"]), int(e["revision"])) for e in events}
     receipts = dict(read_rows(db, "inbox", "event_id, result"))

@@ -109,6 +109,30 @@ def test_split_merge_moves_keyless_rows_and_refuses_nothing(tmp_path: Path) -> N
     assert rejected == [1, 1, 0, 0]
 
 
+def test_a_fence_not_yet_renamed_follows_its_entity_key(tmp_path: Path) -> None:
+    """A webhook database whose fence still keeps the key in ``article_id`` (its first schema) is split:
+    each fence row goes to its key's partition, under the column's new name ``entity_key``."""
+    import dataclasses
+
+    from delivery_consumer.consumers.webhook import SPEC
+    from delivery_consumer.inbox import ConsumerDB, fence
+
+    root = tmp_path / "state"
+    old = ConsumerDB.open(root / "webhook" / "inbox.db", dataclasses.replace(SPEC, migrations=(fence.MIGRATION,)),
+                          create=True)
+    with old.conn:
+        for n, key in enumerate(("a-1", "a-2", "a-3", "a-4")):
+            old.conn.execute(
+                "INSERT INTO fence (article_id, step, revision, key, event_id, payload_sha256, state, claimed_at)"
+                f" VALUES (?, 'notify', 1, ?, 'e-{n}', 'sha', 'done', 't0')", (key, f"{key}:1:notify"))
+    old.close()
+    split_merge("webhook", 2, root)
+    placed = {k: read_rows(root / "webhook" / f"p{k}" / "inbox.db", "fence", "entity_key") for k in range(2)}
+    assert all(placed.values())
+    assert {k: sorted(key for key in ("a-1", "a-2", "a-3", "a-4") if partition_of(key, 2) == k)
+            for k in range(2)} == {k: sorted(r[0] for r in rows) for k, rows in placed.items()}
+
+
 @pytest.fixture
 def undeclared(ns: Namespace) -> Iterator[Cluster]:
     """A cluster whose partitions are not declared yet."""

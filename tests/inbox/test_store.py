@@ -268,16 +268,16 @@ FLAKY_MIGRATIONS = ("CREATE TABLE effects (event_id TEXT PRIMARY KEY, title TEXT
 
 def flaky_apply(conn: sqlite3.Connection, envelope: Envelope) -> str:
     """Write a row, then fail as the title says."""
-    conn.execute("INSERT INTO effects VALUES (?, ?)", (envelope.event_id, envelope.title))
-    if envelope.title == "transient":
+    conn.execute("INSERT INTO effects VALUES (?, ?)", (envelope.event_id, envelope.data["title"]))
+    if envelope.data["title"] == "transient":
         raise TransientError("search index timed out")
-    if envelope.title == "bug":
+    if envelope.data["title"] == "bug":
         raise KeyError("a bug in the effect")
-    if envelope.title == "refuse":
+    if envelope.data["title"] == "refuse":
         raise Rejection("flaky-refused", "refused by the effect", event_id=envelope.event_id)
-    if envelope.title == "constraint":  # a bug that breaks a constraint of the effect's own table
+    if envelope.data["title"] == "constraint":  # a bug that breaks a constraint of the effect's own table
         conn.execute("INSERT INTO effects VALUES (?, ?)", (envelope.event_id, "again"))
-    if envelope.title == "no-result":  # a bug: the receipt cannot be written without a result
+    if envelope.data["title"] == "no-result":  # a bug: the receipt cannot be written without a result
         return None  # type: ignore[return-value]
     return "done"
 

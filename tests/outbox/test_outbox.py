@@ -522,7 +522,7 @@ def test_produce_writes_the_next_revision_and_its_event_together(tmp_path: Path)
     second = producer.produce(conn, "a", title="T2", url="https://e/a2").envelope
     gone = producer.produce(conn, "a", withdraw=True).envelope
     assert [1, 2, 3] == [first.revision, second.revision, gone.revision]
-    assert ("material.withdrawn", "T2", "https://e/a2") == (gone.type, gone.title, gone.url)
+    assert ("material.withdrawn", "T2", "https://e/a2") == (gone.type, gone.data["title"], gone.data["url"])
     assert [("a", 3, "T2", "https://e/a2", 0, gone.event_id)] == conn.execute(
         "SELECT article_id, revision, title, url, published, event_id FROM material").fetchall()
     assert [first.event_id, second.event_id, gone.event_id] == [

@@ -255,7 +255,7 @@ def test_a_held_delivery_of_a_channel_that_went_is_left_to_the_broker(
 
 def flaky_spec() -> ConsumerSpec:
     def apply(conn: sqlite3.Connection, env: Envelope) -> str:
-        if env.title == "transient":
+        if env.data["title"] == "transient":
             raise TransientError("dependency down", code="dependency-down")
         return "recorded"
 

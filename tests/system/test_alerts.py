@@ -298,9 +298,11 @@ def test_every_alert_fires_in_its_scenario_and_stays_silent_in_the_healthy_one(s
         "DeliveryQueueUnreadable", consumer="catalog", partition="0", queue=DEAD, kind="dead")), []))
     s.cluster.declare()
     s.ns.publish([orjson.dumps(bad)], routing_key="material.published")  # the dead letter again, for what follows
-    s.settle("the dead queue readable again, its dead letter back", lambda x: (
+    # ... and the rejection committed by the active run before the database is locked below.
+    s.settle("the dead queue readable again, its dead letter back, the rejection committed", lambda x: (
         x.values("delivery_queue_readable", kind="dead") == [1, 1]
-        and x.values("delivery_queue_ready", kind="dead") == [1, 1]))
+        and x.values("delivery_queue_ready", kind="dead") == [1, 1]
+        and sum(x.values("delivery_rejections_total", instance=a.instance)) == 2))
 
     # The database locked: the active run cannot commit while the backlog grows past 10000.
     lock = sqlite3.connect(s.cluster.db(0), isolation_level=None)
