@@ -378,16 +378,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def node_env(base: Path, name: str, port: int, dist_port: int) -> dict[str, str]:
+def node_env(base: Path, name: str, port: int, dist_port: int, *, home: Path | None = None) -> dict[str, str]:
     """The environment of a private RabbitMQ node (and of ``rabbitmqctl`` for it)
     named *name* on loopback *port* and *dist_port*, its every file in *base*:
     none of the caller's ``RABBITMQ_``/``ERL_`` settings and none of the
-    system's files, and its own Erlang cookie (``HOME`` = *base*/home). The
+    system's files, and its own Erlang cookie (``HOME`` = *base*/home, or
+    *home*: the nodes of one cluster share theirs). The
     caller makes *base*/home and writes ``rabbitmq-env.conf`` (empty: not the
     system's NODENAME and ports), ``rabbitmq.conf`` and ``enabled_plugins``."""
     return {
         **{k: v for k, v in os.environ.items() if not k.startswith(("RABBITMQ_", "ERL_", "DELIVERY_"))},
-        "HOME": str(base / "home"),
+        "HOME": str(home or base / "home"),
         "RABBITMQ_CONF_ENV_FILE": str(base / "rabbitmq-env.conf"),
         "RABBITMQ_NODENAME": name,
         "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
@@ -410,17 +411,18 @@ class RabbitNode:
     Erlang cookie (``HOME`` = *base*/home, shared with ``rabbitmqctl``). A test
     may stop, restart or kill it; the shared broker is never touched."""
 
-    def __init__(self, sbin: Path, base: Path) -> None:
+    def __init__(self, sbin: Path, base: Path, *, name: str | None = None, home: Path | None = None,
+                 conf: str = "") -> None:
         self.sbin = sbin
         self.base = base
-        self.name = f"delivery-test-{os.getpid()}-{uuid.uuid4().hex[:6]}@localhost"
+        self.name = name or f"delivery-test-{os.getpid()}-{uuid.uuid4().hex[:6]}@localhost"
         self.port = free_port()
         self.dist_port = free_port()
         (base / "home").mkdir(parents=True, exist_ok=True)
         (base / "rabbitmq-env.conf").write_text("")
-        (base / "rabbitmq.conf").write_text("")
+        (base / "rabbitmq.conf").write_text(conf)
         (base / "enabled_plugins").write_text("[].\n")
-        self.env = node_env(base, self.name, self.port, self.dist_port)
+        self.env = node_env(base, self.name, self.port, self.dist_port, home=home)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property

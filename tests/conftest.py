@@ -26,17 +26,19 @@ SUITES = sorted(p for p in Path(__file__).resolve().parent.iterdir() if p.is_dir
 sys.path[1:1] = [str(p) for p in SUITES if str(p) not in sys.path]
 
 # Broker fixtures (amqp_url, ns) for the tests that need RabbitMQ; cluster for partitioned ones.
-pytest_plugins = ["brokerkit", "partitionkit", "pgkit"]
+pytest_plugins = ["brokerkit", "partitionkit", "pgkit", "clusterkit"]
 
 #: Fixtures that reach RabbitMQ: a test using any of them (directly or through
 #: another fixture) needs the broker.
-BROKER_FIXTURES = frozenset({"amqp_url", "ns", "private_broker", "private_ns"})
+BROKER_FIXTURES = frozenset({"amqp_url", "ns", "private_broker", "private_ns", "rabbit_cluster", "cluster_ns"})
 #: Fixtures that reach PostgreSQL (tests/pgkit.py).
 POSTGRES_FIXTURES = frozenset({"pg_server", "pg_url", "private_pg"})
 
 
 #: The directory of the suite that needs RabbitMQ: every test in it is marked ``broker``.
 BROKER_SUITE = Path(__file__).resolve().parent / "broker"
+#: The suite on a three-node cluster of private nodes (tests/clusterkit.py): marked ``broker`` and ``cluster``.
+CLUSTER_SUITE = Path(__file__).resolve().parent / "cluster"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -45,6 +47,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if BROKER_SUITE in Path(item.path).parents or BROKER_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.broker)
+        if CLUSTER_SUITE in Path(item.path).parents:
+            item.add_marker(pytest.mark.broker)
+            item.add_marker(pytest.mark.cluster)
         if POSTGRES_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.postgres)
 
