@@ -261,6 +261,7 @@ def worker_main(config: RunConfig, conn: Connection, parent_end: Connection,
                         "docs/failures.md, \"A frozen active\")", config.database_path(), frozen[-1])
         else:
             log.warning("taking over: %s is ours now", config.database_path())
+        faults.pausepoint("standby-took-over")  # the lock is ours, the database not open yet
     lock.beat(alive=lambda: not parent_stopped(parent))
     try:
         observer = observer_factory() if observer_factory is not None else None
@@ -294,6 +295,7 @@ def worker_main(config: RunConfig, conn: Connection, parent_end: Connection,
         conn.send(Failed(str(worker.error), outage=isinstance(worker.error, StoreOutage)))
         return
     conn.send(Ready())
+    faults.pausepoint("worker-ready")  # told the connection process, which has not started consuming yet
     text = getattr(observer, "text", None)
     if callable(text):  # only after Ready: the connection process reads Ready first
         proxy.vitals = lambda: str(text()).encode("utf-8")
