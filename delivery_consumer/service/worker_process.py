@@ -294,8 +294,8 @@ def worker_main(config: RunConfig, conn: Connection, parent_end: Connection,
     if worker.error is not None:
         conn.send(Failed(str(worker.error), outage=isinstance(worker.error, StoreOutage)))
         return
+    faults.pausepoint("worker-ready")  # the database is open, the connection process not told yet
     conn.send(Ready())
-    faults.pausepoint("worker-ready")  # told the connection process, which has not started consuming yet
     text = getattr(observer, "text", None)
     if callable(text):  # only after Ready: the connection process reads Ready first
         proxy.vitals = lambda: str(text()).encode("utf-8")

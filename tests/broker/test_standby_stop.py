@@ -128,22 +128,18 @@ def test_sigterm_after_the_lock_is_taken_before_the_database_opens(
     drain_and_check(cluster, events)
 
 
-def test_sigterm_with_the_worker_ready_before_consuming(cluster: Cluster, events: list[dict[str, object]]) -> None:
-    """The standby's worker took over and said it is ready just as SIGTERM reaches the run, which
-    has not started consuming (it stood still meanwhile): it tells its worker to stop, consumes
-    nothing and exits 0."""
+def test_sigterm_as_the_worker_says_it_is_ready(cluster: Cluster, events: list[dict[str, object]]) -> None:
+    """SIGTERM reaches a standby that took over, and its worker's word that it is ready comes
+    right behind it, before the run started consuming: the run tells its worker to stop (or
+    kills it, had the word not come yet), consumes nothing and exits 0."""
     active = start(cluster)
     standby = start(cluster, pause_at="worker-ready")
-    standby.send_signal(signal.SIGSTOP)  # the connection process stands still in its wait
-    try:
-        active.send_signal(signal.SIGTERM)
-        exited(active)
-        standby.wait_for_log("pause point worker-ready reached")
-        worker = worker_of(standby)
-        standby.send_signal(signal.SIGTERM)  # pending until it goes on, with the worker's word
-        os.kill(worker, signal.SIGCONT)
-    finally:
-        standby.send_signal(signal.SIGCONT)
+    active.send_signal(signal.SIGTERM)
+    exited(active)
+    standby.wait_for_log("pause point worker-ready reached")
+    worker = worker_of(standby)
+    standby.send_signal(signal.SIGTERM)
+    os.kill(worker, signal.SIGCONT)  # its word follows the signal at once
     err = exited(standby)
     assert "received before consuming: stopping" in err, err
     assert "consuming " not in err and " acked: " not in err, err
