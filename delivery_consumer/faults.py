@@ -31,7 +31,10 @@ The points, by the process that reaches them:
 With the variable unset, :func:`crashpoint` is a dictionary lookup.
 ``DELIVERY_PAUSE_AT`` names points where the process stops itself instead
 (:func:`pausepoint`): ``repartition-before-switch`` (the databases are moved,
-the broker still routes by the old count).
+the broker still routes by the old count); in ``run``'s worker process,
+``standby-took-over`` (a standby took the writer lock, the database is not
+open yet) and ``worker-ready`` (the worker opened the database, and is about to tell the
+connection process so; nothing is consumed yet).
 """
 
 from __future__ import annotations

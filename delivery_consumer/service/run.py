@@ -45,36 +45,79 @@ def _roomy(end: Connection) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, PIPE_BUFFER_BYTES)
 
 
-def _started(parent_end: Connection, process: BaseProcess) -> bool:
-    """Wait for the worker's first word (it may wait long: a partition's standby
-    waits for the database's lock). False when SIGTERM/SIGINT came first: the
-    worker, which holds nothing acked, is killed and run ends (exit 0)."""
-    stop: list[int] = []
-
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
-        stop.append(signum)
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        while not parent_end.poll(0.2):
-            if stop:
-                log.info("%s received before consuming: stopping", signal.Signals(stop[0]).name)
-                process.kill()  # it ignores SIGTERM; it has acked nothing and holds only the lock
-                process.join()
-                return False
-            if not process.is_alive():
-                break
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    return True
-
-
 class _Stopped(Exception):
     """SIGTERM/SIGINT before the run started."""
 
 
-def _refuse_a_second_layout(config: RunConfig, topology: Topology) -> bool:
+class _StopSignal:
+    """SIGTERM/SIGINT over the whole of ``run``, from its first step to its last: a signal is
+    never lost between two steps (a standby that takes over as it is told to stop must stop).
+    It is recorded (:attr:`signum`); while :attr:`interrupting`, it interrupts what is under
+    way (:class:`_Stopped`); once consuming, :attr:`then` stops the run."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.interrupting = False
+        self.then: Callable[[int], None] | None = None
+
+    def __call__(self, signum: int, _frame: FrameType | None) -> None:
+        if self.signum is None:
+            self.signum = signum
+        if self.interrupting:
+            self.interrupting = False
+            raise _Stopped
+        if self.then is not None:
+            self.then(signum)
+
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum is not None else "a stop"
+
+
+def _started(parent_end: Connection, process: BaseProcess, stop: _StopSignal) -> bool:
+    """Wait for the worker's first word (it may wait long: a partition's standby
+    waits for the database's lock). False when SIGTERM/SIGINT came before it: the
+    worker, which holds nothing acked, is killed and run ends (exit 0). A word that
+    came with the signal is the caller's to read (:func:`_stop_worker`)."""
+    while stop.signum is None and not parent_end.poll(0.2):
+        if not process.is_alive():
+            break
+    if stop.signum is not None and not parent_end.poll(0):
+        log.info("%s received before consuming: stopping", stop.name())
+        process.kill()  # it ignores SIGTERM; it has acked nothing and holds only the lock
+        process.join()
+        return False
+    return True
+
+
+def _stop_worker(parent_end: Connection, process: BaseProcess, stop: _StopSignal) -> None:
+    """The worker said it is ready, and a stop came before the connection: tell it to stop
+    (it closes its database; nothing was received, nothing is acked) and wait for it;
+    DatabaseError when it failed."""
+    log.info("%s received before consuming: stopping", stop.name())
+    failed: Failed | None = None
+    with suppress(OSError):
+        parent_end.send(Stop())
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if not parent_end.poll(0.1):
+                if not process.is_alive() and not parent_end.poll(0):
+                    break
+                continue
+            message = parent_end.recv()
+        except (EOFError, OSError):
+            break
+        if isinstance(message, Failed):
+            failed = message
+    process.join(5)
+    if process.is_alive():
+        process.kill()
+        process.join()
+    if failed is not None:
+        raise (StoreOutage if failed.outage else DatabaseError)(failed.message)
+
+
+def _refuse_a_second_layout(config: RunConfig, topology: Topology, stop: _StopSignal) -> bool:
     """An unpartitioned run of a consumer the broker holds partitioned would bind its own queue
     beside the partitions and apply every event twice: refuse it (ConfigError, exit 2). A broker
     that does not answer now is not a reason to stop: the run reconnects as it always does.
@@ -83,37 +126,38 @@ def _refuse_a_second_layout(config: RunConfig, topology: Topology) -> bool:
         return True
     from ..partition_queues import layout_conflict
 
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
-        log.info("%s received before consuming: stopping", signal.Signals(signum).name)
-        raise _Stopped
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    conflict: str | None = None
     try:
-        conflict = layout_conflict(config.url, topology, None)
+        try:
+            stop.interrupting = stop.signum is None
+            conflict = layout_conflict(config.url, topology, None)
+        finally:
+            stop.interrupting = False
     except BrokerUnavailable as exc:
         log.debug("layout not checked, the broker does not answer: %s", exc)
-        return True
     except _Stopped:
+        pass
+    if stop.signum is not None:
+        log.info("%s received before consuming: stopping", stop.name())
         return False
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
     if conflict is not None:
         raise ConfigError(conflict)
     return True
 
 
-def _serve_as_holder(serve: Callable[[], RunExposition]) -> RunExposition:
+def _serve_as_holder(serve: Callable[[], RunExposition], stop: _StopSignal) -> RunExposition | None:
     """*serve* once this run holds its database: the port may still be the previous
-    holder's for a moment (its process is ending); DeliveryError when it stays taken."""
+    holder's for a moment (its process is ending); DeliveryError when it stays taken,
+    None when a stop came meanwhile."""
     deadline = time.monotonic() + PORT_WAIT_S
-    while True:
+    while stop.signum is None:
         try:
             return serve()
         except DeliveryError:
             if time.monotonic() >= deadline:
                 raise
             time.sleep(0.2)
+    return None
 
 
 def run(config: RunConfig, observer_factory: ObserverFactory | None = None,
@@ -132,17 +176,21 @@ def run(config: RunConfig, observer_factory: ObserverFactory | None = None,
     when run returns.
     """
     served: list[RunExposition] = []
+    stop = _StopSignal()
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return _run(config, observer_factory, serve, served)
+        return _run(config, observer_factory, serve, served, stop)
     finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
         for exposition in served:
             exposition.close()
 
 
 def _run(config: RunConfig, observer_factory: ObserverFactory | None,
-         serve: Callable[[], RunExposition] | None, served: list[RunExposition]) -> int:
+         serve: Callable[[], RunExposition] | None, served: list[RunExposition], stop: _StopSignal) -> int:
     topology = config.topology()
-    if not _refuse_a_second_layout(config, topology):
+    if not _refuse_a_second_layout(config, topology, stop):
         return 0
     context = multiprocessing.get_context("fork")  # before any connection or thread exists
     parent_end, child_end = context.Pipe(duplex=True)
@@ -162,7 +210,7 @@ def _run(config: RunConfig, observer_factory: ObserverFactory | None,
             busy = exc
             if config.partition is not None:
                 log.info("metrics port busy: serving metrics once this run takes over (%s)", exc)
-    if not _started(parent_end, process):
+    if not _started(parent_end, process, stop):
         return 0
     try:
         first = parent_end.recv()
@@ -172,16 +220,20 @@ def _run(config: RunConfig, observer_factory: ObserverFactory | None,
     if isinstance(first, Failed):
         process.join()
         raise (StoreOutage if first.outage else DatabaseError)(first.message)
-    if serve is not None and busy is not None:
+    if serve is not None and busy is not None and stop.signum is None:
         try:
             if config.partition is None:
                 raise busy  # no standby waited for it: taken by something else
-            link.exposition = _serve_as_holder(serve)
-            served.append(link.exposition)
+            link.exposition = _serve_as_holder(serve, stop)
+            if link.exposition is not None:
+                served.append(link.exposition)
         except DeliveryError:
             parent_end.send(Stop())
             process.join(30)
             raise
+    if stop.signum is not None:  # it came as the worker took over: it must not start consuming
+        _stop_worker(parent_end, process, stop)
+        return 0
     if link.exposition is not None and isinstance(first, Ready):
         link.exposition.active(True)
     io = ConsumerIO(
@@ -198,12 +250,14 @@ def _run(config: RunConfig, observer_factory: ObserverFactory | None,
     link.io = io
     io.watch(parent_end.fileno(), link.readable)
 
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
+    def on_signal(signum: int) -> None:
         log.info("%s received: finishing the current batch", signal.Signals(signum).name)
         link.stop()
         io.cancel()
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    stop.then = on_signal
+    if stop.signum is not None:  # it came between the last look and now
+        on_signal(stop.signum)
     try:
         io.run()
     except BrokerError:
@@ -213,8 +267,7 @@ def _run(config: RunConfig, observer_factory: ObserverFactory | None,
             process.terminate()
         raise
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        stop.then = None
     # The loop ended because the worker asked for it (idle, stop, fatal) or is
     # gone. Read what it still has to say: only a failure matters now (its last
     # acks are moot: the connection is closed and the broker will redeliver

@@ -261,6 +261,7 @@ def worker_main(config: RunConfig, conn: Connection, parent_end: Connection,
                         "docs/failures.md, \"A frozen active\")", config.database_path(), frozen[-1])
         else:
             log.warning("taking over: %s is ours now", config.database_path())
+        faults.pausepoint("standby-took-over")  # the lock is ours, the database not open yet
     lock.beat(alive=lambda: not parent_stopped(parent))
     try:
         observer = observer_factory() if observer_factory is not None else None
@@ -293,6 +294,7 @@ def worker_main(config: RunConfig, conn: Connection, parent_end: Connection,
     if worker.error is not None:
         conn.send(Failed(str(worker.error), outage=isinstance(worker.error, StoreOutage)))
         return
+    faults.pausepoint("worker-ready")  # the database is open, the connection process not told yet
     conn.send(Ready())
     text = getattr(observer, "text", None)
     if callable(text):  # only after Ready: the connection process reads Ready first
