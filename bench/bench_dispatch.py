@@ -244,6 +244,9 @@ class InstantPublisher:
     def idle(self, seconds: float, wake: int | None = None) -> None:
         pass
 
+    def renew_channel(self) -> None:
+        pass
+
 
 def dispatched_db_only(db: Path) -> float:
     return _drain(db, InstantPublisher(), outbox.DispatchConfig(exchange="x"), time.process_time)

@@ -420,6 +420,10 @@ def _epoch(stamp: str) -> float:
     return dt.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=dt.UTC).timestamp()
 
 
+#: What dispatch logs when every publish to a destination is nacked (the outbox's nack storm).
+NACK_STORM = "the broker nacks every message to"
+
+
 @dataclass
 class Outcome:
     """What one scenario measured: per consumer, the longest pause between two receipts from
@@ -430,11 +434,15 @@ class Outcome:
     events: int
     gap: dict[str, float]
     resumed: dict[str, float]
+    #: Nack storms dispatch met (each one outage, probed on a new channel: the failover race, or
+    #: quorum lost).
+    storms: int = 0
 
     def line(self) -> str:
         gaps = ", ".join(f"{c} {self.gap[c]:.2f}s" for c in self.gap)
         resumed = ", ".join(f"{c} {self.resumed[c]:.2f}s" for c in self.resumed)
-        return f"{self.scenario}: {self.events} events; consumption gap {gaps}; first receipt after {resumed}"
+        storms = f"; dispatch met {self.storms} nack storm(s)" if self.storms else ""
+        return f"{self.scenario}: {self.events} events; consumption gap {gaps}; first receipt after {resumed}{storms}"
 
 
 class Traffic:
@@ -637,7 +645,9 @@ class Traffic:
             gap[consumer] = max((b - a for a, b in itertools.pairwise(window)), default=0.0)
             after = [t for t in times if t > restored]
             resumed[consumer] = after[0] - restored if after else float("inf")
-        return Outcome(scenario, len(self.written), gap, resumed)
+        dispatch = self.procs.get("dispatch")
+        storms = dispatch.output()[1].count(NACK_STORM) if dispatch is not None else 0
+        return Outcome(scenario, len(self.written), gap, resumed, storms)
 
     def stop(self) -> None:
         """SIGTERM every process, the standbys first and alone (a standby told to stop as its

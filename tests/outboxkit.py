@@ -53,6 +53,7 @@ class FakePublisher:
         self.log: list[tuple[str, list[str]]] = []  # ("send" | "collect", eventIds)
         self.raise_on_collect: BaseException | None = None
         self.idled: list[float] = []
+        self.renewals = 0  # renew_channel() calls: the channels after the connection's first
 
     def connect(self) -> None:
         self.connects += 1
@@ -82,6 +83,10 @@ class FakePublisher:
 
     def idle(self, seconds: float, wake: int | None = None) -> None:
         self.idled.append(seconds)
+
+    def renew_channel(self) -> None:
+        self.renewals += 1
+        self.log.append(("renew", []))
 
 
 def twin(key: str) -> str:

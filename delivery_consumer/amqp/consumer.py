@@ -84,6 +84,9 @@ class ConsumerIO:
         self._pub: Any = None  # confirm-mode channel for retry / dead copies
         self._pub_seq = 0
         self._pub_pending: dict[int, _PendingCopies] = {}
+        #: The copy channel met a nack: once nothing awaits a confirm on it, copies go on a new one (a
+        #: channel can stay refused by a queue after a failover while a new one is confirmed: docs/cluster.md).
+        self._pub_stale = False
         self._consumer_tag: str | None = None
         #: False once told to stop receiving: later deliveries stay unacked and return
         #: to the head of their queue, in order, when the connection closes.
@@ -210,7 +213,7 @@ class ConsumerIO:
                      on_confirm=self._on_confirm, then=self._on_confirming)
 
     def _on_confirming(self) -> None:
-        self._pub_seq = 0
+        self._pub_seq, self._pub_stale = 0, False
         self._channel.basic_qos(prefetch_count=self.prefetch, callback=self._on_qos)
 
     def _on_qos(self, _frame: Any) -> None:
@@ -345,9 +348,12 @@ class ConsumerIO:
             )
         )
 
-    def _on_channel_closed(self, _channel: Any, reason: BaseException) -> None:
+    def _on_channel_closed(self, channel: Any, reason: BaseException) -> None:
         if self._stopping and isinstance(reason, pex.ChannelClosedByClient):
             return
+        if isinstance(reason, pex.ChannelClosedByClient) and channel is not self._channel \
+                and channel is not self._pub:
+            return  # a copy channel given up by _renew_pub (or one opened for a generation gone)
         error = classify(reason, url=self.url)
         if self._live_generation == 0 and isinstance(error, BrokerFatal):
             # Failed while declaring: the topology is incompatible; retrying cannot help.
@@ -426,6 +432,9 @@ class ConsumerIO:
         returned, nacked or lost -- or if *generation* is no longer live."""
         future: Future[None] = Future()
         pub = self._pub
+        if generation == self._live_generation and pub is None and self._conn is not None:
+            future.set_exception(BrokerUnavailable("a new channel for the copies is being opened"))
+            return future
         if generation != self._live_generation or pub is None or not pub.is_open:
             future.set_exception(BrokerUnavailable("the channel of these deliveries is gone"))
             return future
@@ -466,6 +475,35 @@ class ConsumerIO:
                 pending.failure = pending.failure or "the broker nacked a copy"
             if not pending.remaining:
                 self._settle(pending, pending.failure)
+        self._pub_stale = self._pub_stale or not ack
+        if self._pub_stale and not self._pub_pending:
+            self._renew_pub()
+
+    def _renew_pub(self) -> None:
+        """Close the copy channel that met a nack and open another: copies sent again go on it."""
+        old, conn, gen = self._pub, self._conn, self._live_generation
+        self._pub, self._pub_stale = None, False
+        if old is not None and old.is_open:
+            old.close()
+        if conn is None or not conn.is_open or not gen:
+            return
+        log.info("a copy was nacked: the copies go on a new channel from now on")
+
+        def opened(channel: Any) -> None:
+            if gen != self._live_generation or self._stopping:
+                channel.close()
+                return
+
+            def confirming() -> None:
+                if gen != self._live_generation:
+                    channel.close()
+                    return
+                self._pub, self._pub_seq = channel, 0
+
+            confirm_mode(channel, on_close=self._on_channel_closed, on_return=self._on_return,
+                         on_confirm=self._on_confirm, then=confirming)
+
+        conn.channel(on_open_callback=opened)
 
     @staticmethod
     def _settle(pending: _PendingCopies, failure: str | None) -> None:

@@ -210,6 +210,10 @@ class DeadQueue:
         except pex.UnroutableError:
             return PublishResult("returned", f"unroutable: no queue {message.routing_key!r}")
         except pex.NackError:
+            # The next copy goes on a new channel: one a queue refused may stay refused (docs/cluster.md).
+            pub, self._pub = self._pub, None
+            with suppress(*FAILURES):
+                pub.close()
             return PublishResult("nacked", "the broker could not store the message")
         except FAILURES as exc:
             raise self._error(exc) from None

@@ -174,7 +174,9 @@ class Publisher:
         self._ready = True
         self._check()
 
-    def _on_channel_closed(self, _channel: Any, reason: BaseException) -> None:
+    def _on_channel_closed(self, channel: Any, reason: BaseException) -> None:
+        if channel is not self._channel:  # one given up by renew_channel()
+            return
         self._ready = False
         self._lose_pending(reason)
         self._fail(classify(reason, url=self.url))
@@ -212,6 +214,42 @@ class Publisher:
         # close: pika cannot close one whose set-up is pending (its workflow asserts).
         self._conn = None
         self._ready = False
+
+    def renew_channel(self) -> None:
+        """Close the channel and publish on a new one of the same connection, in confirm mode.
+
+        For a destination the broker nacked every message of: on some
+        releases a channel that published to a quorum queue while its leader
+        changed has every later message to that queue nacked, while a new
+        channel is confirmed (docs/cluster.md). Nothing may await a confirm.
+        Not connected: nothing to do (the next connect opens a new channel).
+        Raises BrokerUnavailable (the connection is closed) or BrokerFatal.
+        """
+        conn = self._conn
+        if conn is None or not conn.is_open or not self._ready:
+            return
+        if self._pending:
+            raise RuntimeError("collect every batch sent before renewing the channel")
+        old, self._channel, self._ready = self._channel, None, False
+        if old is not None and old.is_open:
+            old.close()
+
+        def opened(channel: Any) -> None:
+            self._channel = channel
+
+            def confirming() -> None:
+                self._seq = 0
+                self._on_ready()
+
+            confirm_mode(channel, on_close=self._on_channel_closed, on_return=self._on_return,
+                         on_confirm=self._on_confirm, then=confirming)
+
+        conn.channel(on_open_callback=opened)
+        self._run_until(lambda: self._ready, "open a channel")
+        if self._error is not None:
+            error, self._error = self._error, None
+            self._abort()
+            raise error
 
     def interrupt(self) -> None:
         """End a :meth:`connect` waiting for the broker now (BrokerUnavailable);

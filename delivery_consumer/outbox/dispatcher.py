@@ -96,6 +96,10 @@ class PublisherLike(Protocol):
         """Service the connection for *seconds*, or until the file
         descriptor *wake* is readable."""
 
+    def renew_channel(self) -> None:
+        """Publish on a new channel of the connection from now on (nothing
+        in flight); raises BrokerUnavailable when the connection fails."""
+
 
 class Claimed(NamedTuple):
     """One row leased by this dispatcher (a tuple: made once per row, cheaply)."""
@@ -252,6 +256,8 @@ class Dispatcher:
         self._connected = False
         self._episode: Outage | None = None  # the outage being waited out (.outage)
         self._probes: set[int] = set()  # seqs in flight as probes of refusing destinations
+        # The channel met a nack storm: a probe goes on a new one (a channel can stay refused, docs/outbox.md).
+        self._stale_channel = False
         # During an outage a claim that found nothing is not repeated before this (the clock's) time,
         # wake-ups or not, unless a probe is due: every claim scans the rows waiting on the outage.
         self._scan_at = float("-inf")
@@ -534,10 +540,24 @@ class Dispatcher:
                     self._outage(str(exc), spent=time.monotonic() - started, connect=True)
                 return 0
             self._connected = self.stats.connected = self.stats.online = True
+            self._stale_channel = False  # a connection's channels are new
         while len(self._inflight) < self._depth() and not self.stopping:
             limit = self._limit()
             if self._quiet():
                 break
+            if self._renew_due():
+                if self._inflight:  # the probe waits until the channel has nothing in flight
+                    break
+                try:
+                    self.publisher.renew_channel()
+                except BrokerUnavailable as exc:
+                    self._connected = False
+                    self._outage(str(exc))
+                    return 0
+                except BaseException:
+                    self._abandon([])
+                    raise
+                self._stale_channel = False
             rows = self.claim(limit)  # a busy database raises here; what is in flight stays in flight
             if not rows:
                 break
@@ -560,7 +580,7 @@ class Dispatcher:
             self._woken(listener)
             if self._listener is None:
                 break
-            more = [] if self._quiet() else self.claim(self._limit())
+            more = [] if self._quiet() or self._renew_due() else self.claim(self._limit())
             if more:
                 self._send(more)
         try:
@@ -594,6 +614,12 @@ class Dispatcher:
             return False
         now = self.clock()
         return now < self._scan_at and now < episode.probe_at
+
+    def _renew_due(self) -> bool:
+        """Whether a probe is due on a channel that met a nack storm: it goes on a new channel."""
+        episode = self._episode
+        return (self._stale_channel and episode is not None and bool(episode.refused)
+                and episode.probe_at <= self.clock())
 
     def _depth(self) -> int:
         """Batches in flight: one while an outage's connection is being proved."""
@@ -703,6 +729,7 @@ class Dispatcher:
                 episode.refuse(destination(row.routing_key, row.ordering_key), row.seq)
                 refusing = True
         if refusing:
+            self._stale_channel = True
             self._announce(
                 episode, "the broker nacks every message to %s (no quorum, a queue full or unavailable?): one"
                 " outage; its rows wait for it, no backoff of their own; probing every %.0fs at most, other"

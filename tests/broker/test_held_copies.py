@@ -125,3 +125,37 @@ def is_declared_as(ns: Namespace, queue: str, args: dict[str, object]) -> bool:
     finally:
         if conn.is_open:
             conn.close()
+
+
+def test_a_nacked_copy_is_sent_again_on_a_new_channel_and_released(ns: Namespace) -> None:
+    """The dead queue refuses every message (full, reject-publish) when a malformed event arrives: its copy is
+    nacked, the delivery held, the copy channel replaced by a new one of the same connection (a channel can
+    stay refused after a failover); once the dead queue takes messages the held copy lands there once, with no
+    reconnect and no channel error."""
+    topo = ns.topology("catalog")
+    ns.publish([orjson.dumps(new_event(article_id="first"))], declare=["catalog"])
+    proc = ns.start_run("catalog", "--batch", "5")
+    db = ns.db("catalog")
+    wait_until("the first event applied", lambda: count_rows(db, "inbox") == 1, procs=[proc])
+
+    conn, ch = ns.channel()
+    ch.queue_delete(topo.dead_queue)
+    ch.queue_declare(topo.dead_queue, durable=True, arguments={"x-max-length": 0, "x-overflow": "reject-publish"})
+    conn.close()
+    ns.publish([b"{not json", orjson.dumps(new_event(article_id="second"))])
+    wait_until("the healthy event applied", lambda: count_rows(db, "inbox") == 2, procs=[proc])
+    proc.wait_for_log("the copies go on a new channel")
+    proc.wait_for_log("held unacked")
+
+    conn, ch = ns.channel()
+    ch.queue_delete(topo.dead_queue)
+    ch.queue_declare(topo.dead_queue, durable=True, arguments=topo.dead_arguments())
+    conn.close()
+    proc.wait_for_log("held deliveries released")
+    wait_until("the rejection recorded", lambda: count_rows(db, "rejected") == 1, procs=[proc])
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert 0 == proc.returncode, err
+    assert "channel closed" not in err and "giving up channel" not in err and "reachable again" not in err
+    assert [b"{not json"] == [body for _props, body in ns.drain(topo.dead_queue)]
+    assert 0 == ns.count(topo.queue)

@@ -205,6 +205,28 @@ def test_stream_publisher_fails_an_unencodable_message_alone(ns: Namespace) -> N
     assert ["a0", "a1", "a2", "a3"] == [props.message_id for props, _ in ns.drain(ns.topology("catalog").queue)]
 
 
+def test_stream_publisher_renews_its_channel_on_the_same_connection(ns: Namespace) -> None:
+    """renew_channel() closes the channel and publishes on a new one of the same connection: the messages after
+    it are confirmed (delivery tags counted afresh), in order, exactly once, with no reconnect."""
+    from delivery_consumer.amqp.publisher import StreamPublisher
+    from delivery_consumer.deliveries import OutMessage
+
+    def message(tag: str) -> OutMessage:
+        return OutMessage(routing_key="material.published", body=b"{}", exchange=ns.exchange, message_id=tag)
+
+    with StreamPublisher(ns.url, topologies=[ns.topology("catalog")], window=2) as pub:
+        pub.connect()
+        first = pub.collect(pub.send([message("a0"), message("a1"), message("a2")]))
+        conn, channel = pub._conn, pub._channel
+        pub.renew_channel()
+        assert pub._conn is conn and pub._channel is not channel and not channel.is_open
+        second = pub.collect(pub.send([message("a3"), message("a4"), message("a5")]))
+        pub.renew_channel()
+        third = pub.publish([message("a6")])
+    assert ["confirmed"] * 7 == [r.status for r in first + second + third]
+    assert [f"a{i}" for i in range(7)] == [props.message_id for props, _ in ns.drain(ns.topology("catalog").queue)]
+
+
 def test_two_dispatchers_one_killed_the_other_takes_its_leases_and_finishes(ns: Namespace) -> None:
     """Two dispatchers share the outbox with 10-minute leases; one is SIGKILLed (main PID) while it holds rows: the
     survivor takes exactly those leases back and publishes every row, with no copy lost."""

@@ -12,24 +12,11 @@ asserted beyond "it resumed with no person" (clusterkit.RESUME_BOUND).
 from __future__ import annotations
 
 import pytest
-from clusterkit import ClusterNamespace, RabbitCluster, ScenarioFailed, play
-
-#: What dispatch logs when every publish to a destination is nacked (the outbox's nack storm).
-NACK_STORM = "the broker nacks every message to"
+from clusterkit import ClusterNamespace, RabbitCluster, play
 
 
 def scenario(rabbit_cluster: RabbitCluster, ns: ClusterNamespace, name: str) -> None:
-    try:
-        outcome = play(rabbit_cluster, ns, name)
-    except ScenarioFailed as exc:
-        # A failover race, not quorum loss: two nodes stayed up the whole time.
-        if name != "lose-quorum" and (NACK_STORM in exc.logs.get("dispatch", "") or exc.nacked):
-            pytest.xfail(f"dispatch met nacks at the failover ({exc.nacked} rows left nacked) and publishes again "
-                         "on the same channel: on RabbitMQ "
-                         "3.10.8 a channel whose first publish to a quorum queue came as the queue's leader died "
-                         "has every later publish to it nacked (test_leader_loss_facts.py); dispatch must probe "
-                         "on a new channel")
-        raise
+    outcome = play(rabbit_cluster, ns, name)
     print("\n" + outcome.line())
 
 

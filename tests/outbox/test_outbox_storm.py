@@ -18,6 +18,7 @@ from outboxkit import Clock, FakePublisher, add, dispatcher, envelope, row, twin
 
 from delivery_consumer import outbox
 from delivery_consumer.deliveries import OutMessage, PublishResult
+from delivery_consumer.outbox.outage import PROBE_CAP_S as PROBE_CAP
 from delivery_consumer.outbox.outage import destination, own_nacks
 from delivery_consumer.retry import RECONNECT_CAP_S
 
@@ -272,3 +273,69 @@ def test_during_an_outage_a_claim_that_found_nothing_is_not_repeated_before_the_
     d.step()
     assert len(claims) > looked and [ids[0]] == [m.message_id for m in broker.sent[-1:]]
     conn.close()
+
+
+def test_a_probe_goes_on_a_new_channel_never_on_the_one_that_met_the_storm(tmp_path: Path) -> None:
+    """A channel the broker nacked every message of a destination on stays refused (as after a failover race
+    on RabbitMQ 3.10) while a new channel is confirmed at once: every probe after the storm is sent on a new
+    channel with nothing else in flight, and the rows waiting go without a reconnect."""
+    keys = [f"k{i % 4}" for i in range(30)]
+    conn, ids, broker = fresh(tmp_path, keys)
+
+    class Poisoned(Broker):
+        def __init__(self) -> None:
+            super().__init__(broker.keys, broker.seqs)
+            self.poisoned = True  # the channel in use refuses every message
+            self.inflight = 0
+            self.renewed_with_inflight = 0
+
+        def send(self, messages: Sequence[OutMessage]) -> Any:
+            self.storm = self.poisoned
+            self.inflight += 1
+            return super().send(messages)
+
+        def collect(self, ticket: Any) -> list[PublishResult]:
+            self.inflight -= 1
+            return super().collect(ticket)
+
+        def renew_channel(self) -> None:
+            super().renew_channel()
+            self.renewed_with_inflight += self.inflight > 0
+            self.poisoned = False
+
+    pub = Poisoned()
+    clock = Clock()
+    d = dispatcher(conn, pub, clock, batch=8, depth=2)
+    for _ in range(10):
+        d.step()
+        clock.now += PROBE_CAP
+    assert 0 == outbox.unpublished(conn)
+    assert (1, 1, 0) == (pub.connects, pub.renewals, pub.renewed_with_inflight)
+    renewed = pub.log.index(("renew", []))
+    assert all(kind == "collect" or not any(e in pub.failed for e in mids) for kind, mids in pub.log[renewed:])
+    assert Counter(dict.fromkeys(ids, 1)) == Counter(mid for mid, _ in pub.confirmed)
+    assert (1, False) == (d.stats.outages, d.stats.in_outage)
+
+
+def test_a_connection_lost_while_renewing_the_channel_is_an_outage_like_any_other(tmp_path: Path) -> None:
+    """The connection failing while a new channel is opened for a probe: the dispatcher reconnects (its
+    channels are new) and the rows go, none spending a failure."""
+    conn, ids, broker = fresh(tmp_path, ["a", "b", "a", "b"])
+
+    class Dropping(Broker):
+        def renew_channel(self) -> None:
+            super().renew_channel()
+            from delivery_consumer.errors import BrokerUnavailable
+            self.storm = False
+            raise BrokerUnavailable("connection lost while opening a channel")
+
+    pub = Dropping(broker.keys, broker.seqs)
+    pub.storm = True
+    clock = Clock()
+    d = dispatcher(conn, pub, clock, batch=8, depth=2)
+    for _ in range(10):
+        d.step()
+        clock.now += PROBE_CAP
+    assert 0 == outbox.unpublished(conn)
+    assert (2, 1) == (pub.connects, pub.renewals)
+    assert {0} == {row(conn, e)["failures"] for e in ids}
