@@ -1,10 +1,13 @@
-"""``topology declare``: the exchange and the consumers' queues (idempotent).
+"""``topology declare``: the exchange and the consumers' queues (idempotent);
+``topology upgrade``: a previous release's classic queues made quorum queues.
 
 pika is imported inside the command (through the library), never at the top
 of this module, so that ``--help`` stays fast.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import click
 
@@ -13,7 +16,24 @@ from ..partition_queues import layout_conflict
 from ..partitions import SLOT_HEADER, check_count, explain, partition_topologies, route
 from ..topology import DEFAULT_DELIVERY_LIMIT, Topology
 from ._broker import RETRY_DELAYS, amqp_options, topology_for
-from ._common import Fatal, deployment, handle_errors
+from ._common import F, Fatal, deployment, handle_errors
+
+
+def _queue_options(partitions_help: str) -> Callable[[F], F]:
+    """The options of the commands that declare a consumer's queues: --consumer, the broker's,
+    --retry-delays, --delivery-limit and --partitions (its help is the command's)."""
+
+    def decorate(fn: F) -> F:
+        fn = click.option("--partitions", type=click.IntRange(1), envvar="DELIVERY_PARTITIONS",
+                          help=partitions_help)(fn)
+        fn = click.option("--delivery-limit", default=DEFAULT_DELIVERY_LIMIT, show_default=True,
+                          type=click.IntRange(1))(fn)
+        fn = click.option("--retry-delays", default="1s,10s,60s", show_default=True, type=RETRY_DELAYS)(fn)
+        fn = amqp_options(fn)
+        return click.option("--consumer", "-c", "names", multiple=True,
+                            help="Consumer (repeatable; default: every consumer of the deployment file).")(fn)
+
+    return decorate
 
 
 @click.group()
@@ -22,15 +42,9 @@ def topology() -> None:
 
 
 @topology.command("declare")
-@click.option("--consumer", "-c", "names", multiple=True,
-              help="Consumer (repeatable; default: every consumer of the deployment file).")
-@amqp_options
-@click.option("--retry-delays", default="1s,10s,60s", show_default=True, type=RETRY_DELAYS)
-@click.option("--delivery-limit", default=DEFAULT_DELIVERY_LIMIT, show_default=True, type=click.IntRange(1))
-@click.option("--partitions", type=click.IntRange(1), envvar="DELIVERY_PARTITIONS",
-              help="Declare the consumer(s) as partitioned: queues <prefix>.<consumer>.p0 .. p<N-1>, each with a "
-                   "single active consumer, fed by slot (see docs/partitions.md). Default: the deployment file's "
-                   "partitions of each consumer.")
+@_queue_options("Declare the consumer(s) as partitioned: queues <prefix>.<consumer>.p0 .. p<N-1>, each with a "
+                "single active consumer, fed by slot (see docs/partitions.md). Default: the deployment file's "
+                "partitions of each consumer.")
 @handle_errors
 def declare_cmd(names: tuple[str, ...], amqp_url: str, exchange: str, queue_prefix: str,
                 retry_delays: tuple[int, ...], delivery_limit: int, partitions: int | None) -> None:
@@ -85,14 +99,8 @@ def _declare(amqp_url: str, counts: dict[str, int | None], exchange: str, queue_
 
 
 @topology.command("upgrade")
-@click.option("--consumer", "-c", "names", multiple=True,
-              help="Consumer (repeatable; default: every consumer of the deployment file).")
-@amqp_options
-@click.option("--retry-delays", default="1s,10s,60s", show_default=True, type=RETRY_DELAYS)
-@click.option("--delivery-limit", default=DEFAULT_DELIVERY_LIMIT, show_default=True, type=click.IntRange(1))
-@click.option("--partitions", type=click.IntRange(1), envvar="DELIVERY_PARTITIONS",
-              help="The consumer's partition count (default: the deployment file's, else the count the broker "
-                   "records).")
+@_queue_options("The consumer's partition count (default: the deployment file's, else the count the broker "
+                "records).")
 @handle_errors
 def upgrade_cmd(names: tuple[str, ...], amqp_url: str, exchange: str, queue_prefix: str,
                 retry_delays: tuple[int, ...], delivery_limit: int, partitions: int | None) -> None:
