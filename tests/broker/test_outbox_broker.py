@@ -95,7 +95,10 @@ def test_crash_before_publishing_sends_nothing_and_loses_nothing(ns: Namespace) 
     crashed = dispatch(ns, db, "--batch", "100", "--lease", "1s", crash_at="dispatch-before-publish")
     assert CRASHED == crashed.returncode, crashed.stderr[-2000:]
     assert 0 == count_rows(db, "outbox", PUBLISHED)
-    assert [(100,)] == read_rows(db, "outbox", "count(*)", where="lease_owner IS NOT NULL")
+    # A full batch, or the few rows of a probe when its first connect met a busy broker (an outage
+    # proves the connection with a small batch first).
+    [(leased,)] = read_rows(db, "outbox", "count(*)", where="lease_owner IS NOT NULL")
+    assert leased == 100 or (leased <= 10 and "retrying in" in crashed.stderr), crashed.stderr[-2000:]
     assert 0 == ns.count(ns.topology("catalog").queue)
     done = dispatch(ns, db, "--batch", "100", "--lease", "1s", "--exit-when-idle", "1500ms", "--poll", "100ms")
     assert 0 == done.returncode, done.stderr[-2000:]
@@ -103,7 +106,7 @@ def test_crash_before_publishing_sends_nothing_and_loses_nothing(ns: Namespace) 
     assert Counter(dict.fromkeys(ids, 1)) == queued_ids(ns)
     assert [(1,)] == read_rows(db, "outbox", "DISTINCT attempts")
     # the dead dispatcher's leases were taken back at once (its pid is gone), not after the lease
-    assert [(100,)] == read_rows(db, "outbox", "count(*)", where="last_error LIKE 'lease of % taken back: %'")
+    assert [(leased,)] == read_rows(db, "outbox", "count(*)", where="last_error LIKE 'lease of % taken back: %'")
 
 
 def test_crash_after_confirm_before_marking_gives_one_duplicate_absorbed_by_the_inbox(ns: Namespace) -> None:
