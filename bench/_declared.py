@@ -12,10 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 from delivery_consumer.consumers import register
-from delivery_consumer.contract import ConsumerSpec
-from delivery_consumer.envelope import Envelope, load_schema
-from delivery_consumer.event_types import EventType, EventTypes
-from delivery_consumer.state import RevisionTable
+from delivery_consumer.model.contract import ConsumerSpec
+from delivery_consumer.model.envelope import Envelope, load_schema
+from delivery_consumer.model.event_types import EventType, EventTypes
+from delivery_consumer.model.state import RevisionTable
 
 PUBLISHED, WITHDRAWN = "item.published", "item.withdrawn"
 _DATA = load_schema()["properties"]["data"]

@@ -27,7 +27,7 @@ from typing import Any
 
 import orjson
 
-from delivery_consumer.event_ids import EventIds
+from delivery_consumer.model.event_ids import EventIds
 
 PUBLISHED = "material.published"
 WITHDRAWN = "material.withdrawn"

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 def build(db: Path, megabytes: int, python: str) -> None:
     code = ("import sys; from pathlib import Path; sys.path.insert(0, 'tests');"
-            "from test_big_file import build_big; from delivery_consumer.partitions import Identity;"
+            "from test_big_file import build_big; from delivery_consumer.amqp.partitions import Identity;"
             f"build_big(Path({str(db)!r}), {megabytes}, Identity(0, 2))")
     subprocess.run([python, "-c", code], check=True, cwd=Path(__file__).resolve().parent.parent,
                    env={**os.environ, "PYTHONPATH": "tests/broker:tests"})

@@ -54,12 +54,12 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from delivery_consumer import durations
-from delivery_consumer.config import parse_file
 from delivery_consumer.console import Console, make_server
 from delivery_consumer.consumers import open_db
 from delivery_consumer.inbox import counters
-from delivery_consumer.sqlite import now_iso
+from delivery_consumer.model import durations
+from delivery_consumer.ops.config import parse_file
+from delivery_consumer.store.sqlite import now_iso
 
 
 def build(path: Path, receipts: int, window_s: float) -> None:
@@ -143,8 +143,8 @@ def load(args: argparse.Namespace) -> None:
 
     from delivery_consumer import consumers
     from delivery_consumer.amqp.publisher import Publisher
-    from delivery_consumer.deliveries import OutMessage
-    from delivery_consumer.topology import DEFAULT_URL, Topology
+    from delivery_consumer.amqp.topology import DEFAULT_URL, Topology
+    from delivery_consumer.model.deliveries import OutMessage
 
     url = os.environ.get("DELIVERY_AMQP_URL", DEFAULT_URL)
     tag = uuid.uuid4().hex[:8]

@@ -68,9 +68,9 @@ import pika
 
 from delivery_consumer import outbox
 from delivery_consumer.amqp.publisher import Publisher, StreamPublisher, properties
-from delivery_consumer.deliveries import OutMessage, PublishResult
-from delivery_consumer.errors import BrokerError
-from delivery_consumer.topology import Topology
+from delivery_consumer.amqp.topology import Topology
+from delivery_consumer.model.deliveries import OutMessage, PublishResult
+from delivery_consumer.model.errors import BrokerError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_run import bench_topology, broker_parser, delete_queues, make_events

@@ -43,8 +43,8 @@ from pathlib import Path
 
 from bench_run import bench_topology, broker_parser, delete_queues
 
-from delivery_consumer import producer
-from delivery_consumer.topology import Topology
+from delivery_consumer.amqp.topology import Topology
+from delivery_consumer.outbox import producer
 
 #: The limit's consumer: prints one latency (ms) per message, then exits.
 BARE_CONSUMER = textwrap.dedent(

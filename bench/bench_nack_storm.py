@@ -31,9 +31,9 @@ import pika
 import pika.exceptions
 
 from delivery_consumer import outbox
-from delivery_consumer.envelope import from_mapping
-from delivery_consumer.event_ids import new_event_id
-from delivery_consumer.topology import DEFAULT_URL
+from delivery_consumer.amqp.topology import DEFAULT_URL
+from delivery_consumer.model.envelope import from_mapping
+from delivery_consumer.model.event_ids import new_event_id
 
 ROUTING_KEY = "storm.x"
 

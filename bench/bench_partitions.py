@@ -37,10 +37,10 @@ from pathlib import Path
 import orjson
 from bench_run import bench_topology, broker_parser, delete_queues, make_events
 
+from delivery_consumer.amqp.partitions import partition_topologies, route, slot_headers, slots_exchange, unrouted_name
 from delivery_consumer.amqp.publisher import Publisher
-from delivery_consumer.deliveries import OutMessage
-from delivery_consumer.partitions import partition_topologies, route, slot_headers, slots_exchange, unrouted_name
-from delivery_consumer.topology import Topology
+from delivery_consumer.amqp.topology import Topology
+from delivery_consumer.model.deliveries import OutMessage
 
 
 def seed(url: str, base: Topology, bodies: list[bytes], partitions: int | None) -> float:

@@ -34,8 +34,8 @@ import psycopg
 
 from delivery_consumer import outbox
 from delivery_consumer.amqp.publisher import OutMessage, StreamPublisher
-from delivery_consumer.sqlite import now_iso
-from delivery_consumer.topology import DEFAULT_URL, Topology
+from delivery_consumer.amqp.topology import DEFAULT_URL, Topology
+from delivery_consumer.store.sqlite import now_iso
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_dispatch import dispatched, make_outbox, measure

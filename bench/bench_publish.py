@@ -35,8 +35,8 @@ from bench_run import bench_topology, broker_parser, delete_queues, make_events
 
 from delivery_consumer.amqp.admin import declare
 from delivery_consumer.amqp.publisher import Publisher
-from delivery_consumer.deliveries import OutMessage
-from delivery_consumer.topology import Topology
+from delivery_consumer.amqp.topology import Topology
+from delivery_consumer.model.deliveries import OutMessage
 
 
 def one_confirm_each(url: str, topo: Topology, bodies: list[bytes]) -> float:

@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_run import bench_topology, broker_parser, delete_queues, make_events, seed
 
-from delivery_consumer.topology import Topology
+from delivery_consumer.amqp.topology import Topology
 
 GOAL = 0.5
 BATCH_LINE = re.compile(r"batch (\d+)-(\d+) acked")

@@ -32,9 +32,9 @@ from pathlib import Path
 import orjson
 
 from delivery_consumer.amqp.publisher import Publisher
-from delivery_consumer.deliveries import OutMessage
-from delivery_consumer.event_ids import new_event_id
-from delivery_consumer.topology import DEFAULT_URL, Topology
+from delivery_consumer.amqp.topology import DEFAULT_URL, Topology
+from delivery_consumer.model.deliveries import OutMessage
+from delivery_consumer.model.event_ids import new_event_id
 
 BARE = textwrap.dedent(
     """

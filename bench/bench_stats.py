@@ -37,10 +37,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from delivery_consumer import queries, system
 from delivery_consumer.console import chart
 from delivery_consumer.consumers import open_db
-from delivery_consumer.inbox import ConsumerDB, counters
+from delivery_consumer.inbox import ConsumerDB, counters, queries
+from delivery_consumer.ops import system
 
 GOAL = 2.0
 #: Receipts written since the writer's last catch-up (inbox/counters.py): every read adds them from the inbox.

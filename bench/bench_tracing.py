@@ -55,8 +55,8 @@ import orjson
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
-from delivery_consumer import tracing
-from delivery_consumer.deliveries import Delivery, OutMessage
+from delivery_consumer.model.deliveries import Delivery, OutMessage
+from delivery_consumer.observability import tracing
 from delivery_consumer.service.config import RunConfig
 from delivery_consumer.service.worker import Worker
 

@@ -38,16 +38,16 @@ from pathlib import Path
 lines = Path(sys.argv[1]).read_bytes().splitlines()
 repeat = int(sys.argv[2])
 kind = sys.argv[3]
-from delivery_consumer.envelope import parse
+from delivery_consumer.model.envelope import parse
 kwargs = {}
 if kind == "declared":
-    from delivery_consumer.envelope import load_schema
-    from delivery_consumer.event_types import EventType, EventTypes
+    from delivery_consumer.model.envelope import load_schema
+    from delivery_consumer.model.event_types import EventType, EventTypes
     data = load_schema()["properties"]["data"]
     kwargs["types"] = EventTypes([EventType("order.placed", key="orderId", data=data),
                                   EventType("order.changed", key="orderId", data=data)])
 elif kind == "material-types":
-    from delivery_consumer.event_types import MATERIAL
+    from delivery_consumer.model.event_types import MATERIAL
     kwargs["types"] = MATERIAL
 for line in lines[:100]:
     parse(line, **kwargs)

@@ -45,7 +45,7 @@ import fastjsonschema
 import jsonschema
 from jsonschema import Draft7Validator, FormatChecker
 
-from delivery_consumer import envelope
+from delivery_consumer.model import envelope
 
 
 def _as_check(validate: Callable[[Any], object], invalid: type[Exception]) -> Callable[[Any], bool]:
@@ -72,7 +72,7 @@ def _fastjsonschema() -> Callable[[Any], bool]:
 
 
 def _project() -> Callable[[Any], bool]:
-    from delivery_consumer.event_types import MATERIAL, quick_check
+    from delivery_consumer.model.event_types import MATERIAL, quick_check
 
     quick = {t.name: quick_check(t) for t in MATERIAL}
     typed = {t.name: _compiled(t.envelope_schema()) for t in MATERIAL}

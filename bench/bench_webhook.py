@@ -39,9 +39,9 @@ from pathlib import Path
 
 from delivery_consumer.consumers import open_db
 from delivery_consumer.consumers.webhook import Notifier, WebhookConfig
-from delivery_consumer.contract import DeliveryMark, WorkHooks
-from delivery_consumer.envelope import Envelope, from_mapping
 from delivery_consumer.inbox import ConsumerDB, InFlight, Transaction, fence, receipt_of
+from delivery_consumer.model.contract import DeliveryMark, WorkHooks
+from delivery_consumer.model.envelope import Envelope, from_mapping
 
 SERVER = Path(__file__).resolve().parent.parent / "tests" / "webhook_server.py"
 

@@ -78,7 +78,7 @@ from brokerkit import Namespace, RunProcess, session_processes, wait_session_gon
 from support import count_rows, read_rows
 from webhook_server import WebhookServer
 
-from delivery_consumer.topology import DEFAULT_URL
+from delivery_consumer.amqp.topology import DEFAULT_URL
 
 ACTIONS = ("kill -9 main PID", "kill -9 group", "SIGTERM")
 MISTAKES = ("delete the database", "start a second run", "hard-link the database", "restore a backup")
@@ -184,7 +184,7 @@ def restore_a_backup(ns: Namespace, consumer: str, env: dict[str, str], proc: Ru
     """SIGTERM the run and restore the older copy in place of its database: the next run must
     refuse it in one line and consume nothing; the database is then put back. None when no
     older copy lacks acknowledged receipts yet (the run is then stopped as usual)."""
-    from delivery_consumer import acked
+    from delivery_consumer.store import acked
 
     record = acked.read(db)
     if not older.exists() or record is None or count_rows(older / db.name, "inbox") >= record.rowid:
@@ -370,7 +370,7 @@ def proxy_chaos(seconds: float, rng: random.Random) -> bool:
     from support import count_rows
     from tcpproxy import Proxy
 
-    from delivery_consumer import producer
+    from delivery_consumer.outbox import producer
 
     sbin = rabbitmq_sbin()
     if sbin is None:

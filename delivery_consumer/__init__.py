@@ -23,8 +23,8 @@ from .version import __version__
 if TYPE_CHECKING:
     from . import outbox, testing
     from .consumers import register
-    from .contract import ApplyFn, ApplyManyFn, ConsumerSpec, View
-    from .errors import (
+    from .model.contract import ApplyFn, ApplyManyFn, ConsumerSpec, View
+    from .model.errors import (
         ConfigError,
         DatabaseError,
         DeliveryError,
@@ -32,45 +32,45 @@ if TYPE_CHECKING:
         Rejection,
         TransientError,
     )
-    from .event_ids import new_event_id
-    from .event_types import MATERIAL, Envelope, EventType, EventTypes, declare, default_types
+    from .model.event_ids import new_event_id
+    from .model.event_types import MATERIAL, Envelope, EventType, EventTypes, declare, default_types
+    from .model.state import RevisionTable, StateOf
+    from .model.typed import Consumer, Event, event_type
+    from .model.typed import envelope as make_envelope
     from .service.launch import run_consumer
-    from .state import RevisionTable, StateOf
     from .testing import ConsumerHarness
-    from .typed import Consumer, Event, event_type
-    from .typed import envelope as make_envelope
 
 #: Public name -> (the module that defines it, its name there; None: the module
 #: itself), imported on first use.
 _LAZY: dict[str, tuple[str, str | None]] = {
     # a consumer
-    "ConsumerSpec": ("delivery_consumer.contract", "ConsumerSpec"),
-    "View": ("delivery_consumer.contract", "View"),
-    "ApplyFn": ("delivery_consumer.contract", "ApplyFn"),
-    "ApplyManyFn": ("delivery_consumer.contract", "ApplyManyFn"),
-    "Consumer": ("delivery_consumer.typed", "Consumer"),
-    "Event": ("delivery_consumer.typed", "Event"),
-    "event_type": ("delivery_consumer.typed", "event_type"),
+    "ConsumerSpec": ("delivery_consumer.model.contract", "ConsumerSpec"),
+    "View": ("delivery_consumer.model.contract", "View"),
+    "ApplyFn": ("delivery_consumer.model.contract", "ApplyFn"),
+    "ApplyManyFn": ("delivery_consumer.model.contract", "ApplyManyFn"),
+    "Consumer": ("delivery_consumer.model.typed", "Consumer"),
+    "Event": ("delivery_consumer.model.typed", "Event"),
+    "event_type": ("delivery_consumer.model.typed", "event_type"),
     "register": ("delivery_consumer.consumers", "register"),
     # event types and the envelope
-    "EventType": ("delivery_consumer.event_types", "EventType"),
-    "EventTypes": ("delivery_consumer.event_types", "EventTypes"),
-    "MATERIAL": ("delivery_consumer.event_types", "MATERIAL"),
-    "declare": ("delivery_consumer.event_types", "declare"),
-    "default_types": ("delivery_consumer.event_types", "default_types"),
-    "Envelope": ("delivery_consumer.event_types", "Envelope"),
-    "make_envelope": ("delivery_consumer.typed", "envelope"),
-    "new_event_id": ("delivery_consumer.event_ids", "new_event_id"),
+    "EventType": ("delivery_consumer.model.event_types", "EventType"),
+    "EventTypes": ("delivery_consumer.model.event_types", "EventTypes"),
+    "MATERIAL": ("delivery_consumer.model.event_types", "MATERIAL"),
+    "declare": ("delivery_consumer.model.event_types", "declare"),
+    "default_types": ("delivery_consumer.model.event_types", "default_types"),
+    "Envelope": ("delivery_consumer.model.event_types", "Envelope"),
+    "make_envelope": ("delivery_consumer.model.typed", "envelope"),
+    "new_event_id": ("delivery_consumer.model.event_ids", "new_event_id"),
     # errors a consumer raises or its caller catches
-    "DeliveryError": ("delivery_consumer.errors", "DeliveryError"),
-    "Rejection": ("delivery_consumer.errors", "Rejection"),
-    "TransientError": ("delivery_consumer.errors", "TransientError"),
-    "ConfigError": ("delivery_consumer.errors", "ConfigError"),
-    "DatabaseError": ("delivery_consumer.errors", "DatabaseError"),
-    "OutboxError": ("delivery_consumer.errors", "OutboxError"),
+    "DeliveryError": ("delivery_consumer.model.errors", "DeliveryError"),
+    "Rejection": ("delivery_consumer.model.errors", "Rejection"),
+    "TransientError": ("delivery_consumer.model.errors", "TransientError"),
+    "ConfigError": ("delivery_consumer.model.errors", "ConfigError"),
+    "DatabaseError": ("delivery_consumer.model.errors", "DatabaseError"),
+    "OutboxError": ("delivery_consumer.model.errors", "OutboxError"),
     # state
-    "RevisionTable": ("delivery_consumer.state", "RevisionTable"),
-    "StateOf": ("delivery_consumer.state", "StateOf"),
+    "RevisionTable": ("delivery_consumer.model.state", "RevisionTable"),
+    "StateOf": ("delivery_consumer.model.state", "StateOf"),
     # running and testing it; the producer's side
     "run_consumer": ("delivery_consumer.service.launch", "run_consumer"),
     "ConsumerHarness": ("delivery_consumer.testing", "ConsumerHarness"),

@@ -39,10 +39,10 @@ import pytest
 from support import wait_until
 
 from delivery_consumer import consumers
+from delivery_consumer.amqp.partitions import slot_headers
 from delivery_consumer.amqp.publisher import Publisher
-from delivery_consumer.deliveries import OutMessage
-from delivery_consumer.partitions import slot_headers
-from delivery_consumer.topology import DEFAULT_URL, Topology
+from delivery_consumer.amqp.topology import DEFAULT_URL, Topology
+from delivery_consumer.model.deliveries import OutMessage
 
 TESTS_DIR = Path(__file__).resolve().parent
 

@@ -17,8 +17,8 @@ import pytest
 from support import OpenDB, closed_at_exit
 
 from delivery_consumer import consumers
-from delivery_consumer.contract import ConsumerSpec
 from delivery_consumer.inbox import ConsumerDB
+from delivery_consumer.model.contract import ConsumerSpec
 
 #: The suites' directories: on sys.path, so that a test module may import another
 #: suite's helpers by its name (``from test_worker import ...``) whatever the order.

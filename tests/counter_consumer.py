@@ -15,8 +15,8 @@ from __future__ import annotations
 import sqlite3
 
 from delivery_consumer.consumers import register
-from delivery_consumer.contract import ConsumerSpec, View
-from delivery_consumer.envelope import Envelope
+from delivery_consumer.model.contract import ConsumerSpec, View
+from delivery_consumer.model.envelope import Envelope
 
 RESULT = "counted"
 

@@ -25,9 +25,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from delivery_consumer.consumers import register
-from delivery_consumer.contract import ConsumerSpec
-from delivery_consumer.envelope import Envelope
-from delivery_consumer.errors import TransientError
+from delivery_consumer.model.contract import ConsumerSpec
+from delivery_consumer.model.envelope import Envelope
+from delivery_consumer.model.errors import TransientError
 
 MIGRATIONS = (
     """

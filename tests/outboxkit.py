@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from delivery_consumer import outbox
-from delivery_consumer.deliveries import OutMessage, PublishResult
-from delivery_consumer.errors import BrokerUnavailable
-from delivery_consumer.partitions import slot_of
+from delivery_consumer.amqp.partitions import slot_of
+from delivery_consumer.model.deliveries import OutMessage, PublishResult
+from delivery_consumer.model.errors import BrokerUnavailable
 
 
 def envelope(article: str = "article-1", revision: int = 1, **extra: Any) -> dict[str, Any]:

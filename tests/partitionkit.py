@@ -29,9 +29,9 @@ import pytest
 from brokerkit import Namespace, RunProcess, wait_for_broker
 from support import count_rows, read_rows, wait_until
 
+from delivery_consumer.amqp.partitions import SLOT_COUNT, partition_of, slot_headers
 from delivery_consumer.amqp.publisher import Publisher
-from delivery_consumer.deliveries import OutMessage
-from delivery_consumer.partitions import SLOT_COUNT, partition_of, slot_headers
+from delivery_consumer.model.deliveries import OutMessage
 
 
 def make_events(n: int, articles: int, seed: int = 7) -> list[dict[str, Any]]:

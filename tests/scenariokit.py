@@ -25,16 +25,16 @@ from brokerkit import Namespace
 from support import read_rows, wait_until
 from tcpproxy import Proxy
 
-from delivery_consumer import faults
-from delivery_consumer.deliveries import OutMessage, delivery_key
-from delivery_consumer.envelope import body_digest
+from delivery_consumer.amqp.topology import DEFAULT_EXCHANGE, Topology
 from delivery_consumer.inbox import InFlight
+from delivery_consumer.model import faults
+from delivery_consumer.model.deliveries import OutMessage, delivery_key
+from delivery_consumer.model.envelope import body_digest
 from delivery_consumer.service import worker as worker_module
 from delivery_consumer.service.config import RunConfig
 from delivery_consumer.service.memory_link import MemoryLink, MemoryQueues
 from delivery_consumer.service.messages import Ack, ToConnection
 from delivery_consumer.service.worker import Worker
-from delivery_consumer.topology import DEFAULT_EXCHANGE, Topology
 
 CONSUMER = "flaky"
 

@@ -22,8 +22,8 @@ import orjson
 from click.testing import CliRunner, Result
 
 from delivery_consumer.cli import main
-from delivery_consumer.envelope import Envelope, from_mapping
 from delivery_consumer.inbox import ConsumerDB
+from delivery_consumer.model.envelope import Envelope, from_mapping
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent

@@ -21,10 +21,10 @@ from typing import Any
 
 import pika.exceptions as pex
 
-from ..errors import BrokerError
-from ..topology import Route, Topology
+from ..model.errors import BrokerError
 from .connection import FAILURES, Addresses, classify, open_blocking
 from .publisher import Publisher
+from .topology import Route, Topology
 
 
 def declare(url: str, topologies: Sequence[Topology], *, exchanges: Sequence[str] = (),

@@ -34,8 +34,8 @@ from pika.adapters.utils.connection_workflow import (
     AMQPConnectorStackTimeout,
 )
 
-from ..errors import BrokerError, BrokerFatal, BrokerUnavailable
-from ..topology import AMQP_ORDER_ENV, AMQP_ORDERS, AddressError, addresses
+from ..model.errors import BrokerError, BrokerFatal, BrokerUnavailable
+from .topology import AMQP_ORDER_ENV, AMQP_ORDERS, AddressError, addresses
 
 log = logging.getLogger("delivery_consumer.broker")
 

@@ -30,14 +30,14 @@ import pika
 import pika.exceptions as pex
 from pika.adapters.select_connection import IOLoop, PollEvents
 
-from ..backoff import Backoff
-from ..deliveries import Delivery, OutMessage
-from ..errors import BrokerError, BrokerFatal, BrokerUnavailable
-from ..retry import RECONNECT_CAP_S
-from ..topology import Topology, upgrade_hint
+from ..model.deliveries import Delivery, OutMessage
+from ..model.errors import BrokerError, BrokerFatal, BrokerUnavailable
+from .backoff import Backoff
 from .connection import Addresses, classify, open_select, unreachable_queue
 from .declare import Missing, Steps, declare_steps
 from .publisher import confirm_mode, properties, take_confirmed
+from .retry import RECONNECT_CAP_S
+from .topology import Topology, upgrade_hint
 
 log = logging.getLogger("delivery_consumer.broker")
 #: How often a run waits to look again at a handover queue another consumer is applying.

@@ -19,8 +19,8 @@ from typing import Any
 
 import pika.exceptions as pex
 
-from ..deliveries import OutMessage, PublishResult
-from ..errors import BrokerError, BrokerFatal, BrokerUnavailable
+from ..model.deliveries import OutMessage, PublishResult
+from ..model.errors import BrokerError, BrokerFatal, BrokerUnavailable
 from .connection import FAILURES, Addresses, classify, open_blocking, redact, unreachable_queue
 from .publisher import properties
 

@@ -1,6 +1,6 @@
 """The declare operations of a topology, run one after another on an open channel.
 
-Names and arguments come from :mod:`delivery_consumer.topology`; this module
+Names and arguments come from :mod:`delivery_consumer.amqp.topology`; this module
 only turns them into pika's asynchronous channel calls. Used by the
 publisher (before its first message) and by ``run``'s connection (before it
 consumes). A process declares once, at its first connection (where a queue
@@ -17,7 +17,7 @@ from typing import Any
 
 import pika.exceptions as pex
 
-from ..topology import Binding, Route, Topology
+from .topology import Binding, Route, Topology
 
 #: One channel call; it is given the callback that starts the next.
 Step = Callable[[Callable[[Any], None]], None]

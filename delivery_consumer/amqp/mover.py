@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 
-from ..errors import BrokerError
+from ..model.errors import BrokerError
 from .connection import FAILURES, open_blocking
 from .dead_queue import DeadQueue, HeldMessage, reader_lock
 

@@ -20,11 +20,11 @@ import pika.exceptions as pex
 from pika import spec
 from pika.adapters.select_connection import IOLoop, PollEvents
 
-from ..deliveries import OutMessage, PublishResult
-from ..errors import BrokerError, BrokerFatal, BrokerUnavailable, safe_reason
-from ..topology import DEFAULT_URL, Route, Topology
+from ..model.deliveries import OutMessage, PublishResult
+from ..model.errors import BrokerError, BrokerFatal, BrokerUnavailable, safe_reason
 from .connection import Addresses, Opening, classify, open_select
 from .declare import Missing, Steps, declare_steps
+from .topology import DEFAULT_URL, Route, Topology
 
 PERSISTENT = 2
 _V = TypeVar("_V")

@@ -17,7 +17,7 @@ from typing import Any
 
 import pika.exceptions as pex
 
-from ..errors import BrokerError, BrokerFatal, BrokerUnavailable
+from ..model.errors import BrokerError, BrokerFatal, BrokerUnavailable
 from .connection import FAILURES, Addresses, classify, open_blocking
 
 #: Messages taken at once from a queue being emptied (the reader's prefetch, acked together).

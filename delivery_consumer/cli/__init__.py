@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 
 import click
 
-from ..errors import DeliveryError
+from ..model.errors import DeliveryError
 from ..version import __version__
 from ._common import LazyGroup, config_option
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import click
 
+from ..amqp.topology import AMQP_ORDER_ENV, AMQP_ORDERS, DEFAULT_EXCHANGE, DEFAULT_PREFIX, DEFAULT_URL
 from ..consumers import topology as topology_for
-from ..topology import AMQP_ORDER_ENV, AMQP_ORDERS, DEFAULT_EXCHANGE, DEFAULT_PREFIX, DEFAULT_URL
 from ._common import F, Fatal, from_deployment
 from .duration_type import Duration
 
@@ -58,7 +58,7 @@ def _order(ctx: click.Context, param: click.Parameter, value: str | None) -> Non
 
 def broker_call(fn: Any, *args: Any, **kwargs: Any) -> Any:
     """*fn*(*args, **kwargs); a BrokerError leaves as one line, exit 2."""
-    from ..errors import BrokerError
+    from ..model.errors import BrokerError
 
     try:
         return fn(*args, **kwargs)

@@ -14,11 +14,11 @@ import click
 import orjson
 
 from ..consumers import open_db as open_consumer_db
-from ..errors import ConfigError, DatabaseError, DeliveryError, StoreUnavailable, WrongDatabase
 from ..inbox import ConsumerDB
+from ..model.errors import ConfigError, DatabaseError, DeliveryError, StoreUnavailable, WrongDatabase
 
 if TYPE_CHECKING:
-    from ..config import Deployment
+    from ..ops.config import Deployment
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -120,7 +120,7 @@ class EventId(click.ParamType[str]):
     name = "EVENT_ID"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
-        from ..envelope import is_event_id
+        from ..model.envelope import is_event_id
 
         text = str(value).strip().lower()
         if not is_event_id(text):
@@ -182,7 +182,7 @@ def config_option(fn: F) -> F:
 
 def deployment() -> Deployment | None:
     """The deployment file of the running command, or None; a bad file exits 2 with one line."""
-    from .. import config
+    from ..ops import config
 
     ctx = click.get_current_context(silent=True)
     if ctx is None:
@@ -272,7 +272,7 @@ def _check_owner(found: Deployment, consumer: str, db_path: Path) -> None:
 def checked_deployment(*, owners: bool = True) -> Deployment:
     """The deployment file, or exit 2 in one line; with *owners*, also when it gives a consumer
     a database of another consumer or of a producer (a mistake in the file, not a state to report)."""
-    from ..config import foreign_databases
+    from ..ops.config import foreign_databases
 
     found = deployment()
     if found is None:
@@ -285,8 +285,8 @@ def checked_deployment(*, owners: bool = True) -> Deployment:
 
 
 def setup_logging(level: str, fmt: str = "text", consumer: str | None = None) -> None:
-    """Logging for a long-running command (see :mod:`delivery_consumer.logs`)."""
-    from .. import logs
+    """Logging for a long-running command (see :mod:`delivery_consumer.observability.logs`)."""
+    from ..observability import logs
 
     logs.setup(level, fmt, consumer)
 

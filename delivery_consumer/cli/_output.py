@@ -15,7 +15,7 @@ from typing import Any
 import click
 import orjson
 
-from ..plural import count as count  # the CLI's counts in words
+from ..model.plural import count as count  # the CLI's counts in words
 
 #: Widest cell of a list, in terminal columns; ``show`` prints values whole.
 MAX_CELL = 60

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import click
 
-from ..errors import ConfigError, DeliveryError
-from ..partitions import SLOT_COUNT, Identity
-from ..placement import database, resolve
-from ..topology import Topology
+from ..amqp.partitions import SLOT_COUNT, Identity
+from ..amqp.topology import Topology
+from ..model.errors import ConfigError, DeliveryError
+from ..store.placement import database, resolve
 from ._common import F, Fatal, deployment
 
 

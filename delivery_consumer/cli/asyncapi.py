@@ -1,6 +1,6 @@
 """``asyncapi``: the AsyncAPI 3.0 document of the deployment, one consumer or one producer (docs/asyncapi.md).
 
-A few lines around :mod:`delivery_consumer.asyncapi`, which builds the
+A few lines around :mod:`delivery_consumer.ops.asyncapi`, which builds the
 document; nothing is asked of the broker or the databases.
 """
 
@@ -33,7 +33,7 @@ def asyncapi(consumer: str | None, producer: str | None, amqp_url: str, exchange
     With the deployment file: all its consumers and producers, or the one --consumer or
     --producer names. Without one: the --consumer given, under --exchange and --queue-prefix.
     """
-    from .. import asyncapi as build
+    from ..ops import asyncapi as build
 
     if consumer is not None and producer is not None:
         raise click.UsageError("give --consumer or --producer, not both")

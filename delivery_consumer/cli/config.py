@@ -12,9 +12,9 @@ from typing import Any
 
 import click
 
-from .. import durations
-from ..config import BROKER_ENV
-from ..topology import DEFAULT_EXCHANGE, DEFAULT_PREFIX
+from ..amqp.topology import DEFAULT_EXCHANGE, DEFAULT_PREFIX
+from ..model import durations
+from ..ops.config import BROKER_ENV
 from ._common import EXIT_ERROR, EXIT_OK, checked_deployment, emit_json, handle_errors
 from ._output import echo_record
 
@@ -43,9 +43,9 @@ def config_check(as_json: bool) -> None:
     Opens every database that exists, read-only: one of another consumer, or
     a producer database without an outbox, is an error (exit 2).
     """
-    from .. import config as config_lib
     from .. import outbox
     from ..amqp.connection import redact
+    from ..ops import config as config_lib
 
     dep = checked_deployment(owners=False)  # every problem below, not only the first
     problems: list[str] = []

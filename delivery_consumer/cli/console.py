@@ -11,7 +11,7 @@ from types import FrameType
 
 import click
 
-from .. import durations
+from ..model import durations
 from ._common import Fatal, checked_deployment, handle_errors
 from .duration_type import Duration
 

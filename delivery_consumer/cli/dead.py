@@ -1,6 +1,6 @@
 """``dead list|requeue|purge``: the consumer's dead-letter queue.
 
-Each command is a few lines around one call of :mod:`delivery_consumer.deadletters`;
+Each command is a few lines around one call of :mod:`delivery_consumer.ops.deadletters`;
 pika is imported only inside the commands (through the library).
 
 Exit codes: 0 done; 1 a selected dead letter was left in the dead queue
@@ -47,7 +47,7 @@ def dead() -> None:
 
 def _waiting(refusal: str) -> None:
     """Say once that the queue is held by another reader and the command waits for it."""
-    from ..deadletters import BUSY_WAIT_S
+    from ..ops.deadletters import BUSY_WAIT_S
 
     click.echo(f"delivery-consumer: {refusal.split(';')[0]}; waiting up to {BUSY_WAIT_S:g}s for it", err=True)
 
@@ -60,7 +60,7 @@ def _selectors(fn: F) -> F:
 
 
 def _selection(event_ids: tuple[str, ...], code: str | None, select_all: bool) -> Any:
-    from ..deadletters import Selection
+    from ..ops.deadletters import Selection
 
     try:
         return Selection(frozenset(event_ids), code, select_all)
@@ -80,7 +80,7 @@ def _letter_row(letter: Any) -> list[Any]:
 def _applied(consumer: str, db_path: Path | None, given: bool) -> Any:
     """The consumer's database to look dead letters' events up in: the one --db names
     (*given*), else its own when it exists (None: not looked up)."""
-    from ..placement import default_db
+    from ..store.placement import default_db
 
     if not given and not (db_path or default_db(consumer)).exists():
         return None
@@ -106,7 +106,7 @@ def dead_list(consumer: str, db_path: Path | None, amqp_url: str, exchange: str,
     letter whose eventId has a receipt says so (the same body applied from
     another copy, or another body under its eventId).
     """
-    from ..deadletters import list_dead, receipts
+    from ..ops.deadletters import list_dead, receipts
 
     given = db_path is not None
     db_path = one_partition(consumer, db_path, partition, "read its dead queue")
@@ -192,7 +192,7 @@ def dead_requeue(consumer: str, db_path: Path | None, amqp_url: str, exchange: s
     Requeued rejections are marked resolved. Exit 1 if anything selected
     was left behind.
     """
-    from .. import deadletters
+    from ..ops import deadletters
 
     selection = _selection(event_ids, code, select_all)
     db_path = one_partition(consumer, db_path, partition, "requeue its dead letters")
@@ -224,7 +224,7 @@ def dead_purge(consumer: str, db_path: Path | None, amqp_url: str, exchange: str
     Their rejections in the consumer's database (if it is here) are marked
     resolved, so that inbox prune may remove the receipts later.
     """
-    from .. import deadletters
+    from ..ops import deadletters
 
     selection = _selection(event_ids, code, select_all)
     db_path = one_partition(consumer, db_path, partition, "purge its dead letters")

@@ -1,5 +1,5 @@
 """The click type of every duration option, so that each one accepts the same
-spellings (:mod:`delivery_consumer.durations`) and refuses the rest with the
+spellings (:mod:`delivery_consumer.model.durations`) and refuses the rest with the
 same message."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from ..durations import format, parse
+from ..model.durations import format, parse
 
 if TYPE_CHECKING:
     _ParamType = click.ParamType[Any]
@@ -17,7 +17,7 @@ else:  # click < 8.4: not generic
 
 
 class Duration(_ParamType):
-    """A click option type for durations (the grammar: :mod:`delivery_consumer.durations`).
+    """A click option type for durations (the grammar: :mod:`delivery_consumer.model.durations`).
 
     The value is seconds as a float, or whole milliseconds with
     ``milliseconds=True``; ``many=True`` reads a comma-separated list into a

@@ -18,9 +18,9 @@ from typing import Any
 
 import click
 
-from ..errors import FenceError
 from ..inbox import fence as fence_lib
-from ..sqlite import translate
+from ..model.errors import FenceError
+from ..store.sqlite import translate
 from ._common import Fatal, emit_json, handle_errors, open_db
 from ._output import echo_record, echo_table
 from .inbox import Missing, limit_option, read_options, reading

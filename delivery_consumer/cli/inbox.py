@@ -3,11 +3,11 @@ and ``inbox prune``), ``rejected`` and ad-hoc ``query``, and the helpers with
 which ``views.py`` reads a consumer's own view (``<consumer> list|show``).
 
 Each read command opens the database read-only (``mode=ro``), calls one
-function of :mod:`delivery_consumer.queries`, closes the database and prints:
+function of :mod:`delivery_consumer.inbox.queries`, closes the database and prints:
 aligned columns for a list, ``key: value`` for one record, or JSON with
 ``--json`` (an array for a list, an object otherwise). A running consumer
 keeps committing meanwhile: nothing but ``inbox prune`` (small delete
-transactions, :mod:`delivery_consumer.retention`) takes a write lock.
+transactions, :mod:`delivery_consumer.inbox.retention`) takes a write lock.
 
 Exit codes: 0, 1 when the record asked for does not exist, 2 when the
 database cannot be used, the SQL is refused or it ran past --timeout, or a
@@ -31,12 +31,11 @@ from typing import Any
 
 import click
 
-from .. import queries
-from ..durations import age as _age
-from ..errors import DeliveryError, NotFound, PruneRefused
-from ..inbox import ConsumerDB
-from ..partitions import SLOT_COUNT
-from ..placement import beside, database, default_db, resolve
+from ..amqp.partitions import SLOT_COUNT
+from ..inbox import ConsumerDB, queries
+from ..model.durations import age as _age
+from ..model.errors import DeliveryError, NotFound, PruneRefused
+from ..store.placement import beside, database, default_db, resolve
 from ._broker import amqp_options, broker_call, topology_for
 from ._common import (
     EVENT_ID,
@@ -335,8 +334,9 @@ def inbox_prune(consumer: str | None, db_path: Path | None, amqp_url: str, excha
     --without-dead-queue) or has an unresolved rejection. A running consumer
     keeps committing meanwhile.
     """
-    from .. import deadletters, retention
-    from ..errors import BrokerError
+    from ..inbox import retention
+    from ..model.errors import BrokerError
+    from ..ops import deadletters
 
     try:
         retention.check_older_than(older_than, horizon)
@@ -384,14 +384,14 @@ def inbox_prune(consumer: str | None, db_path: Path | None, amqp_url: str, excha
 
 
 def _stored_partition(db: Any) -> int | None:
-    from ..partitions import identity_from_meta
+    from ..amqp.partitions import identity_from_meta
 
     identity = identity_from_meta(db.meta())
     return identity.partition if identity is not None else None
 
 
 def _echo_prune(report: Any) -> None:
-    from ..retention import format_duration
+    from ..inbox.retention import format_duration
 
     verb = "would delete" if report.dry_run else "deleted"
     click.echo(f"{report.consumer} ({report.database}): older than {format_duration(report.older_than_s)} "
@@ -452,8 +452,8 @@ def rejected_resolve(consumer: str | None, db_path: Path | None, partition: int 
     """
     import time
 
-    from .. import deadletters
-    from ..sqlite import now_iso
+    from ..ops import deadletters
+    from ..store.sqlite import now_iso
 
     if bool(ids) == (older_than is not None):
         raise click.UsageError("give the rejection IDS, or --older-than DURATION")
@@ -524,7 +524,7 @@ def inbox_recover(db_path: Path, target: Path, consumer: str | None, as_json: bo
     old one's identity; put it in place while no run is up (docs/failures.md,
     "Restores"). Exit 0 when every row was read, 1 when some could not be.
     """
-    from ..recovery import recover
+    from ..ops.recovery import recover
 
     report = recover(db_path, target, consumer)
     if as_json:

@@ -1,6 +1,6 @@
 """The producer's commands: ``dispatch``, ``outbox list|stats|show|prune|
 requeue|drop`` and the demo ``produce``. Each is a few lines around one call
-into :mod:`delivery_consumer.outbox` (or :mod:`delivery_consumer.producer`);
+into :mod:`delivery_consumer.outbox` (or :mod:`delivery_consumer.outbox.producer`);
 pika is loaded only by ``dispatch``, through the library.
 
 Exit codes: 0; 1 when ``outbox show`` finds no such eventId, when ``outbox
@@ -27,8 +27,8 @@ from typing import Any
 import click
 
 from .. import outbox as outbox_lib
-from .. import producer as producer_lib
-from ..errors import ConfigError, NotFound
+from ..model.errors import ConfigError, NotFound
+from ..outbox import producer as producer_lib
 from ._broker import amqp_options, topology_for
 from ._common import F, Fatal, emit_json, from_deployment, handle_errors, json_option, setup_logging
 from ._output import count, echo_record, echo_table
@@ -127,7 +127,7 @@ def dispatch(db_path: Path | str, amqp_url: str, exchange: str, queue_prefix: st
     or a statement timeout is waited out).
     """
     from ..amqp.publisher import StreamPublisher
-    from ..errors import BrokerFatal
+    from ..model.errors import BrokerFatal
 
     setup_logging(log_level)
     try:

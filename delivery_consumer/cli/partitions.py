@@ -8,10 +8,12 @@ from pathlib import Path
 
 import click
 
-from ..errors import DeliveryError
-from ..partition_store import finish, pending_layout, repartitioned_from, split_merge
-from ..partitions import SLOT_COUNT, unrouted_name
-from ..placement import resolve
+from ..amqp.partitions import SLOT_COUNT, unrouted_name
+from ..consumers import find
+from ..model.errors import DeliveryError
+from ..model.event_types import EventTypes
+from ..ops.partition_store import finish, pending_layout, repartitioned_from, split_merge
+from ..store.placement import resolve
 from ._broker import amqp_options, topology_for
 from ._common import EXIT_OK, EXIT_REJECTED, Fatal, consumer_option, handle_errors
 
@@ -41,9 +43,9 @@ def repartition(consumer: str, amqp_url: str, exchange: str, queue_prefix: str, 
     has.
     """
     from ..amqp.admin import queue_counts
-    from ..errors import BrokerError
-    from ..faults import pausepoint
-    from ..partition_queues import describe, layout, move_layout, switch_layout
+    from ..amqp.partition_queues import describe, layout, move_layout, switch_layout
+    from ..model.errors import BrokerError
+    from ..model.faults import pausepoint
 
     if (count is None) != unpartitioned:
         raise click.UsageError("give --partitions N or --unpartitioned")
@@ -89,7 +91,8 @@ def repartition(consumer: str, amqp_url: str, exchange: str, queue_prefix: str, 
     pausepoint("repartition-before-switch")
     try:
         switch_layout(amqp_url, base, previous, count)
-        moved = move_layout(amqp_url, base, previous, count, relayout=relayout, rerun=switched)
+        moved = move_layout(amqp_url, base, previous, count, relayout=relayout, rerun=switched,
+                            types=event_types_of(consumer))
     except BrokerError as exc:
         raise Fatal(f"{exc} (the databases are at {describe(count)}: run repartition again)") from None
     if moved.moved or moved.kept:
@@ -131,12 +134,12 @@ def reroute(consumer: str, amqp_url: str, exchange: str, queue_prefix: str, dry_
     Arriving late, an older revision may then be answered stale. Exit 1 if
     any message was left in the queue.
     """
-    from ..errors import BrokerError
-    from ..partition_queues import reroute as reroute_messages
+    from ..amqp.partition_queues import reroute as reroute_messages
+    from ..model.errors import BrokerError
 
     base = topology_for(consumer, exchange, queue_prefix)
     try:
-        done = reroute_messages(amqp_url, base, dry_run=dry_run)
+        done = reroute_messages(amqp_url, base, types=event_types_of(consumer), dry_run=dry_run)
     except BrokerError as exc:
         raise Fatal(str(exc)) from None
     for item in done:
@@ -148,3 +151,9 @@ def reroute(consumer: str, amqp_url: str, exchange: str, queue_prefix: str, dry_
 
 
 __all__ = ["repartition", "reroute"]
+
+
+def event_types_of(consumer: str) -> EventTypes | None:
+    """The event types of *consumer* (None: the default ones), by which its messages are moved by key."""
+    spec = find(consumer)
+    return spec.event_types if spec is not None else None

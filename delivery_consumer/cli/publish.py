@@ -14,12 +14,12 @@ from typing import Any
 import click
 
 from .. import consumers
-from .. import sources as sources_lib
-from ..cloudevents import STRUCTURED_CONTENT_TYPE
-from ..envelope import MAX_BODY_BYTES
-from ..errors import ConfigError, Rejection
-from ..event_types import default_types
-from ..partitions import slot_headers
+from ..amqp.partitions import slot_headers
+from ..model.cloudevents import STRUCTURED_CONTENT_TYPE
+from ..model.envelope import MAX_BODY_BYTES
+from ..model.errors import ConfigError, Rejection
+from ..model.event_types import default_types
+from ..ops import sources as sources_lib
 from ._broker import amqp_options, topology_for
 from ._common import EXIT_OK, EXIT_REJECTED, Fatal, emit_json, handle_errors
 from .duration_type import Duration
@@ -59,8 +59,8 @@ def publish(amqp_url: str, exchange: str, queue_prefix: str, declare_for: tuple[
     stderr), 2 for usage or broker errors (the broker unreachable at the start).
     """
     from ..amqp.publisher import Publisher
-    from ..deliveries import OutMessage
-    from ..errors import BrokerError
+    from ..model.deliveries import OutMessage
+    from ..model.errors import BrokerError
 
     try:
         files = sources_lib.expand(sources)
@@ -134,8 +134,8 @@ def summary_line(sent: int, exchange: str, counts: Counter[str], timed_out_s: fl
 def _connect(publisher: Any, attempts: int) -> None:
     """Connect, retrying an unreachable broker a few times with backoff; a
     broker still down after that is an error (exit 2), not a hang."""
-    from ..errors import BrokerUnavailable
-    from ..retry import reconnect_delay_s
+    from ..amqp.retry import reconnect_delay_s
+    from ..model.errors import BrokerUnavailable
 
     for attempt in range(1, attempts + 1):
         try:

@@ -12,12 +12,12 @@ from typing import Any
 import click
 import orjson
 
-from .. import replay as replay_lib
-from .. import sources as sources_lib
-from ..contract import Outcome
-from ..dbfile import WriterLock
-from ..envelope import MAX_BODY_BYTES
-from ..errors import ConfigError, TransientError
+from ..model.contract import Outcome
+from ..model.envelope import MAX_BODY_BYTES
+from ..model.errors import ConfigError, TransientError
+from ..ops import replay as replay_lib
+from ..ops import sources as sources_lib
+from ..store.dbfile import WriterLock
 from ._common import (
     EXIT_OK,
     EXIT_REJECTED,

@@ -15,12 +15,12 @@ from typing import Any
 
 import click
 
-from ..durations import format as spelled
-from ..partitions import explain
-from ..placement import database, in_directory
+from ..amqp.partitions import explain
+from ..amqp.topology import Topology
+from ..model.durations import format as spelled
 from ..service.config import RunConfig
 from ..service.launch import EXIT_TEMPFAIL, checked_spec
-from ..topology import Topology
+from ..store.placement import database, in_directory
 from ._broker import RETRY_DELAYS, amqp_options, topology_for
 from ._common import F, Fatal, consumer_option, db_option, deployment, from_deployment, handle_errors, setup_logging
 from ._partitions import partition_identity, partition_options
@@ -70,7 +70,7 @@ def _metrics_factory(consumer: str, partition: int | None = None) -> Callable[[]
     sends them to the connection process; see :func:`_metrics_server`)."""
 
     def make() -> Any:
-        from ..metrics import Metrics
+        from ..observability.metrics import Metrics
 
         return Metrics(consumer, partition=partition, connection=False)
 
@@ -85,15 +85,15 @@ def _metrics_server(consumer: str, port: int, host: str, queues: tuple[str, Topo
     *db_path*: also who holds the database and how long it has been silent."""
 
     def serve() -> Any:
-        from ..errors import ConfigError
-        from ..metrics import RunExposition, WriterCollector
+        from ..model.errors import ConfigError
+        from ..observability.metrics import RunExposition, WriterCollector
 
         collectors: list[Any] = []
         if db_path is not None:
             labels = {"consumer": consumer, **({"partition": str(partition)} if partition is not None else {})}
             collectors.append(WriterCollector(db_path, labels))
         if queues is not None:
-            from ..queue_metrics import QueueCollector
+            from ..amqp.queue_metrics import QueueCollector
 
             collectors.append(QueueCollector(*queues))
         exposition = RunExposition(consumer, partition, collectors)
@@ -176,7 +176,7 @@ def run(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue
     queue allows one active consumer: a second run of the same partition is
     a standby that takes over when the first dies).
     """
-    from ..errors import BrokerError, StoreOutage
+    from ..model.errors import BrokerError, StoreOutage
     from ..service.run import run as run_consumer
 
     setup_logging(log_level, log_format, consumer)

@@ -1,4 +1,4 @@
-"""``status``: one screen for the deployment (:func:`delivery_consumer.system.status`).
+"""``status``: one screen for the deployment (:func:`delivery_consumer.ops.system.status`).
 
 Exit codes: 0 healthy; 1 something needs a person; 2 for usage or a bad
 deployment file.
@@ -12,7 +12,8 @@ from typing import Any
 
 import click
 
-from .. import durations, system
+from ..model import durations
+from ..ops import system
 from ._common import EXIT_OK, EXIT_REJECTED, checked_deployment, emit_json, handle_errors
 from ._output import cell, echo_table
 from .duration_type import Duration

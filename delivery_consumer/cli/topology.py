@@ -12,9 +12,9 @@ from collections.abc import Callable
 import click
 
 from .. import consumers
-from ..partition_queues import layout_conflict
-from ..partitions import SLOT_HEADER, check_count, explain, partition_topologies, route
-from ..topology import DEFAULT_DELIVERY_LIMIT, Topology
+from ..amqp.partition_queues import layout_conflict
+from ..amqp.partitions import SLOT_HEADER, check_count, explain, partition_topologies, route
+from ..amqp.topology import DEFAULT_DELIVERY_LIMIT, Topology
 from ._broker import RETRY_DELAYS, amqp_options, topology_for
 from ._common import F, Fatal, deployment, handle_errors
 
@@ -60,7 +60,7 @@ def _declare(amqp_url: str, counts: dict[str, int | None], exchange: str, queue_
              retry_delays: tuple[int, ...], delivery_limit: int) -> None:
     """Declare the consumers of *counts* (consumer -> partition count) and say what was declared."""
     from ..amqp.admin import declare
-    from ..errors import BrokerError
+    from ..model.errors import BrokerError
 
     bases = [topology_for(n, exchange, queue_prefix, retry_delays_ms=retry_delays,
                        delivery_limit=delivery_limit) for n in counts]
@@ -113,9 +113,9 @@ def upgrade_cmd(names: tuple[str, ...], amqp_url: str, exchange: str, queue_pref
     first (docs/amqp.md, "Upgrading from classic queues").
     """
     from ..amqp.admin import queue_counts
+    from ..amqp.partition_queues import layout, recorded_count
     from ..amqp.upgrade import replace_marker, upgrade_queue
-    from ..errors import BrokerError
-    from ..partition_queues import layout, recorded_count
+    from ..model.errors import BrokerError
 
     counts = _declared_counts(names, partitions)
     try:

@@ -1,8 +1,8 @@
 """``trace``: everything known about an eventId, across the deployment or in one database.
 
 Without ``--consumer`` / ``--db`` it follows the event through the
-deployment file's producers and consumers (:mod:`delivery_consumer.system`);
-with one of them, what that one database knows (:mod:`delivery_consumer.trace`).
+deployment file's producers and consumers (:mod:`delivery_consumer.ops.system`);
+with one of them, what that one database knows (:mod:`delivery_consumer.inbox.trace`).
 
 Exit codes: 0; 1 when the id is found nowhere; 2 for usage, a bad
 deployment file or an unusable database.
@@ -15,9 +15,10 @@ from typing import Any
 
 import click
 
-from .. import consumers, system
-from ..envelope import is_event_id
-from ..errors import NotFound
+from .. import consumers
+from ..model.envelope import is_event_id
+from ..model.errors import NotFound
+from ..ops import system
 from ._common import Fatal, checked_deployment, emit_json, handle_errors
 from ._output import cell, echo_record, echo_table
 from .inbox import Missing, find_first, read_options, reading_all
@@ -83,7 +84,7 @@ def trace(ctx: click.Context, consumer: str | None, db_path: Path | None, as_jso
 
 def _event_id(ce_source: str, given: str) -> str:
     """The eventId a CloudEvent's source + id map to."""
-    from ..cloudevents import event_id_for
+    from ..model.cloudevents import event_id_for
 
     if not ce_source or not given:
         raise click.UsageError("a CloudEvent's source and id are non-empty")
@@ -221,8 +222,8 @@ def consumer_trace(consumer: str | None, db_path: Path | None, as_json: bool, ke
     it). EVENT_ID may be a CloudEvent's id as its producer sent it. Unknown
     eventId: exit 1.
     """
-    from ..trace import cloudevent_matches
-    from ..trace import trace as trace_event
+    from ..inbox.trace import cloudevent_matches
+    from ..inbox.trace import trace as trace_event
 
     with reading_all(consumer, db_path) as dbs:  # a partitioned consumer: the partition that knows it
         if is_event_id(event_id.strip().lower()):

@@ -1,8 +1,8 @@
 """``<consumer> list|show``: the commands of a consumer's own view, made from
-the :class:`~delivery_consumer.contract.View` in its spec (any registered
+the :class:`~delivery_consumer.model.contract.View` in its spec (any registered
 consumer: built-in, ``DELIVERY_PLUGINS`` or an entry point).
 
-The reading is :mod:`delivery_consumer.views`; the database handling
+The reading is :mod:`delivery_consumer.inbox.views`; the database handling
 (read-only, partitions, exit codes) is the one of :mod:`.inbox`.
 """
 
@@ -13,9 +13,9 @@ from typing import Any
 
 import click
 
-from .. import views
-from ..contract import ConsumerSpec, View
-from ..partitions import partition_of
+from ..amqp.partitions import partition_of
+from ..inbox import views
+from ..model.contract import ConsumerSpec, View
 from ._common import emit_json, handle_errors
 from ._output import echo_record, echo_table
 from .inbox import find_first, limit_option, partition_paths, read_options, reading, reading_all

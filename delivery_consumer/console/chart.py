@@ -15,7 +15,7 @@ from html import escape
 from typing import Any
 
 from ..inbox import ConsumerDB, counters
-from ..sqlite import now_iso
+from ..store.sqlite import now_iso
 
 #: Outcome categories, in drawing order, with their colour.
 CATEGORIES: dict[str, str] = {"applied": "#2e7d32", "duplicate": "#90a4ae", "stale": "#f9a825",

@@ -32,14 +32,15 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlencode, urlsplit
 
-from .. import durations, system
-from ..config import Deployment
+from ..amqp.topology import Topology
 from ..consumers import open_db
-from ..deadletters import SharedReads
-from ..envelope import is_event_id
-from ..errors import DeliveryError, NotFound
-from ..plural import count
-from ..topology import Topology
+from ..model import durations
+from ..model.envelope import is_event_id
+from ..model.errors import DeliveryError, NotFound
+from ..model.plural import count
+from ..ops import system
+from ..ops.config import Deployment
+from ..ops.deadletters import SharedReads
 from . import chart
 
 log = logging.getLogger("delivery_consumer.console")
@@ -393,7 +394,7 @@ class Console:
         raise ValueError(f"{consumer} has no partition {partition!r}")
 
     def _selection(self, form: dict[str, str]) -> tuple[str, Any]:
-        from ..deadletters import Selection
+        from ..ops.deadletters import Selection
 
         consumer = form.get("consumer", "")
         if consumer not in self.dep.consumers:
@@ -430,7 +431,7 @@ class Console:
         return HTTPStatus.OK, self.page(f"Confirm: {action}", body)
 
     def act(self, action: str, form: dict[str, str]) -> tuple[HTTPStatus, str]:
-        from .. import deadletters
+        from ..ops import deadletters
 
         try:
             consumer, selection = self._selection(form)

@@ -1,6 +1,6 @@
 """The registry of consumers: one module per domain effect, found by name.
 
-A consumer is a :class:`~delivery_consumer.contract.ConsumerSpec` (its
+A consumer is a :class:`~delivery_consumer.model.contract.ConsumerSpec` (its
 contract: ``contract.py``). The store never looks consumers up: whoever opens
 a database by a consumer's name does it here (:func:`open_db`).
 
@@ -25,12 +25,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..contract import ConsumerSpec
-from ..errors import ConfigError
+from ..amqp.partitions import Identity
+from ..amqp.topology import DEFAULT_EXCHANGE, DEFAULT_PREFIX, Topology
 from ..inbox.database import ConsumerDB
-from ..partitions import Identity
-from ..sqlite import DEFAULT_BUSY_TIMEOUT_MS
-from ..topology import DEFAULT_EXCHANGE, DEFAULT_PREFIX, Topology
+from ..model.contract import ConsumerSpec
+from ..model.errors import ConfigError
+from ..store.sqlite import DEFAULT_BUSY_TIMEOUT_MS
 
 ENTRY_POINT_GROUP = "delivery_consumer.consumers"
 PLUGINS_ENV = "DELIVERY_PLUGINS"

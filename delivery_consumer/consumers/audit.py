@@ -12,9 +12,9 @@ import sqlite3
 
 import orjson
 
-from ..contract import ConsumerSpec, View
-from ..envelope import Envelope
-from ..errors import EVENT_ID_REUSED, Rejection
+from ..model.contract import ConsumerSpec, View
+from ..model.envelope import Envelope
+from ..model.errors import EVENT_ID_REUSED, Rejection
 
 MIGRATIONS = (
     """

@@ -20,9 +20,9 @@ any duplication of a set of events converges to the same table
 
 from __future__ import annotations
 
-from ..contract import ConsumerSpec, View
-from ..envelope import Envelope
-from ..state import RevisionTable
+from ..model.contract import ConsumerSpec, View
+from ..model.envelope import Envelope
+from ..model.state import RevisionTable
 
 PUBLISHED = "material.published"
 WITHDRAWN = "material.withdrawn"

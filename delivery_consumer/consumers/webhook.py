@@ -19,19 +19,19 @@ from urllib.parse import quote, urlsplit
 
 import orjson
 
-from .. import tracing
-from ..contract import ConsumerSpec, ExternalBatchFn
-from ..envelope import Envelope, canonical_bytes
-from ..errors import ENDPOINT_REJECTED, ConfigError, Rejection, TransientError, safe_reason
+from ..amqp.topology import DEFAULT_RETRY_DELAYS_MS
 from ..inbox.fence import MIGRATIONS, Call, CallResult, apply_fenced
-from ..topology import DEFAULT_RETRY_DELAYS_MS
+from ..model.contract import ConsumerSpec, ExternalBatchFn
+from ..model.envelope import Envelope, canonical_bytes
+from ..model.errors import ENDPOINT_REJECTED, ConfigError, Rejection, TransientError, safe_reason
+from ..observability import tracing
 from ..version import __version__
 
 if TYPE_CHECKING:
     import httpx
 
-    from ..contract import DeliveryMark, Outcome, WorkHooks
     from ..inbox import ConsumerDB
+    from ..model.contract import DeliveryMark, Outcome, WorkHooks
 
 PUBLISHED: Final = "material.published"
 STEP: Final = "notify"

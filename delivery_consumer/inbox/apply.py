@@ -21,11 +21,10 @@ from typing import ClassVar, Protocol
 
 import orjson
 
-from .. import sqlite
-from ..contract import ApplyFn, ConsumerSpec, DeliveryCount, Outcome
-from ..dbfile import ContentTags
-from ..envelope import Envelope
-from ..errors import (
+from ..amqp.partitions import Identity, misplaced
+from ..model.contract import ApplyFn, ConsumerSpec, DeliveryCount, Outcome
+from ..model.envelope import Envelope
+from ..model.errors import (
     EVENT_ID_REUSED,
     UNSTORABLE_VALUE,
     WRONG_PARTITION,
@@ -34,9 +33,10 @@ from ..errors import (
     TransientError,
     safe_reason,
 )
-from ..event_types import CloudEventId
-from ..partitions import Identity, misplaced
-from ..sqlite import now_iso
+from ..model.event_types import CloudEventId
+from ..store import sqlite
+from ..store.dbfile import ContentTags
+from ..store.sqlite import now_iso
 from . import counters
 
 

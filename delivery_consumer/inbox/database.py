@@ -17,13 +17,21 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .. import sqlite
-from ..contract import ConsumerSpec
-from ..dbfile import ContentTags, FileGuard, SerialLock, check_one_name, open_elsewhere
-from ..errors import ConfigError, DatabaseError, DatabaseLost, StoreUnavailable, TakenOver, WrongDatabase, safe_reason
-from ..partitions import Identity, identity_from_meta
-from ..placement import default_db
-from ..sqlite import DEFAULT_BUSY_TIMEOUT_MS, now_iso
+from ..amqp.partitions import Identity, identity_from_meta
+from ..model.contract import ConsumerSpec
+from ..model.errors import (
+    ConfigError,
+    DatabaseError,
+    DatabaseLost,
+    StoreUnavailable,
+    TakenOver,
+    WrongDatabase,
+    safe_reason,
+)
+from ..store import sqlite
+from ..store.dbfile import ContentTags, FileGuard, SerialLock, check_one_name, open_elsewhere
+from ..store.placement import default_db
+from ..store.sqlite import DEFAULT_BUSY_TIMEOUT_MS, now_iso
 from ..version import __version__
 from .apply import Transaction
 

@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
-from .. import tracing
-from ..contract import DeliveryMark, Outcome, WorkHooks
-from ..envelope import Envelope
-from ..errors import OUTCOME_UNKNOWN, REVISION_CONFLICT, FenceError, Rejection, StoreUnavailable, TransientError
-from ..faults import crashpoint
-from ..partitions import delivery_outcome, forwarded_to, misplaced
-from ..sqlite import now_iso
+from ..amqp.partitions import delivery_outcome, forwarded_to, misplaced
+from ..model.contract import DeliveryMark, Outcome, WorkHooks
+from ..model.envelope import Envelope
+from ..model.errors import OUTCOME_UNKNOWN, REVISION_CONFLICT, FenceError, Rejection, StoreUnavailable, TransientError
+from ..model.faults import crashpoint
+from ..observability import tracing
+from ..store.sqlite import now_iso
 from .apply import Transaction, apply_batch, duplicate, receipt_of, unsynced_transaction
 from .database import ConsumerDB
 from .in_flight import InFlight

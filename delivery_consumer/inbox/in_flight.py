@@ -22,8 +22,8 @@ from pathlib import Path
 
 import orjson
 
-from .. import liveness, sqlite
-from ..errors import DatabaseError, DeliveryError
+from ..model.errors import DatabaseError, DeliveryError
+from ..store import liveness, sqlite
 from .apply import Transaction, unsynced_transaction
 from .database import ConsumerDB
 

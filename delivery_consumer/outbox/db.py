@@ -19,8 +19,8 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, Final
 
-from ..dbfile import FileGuard
-from ..sqlite import path_of, rollback
+from ..store.dbfile import FileGuard
+from ..store.sqlite import path_of, rollback
 from . import wake
 from .seam import Cursor, OutboxDb, WakeListener
 

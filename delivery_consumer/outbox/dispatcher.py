@@ -21,23 +21,23 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, Protocol
 
-from .. import tracing
-from ..backoff import Backoff
-from ..deliveries import OutMessage
-from ..errors import BrokerUnavailable, DeliveryError, TransientError, safe_reason
-from ..faults import crashpoint
-from ..partitions import slot_headers
-from ..plural import count
-from ..retry import RECONNECT_CAP_S, reconnect_delay_s
-from ..sqlite import now_iso
-from ..topology import H_PRODUCED_MS
+from ..amqp.backoff import Backoff
+from ..amqp.partitions import slot_headers
+from ..amqp.retry import RECONNECT_CAP_S, reconnect_delay_s
+from ..amqp.topology import H_PRODUCED_MS
+from ..model.deliveries import OutMessage
+from ..model.errors import BrokerUnavailable, DeliveryError, TransientError, safe_reason
+from ..model.faults import crashpoint
+from ..model.plural import count
+from ..observability import tracing
+from ..store.sqlite import now_iso
 from . import owners, wake
 from .db import OutboxDb, WakeListener, as_db
 from .outage import PROBE_CAP_S, PROBE_ROWS, Destination, Outage, describe, destination, own_nacks
 from .table import MAX_ERROR_CHARS, routing_key_problem
 
 if TYPE_CHECKING:
-    from ..deliveries import PublishResult
+    from ..model.deliveries import PublishResult
 
 log = logging.getLogger("delivery_consumer.dispatch")
 

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from ..partitions import slot_of
-from ..plural import count
+from ..amqp.partitions import slot_of
+from ..model.plural import count
 
 #: Where a message goes, as far as the dispatcher can tell: its routing key and
 #: its partition slot (the topic exchange routes on the first, a partitioned

@@ -30,9 +30,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
-from ..errors import DeliveryError, safe_reason
-from ..liveness import GONE, RUNNING, boot_id, proc_start, process_state
-from ..sqlite import age_s, now_iso
+from ..model.errors import DeliveryError, safe_reason
+from ..store.liveness import GONE, RUNNING, boot_id, proc_start, process_state
+from ..store.sqlite import age_s, now_iso
 from .db import OutboxDb, as_db
 from .table import MAX_ERROR_CHARS
 

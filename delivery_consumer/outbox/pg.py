@@ -28,8 +28,8 @@ from contextlib import contextmanager, nullcontext, suppress
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Final
 
-from ..errors import DatabaseError, DeliveryError, OutboxError, StoreUnavailable
-from ..sqlite import now_iso
+from ..model.errors import DatabaseError, DeliveryError, OutboxError, StoreUnavailable
+from ..store.sqlite import now_iso
 
 if TYPE_CHECKING:
     import psycopg

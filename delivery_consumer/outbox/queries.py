@@ -21,9 +21,9 @@ from typing import Any, Final
 
 import orjson
 
-from ..errors import NotFound, safe_reason
-from ..plural import count
-from ..sqlite import age_s, now_iso
+from ..model.errors import NotFound, safe_reason
+from ..model.plural import count
+from ..store.sqlite import age_s, now_iso
 from .db import as_db
 
 Row = dict[str, Any]

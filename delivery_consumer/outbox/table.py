@@ -30,11 +30,12 @@ from contextlib import contextmanager, nullcontext, suppress
 from pathlib import Path
 from typing import Any, Final
 
-from .. import sqlite, tracing
-from ..envelope import Envelope, from_mapping, parse
-from ..errors import EVENT_ID_REUSED, DatabaseError, OutboxError, Rejection
-from ..event_types import EventTypes
-from ..sqlite import DEFAULT_BUSY_TIMEOUT_MS, now_iso
+from ..model.envelope import Envelope, from_mapping, parse
+from ..model.errors import EVENT_ID_REUSED, DatabaseError, OutboxError, Rejection
+from ..model.event_types import EventTypes
+from ..observability import tracing
+from ..store import sqlite
+from ..store.sqlite import DEFAULT_BUSY_TIMEOUT_MS, now_iso
 from . import wake
 
 #: Forward-only migrations of the outbox tables; ``outbox_meta.version`` is
@@ -130,7 +131,7 @@ def connect(
     path: Path | str, *, readonly: bool = False, install_tables: bool = True,
     busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS,
 ) -> sqlite3.Connection:
-    """Open the producer's database through :func:`delivery_consumer.sqlite.connect`.
+    """Open the producer's database through :func:`delivery_consumer.store.sqlite.connect`.
 
     Autocommit mode with explicit ``BEGIN IMMEDIATE`` / ``COMMIT`` (see
     :func:`transaction`), WAL with ``synchronous=FULL`` (a row the producer
@@ -179,7 +180,7 @@ def _check_foreign(conn: sqlite3.Connection, path: Path) -> None:
 @contextmanager
 def transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
     """``BEGIN IMMEDIATE`` ... ``COMMIT`` (or ``ROLLBACK``) on *conn*, as
-    :func:`delivery_consumer.sqlite.transaction` but with a finer wait for
+    :func:`delivery_consumer.store.sqlite.transaction` but with a finer wait for
     the write lock (:func:`_begin`); after a COMMIT that enqueued rows the
     dispatchers on this host are woken (:func:`notify`).
 

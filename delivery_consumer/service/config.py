@@ -7,15 +7,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import acked, consumers
-from ..envelope import MAX_BODY_BYTES
-from ..errors import ConfigError
+from .. import consumers
+from ..amqp.partitions import Identity
+from ..amqp.topology import DEFAULT_DELIVERY_LIMIT, DEFAULT_EXCHANGE, DEFAULT_PREFIX, DEFAULT_RETRY_DELAYS_MS, Topology
 from ..inbox import ConsumerDB
 from ..inbox.database import IntegrityCheck
-from ..partition_store import PENDING_KEY, pending_words
-from ..partitions import Identity
-from ..placement import database
-from ..topology import DEFAULT_DELIVERY_LIMIT, DEFAULT_EXCHANGE, DEFAULT_PREFIX, DEFAULT_RETRY_DELAYS_MS, Topology
+from ..model.envelope import MAX_BODY_BYTES
+from ..model.errors import ConfigError
+from ..ops.partition_store import PENDING_KEY, pending_words
+from ..store import acked
+from ..store.placement import database
 
 
 @dataclass

@@ -9,15 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..contract import Outcome
-from ..deliveries import Delivery, OutMessage
-from ..envelope import Envelope
-from ..errors import RETRIES_EXHAUSTED, Rejection, TransientError
-from ..inbox import ConsumerDB
-from ..inbox.database import SEAL_KEY
-from ..retry import GiveUp, RetryPolicy, retry_after_tier, seal_attempts, sealed_attempts
-from ..sqlite import now_iso
-from ..topology import (
+from ..amqp.retry import GiveUp, RetryPolicy, retry_after_tier, seal_attempts, sealed_attempts
+from ..amqp.topology import (
     BROKER_HEADERS,
     H_ATTEMPTS,
     H_ATTEMPTS_SEAL,
@@ -30,6 +23,13 @@ from ..topology import (
     H_ROUTING_KEY,
     Topology,
 )
+from ..inbox import ConsumerDB
+from ..inbox.database import SEAL_KEY
+from ..model.contract import Outcome
+from ..model.deliveries import Delivery, OutMessage
+from ..model.envelope import Envelope
+from ..model.errors import RETRIES_EXHAUSTED, Rejection, TransientError
+from ..store.sqlite import now_iso
 
 
 def seal_key(db: ConsumerDB) -> bytes | None:

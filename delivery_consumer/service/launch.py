@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from .. import consumers
-from ..errors import BrokerError, BrokerUnavailable, ConfigError, DeliveryError, StoreOutage
-from ..partitions import Identity, check_partition
-from ..placement import database, stored_identity
-from ..topology import DEFAULT_URL, Topology
+from ..amqp.partitions import Identity, check_partition
+from ..amqp.topology import DEFAULT_URL, Topology
+from ..model.errors import BrokerError, BrokerUnavailable, ConfigError, DeliveryError, StoreOutage
+from ..store.placement import database, stored_identity
 
 if TYPE_CHECKING:
-    from ..contract import ConsumerSpec
+    from ..model.contract import ConsumerSpec
 
 log = logging.getLogger("delivery_consumer.run")
 
@@ -90,7 +90,7 @@ def partition_identity(consumer: str, partition: int | None, count: int | None, 
 
 def _broker_count(path: Path, broker: tuple[str, Topology] | None, spelling: Spelling) -> int:
     """The count the broker records, for a partition that has no database yet."""
-    from ..partition_queues import recorded_count
+    from ..amqp.partition_queues import recorded_count
 
     if broker is None:
         raise CountUnknown(f"{path}: no partition database yet; give {spelling.count_n} to create it")
@@ -128,8 +128,8 @@ def run_consumer(consumer: str, url: str = DEFAULT_URL, db: str | Path | None = 
     """
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("run_consumer handles SIGTERM/SIGINT: call it from the main thread")
-    from ..logs import quiet_pika
-    from ..partitions import explain
+    from ..amqp.partitions import explain
+    from ..observability.logs import quiet_pika
 
     quiet_pika()
     from .config import RunConfig

@@ -14,8 +14,8 @@ from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING
 
 from ..amqp.consumer import ConsumerIO
-from ..deliveries import Delivery
-from ..faults import crashpoint
+from ..model.deliveries import Delivery
+from ..model.faults import crashpoint
 from .messages import (
     Ack,
     ChannelLost,
@@ -36,7 +36,7 @@ from .messages import (
 )
 
 if TYPE_CHECKING:
-    from ..metrics import RunExposition
+    from ..observability.metrics import RunExposition
 
 log = logging.getLogger("delivery_consumer.run")
 

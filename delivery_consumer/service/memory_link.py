@@ -23,9 +23,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..deliveries import Delivery, OutMessage
-from ..errors import BrokerUnavailable
-from ..topology import H_DELIVERY_COUNT, Topology, topic_matches
+from ..amqp.topology import H_DELIVERY_COUNT, Topology, topic_matches
+from ..model.deliveries import Delivery, OutMessage
+from ..model.errors import BrokerUnavailable
 from .messages import Ack, PublishCopies, Reconnect, Shutdown, ToConnection
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ class Held:
 
 
 class MemoryQueues:
-    """A consumer's queues (:class:`~delivery_consumer.topology.Topology`) held in memory.
+    """A consumer's queues (:class:`~delivery_consumer.amqp.topology.Topology`) held in memory.
 
     Any thread may publish; :meth:`take`, :meth:`give_back` and :meth:`drained` are
     for a link, which holds :attr:`changed` (a reentrant lock) while it calls them.

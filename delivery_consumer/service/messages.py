@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from ..deliveries import Delivery, OutMessage
+from ..model.deliveries import Delivery, OutMessage
 
 # -- connection process -> worker process ---------------------------------------------
 

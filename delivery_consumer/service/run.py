@@ -16,16 +16,16 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from ..amqp.consumer import ConsumerIO
-from ..deliveries import ObserverFactory
-from ..errors import BrokerError, BrokerUnavailable, ConfigError, DatabaseError, DeliveryError, StoreOutage
+from ..model.deliveries import ObserverFactory
+from ..model.errors import BrokerError, BrokerUnavailable, ConfigError, DatabaseError, DeliveryError, StoreOutage
 from .config import RunConfig
 from .link import WorkerLink
 from .messages import Dispatch, Failed, Ready, Stop, ToConnection
 from .worker_process import worker_main
 
 if TYPE_CHECKING:
-    from ..metrics import RunExposition
-    from ..topology import Topology
+    from ..amqp.topology import Topology
+    from ..observability.metrics import RunExposition
 
 log = logging.getLogger("delivery_consumer.run")
 
@@ -124,7 +124,7 @@ def _refuse_a_second_layout(config: RunConfig, topology: Topology, stop: _StopSi
     False when SIGTERM/SIGINT came while asking (the run ends, exit 0)."""
     if config.partition is not None:
         return True
-    from ..partition_queues import layout_conflict
+    from ..amqp.partition_queues import layout_conflict
 
     conflict: str | None = None
     try:

@@ -19,14 +19,17 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol, TypeVar
 
-from .. import acked, tracing
-from ..backoff import Backoff
-from ..cloudevents import parse_message
-from ..contract import DeliveryMark, Outcome, WorkHooks
-from ..dbfile import ContentTags, WriterLock
-from ..deliveries import Delivery, Observer, OutMessage, delivery_key
-from ..envelope import KOMBU_COMPRESSION_HEADER, Envelope, body_digest, is_event_id
-from ..errors import (
+from ..amqp.backoff import Backoff
+from ..amqp.partitions import delivery_outcome, forwarded_to
+from ..amqp.retry import RetryPolicy, reconnect_delay_s
+from ..amqp.topology import H_ATTEMPTS, H_DELIVERY_COUNT, H_PRODUCED_MS
+from ..inbox import ConsumerDB, InFlight, Transaction, apply_batch, has_receipt
+from ..inbox.database import IntegrityCheck
+from ..model.cloudevents import parse_message
+from ..model.contract import DeliveryMark, Outcome, WorkHooks
+from ..model.deliveries import Delivery, Observer, OutMessage, delivery_key
+from ..model.envelope import KOMBU_COMPRESSION_HEADER, Envelope, body_digest, is_event_id
+from ..model.errors import (
     DELIVERY_LIMIT,
     FORWARDED,
     BrokerError,
@@ -37,14 +40,12 @@ from ..errors import (
     StoreOutage,
     StoreUnavailable,
 )
-from ..faults import crashpoint
-from ..inbox import ConsumerDB, InFlight, Transaction, apply_batch, has_receipt
-from ..inbox.database import IntegrityCheck
-from ..logs import cloudevent_fields, cloudevent_text
-from ..partitions import delivery_outcome, forwarded_to
-from ..plural import count
-from ..retry import RetryPolicy, reconnect_delay_s
-from ..topology import H_ATTEMPTS, H_DELIVERY_COUNT, H_PRODUCED_MS
+from ..model.faults import crashpoint
+from ..model.plural import count
+from ..observability import tracing
+from ..observability.logs import cloudevent_fields, cloudevent_text
+from ..store import acked
+from ..store.dbfile import ContentTags, WriterLock
 from .config import RunConfig
 from .copies import Copy, CopyMaker, origin_of, seal_key
 
@@ -678,7 +679,7 @@ class Worker(threading.Thread):
                 and not d.headers.get(H_DELIVERY_COUNT))
 
     def crashpoint(self, name: str) -> None:
-        """A crash point of ``run`` (:mod:`delivery_consumer.faults`); the in-memory
+        """A crash point of ``run`` (:mod:`delivery_consumer.model.faults`); the in-memory
         test kit makes the emulated process die here instead."""
         crashpoint(name)
 

@@ -14,12 +14,14 @@ from contextlib import suppress
 from multiprocessing.connection import Connection
 from types import FrameType
 
-from .. import faults, liveness, tracing
-from ..dbfile import LOCK_POLL_S, Holder, WriterLock, frozen_inside, holder_states, read_note
-from ..deliveries import ObserverFactory, OutMessage
-from ..errors import BrokerUnavailable, DeliveryError, StoreOutage
 from ..inbox import forget_in_flight
 from ..inbox.database import IntegrityCheck
+from ..model import faults
+from ..model.deliveries import ObserverFactory, OutMessage
+from ..model.errors import BrokerUnavailable, DeliveryError, StoreOutage
+from ..observability import tracing
+from ..store import liveness
+from ..store.dbfile import LOCK_POLL_S, Holder, WriterLock, frozen_inside, holder_states, read_note
 from .config import RunConfig
 from .messages import (
     Ack,

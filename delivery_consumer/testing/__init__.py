@@ -29,21 +29,21 @@ from typing import Any
 import orjson
 
 from .. import consumers
-from ..cloudevents import STRUCTURED_CONTENT_TYPE, event_id_for, parse_message, utc_milliseconds
-from ..contract import ConsumerSpec, Outcome
-from ..deliveries import Delivery, OutMessage
-from ..envelope import Envelope
-from ..errors import Rejection, TransientError
-from ..event_ids import new_event_id
-from ..event_types import CloudEventId
+from ..amqp.topology import H_ATTEMPTS, H_ERROR_CODE, H_ERROR_REASON, Topology
 from ..inbox import ConsumerDB, InFlight
-from ..queries import dict_rows, receipt_row
+from ..inbox.queries import dict_rows, receipt_row
+from ..model.cloudevents import STRUCTURED_CONTENT_TYPE, event_id_for, parse_message, utc_milliseconds
+from ..model.contract import ConsumerSpec, Outcome
+from ..model.deliveries import Delivery, OutMessage
+from ..model.envelope import Envelope
+from ..model.errors import Rejection, TransientError
+from ..model.event_ids import new_event_id
+from ..model.event_types import CloudEventId
+from ..model.typed import data_of, envelope
 from ..service.config import RunConfig
 from ..service.copies import Copy
 from ..service.memory_link import MemoryLink, MemoryQueues
 from ..service.worker import Worker
-from ..topology import H_ATTEMPTS, H_ERROR_CODE, H_ERROR_REASON, Topology
-from ..typed import data_of, envelope
 
 #: The crash points of ``run``'s worker a test can stop at (:meth:`ConsumerHarness.run`'s ``crash_at``).
 CRASH_POINTS = ("before-commit", "after-commit", "after-retry-confirm", "after-dead-confirm")
@@ -413,7 +413,7 @@ class ConsumerHarness:
 
     def trace(self, event_id: str) -> dict[str, Any]:
         """What ``delivery-consumer trace`` shows of *event_id* (NotFound when the database has nothing)."""
-        from ..trace import trace
+        from ..inbox.trace import trace
 
         with self.reading() as db:
             return trace(db, event_id)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from ..contract import ConsumerSpec
+    from ..model.contract import ConsumerSpec
     from . import ConsumerHarness
 
 

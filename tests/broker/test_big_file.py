@@ -17,7 +17,7 @@ from partitionkit import Cluster, make_events
 from support import count_rows, wait_until
 
 from delivery_consumer import consumers
-from delivery_consumer.partitions import Identity, partition_of
+from delivery_consumer.amqp.partitions import Identity, partition_of
 
 pytestmark = pytest.mark.broker
 

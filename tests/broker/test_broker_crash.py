@@ -2,7 +2,7 @@
 delivery protocol, then restarted. Nothing may be lost, nothing applied twice.
 
 The kill is exact: ``DELIVERY_CRASH_AT=<point>`` makes the process SIGKILL
-itself when it reaches that point (delivery_consumer/faults.py).
+itself when it reaches that point (delivery_consumer/model/faults.py).
 """
 
 from __future__ import annotations

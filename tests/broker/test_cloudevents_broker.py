@@ -20,9 +20,9 @@ from cloudevents.core.v1.event import CloudEvent
 from partitionkit import Cluster
 from support import read_rows, wait_until
 
-from delivery_consumer.cloudevents import event_id_for
-from delivery_consumer.partitions import partition_of
-from delivery_consumer.topology import H_ERROR_CODE, H_ERROR_REASON
+from delivery_consumer.amqp.partitions import partition_of
+from delivery_consumer.amqp.topology import H_ERROR_CODE, H_ERROR_REASON
+from delivery_consumer.model.cloudevents import event_id_for
 
 pytestmark = pytest.mark.broker
 

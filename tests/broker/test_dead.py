@@ -30,8 +30,8 @@ from delivery_consumer import consumers
 from delivery_consumer.amqp.admin import declare
 from delivery_consumer.amqp.dead_queue import DeadQueue
 from delivery_consumer.amqp.publisher import Publisher
-from delivery_consumer.deliveries import OutMessage
-from delivery_consumer.sqlite import now_iso
+from delivery_consumer.model.deliveries import OutMessage
+from delivery_consumer.store.sqlite import now_iso
 
 SMALL_LIMIT = ("--max-bytes", "2048")
 

@@ -16,7 +16,7 @@ from partitionkit import Cluster
 from support import count_rows, read_rows, wait_until
 
 from delivery_consumer import outbox
-from delivery_consumer.partitions import partition_of
+from delivery_consumer.amqp.partitions import partition_of
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 

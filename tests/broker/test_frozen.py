@@ -18,7 +18,7 @@ from partitionkit import Cluster, make_events, model
 from support import REPO, count_rows, read_rows, wait_until
 from webhook_server import free_port
 
-from delivery_consumer.partitions import partition_of
+from delivery_consumer.amqp.partitions import partition_of
 
 pytestmark = pytest.mark.broker
 

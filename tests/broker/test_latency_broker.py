@@ -15,9 +15,9 @@ from support import count_rows, new_event, wait_until
 from test_broker_metrics import free_port, scrape
 from test_outbox_broker import start_dispatch
 
-from delivery_consumer import producer
 from delivery_consumer.amqp.publisher import StreamPublisher
-from delivery_consumer.deliveries import OutMessage
+from delivery_consumer.model.deliveries import OutMessage
+from delivery_consumer.outbox import producer
 
 
 def arrived(inbox: Path, n: int) -> Callable[[], bool]:

@@ -24,8 +24,8 @@ from brokerkit import Namespace, RunProcess, freeze_session, kill
 from partitionkit import Cluster, make_events
 from support import count_rows, wait_until
 
-from delivery_consumer import producer
-from delivery_consumer.partitions import partition_of
+from delivery_consumer.amqp.partitions import partition_of
+from delivery_consumer.outbox import producer
 
 pytestmark = pytest.mark.broker
 

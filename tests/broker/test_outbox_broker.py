@@ -24,7 +24,8 @@ import pytest
 from brokerkit import Namespace, RabbitNode, kill
 from support import count_rows, read_rows, wait_until
 
-from delivery_consumer import outbox, producer
+from delivery_consumer import outbox
+from delivery_consumer.outbox import producer
 
 CRASHED = -signal.SIGKILL
 
@@ -294,7 +295,7 @@ def test_end_to_end_catalog_equals_the_producers_table(ns: Namespace) -> None:
 def test_stream_publisher_keeps_the_order_of_overlapping_batches(ns: Namespace) -> None:
     """Batches sent before the previous one is collected reach the queue in sending order, each result its own."""
     from delivery_consumer.amqp.publisher import StreamPublisher
-    from delivery_consumer.deliveries import OutMessage
+    from delivery_consumer.model.deliveries import OutMessage
 
     def batch(tag: str, n: int, key: str = "material.published") -> list[OutMessage]:
         return [OutMessage(routing_key=key, body=b"{}", exchange=ns.exchange, message_id=f"{tag}{i}")

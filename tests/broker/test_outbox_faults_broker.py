@@ -23,7 +23,7 @@ from support import count_rows, read_rows, wait_until
 from test_outbox_broker import PUBLISHED, make_events, queued_ids, start_dispatch
 
 from delivery_consumer import outbox
-from delivery_consumer.sqlite import now_iso
+from delivery_consumer.store.sqlite import now_iso
 
 pytestmark = pytest.mark.broker
 
@@ -187,7 +187,7 @@ def test_stream_publisher_fails_an_unencodable_message_alone(ns: Namespace) -> N
     """Messages pika cannot encode (a 300-byte routing key, a 300-byte message_id, a lone surrogate) come back
     'unencodable' alone; the messages around them are confirmed, in order, on the same channel, exactly once."""
     from delivery_consumer.amqp.publisher import StreamPublisher
-    from delivery_consumer.deliveries import OutMessage
+    from delivery_consumer.model.deliveries import OutMessage
 
     def message(tag: str, key: str = "material.published", mid: str | None = None) -> OutMessage:
         return OutMessage(routing_key=key, body=b"{}", exchange=ns.exchange, message_id=mid or tag)
@@ -209,7 +209,7 @@ def test_stream_publisher_renews_its_channel_on_the_same_connection(ns: Namespac
     """renew_channel() closes the channel and publishes on a new one of the same connection: the messages after
     it are confirmed (delivery tags counted afresh), in order, exactly once, with no reconnect."""
     from delivery_consumer.amqp.publisher import StreamPublisher
-    from delivery_consumer.deliveries import OutMessage
+    from delivery_consumer.model.deliveries import OutMessage
 
     def message(tag: str) -> OutMessage:
         return OutMessage(routing_key="material.published", body=b"{}", exchange=ns.exchange, message_id=tag)

@@ -8,8 +8,8 @@ from partitionkit import Cluster, make_events, wait_until
 from support import count_rows, json_lines, read_rows
 from test_broker_metrics import free_port, scrape
 
-from delivery_consumer.contract import ConsumerSpec
-from delivery_consumer.partitions import partition_of
+from delivery_consumer.amqp.partitions import partition_of
+from delivery_consumer.model.contract import ConsumerSpec
 
 pytestmark = pytest.mark.broker
 
@@ -127,7 +127,7 @@ def test_an_event_without_a_slot_waits_in_unrouted_until_rerouted(cluster: Clust
     when another consumer took it, so no return could tell), and reroute sends it to its article's
     partition."""
     from delivery_consumer.amqp.publisher import Publisher
-    from delivery_consumer.deliveries import OutMessage
+    from delivery_consumer.model.deliveries import OutMessage
 
     ns = cluster.ns
     assert ns.cli("topology", "declare", "--consumer", "audit").returncode == 0
@@ -171,9 +171,9 @@ def test_an_event_of_another_partition_is_forwarded_in_order_and_status_names_it
     partition that received them and why it happens."""
     from deploykit import dc, write_deployment
 
+    from delivery_consumer.amqp.partitions import slot_headers
     from delivery_consumer.amqp.publisher import Publisher
-    from delivery_consumer.deliveries import OutMessage
-    from delivery_consumer.partitions import slot_headers
+    from delivery_consumer.model.deliveries import OutMessage
 
     ns = cluster.ns
     events = make_events(60, 6, seed=31)
@@ -212,7 +212,7 @@ def test_reroute_moves_more_than_a_quorum_queue_hands_one_reader(cluster: Cluste
     article."""
     from delivery_consumer.amqp.admin import queue_counts
     from delivery_consumer.amqp.publisher import Publisher
-    from delivery_consumer.deliveries import OutMessage
+    from delivery_consumer.model.deliveries import OutMessage
 
     ns = cluster.ns
     events = make_events(2_500, 50, seed=37)

@@ -19,8 +19,8 @@ from partitionkit import Cluster, LivePublisher, make_events, wait_until
 from support import count_rows, read_rows
 
 from delivery_consumer.amqp.admin import queue_counts
-from delivery_consumer.partitions import partition_of
-from delivery_consumer.topology import Topology
+from delivery_consumer.amqp.partitions import partition_of
+from delivery_consumer.amqp.topology import Topology
 
 #: Events waiting in the partition queues when repartition starts.
 WAITING = 20_000

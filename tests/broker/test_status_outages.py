@@ -20,7 +20,7 @@ from tcpproxy import Proxy
 
 from delivery_consumer import consumers
 from delivery_consumer.amqp import admin
-from delivery_consumer.management import parse_queue
+from delivery_consumer.amqp.management import parse_queue
 
 pytestmark = pytest.mark.broker
 

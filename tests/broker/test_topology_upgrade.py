@@ -14,8 +14,8 @@ import pytest
 from brokerkit import Namespace
 from support import new_event
 
-from delivery_consumer.partitions import partition_topologies
-from delivery_consumer.topology import Topology
+from delivery_consumer.amqp.partitions import partition_topologies
+from delivery_consumer.amqp.topology import Topology
 
 
 def old_release(ns: Namespace, topologies: list[Topology], marker_count: int | None = None) -> None:

@@ -19,8 +19,10 @@ import pydantic
 import pytest
 from support import cli, new_event
 
-from delivery_consumer import asyncapi, envelope, event_type
-from delivery_consumer.event_types import EventTypes
+from delivery_consumer import event_type
+from delivery_consumer.model import envelope
+from delivery_consumer.model.event_types import EventTypes
+from delivery_consumer.ops import asyncapi
 
 SCHEMA = Path(__file__).resolve().parents[1] / "asyncapi" / "asyncapi-3.0.0.schema.json"
 

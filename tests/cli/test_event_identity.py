@@ -14,10 +14,10 @@ import orjson
 import pytest
 from support import cli, json_lines, read_rows
 
-from delivery_consumer.cloudevents import event_id_for
-from delivery_consumer.contract import ConsumerSpec
-from delivery_consumer.envelope import Envelope
-from delivery_consumer.errors import TransientError
+from delivery_consumer.model.cloudevents import event_id_for
+from delivery_consumer.model.contract import ConsumerSpec
+from delivery_consumer.model.envelope import Envelope
+from delivery_consumer.model.errors import TransientError
 
 SOURCE = "/shop/orders"
 

@@ -128,7 +128,7 @@ def test_counts_are_singular_for_one_and_plural_otherwise() -> None:
     from hypothesis import given
     from hypothesis import strategies as st
 
-    from delivery_consumer.plural import count
+    from delivery_consumer.model.plural import count
 
     @given(st.integers(min_value=0, max_value=10**9), st.sampled_from(["dead letter", "row", "rejection"]))
     def law(n: int, noun: str) -> None:

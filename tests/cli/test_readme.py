@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from delivery_consumer.errors import REJECTIONS
+from delivery_consumer.model.errors import REJECTIONS
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -78,7 +78,7 @@ def test_the_example_has_a_module_its_entry_points_its_tests_and_events() -> Non
     assert {"delivery_payments.py", "pyproject.toml", "test_payments.py", "payments.ndjson"} == set(files)
     assert '[project.entry-points."delivery_consumer.consumers"]\npayments = "delivery_payments"' in (
         files["pyproject.toml"])
-    assert '[project.entry-points."delivery_consumer.event_types"]\npayments = "delivery_payments"' in (
+    assert '[project.entry-points."delivery_consumer.model.event_types"]\npayments = "delivery_payments"' in (
         files["pyproject.toml"])
     assert 7 == len(files["payments.ndjson"].splitlines())
     assert "@payments.on(" in files["delivery_payments.py"] and "consumer_harness" in files["test_payments.py"]
@@ -143,8 +143,8 @@ def test_one_apply_instead_of_handlers_keeps_the_same_table(tmp_path: Path) -> N
     import importlib.util
 
     from delivery_consumer import consumers
-    from delivery_consumer.cloudevents import parse_body
     from delivery_consumer.inbox import apply_batch
+    from delivery_consumer.model.cloudevents import parse_body
 
     files = example_files()
     module_path = tmp_path / "delivery_payments.py"

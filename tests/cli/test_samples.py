@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from support import EVENT_ID, SAMPLES, cli, console_script, json_lines, read_rows, subprocess_env
 
-from delivery_consumer import envelope
-from delivery_consumer.errors import REJECTION_CODES
+from delivery_consumer.model import envelope
+from delivery_consumer.model.errors import REJECTION_CODES
 
 README = SAMPLES / "README.md"
 INVALID = SAMPLES / "invalid"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from delivery_consumer.backoff import Backoff
+from delivery_consumer.amqp.backoff import Backoff
 
 
 class Clock:

@@ -20,10 +20,11 @@ from support import (
     read_rows,
 )
 
-from delivery_consumer import consumers, sources
-from delivery_consumer import replay as replay_lib
-from delivery_consumer.envelope import MAX_BODY_BYTES
-from delivery_consumer.errors import CONTENT_CODES
+from delivery_consumer import consumers
+from delivery_consumer.model.envelope import MAX_BODY_BYTES
+from delivery_consumer.model.errors import CONTENT_CODES
+from delivery_consumer.ops import replay as replay_lib
+from delivery_consumer.ops import sources
 
 A = make_envelope()
 B = new_event(article_id="article-7", title="Очередь повторов", url="https://example.org/a/7")

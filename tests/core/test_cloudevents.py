@@ -16,9 +16,9 @@ from cloudevents.core.v1.event import CloudEvent
 from hypothesis import given
 from hypothesis import strategies as st
 
-from delivery_consumer import cloudevents
-from delivery_consumer.envelope import is_event_id
-from delivery_consumer.errors import INVALID_ENVELOPE, MALFORMED_JSON, UNKNOWN_TYPE, Rejection
+from delivery_consumer.model import cloudevents
+from delivery_consumer.model.envelope import is_event_id
+from delivery_consumer.model.errors import INVALID_ENVELOPE, MALFORMED_JSON, UNKNOWN_TYPE, Rejection
 
 
 @dataclass(frozen=True)

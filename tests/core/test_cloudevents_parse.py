@@ -19,9 +19,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import cli, json_lines, read_rows
 
-from delivery_consumer import envelope
-from delivery_consumer.cloudevents import binary_attributes, event_id_for, is_cloudevent, media_type, parse_message
-from delivery_consumer.errors import INVALID_ENVELOPE, Rejection
+from delivery_consumer.model import envelope
+from delivery_consumer.model.cloudevents import (
+    binary_attributes,
+    event_id_for,
+    is_cloudevent,
+    media_type,
+    parse_message,
+)
+from delivery_consumer.model.errors import INVALID_ENVELOPE, Rejection
 
 TYPES = orders_consumer.TYPES
 SOURCE = "/shop/orders"

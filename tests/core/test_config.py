@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from support import EVENT_ID, SAMPLES, cli
 
-from delivery_consumer.system import topic_matches
+from delivery_consumer.ops.system import topic_matches
 
 
 def with_config(config: Path, *args: str, **env: str) -> tuple[int, str, str]:
@@ -282,8 +282,8 @@ def test_a_reader_that_closes_the_pipe_stops_the_command_quietly(tmp_path: Path)
 def test_trace_tells_an_outbox_row_s_history_and_no_stale_error_as_current(tmp_path: Path) -> None:
     """A row quarantined, requeued by a person and then published: trace (text and console)
     says so in that order, and shows no "last error" as if the published row were failing."""
-    from delivery_consumer.config import parse_file
     from delivery_consumer.console.server import Console
+    from delivery_consumer.ops.config import parse_file
 
     config = write_deployment(tmp_path, consumers=("catalog",), extra='amqp_url = "amqp://guest:guest@127.0.0.1:9/%2F"')
     code, out, _err = with_config(config, "produce", "--article", "a-1", "--title", "T", "--url", "https://x/1",
@@ -315,8 +315,8 @@ def test_the_console_gives_the_newest_receipt_s_age_and_a_readable_peak(tmp_path
     """At 3 a.m. the age of the newest receipt is what is compared with the clock: the console
     shows it as the CLI's status does ('… ago', the time on hover); the chart's peak label has
     a halo so the newest bars cannot hide it."""
-    from delivery_consumer.config import parse_file
     from delivery_consumer.console.server import Console
+    from delivery_consumer.ops.config import parse_file
 
     config = write_deployment(tmp_path, consumers=("catalog",), extra='amqp_url = "amqp://guest:guest@127.0.0.1:9/%2F"')
     with_config(config, "replay", "--consumer", "catalog", str(SAMPLES))
@@ -333,8 +333,8 @@ def test_a_console_on_every_address_accepts_actions_addressed_to_this_machine(tm
     with the names it would accept."""
     import socket
 
-    from delivery_consumer.config import parse_file
     from delivery_consumer.console.server import Console, make_server
+    from delivery_consumer.ops.config import parse_file
 
     console = Console(parse_file(write_deployment(tmp_path)), allow_actions=True)
     server = make_server(console, "0.0.0.0", 0)
@@ -356,8 +356,8 @@ def test_a_page_asked_for_under_another_host_name_is_refused(tmp_path: Path) -> 
     import http.client
     import threading
 
-    from delivery_consumer.config import parse_file
     from delivery_consumer.console.server import Console, make_server
+    from delivery_consumer.ops.config import parse_file
 
     config = write_deployment(tmp_path, consumers=("catalog",), extra='amqp_url = "amqp://guest:guest@127.0.0.1:9/%2F"')
     server = make_server(Console(parse_file(config)), "127.0.0.1", 0)
@@ -452,8 +452,8 @@ def test_unacked_counts_come_from_the_management_api_when_it_is_named(tmp_path: 
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from delivery_consumer.config import parse_file
-    from delivery_consumer.system import unacknowledged
+    from delivery_consumer.ops.config import parse_file
+    from delivery_consumer.ops.system import unacknowledged
 
     asked: list[tuple[str, str | None]] = []
 
@@ -512,8 +512,8 @@ def test_a_partitioned_consumer_in_the_file_runs_and_is_checked_partition_by_par
                                                f"partitioned (2 partitions): give --partition K to {what} (each "
                                                "partition has its own queues and database)"), err
 
+    from delivery_consumer.amqp.partitions import Identity
     from delivery_consumer.consumers import open_db
-    from delivery_consumer.partitions import Identity
 
     open_db(tmp_path / "state/catalog/p1/inbox.db", "catalog", create=True,
             partition=Identity(1, 4)).close()  # a partition of 4, where the file says 2

@@ -15,13 +15,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import body, make_envelope, read_rows
 
-from delivery_consumer import deadletters, envelope
 from delivery_consumer.amqp.admin import declare
 from delivery_consumer.amqp.dead_queue import HeldMessage
 from delivery_consumer.amqp.publisher import properties
-from delivery_consumer.envelope import decode_body, parse
-from delivery_consumer.errors import Rejection
-from delivery_consumer.topology import Topology
+from delivery_consumer.amqp.topology import Topology
+from delivery_consumer.model import envelope
+from delivery_consumer.model.envelope import decode_body, parse
+from delivery_consumer.model.errors import Rejection
+from delivery_consumer.ops import deadletters
 
 
 def raw_deflate(data: bytes) -> bytes:

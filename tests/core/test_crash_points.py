@@ -7,9 +7,9 @@ import ast
 import re
 from pathlib import Path
 
-from delivery_consumer import faults
+from delivery_consumer.model import faults
 
-PACKAGE = Path(faults.__file__).resolve().parent
+PACKAGE = Path(faults.__file__).resolve().parents[1]
 
 
 def reached(function: str) -> set[str]:

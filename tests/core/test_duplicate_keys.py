@@ -17,8 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import cli, json_lines, make_envelope, new_event, read_rows
 
-from delivery_consumer import envelope, outbox
-from delivery_consumer.errors import MALFORMED_JSON, Rejection
+from delivery_consumer import outbox
+from delivery_consumer.model import envelope
+from delivery_consumer.model.errors import MALFORMED_JSON, Rejection
 
 # -- a JSON writer that may repeat keys, escape any character and add whitespace -------------
 

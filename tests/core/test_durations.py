@@ -13,9 +13,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from support import cli
 
-from delivery_consumer import durations
 from delivery_consumer.cli import main
 from delivery_consumer.cli.duration_type import Duration
+from delivery_consumer.model import durations
 
 #: Option names that say "this is a time": every such option must be a Duration.
 TIME_WORDS = re.compile(r"timeout|delay|idle|lease|wait|older|horizon|poll|retry-base|retry-cap|interval|"

@@ -13,8 +13,8 @@ import orjson
 import pytest
 from support import EVENT_ID, TITLE, URL, WITHDRAWN, body, make_envelope
 
-from delivery_consumer import envelope
-from delivery_consumer.errors import (
+from delivery_consumer.model import envelope
+from delivery_consumer.model.errors import (
     INVALID_ENVELOPE,
     MALFORMED_JSON,
     MAX_REASON_CHARS,

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from delivery_consumer import envelope
-from delivery_consumer.errors import Rejection
-from delivery_consumer.event_types import MATERIAL, EventType, EventTypes, quick_check
+from delivery_consumer.model import envelope
+from delivery_consumer.model.errors import Rejection
+from delivery_consumer.model.event_types import MATERIAL, EventType, EventTypes, quick_check
 
 UUID = "0b1e9c1e-4a53-4f0e-9d2a-6f1f3f7b2c11"
 VALID: dict[str, Any] = {

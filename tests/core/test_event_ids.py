@@ -25,9 +25,9 @@ from pathlib import Path
 from hypothesis import given
 from hypothesis import strategies as st
 
-from delivery_consumer import producer
-from delivery_consumer.envelope import is_event_id
-from delivery_consumer.event_ids import EventIds, new_event_id
+from delivery_consumer.model.envelope import is_event_id
+from delivery_consumer.model.event_ids import EventIds, new_event_id
+from delivery_consumer.outbox import producer
 
 MS = 1_000_000
 # Around now, with steps that repeat a millisecond, move on, or go back.

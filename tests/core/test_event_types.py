@@ -15,11 +15,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from delivery_consumer import envelope
-from delivery_consumer.errors import ConfigError, Rejection
-from delivery_consumer.event_types import MATERIAL, EventType, EventTypes
 from delivery_consumer.inbox import ConsumerDB, apply_batch
-from delivery_consumer.queries import receipt_row
+from delivery_consumer.inbox.queries import receipt_row
+from delivery_consumer.model import envelope
+from delivery_consumer.model.errors import ConfigError, Rejection
+from delivery_consumer.model.event_types import MATERIAL, EventType, EventTypes
 
 ORDER_DATA = {
     "type": "object",

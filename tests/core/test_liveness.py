@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from support import OpenDB, wait_until
 
-from delivery_consumer import liveness
 from delivery_consumer.inbox import InFlight, owner_alive, process_owner
+from delivery_consumer.store import liveness
 
 SLEEPER = [sys.executable, "-c", "import sys; sys.stdin.read()"]
 

@@ -12,8 +12,7 @@ from hypothesis import strategies as st
 from support import cli
 
 from delivery_consumer import consumers
-from delivery_consumer.errors import ConfigError, DatabaseError
-from delivery_consumer.partitions import (
+from delivery_consumer.amqp.partitions import (
     SLOT_COUNT,
     SLOT_HEADER,
     Identity,
@@ -23,7 +22,8 @@ from delivery_consumer.partitions import (
     slot_headers,
     slot_of,
 )
-from delivery_consumer.topology import Topology
+from delivery_consumer.amqp.topology import Topology
+from delivery_consumer.model.errors import ConfigError, DatabaseError
 
 articles = st.text(min_size=1, max_size=64)
 counts = st.integers(1, SLOT_COUNT)
@@ -130,7 +130,7 @@ def test_slots_are_the_same_in_another_process() -> None:
     import sys
 
     ids = [f"article-{i}" for i in range(200)] + ["материал-7", "42", ""]
-    code = "import json,sys; from delivery_consumer.partitions import slot_of; " \
+    code = "import json,sys; from delivery_consumer.amqp.partitions import slot_of; " \
            "print(json.dumps([slot_of(a) for a in json.load(sys.stdin)]))"
     out = subprocess.run([sys.executable, "-c", code], input=json.dumps(ids), capture_output=True, text=True,
                          check=True, env={**os.environ, "PYTHONHASHSEED": "12345"}).stdout
@@ -142,8 +142,8 @@ def test_a_partition_directory_given_as_db_reads_as_one_consumer(tmp_path: Path)
     partitions, --partition K picks one, and a command that needs one partition says so in one line."""
     import orjson
 
-    from delivery_consumer.envelope import parse
     from delivery_consumer.inbox import apply_event
+    from delivery_consumer.model.envelope import parse
 
     directory = tmp_path / "catalog"
     articles = [f"article-{i}" for i in range(12)]
@@ -172,9 +172,9 @@ def test_a_partition_database_refuses_another_partitions_article(tmp_path: Path)
     rejected wrong-partition, nothing of it applied; its own articles apply."""
     import orjson
 
-    from delivery_consumer.envelope import parse
-    from delivery_consumer.errors import Rejection
     from delivery_consumer.inbox import apply_event
+    from delivery_consumer.model.envelope import parse
+    from delivery_consumer.model.errors import Rejection
 
     def event(article: str, n: int) -> bytes:
         return orjson.dumps({"eventId": f"00000000-0000-4000-8000-{n:012d}", "type": "material.published",
@@ -198,9 +198,9 @@ def test_a_wrong_partition_reason_names_the_types_key_field(tmp_path: Path) -> N
     import orders_consumer
     import orjson
 
-    from delivery_consumer.envelope import parse
-    from delivery_consumer.errors import Rejection
     from delivery_consumer.inbox import apply_event
+    from delivery_consumer.model.envelope import parse
+    from delivery_consumer.model.errors import Rejection
 
     theirs = next(f"order-{i}" for i in range(100) if partition_of(f"order-{i}", 2) == 1)
     body = orjson.dumps({"eventId": "00000000-0000-4000-8000-000000000001", "type": "order.placed",

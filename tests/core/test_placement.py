@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from delivery_consumer import consumers
-from delivery_consumer.config import parse
-from delivery_consumer.errors import ConfigError, DatabaseError
-from delivery_consumer.partitions import Identity
-from delivery_consumer.placement import beside, database, partition_dirs, resolve, stored_identity
+from delivery_consumer.amqp.partitions import Identity
+from delivery_consumer.model.errors import ConfigError, DatabaseError
+from delivery_consumer.ops.config import parse
+from delivery_consumer.store.placement import beside, database, partition_dirs, resolve, stored_identity
 
 
 def make_partitions(directory: Path, count: int, consumer: str = "audit") -> None:

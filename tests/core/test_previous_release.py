@@ -25,13 +25,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import REPO, SAMPLES, json_lines, read_rows, subprocess_env
 
-from delivery_consumer import envelope
-from delivery_consumer.cloudevents import parse_message
 from delivery_consumer.consumers import open_db
-from delivery_consumer.errors import Rejection
 from delivery_consumer.inbox.database import STORE_VERSION
-from delivery_consumer.replay import replay
-from delivery_consumer.sources import expand, read
+from delivery_consumer.model import envelope
+from delivery_consumer.model.cloudevents import parse_message
+from delivery_consumer.model.errors import Rejection
+from delivery_consumer.ops.replay import replay
+from delivery_consumer.ops.sources import expand, read
 
 #: The last commit of the release before declared event types.
 PREVIOUS = "00f3786589c65cd93bf6bd87e7eecab306d53d84"

@@ -40,9 +40,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support import PUBLISHED, WITHDRAWN, rows
 
-from delivery_consumer import consumers, envelope
-from delivery_consumer.envelope import Envelope
+from delivery_consumer import consumers
 from delivery_consumer.inbox import ConsumerDB, apply_batch, apply_event
+from delivery_consumer.model import envelope
+from delivery_consumer.model.envelope import Envelope
 
 # -- fingerprint: invariant to key order ------------------------------------------
 

@@ -105,14 +105,14 @@ def private_imports(text: str) -> list[str]:
 
 def test_the_check_finds_private_imports() -> None:
     """An internal module, a name outside ``__all__`` and an inline span are each found; public ones pass."""
-    text = ("```python\nfrom delivery_consumer.contract import View\nfrom delivery_consumer import View, _LAZY\n"
+    text = ("```python\nfrom delivery_consumer.model.contract import View\nfrom delivery_consumer import View, _LAZY\n"
             "import delivery_consumer.outbox\nimport delivery_consumer.inbox\n```\n"
-            "Use `from delivery_consumer.state import RevisionTable`, or `from\n"
+            "Use `from delivery_consumer.model.state import RevisionTable`, or `from\n"
             "delivery_consumer import make_envelope,\n_LAZY`.\n")
-    assert ["2: delivery_consumer.contract is not a public module",
+    assert ["2: delivery_consumer.model.contract is not a public module",
             "3: delivery_consumer._LAZY is not in its __all__",
             "5: delivery_consumer.inbox is not a public module",
-            "7: delivery_consumer.state is not a public module",
+            "7: delivery_consumer.model.state is not a public module",
             "7: delivery_consumer._LAZY is not in its __all__"] == private_imports(text)
 
 

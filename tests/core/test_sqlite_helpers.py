@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from delivery_consumer import sqlite
-from delivery_consumer.errors import DatabaseError, StoreUnavailable
+from delivery_consumer.model.errors import DatabaseError, StoreUnavailable
+from delivery_consumer.store import sqlite
 
 
 def table(tmp_path: Path) -> sqlite3.Connection:

@@ -20,12 +20,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from delivery_consumer import Consumer, Event, event_type
-from delivery_consumer.contract import ConsumerSpec
-from delivery_consumer.envelope import fingerprint, parse
-from delivery_consumer.errors import INVALID_ENVELOPE, ConfigError, Rejection
-from delivery_consumer.event_types import EventType, EventTypes
 from delivery_consumer.inbox import ConsumerDB, apply_batch
-from delivery_consumer.typed import data_of, decoder, envelope, model_schema
+from delivery_consumer.model.contract import ConsumerSpec
+from delivery_consumer.model.envelope import fingerprint, parse
+from delivery_consumer.model.errors import INVALID_ENVELOPE, ConfigError, Rejection
+from delivery_consumer.model.event_types import EventType, EventTypes
+from delivery_consumer.model.typed import data_of, decoder, envelope, model_schema
 
 
 class Method(enum.Enum):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from delivery_consumer.partitions import partition_topology
-from delivery_consumer.topology import Topology, classic_leftover, upgrade_hint
+from delivery_consumer.amqp.partitions import partition_topology
+from delivery_consumer.amqp.topology import Topology, classic_leftover, upgrade_hint
 
 
 def refusal(queue: str) -> str:

@@ -12,8 +12,8 @@ import pytest
 from support import OpenDB, cli
 
 from delivery_consumer import __version__, consumers
-from delivery_consumer.errors import DatabaseError
 from delivery_consumer.inbox import database
+from delivery_consumer.model.errors import DatabaseError
 
 REPO = Path(__file__).resolve().parents[2]
 

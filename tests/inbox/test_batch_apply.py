@@ -23,10 +23,10 @@ from hypothesis import strategies as st
 
 from delivery_consumer import consumers
 from delivery_consumer.consumers import register, unregister
-from delivery_consumer.contract import ConsumerSpec, Outcome
-from delivery_consumer.envelope import Envelope, from_mapping
-from delivery_consumer.errors import INVALID_ENVELOPE, Rejection, TransientError
 from delivery_consumer.inbox import ConsumerDB, apply_batch
+from delivery_consumer.model.contract import ConsumerSpec, Outcome
+from delivery_consumer.model.envelope import Envelope, from_mapping
+from delivery_consumer.model.errors import INVALID_ENVELOPE, Rejection, TransientError
 
 EVENT_IDS = [str(uuid.UUID(int=i + 1)) for i in range(6)]
 

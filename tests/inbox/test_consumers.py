@@ -27,11 +27,11 @@ from support import (
 )
 
 from delivery_consumer import consumers
-from delivery_consumer.contract import ConsumerSpec
-from delivery_consumer.envelope import from_mapping
-from delivery_consumer.errors import EVENT_ID_REUSED, ConfigError, DatabaseError, Rejection
 from delivery_consumer.inbox import ConsumerDB, apply_event
-from delivery_consumer.partition_store import split_merge
+from delivery_consumer.model.contract import ConsumerSpec
+from delivery_consumer.model.envelope import from_mapping
+from delivery_consumer.model.errors import EVENT_ID_REUSED, ConfigError, DatabaseError, Rejection
+from delivery_consumer.ops.partition_store import split_merge
 
 # -- the registry -------------------------------------------------------------
 

@@ -16,14 +16,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support import env
 
-from delivery_consumer import consumers, queries, retention, system
-from delivery_consumer.envelope import Envelope
-from delivery_consumer.errors import TransientError
-from delivery_consumer.inbox import ConsumerDB, apply_batch, counters, database
+from delivery_consumer import consumers
+from delivery_consumer.amqp.partitions import Identity, partition_of
+from delivery_consumer.inbox import ConsumerDB, apply_batch, counters, database, queries, retention
 from delivery_consumer.inbox import apply as apply_module
-from delivery_consumer.partition_store import split_merge
-from delivery_consumer.partitions import Identity, partition_of
-from delivery_consumer.sqlite import now_iso
+from delivery_consumer.model.envelope import Envelope
+from delivery_consumer.model.errors import TransientError
+from delivery_consumer.ops import system
+from delivery_consumer.ops.partition_store import split_merge
+from delivery_consumer.store.sqlite import now_iso
 
 NOW = 1_800_000_000.0
 RESULTS = st.sampled_from(["updated", "stale", "same-state", "created", "fail"])

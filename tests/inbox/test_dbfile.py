@@ -18,9 +18,9 @@ import pytest
 from support import env, wait_until
 
 from delivery_consumer import consumers
-from delivery_consumer.dbfile import SerialLock, WriterLock
-from delivery_consumer.errors import DatabaseError, DatabaseInUse, DatabaseLost
 from delivery_consumer.inbox import ConsumerDB, InFlight, apply_batch
+from delivery_consumer.model.errors import DatabaseError, DatabaseInUse, DatabaseLost
+from delivery_consumer.store.dbfile import SerialLock, WriterLock
 
 
 def _open(path: Path) -> ConsumerDB:
@@ -101,7 +101,7 @@ def test_the_integrity_check_passes_a_sound_file_and_refuses_a_damaged_page(tmp_
 
 _HOLD = """
 import os, sys, time
-from delivery_consumer.dbfile import WriterLock, SerialLock
+from delivery_consumer.store.dbfile import WriterLock, SerialLock
 kind, path = sys.argv[1], sys.argv[2]
 if kind == "writer":
     lock = WriterLock(path)

@@ -12,11 +12,11 @@ import pytest
 from flaky_consumer import disk_full
 from support import new_event
 
-from delivery_consumer.contract import ConsumerSpec
-from delivery_consumer.envelope import Envelope, parse
-from delivery_consumer.errors import Rejection, StoreUnavailable
-from delivery_consumer.event_types import EventType, EventTypes
 from delivery_consumer.inbox import ConsumerDB, apply_batch
+from delivery_consumer.model.contract import ConsumerSpec
+from delivery_consumer.model.envelope import Envelope, parse
+from delivery_consumer.model.errors import Rejection, StoreUnavailable
+from delivery_consumer.model.event_types import EventType, EventTypes
 
 TYPES = EventTypes([EventType("payment.captured", key="paymentId", data={
     "type": "object", "required": ["amountCents"], "properties": {"amountCents": {"type": "integer"}}})])

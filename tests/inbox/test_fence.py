@@ -17,12 +17,12 @@ from support import OpenDB, cli, env, json_lines, read_rows
 from webhook_server import WebhookServer, free_port
 
 from delivery_consumer import consumers
+from delivery_consumer.amqp.retry import Retry, retry_after_tier
 from delivery_consumer.consumers.webhook import Notifier, WebhookConfig, idempotency_key_header, payload
-from delivery_consumer.contract import DeliveryMark, Outcome, WorkHooks
-from delivery_consumer.envelope import Envelope
-from delivery_consumer.errors import ConfigError, FenceError, TransientError
 from delivery_consumer.inbox import ConsumerDB, InFlight, fence, unsynced_transaction
-from delivery_consumer.retry import Retry, retry_after_tier
+from delivery_consumer.model.contract import DeliveryMark, Outcome, WorkHooks
+from delivery_consumer.model.envelope import Envelope
+from delivery_consumer.model.errors import ConfigError, FenceError, TransientError
 
 Step = Callable[..., Notifier]
 
@@ -429,7 +429,7 @@ def test_fence_resolve_command(db: ConsumerDB) -> None:
 def test_trace_shows_the_fence_an_event_claimed(db: ConsumerDB, step: Step, tmp_path: Path) -> None:
     """trace lists the fence row an event claimed among its effect rows, and none for another event;
     a database without a fence table lists no fence."""
-    from delivery_consumer.trace import trace
+    from delivery_consumer.inbox.trace import trace
 
     apply(db, step(), env(event_id=E1), env(event_id=E2, revision=2))
 
@@ -532,7 +532,7 @@ def test_trace_by_key_finds_the_fence_row_under_its_generic_column(
 ) -> None:
     """The fence keeps an event's key in ``entity_key``: a trace by key still finds its row
     (the webhook has no view naming a key column)."""
-    from delivery_consumer import system
+    from delivery_consumer.ops import system
 
     event = env(event_id=E1, article_id="a-9", revision=2)
     assert ["notified"] == statuses(apply(db, step(), event))

@@ -28,8 +28,8 @@ LIBRARY_FENCE = """
 import sys
 from delivery_consumer import consumers
 from delivery_consumer.consumers.webhook import Notifier, WebhookConfig
-from delivery_consumer.contract import DeliveryMark
-from delivery_consumer.envelope import parse
+from delivery_consumer.model.contract import DeliveryMark
+from delivery_consumer.model.envelope import parse
 from delivery_consumer.inbox import fence
 db_path, url, source, batch = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 with open(source, "rb") as f:

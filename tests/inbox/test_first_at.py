@@ -12,9 +12,10 @@ import test_worker
 from support import body, new_event, read_rows, wait_until
 from test_worker import Recorder, delivery
 
-from delivery_consumer import consumers, trace
+from delivery_consumer import consumers
+from delivery_consumer.inbox import trace
 from delivery_consumer.service.worker import Worker
-from delivery_consumer.sqlite import now_iso
+from delivery_consumer.store.sqlite import now_iso
 
 make_worker = test_worker.make_worker  # the fixture: an opened worker on a fresh database
 

@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support import OpenDB, read_rows
 
-from delivery_consumer.errors import DatabaseMalformed, StoreUnavailable
 from delivery_consumer.inbox import ConsumerDB, InFlight, owner_alive, process_owner
-from delivery_consumer.sqlite import translate
+from delivery_consumer.model.errors import DatabaseMalformed, StoreUnavailable
+from delivery_consumer.store.sqlite import translate
 
 GONE = "gone:1:1"  # another boot: certainly not running
 

@@ -24,14 +24,14 @@ from hypothesis import strategies as st
 from support import env as envelope
 from support import new_event, read_rows, wait_until
 
-from delivery_consumer import consumers, retention
+from delivery_consumer import consumers
 from delivery_consumer.amqp.admin import declare
 from delivery_consumer.amqp.dead_queue import DeadQueue
 from delivery_consumer.amqp.publisher import Publisher
-from delivery_consumer.deliveries import OutMessage
-from delivery_consumer.errors import PruneRefused, Rejection
-from delivery_consumer.inbox import apply_batch, apply_event, inbox_rowid_before
-from delivery_consumer.sqlite import now_iso
+from delivery_consumer.inbox import apply_batch, apply_event, inbox_rowid_before, retention
+from delivery_consumer.model.deliveries import OutMessage
+from delivery_consumer.model.errors import PruneRefused, Rejection
+from delivery_consumer.store.sqlite import now_iso
 
 DAY = 86400.0
 
@@ -193,7 +193,7 @@ def test_prune_resolves_rejections_whose_dead_letter_is_gone(ns: Namespace) -> N
     declare(ns.url, [topo])
     (gone, present) = ids(2)
     present_body = orjson.dumps(new_event(event_id=present))
-    from delivery_consumer.envelope import body_digest
+    from delivery_consumer.model.envelope import body_digest
 
     add_receipts(db, [gone, present], days_old=40)
     add_rejection(db, gone, days_old=40, dead_letter=topo.dead_queue, body_sha256="0" * 64)

@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
-from delivery_consumer import consumers, queries, views
+from delivery_consumer import consumers
 from delivery_consumer.consumers.catalog import SPEC as CATALOG_SPEC
-from delivery_consumer.envelope import from_mapping
-from delivery_consumer.errors import DatabaseError, NotFound, QueryError, Rejection
-from delivery_consumer.inbox import ConsumerDB, apply_event, database
+from delivery_consumer.inbox import ConsumerDB, apply_event, database, queries, views
 from delivery_consumer.inbox import apply as inbox_apply
+from delivery_consumer.model.envelope import from_mapping
+from delivery_consumer.model.errors import DatabaseError, NotFound, QueryError, Rejection
 
 assert CATALOG_SPEC.view is not None
 CATALOG = CATALOG_SPEC.view

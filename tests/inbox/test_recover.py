@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 from support import cli, env, json_lines
 
-from delivery_consumer import acked, consumers
-from delivery_consumer.errors import DatabaseError
+from delivery_consumer import consumers
 from delivery_consumer.inbox import apply_batch
+from delivery_consumer.model.errors import DatabaseError
+from delivery_consumer.store import acked
 
 
 def _damaged(path: Path, *, pages: dict[str, int]) -> tuple[int, str]:

@@ -15,9 +15,9 @@ from partitionkit import Cluster, make_events, wait_until
 from support import count_rows, read_rows
 
 from delivery_consumer import consumers
-from delivery_consumer.partition_store import split_merge
-from delivery_consumer.partitions import Identity, partition_of
-from delivery_consumer.placement import stored_identity
+from delivery_consumer.amqp.partitions import Identity, partition_of
+from delivery_consumer.ops.partition_store import split_merge
+from delivery_consumer.store.placement import stored_identity
 
 ARTICLES = 300
 
@@ -229,7 +229,7 @@ def test_status_reports_a_message_in_a_queue_of_the_former_count_and_repartition
 
     from delivery_consumer.amqp.admin import declare
     from delivery_consumer.amqp.publisher import Publisher
-    from delivery_consumer.deliveries import OutMessage
+    from delivery_consumer.model.deliveries import OutMessage
 
     ns = cluster.ns
     assert ns.workdir == tmp_path

@@ -26,13 +26,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from delivery_consumer import replay as replay_lib
 from delivery_consumer.consumers import get
-from delivery_consumer.errors import TransientError
 from delivery_consumer.inbox import ConsumerDB
 from delivery_consumer.inbox import apply as apply_module
-from delivery_consumer.sources import Item
-from delivery_consumer.sqlite import DATABASE_BUSY
+from delivery_consumer.model.errors import TransientError
+from delivery_consumer.ops import replay as replay_lib
+from delivery_consumer.ops.sources import Item
+from delivery_consumer.store.sqlite import DATABASE_BUSY
 
 EVENT_IDS = [str(uuid.UUID(int=i + 1)) for i in range(8)]
 

@@ -25,10 +25,11 @@ from support import (
     rows,
 )
 
-from delivery_consumer import consumers, sqlite
-from delivery_consumer.contract import ConsumerSpec
-from delivery_consumer.envelope import Envelope, from_mapping
-from delivery_consumer.errors import (
+from delivery_consumer import consumers
+from delivery_consumer.inbox import ConsumerDB, apply_batch, apply_event, database
+from delivery_consumer.model.contract import ConsumerSpec
+from delivery_consumer.model.envelope import Envelope, from_mapping
+from delivery_consumer.model.errors import (
     EVENT_ID_REUSED,
     MALFORMED_JSON,
     REVISION_CONFLICT,
@@ -36,7 +37,7 @@ from delivery_consumer.errors import (
     Rejection,
     TransientError,
 )
-from delivery_consumer.inbox import ConsumerDB, apply_batch, apply_event, database
+from delivery_consumer.store import sqlite
 
 SECOND_ID = "5d2f8a61-9c3e-4b7a-8e15-2a6c0f4d9b83"
 THIRD_ID = "9a7c3e15-2b4d-4f6a-b8e9-1c0d5f7a3e26"

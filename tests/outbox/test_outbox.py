@@ -20,13 +20,15 @@ from click.testing import CliRunner
 from outboxkit import Clock, FakePublisher, add, dispatcher, envelope, row, twin
 from support import closed_at_exit
 
-from delivery_consumer import consumers, outbox, producer, sqlite
+from delivery_consumer import consumers, outbox
+from delivery_consumer.amqp.retry import RECONNECT_CAP_S
 from delivery_consumer.cli import main
-from delivery_consumer.deliveries import PublishResult
-from delivery_consumer.envelope import parse
-from delivery_consumer.errors import BrokerFatal, ConfigError, DatabaseError, NotFound, Rejection, TransientError
-from delivery_consumer.retry import RECONNECT_CAP_S
-from delivery_consumer.sqlite import now_iso
+from delivery_consumer.model.deliveries import PublishResult
+from delivery_consumer.model.envelope import parse
+from delivery_consumer.model.errors import BrokerFatal, ConfigError, DatabaseError, NotFound, Rejection, TransientError
+from delivery_consumer.outbox import producer
+from delivery_consumer.store import sqlite
+from delivery_consumer.store.sqlite import now_iso
 
 
 @pytest.fixture

@@ -23,9 +23,9 @@ from pgkit import admin, with_database
 from support import read_rows, wait_until
 from test_outbox_broker import queued_ids
 
-from delivery_consumer import config as config_lib
 from delivery_consumer import outbox
 from delivery_consumer.console.server import Console
+from delivery_consumer.ops import config as config_lib
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -32,11 +32,12 @@ from hypothesis import strategies as st
 from outboxkit import Clock, FakePublisher, add, dispatcher, envelope, row, twin
 from support import wait_until
 
-from delivery_consumer import liveness, outbox, producer
+from delivery_consumer import outbox
 from delivery_consumer.cli import main
-from delivery_consumer.errors import DatabaseError, TransientError
-from delivery_consumer.outbox import owners
-from delivery_consumer.sqlite import now_iso
+from delivery_consumer.model.errors import DatabaseError, TransientError
+from delivery_consumer.outbox import owners, producer
+from delivery_consumer.store import liveness
+from delivery_consumer.store.sqlite import now_iso
 
 
 @pytest.fixture
@@ -621,7 +622,8 @@ def test_a_version_1_database_is_upgraded_and_keeps_its_rows(tmp_path: Path) -> 
 MISUSE = """
 import sys
 import time
-from delivery_consumer import outbox, producer
+from delivery_consumer import outbox
+from delivery_consumer.outbox import producer
 conn = producer.open_db(sys.argv[1])
 with outbox.transaction(conn):
     conn.execute("INSERT INTO material VALUES ('a', 1, 't', 'u', 1, ?, 'now')", (sys.argv[2],))

@@ -19,7 +19,7 @@ from support import closed_at_exit
 
 from delivery_consumer import outbox
 from delivery_consumer.amqp.publisher import PublishResult
-from delivery_consumer.errors import Rejection, TransientError
+from delivery_consumer.model.errors import Rejection, TransientError
 from delivery_consumer.outbox import owners
 
 

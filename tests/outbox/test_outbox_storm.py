@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 from outboxkit import Clock, FakePublisher, add, dispatcher, envelope, row, twin
 
 from delivery_consumer import outbox
-from delivery_consumer.deliveries import OutMessage, PublishResult
+from delivery_consumer.amqp.retry import RECONNECT_CAP_S
+from delivery_consumer.model.deliveries import OutMessage, PublishResult
 from delivery_consumer.outbox.outage import PROBE_CAP_S as PROBE_CAP
 from delivery_consumer.outbox.outage import destination, own_nacks
-from delivery_consumer.retry import RECONNECT_CAP_S
 
 
 class Broker(FakePublisher):
@@ -325,7 +325,7 @@ def test_a_connection_lost_while_renewing_the_channel_is_an_outage_like_any_othe
     class Dropping(Broker):
         def renew_channel(self) -> None:
             super().renew_channel()
-            from delivery_consumer.errors import BrokerUnavailable
+            from delivery_consumer.model.errors import BrokerUnavailable
             self.storm = False
             raise BrokerUnavailable("connection lost while opening a channel")
 

@@ -20,13 +20,13 @@ from support import body, new_event, read_rows
 from test_worker import Recorder, delivery, flaky_spec
 
 from delivery_consumer.amqp.publisher import Publisher
-from delivery_consumer.contract import ConsumerSpec
-from delivery_consumer.deliveries import OutMessage
-from delivery_consumer.errors import RETRIES_EXHAUSTED
+from delivery_consumer.amqp.retry import seal_attempts, sealed_attempts
+from delivery_consumer.amqp.topology import H_ATTEMPTS, H_ATTEMPTS_SEAL, H_ERROR_CODE, H_ERROR_REASON
 from delivery_consumer.inbox.database import SEAL_KEY
-from delivery_consumer.retry import seal_attempts, sealed_attempts
+from delivery_consumer.model.contract import ConsumerSpec
+from delivery_consumer.model.deliveries import OutMessage
+from delivery_consumer.model.errors import RETRIES_EXHAUSTED
 from delivery_consumer.service.worker import Worker
-from delivery_consumer.topology import H_ATTEMPTS, H_ATTEMPTS_SEAL, H_ERROR_CODE, H_ERROR_REASON
 
 MakeWorker = Callable[..., tuple[Worker, Recorder]]
 make_worker = test_worker.make_worker  # the fixture: an opened worker on a fresh database

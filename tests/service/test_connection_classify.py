@@ -14,8 +14,8 @@ from pika.adapters.utils.connection_workflow import (
 )
 
 from delivery_consumer.amqp.connection import CONNECT_TIMEOUT_S, HANDSHAKE_TIMEOUT_S, HEARTBEAT_S, classify, parameters
-from delivery_consumer.errors import BrokerFatal, BrokerUnavailable
-from delivery_consumer.retry import RECONNECT_CAP_S, reconnect_delay_s
+from delivery_consumer.amqp.retry import RECONNECT_CAP_S, reconnect_delay_s
+from delivery_consumer.model.errors import BrokerFatal, BrokerUnavailable
 
 REFUSED_LOGIN = pex.ConnectionClosedByBroker(403, "ACCESS_REFUSED - Login was refused")
 NO_VHOST = pex.ConnectionClosedByBroker(530, "NOT_ALLOWED - vhost x not found")

@@ -23,15 +23,15 @@ from support import new_event
 from test_worker import Recorder, delivery, event_id, on_memory_link
 
 from delivery_consumer import outbox
-from delivery_consumer.deliveries import Observer
-from delivery_consumer.errors import StoreUnavailable
-from delivery_consumer.metrics import Metrics
+from delivery_consumer.amqp.topology import H_PRODUCED_MS
+from delivery_consumer.model.deliveries import Observer
+from delivery_consumer.model.errors import StoreUnavailable
+from delivery_consumer.observability.metrics import Metrics
 from delivery_consumer.outbox import wake
 from delivery_consumer.outbox.db import SqliteDb
 from delivery_consumer.service.config import RunConfig
 from delivery_consumer.service.worker import Worker
-from delivery_consumer.sqlite import now_iso
-from delivery_consumer.topology import H_PRODUCED_MS
+from delivery_consumer.store.sqlite import now_iso
 
 
 @pytest.fixture

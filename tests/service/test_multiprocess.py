@@ -31,7 +31,7 @@ REVISIONS = 6
 LIBRARY_REPLAY = """
 import sys, orjson
 from delivery_consumer import consumers
-from delivery_consumer.envelope import parse
+from delivery_consumer.model.envelope import parse
 from delivery_consumer.inbox import ConsumerDB, apply_event
 db_path, consumer, source = sys.argv[1:4]
 with consumers.open_db(db_path, consumer, create=True) as db, open(source, "rb") as lines:

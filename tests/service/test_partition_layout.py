@@ -17,7 +17,7 @@ from support import count_rows, wait_until
 
 from delivery_consumer import consumers
 from delivery_consumer.amqp.admin import queue_counts
-from delivery_consumer.partitions import Identity
+from delivery_consumer.amqp.partitions import Identity
 
 
 @pytest.mark.broker

@@ -18,7 +18,7 @@ from brokerkit import Namespace, RunProcess, wait_session_gone
 from support import count_rows, read_rows, wait_until
 
 import delivery_consumer
-from delivery_consumer.cloudevents import event_id_for
+from delivery_consumer.model.cloudevents import event_id_for
 
 PROGRAM = '''
 """A service of the user's own: it starts the orders consumer with run_consumer and exits with its code."""

@@ -14,8 +14,8 @@ import pytest
 from support import wait_until
 from webhook_server import free_port
 
-from delivery_consumer import metrics
-from delivery_consumer.metrics import RunExposition
+from delivery_consumer.observability import metrics
+from delivery_consumer.observability.metrics import RunExposition
 
 
 class _Slow:

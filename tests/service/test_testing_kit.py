@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from delivery_consumer import Consumer, Event, consumers, event_type
-from delivery_consumer.contract import ConsumerSpec
-from delivery_consumer.errors import ConfigError, Rejection, TransientError
-from delivery_consumer.state import RevisionTable
+from delivery_consumer.model.contract import ConsumerSpec
+from delivery_consumer.model.errors import ConfigError, Rejection, TransientError
+from delivery_consumer.model.state import RevisionTable
 from delivery_consumer.testing import ACKED, DEAD_LETTERED, RETRIED, ConsumerHarness, HarnessError
 
 REPO = Path(__file__).resolve().parents[2]

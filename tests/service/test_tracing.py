@@ -20,11 +20,12 @@ import pytest
 from support import body, new_event
 from test_worker import Recorder, delivery, on_memory_link
 
-from delivery_consumer import outbox, tracing
-from delivery_consumer.envelope import from_mapping
+from delivery_consumer import outbox
+from delivery_consumer.amqp.topology import H_ATTEMPTS
+from delivery_consumer.model.envelope import from_mapping
+from delivery_consumer.observability import tracing
 from delivery_consumer.service.config import RunConfig
 from delivery_consumer.service.worker import Worker
-from delivery_consumer.topology import H_ATTEMPTS
 
 trace = pytest.importorskip("opentelemetry.trace")
 sdk_trace = pytest.importorskip("opentelemetry.sdk.trace")
@@ -257,7 +258,8 @@ def test_without_opentelemetry_nothing_is_imported_and_nothing_changes(tmp_path:
 import sys
 sys.modules["opentelemetry"] = None  # as if not installed
 sys.path.insert(0, {str(REPO / 'tests')!r})
-from delivery_consumer import outbox, tracing
+from delivery_consumer import outbox
+from delivery_consumer.observability import tracing
 from support import new_event
 conn = outbox.connect({str(tmp_path / 'p.db')!r})
 with outbox.transaction(conn):
@@ -313,8 +315,8 @@ def test_an_event_of_an_unsampled_producer_trace_gets_no_span(tmp_path: Path, sp
 
 def test_a_partitioned_runs_spans_name_the_partition(spans: InMemorySpanExporter) -> None:
     """The batch span and each event span carry the partition of the run."""
-    from delivery_consumer.contract import Outcome
-    from delivery_consumer.partitions import Identity
+    from delivery_consumer.amqp.partitions import Identity
+    from delivery_consumer.model.contract import Outcome
 
     event = new_event(article_id="a-1")
     trace_of_batch = tracing.batch("catalog", Identity(3, 8))

@@ -1,4 +1,4 @@
-"""The SDK's fast path (delivery_consumer/tracing/_sdk.py) makes the spans the
+"""The SDK's fast path (delivery_consumer/observability/tracing/_sdk.py) makes the spans the
 plain path makes through the OpenTelemetry API, and is used only where it
 is known to: an SDK version it is tested with, internals that pass its
 checks, a tracer whose limits and metrics it does not bypass. Outside
@@ -31,15 +31,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from orders_consumer import TYPES
 
-from delivery_consumer import tracing
-from delivery_consumer.contract import Outcome
-from delivery_consumer.deliveries import Delivery
-from delivery_consumer.envelope import Envelope
-from delivery_consumer.errors import Rejection, TransientError
+from delivery_consumer.amqp.partitions import Identity
+from delivery_consumer.amqp.topology import H_ATTEMPTS
 from delivery_consumer.inbox.fence import CallResult
-from delivery_consumer.partitions import Identity
-from delivery_consumer.topology import H_ATTEMPTS
-from delivery_consumer.tracing import _plain
+from delivery_consumer.model.contract import Outcome
+from delivery_consumer.model.deliveries import Delivery
+from delivery_consumer.model.envelope import Envelope
+from delivery_consumer.model.errors import Rejection, TransientError
+from delivery_consumer.observability import tracing
+from delivery_consumer.observability.tracing import _plain
 
 trace = pytest.importorskip("opentelemetry.trace")
 sdk_trace = pytest.importorskip("opentelemetry.sdk.trace")
@@ -55,7 +55,7 @@ from opentelemetry.sdk.trace.sampling import (  # noqa: E402
     TraceIdRatioBased,
 )
 
-_sdk = pytest.importorskip("delivery_consumer.tracing._sdk")
+_sdk = pytest.importorskip("delivery_consumer.observability.tracing._sdk")
 
 TRACE_IDS = ("4bf92f3577b34da6a3ce929d0e0e4736", "0af7651916cd43dd8448eb211c80319c", "00000000000000000000000000000001")
 SPAN_IDS = ("00f067aa0ba902b7", "b7ad6b7169203331")

@@ -22,16 +22,17 @@ from typing import Any
 import pytest
 from support import body, new_event, read_rows
 
-from delivery_consumer.contract import ConsumerSpec
-from delivery_consumer.deliveries import Delivery, OutMessage, delivery_key
-from delivery_consumer.envelope import Envelope
-from delivery_consumer.errors import (
+from delivery_consumer.amqp.topology import H_ATTEMPTS, H_ERROR_CODE
+from delivery_consumer.inbox import InFlight
+from delivery_consumer.model.contract import ConsumerSpec
+from delivery_consumer.model.deliveries import Delivery, OutMessage, delivery_key
+from delivery_consumer.model.envelope import Envelope
+from delivery_consumer.model.errors import (
     DELIVERY_LIMIT,
     MALFORMED_JSON,
     RETRIES_EXHAUSTED,
     TransientError,
 )
-from delivery_consumer.inbox import InFlight
 from delivery_consumer.service.config import RunConfig
 from delivery_consumer.service.memory_link import MemoryLink, MemoryQueues
 from delivery_consumer.service.messages import (
@@ -45,7 +46,6 @@ from delivery_consumer.service.messages import (
     pack,
 )
 from delivery_consumer.service.worker import Worker
-from delivery_consumer.topology import H_ATTEMPTS, H_ERROR_CODE
 
 #: A name of a process that no longer exists (another boot): its notes are a crash's.
 GONE = "gone:1:1"

@@ -12,17 +12,17 @@ from pathlib import Path
 import orjson
 import pytest
 
-from delivery_consumer.cloudevents import event_id_for
-from delivery_consumer.contract import ConsumerSpec
-from delivery_consumer.deliveries import OutMessage
-from delivery_consumer.envelope import Envelope
-from delivery_consumer.errors import Rejection, TransientError
-from delivery_consumer.event_types import EventType, EventTypes
-from delivery_consumer.logs import JsonFormatter
+from delivery_consumer.amqp.topology import DEFAULT_EXCHANGE
+from delivery_consumer.model.cloudevents import event_id_for
+from delivery_consumer.model.contract import ConsumerSpec
+from delivery_consumer.model.deliveries import OutMessage
+from delivery_consumer.model.envelope import Envelope
+from delivery_consumer.model.errors import Rejection, TransientError
+from delivery_consumer.model.event_types import EventType, EventTypes
+from delivery_consumer.observability.logs import JsonFormatter
 from delivery_consumer.service.config import RunConfig
 from delivery_consumer.service.memory_link import MemoryLink, MemoryQueues
 from delivery_consumer.service.worker import Worker
-from delivery_consumer.topology import DEFAULT_EXCHANGE
 
 SOURCE = "/payments"
 TYPES = EventTypes([EventType("payment.captured", key="paymentId", data={

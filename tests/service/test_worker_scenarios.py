@@ -11,8 +11,8 @@ import pytest
 from scenariokit import Backend, Control, memory_backend, rabbit_backend, threads_left
 from support import new_event, read_rows
 
-from delivery_consumer.errors import DELIVERY_LIMIT, MALFORMED_JSON, RETRIES_EXHAUSTED
-from delivery_consumer.topology import H_ATTEMPTS, H_ERROR_CODE
+from delivery_consumer.amqp.topology import H_ATTEMPTS, H_ERROR_CODE
+from delivery_consumer.model.errors import DELIVERY_LIMIT, MALFORMED_JSON, RETRIES_EXHAUSTED
 
 __all__ = ["memory_backend", "rabbit_backend"]  # fixtures, used through `backend`
 

@@ -13,7 +13,7 @@ from support import OpenDB
 
 from delivery_consumer.console import chart
 from delivery_consumer.inbox import ConsumerDB, counters
-from delivery_consumer.sqlite import now_iso
+from delivery_consumer.store.sqlite import now_iso
 
 RESULTS = st.sampled_from(["updated", "duplicate:updated", "stale", "same-state"])
 
@@ -99,9 +99,9 @@ def test_dead_queue_reads_are_shared_and_so_are_their_failures(monkeypatch: Any)
     error), and a queue is read again once the snapshot is older than the time to live."""
     import threading
 
-    from delivery_consumer import deadletters
     from delivery_consumer.amqp.dead_queue import QueueBusy
-    from delivery_consumer.topology import Topology
+    from delivery_consumer.amqp.topology import Topology
+    from delivery_consumer.ops import deadletters
 
     now = [0.0]
     release = threading.Event()

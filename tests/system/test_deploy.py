@@ -27,7 +27,7 @@ from partitionkit import Cluster
 from support import REPO, count_rows, new_event, wait_until
 from webhook_server import free_port
 
-from delivery_consumer.partitions import partition_of
+from delivery_consumer.amqp.partitions import partition_of
 
 DEPLOY = REPO / "deploy"
 RULES = DEPLOY / "prometheus" / "delivery-consumer.rules.yml"

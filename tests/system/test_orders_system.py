@@ -144,7 +144,7 @@ def test_a_partitioned_orders_deployment_traces_and_shows_each_order_in_its_part
                                                                                       tmp_path: Path) -> None:
     """Orders dispatched to two partitions: trace's other partition says where the orderId lives, the
     one-database trace finds the partition and the order's row, and orders show reads the order's partition."""
-    from delivery_consumer.partitions import partition_of
+    from delivery_consumer.amqp.partitions import partition_of
 
     config = write_config(tmp_path, ns)
     config.write_text(config.read_text("utf-8").replace('db = "state/orders/inbox.db"',

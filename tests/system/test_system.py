@@ -24,9 +24,9 @@ from support import wait_until
 from test_console import ConsoleProcess
 from webhook_server import WebhookServer
 
+from delivery_consumer.amqp.partitions import partition_of
 from delivery_consumer.amqp.publisher import Publisher
-from delivery_consumer.deliveries import OutMessage
-from delivery_consumer.partitions import partition_of
+from delivery_consumer.model.deliveries import OutMessage
 
 pytestmark = pytest.mark.broker
 

@@ -14,7 +14,8 @@ import orjson
 import pytest
 from brokerkit import Namespace
 
-from delivery_consumer import errors, trace
+from delivery_consumer.inbox import trace
+from delivery_consumer.model import errors
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLES = REPO / "sample_events"

@@ -1,0 +1,1 @@
+"""What the package tells about itself: Prometheus metrics, log set-up, OpenTelemetry traces (tracing/)."""
