@@ -58,7 +58,7 @@ from delivery_consumer.console import Console, make_server
 from delivery_consumer.consumers import open_db
 from delivery_consumer.inbox import counters
 from delivery_consumer.model import durations
-from delivery_consumer.ops.config import parse_file
+from delivery_consumer.ops.deployment import parse_file
 from delivery_consumer.store.sqlite import now_iso
 
 

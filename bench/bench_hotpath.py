@@ -339,7 +339,7 @@ def bench_run_ratio(repeat: int, url: str, rows: list[str]) -> None:
     import bench_run
 
     from delivery_consumer.amqp.topology import Topology
-    from delivery_consumer.service.config import RunConfig
+    from delivery_consumer.service.settings import RunConfig
 
     prefetch, batch, messages = RunConfig.prefetch, RunConfig.batch, 20_000
     bodies = {ids: bench_run.make_events(messages, ids) for ids in ("v4", "v7")}

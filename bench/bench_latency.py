@@ -44,7 +44,7 @@ from pathlib import Path
 from bench_run import bench_topology, broker_parser, delete_queues
 
 from delivery_consumer.amqp.topology import Topology
-from delivery_consumer.outbox import producer
+from delivery_consumer.outbox import demo_producer as producer
 
 #: The limit's consumer: prints one latency (ms) per message, then exits.
 BARE_CONSUMER = textwrap.dedent(

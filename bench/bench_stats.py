@@ -39,8 +39,9 @@ from pathlib import Path
 
 from delivery_consumer.console import chart
 from delivery_consumer.consumers import open_db
-from delivery_consumer.inbox import ConsumerDB, counters, queries
-from delivery_consumer.ops import system
+from delivery_consumer.inbox import ConsumerDB, counters
+from delivery_consumer.inbox import reports as queries
+from delivery_consumer.ops import system_view as system
 
 GOAL = 2.0
 #: Receipts written since the writer's last catch-up (inbox/counters.py): every read adds them from the inbox.

@@ -57,7 +57,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 
 from delivery_consumer.model.deliveries import Delivery, OutMessage
 from delivery_consumer.observability import tracing
-from delivery_consumer.service.config import RunConfig
+from delivery_consumer.service.settings import RunConfig
 from delivery_consumer.service.worker import Worker
 
 GOAL = 0.9

@@ -370,7 +370,7 @@ def proxy_chaos(seconds: float, rng: random.Random) -> bool:
     from support import count_rows
     from tcpproxy import Proxy
 
-    from delivery_consumer.outbox import producer
+    from delivery_consumer.outbox import demo_producer as producer
 
     sbin = rabbitmq_sbin()
     if sbin is None:

@@ -31,9 +31,9 @@ from delivery_consumer.model import faults
 from delivery_consumer.model.deliveries import OutMessage, delivery_key
 from delivery_consumer.model.envelope import body_digest
 from delivery_consumer.service import worker as worker_module
-from delivery_consumer.service.config import RunConfig
 from delivery_consumer.service.memory_link import MemoryLink, MemoryQueues
 from delivery_consumer.service.messages import Ack, ToConnection
+from delivery_consumer.service.settings import RunConfig
 from delivery_consumer.service.worker import Worker
 
 CONSUMER = "flaky"

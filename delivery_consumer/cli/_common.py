@@ -18,7 +18,7 @@ from ..inbox import ConsumerDB
 from ..model.errors import ConfigError, DatabaseError, DeliveryError, StoreUnavailable, WrongDatabase
 
 if TYPE_CHECKING:
-    from ..ops.config import Deployment
+    from ..ops.deployment import Deployment
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -182,14 +182,14 @@ def config_option(fn: F) -> F:
 
 def deployment() -> Deployment | None:
     """The deployment file of the running command, or None; a bad file exits 2 with one line."""
-    from ..ops import config
+    from ..ops import deployment
 
     ctx = click.get_current_context(silent=True)
     if ctx is None:
         return None
     if _DEPLOYMENT not in ctx.meta:
         try:
-            ctx.meta[_DEPLOYMENT] = config.load(ctx.meta.get(_CONFIG_ARG))
+            ctx.meta[_DEPLOYMENT] = deployment.load(ctx.meta.get(_CONFIG_ARG))
         except ConfigError as exc:
             raise Fatal(str(exc)) from None
     found: Deployment | None = ctx.meta[_DEPLOYMENT]
@@ -272,7 +272,7 @@ def _check_owner(found: Deployment, consumer: str, db_path: Path) -> None:
 def checked_deployment(*, owners: bool = True) -> Deployment:
     """The deployment file, or exit 2 in one line; with *owners*, also when it gives a consumer
     a database of another consumer or of a producer (a mistake in the file, not a state to report)."""
-    from ..ops.config import foreign_databases
+    from ..ops.deployment import foreign_databases
 
     found = deployment()
     if found is None:

@@ -14,7 +14,7 @@ import click
 
 from ..amqp.topology import DEFAULT_EXCHANGE, DEFAULT_PREFIX
 from ..model import durations
-from ..ops.config import BROKER_ENV
+from ..ops.deployment import BROKER_ENV
 from ._common import EXIT_ERROR, EXIT_OK, checked_deployment, emit_json, handle_errors
 from ._output import echo_record
 
@@ -45,7 +45,7 @@ def config_check(as_json: bool) -> None:
     """
     from .. import outbox
     from ..amqp.connection import redact
-    from ..ops import config as config_lib
+    from ..ops import deployment as config_lib
 
     dep = checked_deployment(owners=False)  # every problem below, not only the first
     problems: list[str] = []

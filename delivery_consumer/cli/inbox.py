@@ -3,7 +3,7 @@ and ``inbox prune``), ``rejected`` and ad-hoc ``query``, and the helpers with
 which ``views.py`` reads a consumer's own view (``<consumer> list|show``).
 
 Each read command opens the database read-only (``mode=ro``), calls one
-function of :mod:`delivery_consumer.inbox.queries`, closes the database and prints:
+function of :mod:`delivery_consumer.inbox.reports`, closes the database and prints:
 aligned columns for a list, ``key: value`` for one record, or JSON with
 ``--json`` (an array for a list, an object otherwise). A running consumer
 keeps committing meanwhile: nothing but ``inbox prune`` (small delete
@@ -32,7 +32,7 @@ from typing import Any
 import click
 
 from ..amqp.partitions import SLOT_COUNT
-from ..inbox import ConsumerDB, queries
+from ..inbox import ConsumerDB, reports
 from ..model.durations import age as _age
 from ..model.errors import DeliveryError, NotFound, PruneRefused
 from ..store.placement import beside, database, default_db, resolve
@@ -226,7 +226,7 @@ inbox = LazyGroup(
 @handle_errors
 def inbox_list(consumer: str | None, db_path: Path | None, as_json: bool, result: str | None, limit: int) -> None:
     """Receipts, newest first."""
-    list_newest(consumer, db_path, as_json, limit, lambda db: queries.inbox_list(db, result=result, limit=limit),
+    list_newest(consumer, db_path, as_json, limit, lambda db: reports.inbox_list(db, result=result, limit=limit),
                 lambda r: (r["receivedAt"], r["eventId"]), ["receivedAt", "eventId", "type", "result"], "no receipts")
 
 
@@ -237,7 +237,7 @@ def inbox_list(consumer: str | None, db_path: Path | None, as_json: bool, result
 def inbox_show(consumer: str | None, db_path: Path | None, as_json: bool, event_id: str) -> None:
     """The receipt of EVENT_ID, with its rejections and recorded deliveries."""
     with reading_all(consumer, db_path) as dbs:
-        shown = find_first(dbs, lambda db: queries.inbox_show(db, event_id))
+        shown = find_first(dbs, lambda db: reports.inbox_show(db, event_id))
     if as_json:
         emit_json(shown)
         return
@@ -270,7 +270,7 @@ def inbox_show(consumer: str | None, db_path: Path | None, as_json: bool, event_
 def inbox_stats(consumer: str | None, db_path: Path | None, as_json: bool) -> None:
     """Receipts by result (all, last hour, last day), oldest receipt, rejections by code."""
     with reading(consumer, db_path) as db:
-        stats = queries.inbox_stats(db)
+        stats = reports.inbox_stats(db)
     if as_json:
         emit_json(stats)
         return
@@ -425,7 +425,7 @@ def rejected() -> None:
 @handle_errors
 def rejected_list(consumer: str | None, db_path: Path | None, as_json: bool, code: str | None, limit: int) -> None:
     """Rejections, newest first."""
-    list_newest(consumer, db_path, as_json, limit, lambda db: queries.rejected_list(db, code=code, limit=limit),
+    list_newest(consumer, db_path, as_json, limit, lambda db: reports.rejected_list(db, code=code, limit=limit),
                 lambda r: (r["rejectedAt"], r["id"]), ["id", "rejectedAt", "code", "eventId", "source", "reason"],
                 "no rejections")
 
@@ -499,7 +499,7 @@ def query(consumer: str | None, db_path: Path | None, as_json: bool, timeout_s: 
     {"columns": [...], "rows": [[...], ...]}; BLOBs appear as X'..' literals.
     """
     with reading(consumer, db_path) as db:
-        result = queries.query(db, sql, timeout_s=timeout_s)
+        result = reports.query(db, sql, timeout_s=timeout_s)
     if as_json:
         emit_json(result)
     elif result["columns"]:

@@ -1,6 +1,6 @@
 """The producer's commands: ``dispatch``, ``outbox list|stats|show|prune|
 requeue|drop`` and the demo ``produce``. Each is a few lines around one call
-into :mod:`delivery_consumer.outbox` (or :mod:`delivery_consumer.outbox.producer`);
+into :mod:`delivery_consumer.outbox` (or :mod:`delivery_consumer.outbox.demo_producer`);
 pika is loaded only by ``dispatch``, through the library.
 
 Exit codes: 0; 1 when ``outbox show`` finds no such eventId, when ``outbox
@@ -28,7 +28,7 @@ import click
 
 from .. import outbox as outbox_lib
 from ..model.errors import ConfigError, NotFound
-from ..outbox import producer as producer_lib
+from ..outbox import demo_producer as producer_lib
 from ._broker import amqp_options, topology_for
 from ._common import F, Fatal, emit_json, from_deployment, handle_errors, json_option, setup_logging
 from ._output import count, echo_record, echo_table

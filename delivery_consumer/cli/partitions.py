@@ -12,7 +12,7 @@ from ..amqp.partitions import SLOT_COUNT, unrouted_name
 from ..consumers import find
 from ..model.errors import DeliveryError
 from ..model.event_types import EventTypes
-from ..ops.partition_store import finish, pending_layout, repartitioned_from, split_merge
+from ..ops.partition_databases import finish, pending_layout, repartitioned_from, split_merge
 from ..store.placement import resolve
 from ._broker import amqp_options, topology_for
 from ._common import EXIT_OK, EXIT_REJECTED, Fatal, consumer_option, handle_errors

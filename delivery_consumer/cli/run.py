@@ -18,8 +18,8 @@ import click
 from ..amqp.partitions import explain
 from ..amqp.topology import Topology
 from ..model.durations import format as spelled
-from ..service.config import RunConfig
 from ..service.launch import EXIT_TEMPFAIL, checked_spec
+from ..service.settings import RunConfig
 from ..store.placement import database, in_directory
 from ._broker import RETRY_DELAYS, amqp_options, topology_for
 from ._common import F, Fatal, consumer_option, db_option, deployment, from_deployment, handle_errors, setup_logging

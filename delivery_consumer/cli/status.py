@@ -1,4 +1,4 @@
-"""``status``: one screen for the deployment (:func:`delivery_consumer.ops.system.status`).
+"""``status``: one screen for the deployment (:func:`delivery_consumer.ops.system_view.status`).
 
 Exit codes: 0 healthy; 1 something needs a person; 2 for usage or a bad
 deployment file.
@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from ..model import durations
-from ..ops import system
+from ..ops import system_view
 from ._common import EXIT_OK, EXIT_REJECTED, checked_deployment, emit_json, handle_errors
 from ._output import cell, echo_table
 from .duration_type import Duration
@@ -35,7 +35,7 @@ from .duration_type import Duration
               help="RabbitMQ's management API (http://host:15672), for each queue's leader, members online "
                    "and quorum (default: $DELIVERY_MANAGEMENT_URL, else the file's management_url; without "
                    "one, only whether each queue can be read).")
-@click.option("--broker-timeout", type=Duration(), default=system.BROKER_TIMEOUT_S, show_default=True,
+@click.option("--broker-timeout", type=Duration(), default=system_view.BROKER_TIMEOUT_S, show_default=True,
               help="Each broker call (the connection, each queue's passive declare, the management API) "
                    "answers within this, or its queue is shown unavailable.")
 @handle_errors
@@ -63,7 +63,7 @@ def status(as_json: bool, offline: bool, outbox_max_age: float | None, backlog_m
         dep = dataclasses.replace(dep, receipt_max_age_s=receipt_max_age)
     if management_url:
         dep = dataclasses.replace(dep, management_url=management_url)
-    shown = system.status(dep, broker=not offline, timeout_s=broker_timeout)
+    shown = system_view.status(dep, broker=not offline, timeout_s=broker_timeout)
     if as_json:
         emit_json(shown)
     else:
@@ -89,7 +89,8 @@ def _echo_status(shown: dict[str, Any]) -> None:
             rows.append([label, db["ready"], db["unacked"], db["consumersConnected"],
                          _dead_text(db["deadLetters"], db["deadByCode"]), db.get("receiptsLastMinute"),
                          db.get("receiptsLastHour"), newest, unresolved,
-                         system.queue_word(db), db.get("leader"), system.online_text(db), system.notes(db)])
+                         system_view.queue_word(db), db.get("leader"), system_view.online_text(db),
+                         system_view.notes(db)])
         unrouted = item.get("unrouted")
         if unrouted and unrouted["ready"]:
             rows.append([f"{item['consumer']}/unrouted", unrouted["ready"], None, None, None, None, None, None, None,
@@ -102,7 +103,7 @@ def _echo_status(shown: dict[str, Any]) -> None:
     for item in shown["producers"]:
         age = item.get("oldestPendingAgeSeconds")
         prows.append([item["producer"], item.get("unpublished"), durations.age(age) if age is not None else None,
-                      item.get("failed"), item.get("quarantined"), system.notes(item)])
+                      item.get("failed"), item.get("quarantined"), system_view.notes(item)])
     if prows:
         click.echo()
         echo_table(["producer", "unpublished", "oldest pending", "with errors", "quarantined", "note"], prows)

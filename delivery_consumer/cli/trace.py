@@ -1,8 +1,8 @@
 """``trace``: everything known about an eventId, across the deployment or in one database.
 
 Without ``--consumer`` / ``--db`` it follows the event through the
-deployment file's producers and consumers (:mod:`delivery_consumer.ops.system`);
-with one of them, what that one database knows (:mod:`delivery_consumer.inbox.trace`).
+deployment file's producers and consumers (:mod:`delivery_consumer.ops.system_view`);
+with one of them, what that one database knows (:mod:`delivery_consumer.inbox.history`).
 
 Exit codes: 0; 1 when the id is found nowhere; 2 for usage, a bad
 deployment file or an unusable database.
@@ -18,7 +18,7 @@ import click
 from .. import consumers
 from ..model.envelope import is_event_id
 from ..model.errors import NotFound
-from ..ops import system
+from ..ops import system_view
 from ._common import Fatal, checked_deployment, emit_json, handle_errors
 from ._output import cell, echo_record, echo_table
 from .inbox import Missing, find_first, read_options, reading_all
@@ -70,10 +70,10 @@ def trace(ctx: click.Context, consumer: str | None, db_path: Path | None, as_jso
         if event_id is None:
             if key is None:
                 raise click.UsageError("give an EVENT_ID, or --key KEY")
-            shown = system.trace_key(dep, key)
+            shown = system_view.trace_key(dep, key)
             emit_json(shown) if as_json else _echo_key(shown)
             return
-        shown = system.trace_event(dep, event_id, key=key, broker=not offline)
+        shown = system_view.trace_event(dep, event_id, key=key, broker=not offline)
     except NotFound as exc:
         raise Missing(str(exc)) from None
     if as_json:
@@ -108,7 +108,7 @@ def _one_match(given: str, matches: list[tuple[str, str, str]], where: str) -> s
 
 def _deployment_cloudevent(dep: Any, given: str) -> str:
     """The eventId of the CloudEvent with id *given* a consumer of the deployment knows."""
-    found = system.cloudevent_matches(dep, given)
+    found = system_view.cloudevent_matches(dep, given)
     return _one_match(given, [(r["source"], r["eventId"], ", ".join(r["consumers"])) for r in found],
                       "the deployment's consumers")
 
@@ -131,7 +131,7 @@ def _echo_event(shown: dict[str, Any]) -> None:
             keys.insert(7, "lastError")
         keys += [k for k in ("detail", "passedBy") if row.get(k)]
         fields = [(_LABELS.get(k, k), row[k]) for k in keys if k in row]
-        fields += [("history", line) for line in system.outbox_history(row)]
+        fields += [("history", line) for line in system_view.outbox_history(row)]
         echo_record(fields, indent="  ")
     if not shown["outbox"]:
         click.echo("outbox: no producer of the deployment has this eventId")
@@ -222,8 +222,8 @@ def consumer_trace(consumer: str | None, db_path: Path | None, as_json: bool, ke
     it). EVENT_ID may be a CloudEvent's id as its producer sent it. Unknown
     eventId: exit 1.
     """
-    from ..inbox.trace import cloudevent_matches
-    from ..inbox.trace import trace as trace_event
+    from ..inbox.history import cloudevent_matches
+    from ..inbox.history import trace as trace_event
 
     with reading_all(consumer, db_path) as dbs:  # a partitioned consumer: the partition that knows it
         if is_event_id(event_id.strip().lower()):

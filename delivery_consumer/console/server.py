@@ -38,9 +38,9 @@ from ..model import durations
 from ..model.envelope import is_event_id
 from ..model.errors import DeliveryError, NotFound
 from ..model.plural import count
-from ..ops import system
-from ..ops.config import Deployment
+from ..ops import system_view
 from ..ops.deadletters import SharedReads
+from ..ops.deployment import Deployment
 from . import chart
 
 log = logging.getLogger("delivery_consumer.console")
@@ -100,8 +100,8 @@ def _ago(age: float | None, at: str | None) -> str:
 
 
 def _queue_state(row: dict[str, Any]) -> str:
-    """The row's queue state in a word (system.queue_word), marked bad unless ``ok``."""
-    word = system.queue_word(row)
+    """The row's queue state in a word (system_view.queue_word), marked bad unless ``ok``."""
+    word = system_view.queue_word(row)
     if word is None:
         return "-"
     return f'<span class="{"ok" if word == "ok" else "bad"} queue-state">{escape(word)}</span>'
@@ -154,7 +154,7 @@ class Console:
     """What the pages need: the deployment, the mode, the CSRF token, the minute cache."""
 
     def __init__(self, dep: Deployment, *, allow_actions: bool = False, window_s: float = 3 * 3600,
-                 broker_timeout_s: float = system.BROKER_TIMEOUT_S) -> None:
+                 broker_timeout_s: float = system_view.BROKER_TIMEOUT_S) -> None:
         self.dep = dep
         self.broker_timeout_s = broker_timeout_s
         self.allow_actions = allow_actions
@@ -199,7 +199,7 @@ class Console:
 
     def build_status_page(self) -> str:
         started = time.perf_counter()
-        shown = system.status(self.dep, shared=self.dead, timeout_s=self.broker_timeout_s)
+        shown = system_view.status(self.dep, shared=self.dead, timeout_s=self.broker_timeout_s)
         parts = []
         if shown["healthy"]:
             parts.append('<p class="ok" id="verdict">healthy</p>')
@@ -217,7 +217,8 @@ class Console:
                              _ago(db.get("newestAgeSeconds"), db.get("newestReceivedAt")),
                              None if db.get("unresolvedRejections") is None
                              else sum(db["unresolvedRejections"].values()),
-                             _queue_state(db), db.get("leader"), system.online_text(db), _e(system.notes(db))])
+                             _queue_state(db), db.get("leader"), system_view.online_text(db),
+                             _e(system_view.notes(db))])
             unrouted = item.get("unrouted")
             if unrouted and unrouted["ready"]:
                 rows.append([f"{item['consumer']}/unrouted", unrouted["ready"], None, None, None, None, None, "-",
@@ -234,7 +235,7 @@ class Console:
             raw={7, 9, 12}) + unknown + "</section>")
         prows = [[p["producer"], p.get("unpublished"),
                   _ago(p.get("oldestPendingAgeSeconds"), p.get("oldestPendingAt")), p.get("failed"),
-                  p.get("quarantined"), p.get("lastPublishedAt"), system.notes(p)] for p in shown["producers"]]
+                  p.get("quarantined"), p.get("lastPublishedAt"), system_view.notes(p)] for p in shown["producers"]]
         if prows:
             parts.append("<section><h2>Producers</h2>" + _table(
                 ["producer", "unpublished", "oldest pending", "with errors", "quarantined", "last published",
@@ -312,10 +313,10 @@ class Console:
         if is_event_id(query.lower()):  # a UUID, in any case: stored in lower case, as trace reads it
             query = query.lower()
         try:
-            shown = system.trace_event(self.dep, query, shared=self.dead)
+            shown = system_view.trace_event(self.dep, query, shared=self.dead)
         except NotFound:
             try:
-                keyed = system.trace_key(self.dep, query)
+                keyed = system_view.trace_key(self.dep, query)
                 return HTTPStatus.OK, self.page(f"{keyed['keyField']} {query}", self._article(keyed), query)
             except NotFound:
                 return HTTPStatus.NOT_FOUND, self.page(
@@ -329,7 +330,7 @@ class Console:
         parts = ['<section id="verdicts"><h2>Verdict</h2>' + _table(["consumer", "verdict"], verdicts) + "</section>"]
         rows = [[r["producer"], r.get("state"), r.get("createdAt"), r.get("publishedAt"), r.get("attempts"),
                  _e(r.get("error") or (None if r.get("publishedAt") else r.get("lastError"))),
-                 "<br>".join(_e(line) for line in system.outbox_history(r)) or "-"] for r in shown["outbox"]]
+                 "<br>".join(_e(line) for line in system_view.outbox_history(r)) or "-"] for r in shown["outbox"]]
         parts.append("<section><h2>Outbox</h2>" + (_table(
             ["producer", "state", "enqueued", "published at", "attempts", "last error", "history"], rows,
             numeric={4}, raw={5, 6}) if rows else "<p>no producer of the deployment has this eventId</p>")

@@ -14,7 +14,7 @@ from typing import Any
 from ..model.contract import View
 from ..model.errors import DatabaseError, NotFound
 from . import ConsumerDB
-from .queries import Row, camel, reads, sql_limit
+from .reports import Row, camel, reads, sql_limit
 
 #: (partition, database); partition None for an unpartitioned consumer.
 Part = tuple[int | None, ConsumerDB]

@@ -37,7 +37,7 @@ from ..amqp.topology import (
 )
 from ..model.event_types import EventTypes, default_types
 from ..version import __version__
-from .config import Deployment
+from .deployment import Deployment
 
 ASYNCAPI_VERSION = "3.0.0"
 #: The AMQP bindings' version the document uses.

@@ -116,7 +116,7 @@ def run_consumer(consumer: str, url: str = DEFAULT_URL, db: str | Path | None = 
     *url*: the broker (``amqp://...``); *db*: its database (default
     ``state/<consumer>/inbox.db`` of the working directory); *partition* /
     *partitions*: serve one partition of a partitioned consumer. *options*:
-    the other fields of :class:`~delivery_consumer.service.config.RunConfig`
+    the other fields of :class:`~delivery_consumer.service.settings.RunConfig`
     (``exchange``, ``prefix``, ``batch``, ``prefetch``, ``exit_when_idle_s``,
     ``consumer_options``, ...; an unknown name is a TypeError).
 
@@ -132,8 +132,8 @@ def run_consumer(consumer: str, url: str = DEFAULT_URL, db: str | Path | None = 
     from ..observability.logs import quiet_pika
 
     quiet_pika()
-    from .config import RunConfig
     from .run import run
+    from .settings import RunConfig
 
     config: RunConfig | None = None
     try:

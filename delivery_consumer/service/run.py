@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 from ..amqp.consumer import ConsumerIO
 from ..model.deliveries import ObserverFactory
 from ..model.errors import BrokerError, BrokerUnavailable, ConfigError, DatabaseError, DeliveryError, StoreOutage
-from .config import RunConfig
 from .link import WorkerLink
 from .messages import Dispatch, Failed, Ready, Stop, ToConnection
+from .settings import RunConfig
 from .worker_process import worker_main
 
 if TYPE_CHECKING:

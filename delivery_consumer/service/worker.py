@@ -46,8 +46,8 @@ from ..observability import tracing
 from ..observability.logs import cloudevent_fields, cloudevent_text
 from ..store import acked
 from ..store.dbfile import ContentTags, WriterLock
-from .config import RunConfig
 from .copies import Copy, CopyMaker, origin_of, seal_key
+from .settings import RunConfig
 
 log = logging.getLogger("delivery_consumer.run")
 _T = TypeVar("_T")

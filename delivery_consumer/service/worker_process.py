@@ -22,7 +22,6 @@ from ..model.errors import BrokerUnavailable, DeliveryError, StoreOutage
 from ..observability import tracing
 from ..store import liveness
 from ..store.dbfile import LOCK_POLL_S, Holder, WriterLock, frozen_inside, holder_states, read_note
-from .config import RunConfig
 from .messages import (
     Ack,
     ChannelLost,
@@ -40,6 +39,7 @@ from .messages import (
     ToWorker,
     Vitals,
 )
+from .settings import RunConfig
 from .worker import Worker
 
 log = logging.getLogger("delivery_consumer.run")

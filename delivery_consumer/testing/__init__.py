@@ -31,7 +31,7 @@ import orjson
 from .. import consumers
 from ..amqp.topology import H_ATTEMPTS, H_ERROR_CODE, H_ERROR_REASON, Topology
 from ..inbox import ConsumerDB, InFlight
-from ..inbox.queries import dict_rows, receipt_row
+from ..inbox.reports import dict_rows, receipt_row
 from ..model.cloudevents import STRUCTURED_CONTENT_TYPE, event_id_for, parse_message, utc_milliseconds
 from ..model.contract import ConsumerSpec, Outcome
 from ..model.deliveries import Delivery, OutMessage
@@ -40,9 +40,9 @@ from ..model.errors import Rejection, TransientError
 from ..model.event_ids import new_event_id
 from ..model.event_types import CloudEventId
 from ..model.typed import data_of, envelope
-from ..service.config import RunConfig
 from ..service.copies import Copy
 from ..service.memory_link import MemoryLink, MemoryQueues
+from ..service.settings import RunConfig
 from ..service.worker import Worker
 
 #: The crash points of ``run``'s worker a test can stop at (:meth:`ConsumerHarness.run`'s ``crash_at``).
@@ -413,7 +413,7 @@ class ConsumerHarness:
 
     def trace(self, event_id: str) -> dict[str, Any]:
         """What ``delivery-consumer trace`` shows of *event_id* (NotFound when the database has nothing)."""
-        from ..inbox.trace import trace
+        from ..inbox.history import trace
 
         with self.reading() as db:
             return trace(db, event_id)

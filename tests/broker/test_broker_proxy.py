@@ -19,7 +19,7 @@ from support import count_rows, new_event, read_rows, wait_until
 from tcpproxy import Proxy
 
 from delivery_consumer.amqp.connection import HANDSHAKE_TIMEOUT_S, HEARTBEAT_S
-from delivery_consumer.outbox import producer
+from delivery_consumer.outbox import demo_producer as producer
 
 #: pika closes a connection on which nothing arrived for one check interval
 #: (heartbeat + 5 s), checked every interval: the bound docs/amqp.md states.

@@ -15,8 +15,8 @@ from brokerkit import Namespace
 from support import count_rows, new_event, read_rows, wait_until
 from tcpproxy import Proxy
 
-from delivery_consumer.service.config import RunConfig
 from delivery_consumer.service.memory_link import MemoryLink, MemoryQueues
+from delivery_consumer.service.settings import RunConfig
 from delivery_consumer.service.worker import Worker
 
 

@@ -17,7 +17,7 @@ from test_outbox_broker import start_dispatch
 
 from delivery_consumer.amqp.publisher import StreamPublisher
 from delivery_consumer.model.deliveries import OutMessage
-from delivery_consumer.outbox import producer
+from delivery_consumer.outbox import demo_producer as producer
 
 
 def arrived(inbox: Path, n: int) -> Callable[[], bool]:

@@ -25,7 +25,7 @@ from partitionkit import Cluster, make_events
 from support import count_rows, wait_until
 
 from delivery_consumer.amqp.partitions import partition_of
-from delivery_consumer.outbox import producer
+from delivery_consumer.outbox import demo_producer as producer
 
 pytestmark = pytest.mark.broker
 

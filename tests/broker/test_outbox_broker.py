@@ -25,7 +25,7 @@ from brokerkit import Namespace, RabbitNode, kill
 from support import count_rows, read_rows, wait_until
 
 from delivery_consumer import outbox
-from delivery_consumer.outbox import producer
+from delivery_consumer.outbox import demo_producer as producer
 
 CRASHED = -signal.SIGKILL
 

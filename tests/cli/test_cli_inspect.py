@@ -25,7 +25,8 @@ from click.testing import CliRunner, Result
 from delivery_consumer import consumers
 from delivery_consumer.cli import COMMANDS, main
 from delivery_consumer.cli.inbox import INBOX_COMMANDS
-from delivery_consumer.inbox import ConsumerDB, apply_event, queries
+from delivery_consumer.inbox import ConsumerDB, apply_event
+from delivery_consumer.inbox import reports as queries
 from delivery_consumer.model.envelope import from_mapping
 
 A = "0b1e9c1e-4a53-4f0e-9d2a-6f1f3f7b2c11"  # published r1, then reused with another title

@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from support import EVENT_ID, SAMPLES, cli
 
-from delivery_consumer.ops.system import topic_matches
+from delivery_consumer.ops.system_view import topic_matches
 
 
 def with_config(config: Path, *args: str, **env: str) -> tuple[int, str, str]:
@@ -283,7 +283,7 @@ def test_trace_tells_an_outbox_row_s_history_and_no_stale_error_as_current(tmp_p
     """A row quarantined, requeued by a person and then published: trace (text and console)
     says so in that order, and shows no "last error" as if the published row were failing."""
     from delivery_consumer.console.server import Console
-    from delivery_consumer.ops.config import parse_file
+    from delivery_consumer.ops.deployment import parse_file
 
     config = write_deployment(tmp_path, consumers=("catalog",), extra='amqp_url = "amqp://guest:guest@127.0.0.1:9/%2F"')
     code, out, _err = with_config(config, "produce", "--article", "a-1", "--title", "T", "--url", "https://x/1",
@@ -316,7 +316,7 @@ def test_the_console_gives_the_newest_receipt_s_age_and_a_readable_peak(tmp_path
     shows it as the CLI's status does ('… ago', the time on hover); the chart's peak label has
     a halo so the newest bars cannot hide it."""
     from delivery_consumer.console.server import Console
-    from delivery_consumer.ops.config import parse_file
+    from delivery_consumer.ops.deployment import parse_file
 
     config = write_deployment(tmp_path, consumers=("catalog",), extra='amqp_url = "amqp://guest:guest@127.0.0.1:9/%2F"')
     with_config(config, "replay", "--consumer", "catalog", str(SAMPLES))
@@ -334,7 +334,7 @@ def test_a_console_on_every_address_accepts_actions_addressed_to_this_machine(tm
     import socket
 
     from delivery_consumer.console.server import Console, make_server
-    from delivery_consumer.ops.config import parse_file
+    from delivery_consumer.ops.deployment import parse_file
 
     console = Console(parse_file(write_deployment(tmp_path)), allow_actions=True)
     server = make_server(console, "0.0.0.0", 0)
@@ -357,7 +357,7 @@ def test_a_page_asked_for_under_another_host_name_is_refused(tmp_path: Path) -> 
     import threading
 
     from delivery_consumer.console.server import Console, make_server
-    from delivery_consumer.ops.config import parse_file
+    from delivery_consumer.ops.deployment import parse_file
 
     config = write_deployment(tmp_path, consumers=("catalog",), extra='amqp_url = "amqp://guest:guest@127.0.0.1:9/%2F"')
     server = make_server(Console(parse_file(config)), "127.0.0.1", 0)
@@ -452,8 +452,8 @@ def test_unacked_counts_come_from_the_management_api_when_it_is_named(tmp_path: 
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from delivery_consumer.ops.config import parse_file
-    from delivery_consumer.ops.system import unacknowledged
+    from delivery_consumer.ops.deployment import parse_file
+    from delivery_consumer.ops.system_view import unacknowledged
 
     asked: list[tuple[str, str | None]] = []
 

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from delivery_consumer.model.envelope import is_event_id
 from delivery_consumer.model.event_ids import EventIds, new_event_id
-from delivery_consumer.outbox import producer
+from delivery_consumer.outbox import demo_producer as producer
 
 MS = 1_000_000
 # Around now, with steps that repeat a millisecond, move on, or go back.

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from delivery_consumer.inbox import ConsumerDB, apply_batch
-from delivery_consumer.inbox.queries import receipt_row
+from delivery_consumer.inbox.reports import receipt_row
 from delivery_consumer.model import envelope
 from delivery_consumer.model.errors import ConfigError, Rejection
 from delivery_consumer.model.event_types import MATERIAL, EventType, EventTypes

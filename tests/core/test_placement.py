@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from delivery_consumer import consumers
 from delivery_consumer.amqp.partitions import Identity
 from delivery_consumer.model.errors import ConfigError, DatabaseError
-from delivery_consumer.ops.config import parse
+from delivery_consumer.ops.deployment import parse
 from delivery_consumer.store.placement import beside, database, partition_dirs, resolve, stored_identity
 
 

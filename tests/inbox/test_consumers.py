@@ -31,7 +31,7 @@ from delivery_consumer.inbox import ConsumerDB, apply_event
 from delivery_consumer.model.contract import ConsumerSpec
 from delivery_consumer.model.envelope import from_mapping
 from delivery_consumer.model.errors import EVENT_ID_REUSED, ConfigError, DatabaseError, Rejection
-from delivery_consumer.ops.partition_store import split_merge
+from delivery_consumer.ops.partition_databases import split_merge
 
 # -- the registry -------------------------------------------------------------
 

@@ -18,12 +18,13 @@ from support import env
 
 from delivery_consumer import consumers
 from delivery_consumer.amqp.partitions import Identity, partition_of
-from delivery_consumer.inbox import ConsumerDB, apply_batch, counters, database, queries, retention
+from delivery_consumer.inbox import ConsumerDB, apply_batch, counters, database, retention
 from delivery_consumer.inbox import apply as apply_module
+from delivery_consumer.inbox import reports as queries
 from delivery_consumer.model.envelope import Envelope
 from delivery_consumer.model.errors import TransientError
-from delivery_consumer.ops import system
-from delivery_consumer.ops.partition_store import split_merge
+from delivery_consumer.ops import system_view as system
+from delivery_consumer.ops.partition_databases import split_merge
 from delivery_consumer.store.sqlite import now_iso
 
 NOW = 1_800_000_000.0

@@ -429,7 +429,7 @@ def test_fence_resolve_command(db: ConsumerDB) -> None:
 def test_trace_shows_the_fence_an_event_claimed(db: ConsumerDB, step: Step, tmp_path: Path) -> None:
     """trace lists the fence row an event claimed among its effect rows, and none for another event;
     a database without a fence table lists no fence."""
-    from delivery_consumer.inbox.trace import trace
+    from delivery_consumer.inbox.history import trace
 
     apply(db, step(), env(event_id=E1), env(event_id=E2, revision=2))
 
@@ -532,7 +532,7 @@ def test_trace_by_key_finds_the_fence_row_under_its_generic_column(
 ) -> None:
     """The fence keeps an event's key in ``entity_key``: a trace by key still finds its row
     (the webhook has no view naming a key column)."""
-    from delivery_consumer.ops import system
+    from delivery_consumer.ops import system_view as system
 
     event = env(event_id=E1, article_id="a-9", revision=2)
     assert ["notified"] == statuses(apply(db, step(), event))

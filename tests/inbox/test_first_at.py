@@ -13,7 +13,7 @@ from support import body, new_event, read_rows, wait_until
 from test_worker import Recorder, delivery
 
 from delivery_consumer import consumers
-from delivery_consumer.inbox import trace
+from delivery_consumer.inbox import history as trace
 from delivery_consumer.service.worker import Worker
 from delivery_consumer.store.sqlite import now_iso
 

@@ -12,8 +12,9 @@ import pytest
 
 from delivery_consumer import consumers
 from delivery_consumer.consumers.catalog import SPEC as CATALOG_SPEC
-from delivery_consumer.inbox import ConsumerDB, apply_event, database, queries, views
+from delivery_consumer.inbox import ConsumerDB, apply_event, database, views
 from delivery_consumer.inbox import apply as inbox_apply
+from delivery_consumer.inbox import reports as queries
 from delivery_consumer.model.envelope import from_mapping
 from delivery_consumer.model.errors import DatabaseError, NotFound, QueryError, Rejection
 

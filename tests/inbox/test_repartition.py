@@ -16,7 +16,7 @@ from support import count_rows, read_rows
 
 from delivery_consumer import consumers
 from delivery_consumer.amqp.partitions import Identity, partition_of
-from delivery_consumer.ops.partition_store import split_merge
+from delivery_consumer.ops.partition_databases import split_merge
 from delivery_consumer.store.placement import stored_identity
 
 ARTICLES = 300

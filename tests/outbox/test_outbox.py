@@ -26,7 +26,7 @@ from delivery_consumer.cli import main
 from delivery_consumer.model.deliveries import PublishResult
 from delivery_consumer.model.envelope import parse
 from delivery_consumer.model.errors import BrokerFatal, ConfigError, DatabaseError, NotFound, Rejection, TransientError
-from delivery_consumer.outbox import producer
+from delivery_consumer.outbox import demo_producer as producer
 from delivery_consumer.store import sqlite
 from delivery_consumer.store.sqlite import now_iso
 

@@ -25,7 +25,7 @@ from test_outbox_broker import queued_ids
 
 from delivery_consumer import outbox
 from delivery_consumer.console.server import Console
-from delivery_consumer.ops import config as config_lib
+from delivery_consumer.ops import deployment as config_lib
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -35,7 +35,8 @@ from support import wait_until
 from delivery_consumer import outbox
 from delivery_consumer.cli import main
 from delivery_consumer.model.errors import DatabaseError, TransientError
-from delivery_consumer.outbox import owners, producer
+from delivery_consumer.outbox import demo_producer as producer
+from delivery_consumer.outbox import owners
 from delivery_consumer.store import liveness
 from delivery_consumer.store.sqlite import now_iso
 
@@ -623,8 +624,8 @@ MISUSE = """
 import sys
 import time
 from delivery_consumer import outbox
-from delivery_consumer.outbox import producer
-conn = producer.open_db(sys.argv[1])
+from delivery_consumer.outbox import demo_producer
+conn = demo_producer.open_db(sys.argv[1])
 with outbox.transaction(conn):
     conn.execute("INSERT INTO material VALUES ('a', 1, 't', 'u', 1, ?, 'now')", (sys.argv[2],))
     try:

@@ -29,7 +29,7 @@ from delivery_consumer.amqp.dead_queue import DeadQueue
 from delivery_consumer.amqp.topology import addresses, join
 from delivery_consumer.model.errors import BrokerFatal, BrokerUnavailable, ConfigError
 from delivery_consumer.ops.asyncapi import document
-from delivery_consumer.ops.config import parse_file
+from delivery_consumer.ops.deployment import parse_file
 
 HOSTS = st.one_of(st.from_regex(r"[a-z][a-z0-9-]{0,12}(\.[a-z][a-z0-9-]{0,8}){0,2}", fullmatch=True),
                   st.from_regex(r"10\.[0-9]{1,3}\.[0-9]{1,3}\.[0-9]{1,3}", fullmatch=True))

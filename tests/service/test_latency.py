@@ -29,7 +29,7 @@ from delivery_consumer.model.errors import StoreUnavailable
 from delivery_consumer.observability.metrics import Metrics
 from delivery_consumer.outbox import wake
 from delivery_consumer.outbox.db import SqliteDb
-from delivery_consumer.service.config import RunConfig
+from delivery_consumer.service.settings import RunConfig
 from delivery_consumer.service.worker import Worker
 from delivery_consumer.store.sqlite import now_iso
 

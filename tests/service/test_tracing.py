@@ -24,7 +24,7 @@ from delivery_consumer import outbox
 from delivery_consumer.amqp.topology import H_ATTEMPTS
 from delivery_consumer.model.envelope import from_mapping
 from delivery_consumer.observability import tracing
-from delivery_consumer.service.config import RunConfig
+from delivery_consumer.service.settings import RunConfig
 from delivery_consumer.service.worker import Worker
 
 trace = pytest.importorskip("opentelemetry.trace")

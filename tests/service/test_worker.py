@@ -33,7 +33,6 @@ from delivery_consumer.model.errors import (
     RETRIES_EXHAUSTED,
     TransientError,
 )
-from delivery_consumer.service.config import RunConfig
 from delivery_consumer.service.memory_link import MemoryLink, MemoryQueues
 from delivery_consumer.service.messages import (
     Ack,
@@ -45,6 +44,7 @@ from delivery_consumer.service.messages import (
     ToConnection,
     pack,
 )
+from delivery_consumer.service.settings import RunConfig
 from delivery_consumer.service.worker import Worker
 
 #: A name of a process that no longer exists (another boot): its notes are a crash's.

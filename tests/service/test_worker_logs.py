@@ -20,8 +20,8 @@ from delivery_consumer.model.envelope import Envelope
 from delivery_consumer.model.errors import Rejection, TransientError
 from delivery_consumer.model.event_types import EventType, EventTypes
 from delivery_consumer.observability.logs import JsonFormatter
-from delivery_consumer.service.config import RunConfig
 from delivery_consumer.service.memory_link import MemoryLink, MemoryQueues
+from delivery_consumer.service.settings import RunConfig
 from delivery_consumer.service.worker import Worker
 
 SOURCE = "/payments"

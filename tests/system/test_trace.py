@@ -14,7 +14,7 @@ import orjson
 import pytest
 from brokerkit import Namespace
 
-from delivery_consumer.inbox import trace
+from delivery_consumer.inbox import history as trace
 from delivery_consumer.model import errors
 
 REPO = Path(__file__).resolve().parents[2]

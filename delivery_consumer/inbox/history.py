@@ -24,7 +24,7 @@ from ..model.errors import FORWARDED, REJECTIONS, NotFound
 from ..model.plural import count
 from ..store.sqlite import read_snapshot
 from . import ConsumerDB
-from .queries import deliveries_summary, dict_rows, origin_of, reads, receipt_row
+from .reports import deliveries_summary, dict_rows, origin_of, reads, receipt_row
 from .views import key_row
 
 Row = dict[str, Any]

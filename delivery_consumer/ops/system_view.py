@@ -25,14 +25,14 @@ from .. import consumers as registry
 from ..amqp.partitions import partition_of, partition_topology, unrouted_name
 from ..amqp.topology import Topology, topic_matches
 from ..inbox import ConsumerDB, counters
-from ..inbox.queries import dict_rows
-from ..inbox.trace import trace as trace_one
+from ..inbox.history import trace as trace_one
+from ..inbox.reports import dict_rows
 from ..model.durations import age as age_text
 from ..model.durations import format as format_duration
 from ..model.errors import FORWARDED, DeliveryError, NotFound
 from ..model.plural import count as _count
 from ..store.sqlite import age_s, now_iso, read_snapshot
-from .config import ConsumerEntry, Deployment
+from .deployment import ConsumerEntry, Deployment
 
 Row = dict[str, Any]
 
@@ -262,7 +262,7 @@ def trace_event(dep: Deployment, event_id: str, *, key: str | None = None,
 def cloudevent_matches(dep: Deployment, ce_id: str) -> list[Row]:
     """Every event a consumer of *dep* knows that came as a CloudEvent with the id *ce_id*:
     ``{"source", "eventId", "consumers"}``, one per source (the eventId is derived from both)."""
-    from ..inbox.trace import cloudevent_matches as matches_in
+    from ..inbox.history import cloudevent_matches as matches_in
 
     found: dict[tuple[str, str], Row] = {}
     for name in dep.consumers:
@@ -555,7 +555,7 @@ def _former_queues(dep: Deployment, name: str, found: list[tuple[str | None, Pat
     there: nothing consumes them): the unpartitioned queues of a partitioned consumer, those of the
     partitions its databases' former count had beyond the current one (every partition's, and the
     unrouted queue, for a consumer merged back into one), each with its handover queue."""
-    from .partition_store import repartitioned_from
+    from .partition_databases import repartitioned_from
 
     base = dep.placement(name).topology()
     partitioned = any(partition for partition, _, _ in found)
@@ -583,7 +583,7 @@ def _layout_problems(dep: Deployment, name: str, found: list[tuple[str | None, P
     """Messages a repartition strands or misplaces: in a queue of the former layout, nothing consumes
     them; while one has not finished, the queues it shares with the former layout hold messages routed
     by the former count (the runs refuse to start until it has moved them)."""
-    from .partition_store import pending_layout, pending_words
+    from .partition_databases import pending_layout, pending_words
 
     partitioned = any(partition for partition, _, _ in found)
     now, option = pending_words(str(len(found)) if partitioned else "unpartitioned")

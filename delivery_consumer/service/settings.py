@@ -14,7 +14,7 @@ from ..inbox import ConsumerDB
 from ..inbox.database import IntegrityCheck
 from ..model.envelope import MAX_BODY_BYTES
 from ..model.errors import ConfigError
-from ..ops.partition_store import PENDING_KEY, pending_words
+from ..ops.partition_databases import PENDING_KEY, pending_words
 from ..store import acked
 from ..store.placement import database
 
