@@ -31,7 +31,7 @@ from ._common import (
     open_db,
 )
 from ._output import count, echo_table
-from ._partitions import one_partition, one_partition_option
+from ._partition_options import one_partition, one_partition_option
 
 
 @click.group()

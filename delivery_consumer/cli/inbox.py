@@ -52,7 +52,7 @@ from ._common import (
     open_db,
 )
 from ._output import count, echo_record, echo_table
-from ._partitions import one_partition, one_partition_option
+from ._partition_options import one_partition, one_partition_option
 from .duration_type import Duration
 
 

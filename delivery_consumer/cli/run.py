@@ -23,7 +23,7 @@ from ..service.settings import RunConfig
 from ..store.placement import database, in_directory
 from ._broker import RETRY_DELAYS, amqp_options, topology_for
 from ._common import F, Fatal, consumer_option, db_option, deployment, from_deployment, handle_errors, setup_logging
-from ._partitions import partition_identity, partition_options
+from ._partition_options import partition_identity, partition_options
 from .duration_type import Duration
 
 
