@@ -14,6 +14,10 @@ clock, which starts at 0: an instant keeps its distance to the scrape that
 first saw it, and keeps its place afterwards (the same commit is the same
 instant in every later scrape); an age is the distance to such an instant (a
 row's birth), so it grows with promtool's clock while the row waits.
+Heartbeats (:data:`HEARTBEATS`) are the exception: a live worker sends one
+every second, so what one tells is its real age at the scrape, and that age
+is kept; moved as an instant, a worker that waited a few real seconds on a
+busy database would look stuck for minutes.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from support import wait_until
 from webhook_server import free_port
 
+#: Instants that a live process renews every second: kept at their real age (see the module's docstring).
+HEARTBEATS = frozenset({"delivery_worker_heartbeat_timestamp_seconds"})
 RABBITMQ_BIN = Path("/usr/lib/rabbitmq/bin")
 #: The broker's per-queue figures, without the cost of every per-object metric.
 DETAILED = "/metrics/detailed?family=queue_coarse_metrics&family=queue_consumer_count"
@@ -211,6 +217,8 @@ class Timeline:
     def _value(self, name: str, value: float, s: Scrape, t: float) -> float:
         if value == 0 or not name.endswith(("_timestamp_seconds", "_age_seconds")):
             return value  # 0 is "never" or "none": no instant to move
+        if name in HEARTBEATS:
+            return t - (s.wall - value)
         if name.endswith("_timestamp_seconds"):
             return self._instant(value, s, t)
         return t - self._instant(s.wall - value, s, t)

@@ -27,6 +27,19 @@ from .publisher import Publisher
 from .topology import Route, Topology
 
 
+def done_unless_refused(call: Callable[[], object], code: int, *words: str) -> bool:
+    """Make *call* on a channel: True when done, False when the broker refused it by closing
+    the channel with *code* (and every one of *words* in its reply); any other failure raises.
+    A refused channel is closed: the caller opens a new one for its next call."""
+    try:
+        call()
+    except pex.ChannelClosedByBroker as exc:
+        if exc.reply_code == code and all(word in exc.reply_text for word in words):
+            return False
+        raise
+    return True
+
+
 def declare(url: str, topologies: Sequence[Topology], *, exchanges: Sequence[str] = (),
             routes: Sequence[Route] = ()) -> None:
     """Declare exchanges and queues idempotently (and add or remove the
@@ -228,13 +241,7 @@ def _connection(url: str, name: str, *, timeout_s: float | None = None) -> Itera
 def exchange_exists(url: str, exchange: str, *, name: str = "delivery-consumer topology") -> bool:
     """Whether *exchange* exists (a passive declare)."""
     with _connection(url, name) as conn:
-        try:
-            conn.channel().exchange_declare(exchange, passive=True)
-        except pex.ChannelClosedByBroker as exc:
-            if exc.reply_code == 404:
-                return False
-            raise
-        return True
+        return done_unless_refused(lambda: conn.channel().exchange_declare(exchange, passive=True), 404)
 
 
 def delete_exchanges(url: str, exchanges: Sequence[str], *, name: str = "delivery-consumer topology") -> None:

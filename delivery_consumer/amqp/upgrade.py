@@ -18,6 +18,7 @@ from typing import Any
 import pika.exceptions as pex
 
 from ..model.errors import BrokerError, BrokerFatal, BrokerUnavailable
+from .admin import done_unless_refused
 from .connection import FAILURES, Addresses, classify, open_blocking
 
 #: Messages taken at once from a queue being emptied (the reader's prefetch, acked together).
@@ -35,9 +36,8 @@ class Upgraded:
     moved: int = 0
 
 
-def _is_classic_refusal(exc: BaseException) -> bool:
-    return (isinstance(exc, pex.ChannelClosedByBroker) and exc.reply_code == 406
-            and "x-queue-type" in exc.reply_text and "current is 'classic'" in exc.reply_text)
+#: What the broker says when a queue's declare names another type than the classic queue it is.
+_CLASSIC_REFUSAL = (406, "x-queue-type", "current is 'classic'")
 
 
 def _missing(exc: BaseException) -> bool:
@@ -62,13 +62,8 @@ class _Session:
 
     def declare(self, queue: str, args: dict[str, Any]) -> bool:
         """Declare *queue* with *args*; False when it exists as a classic queue (406 on its type)."""
-        try:
-            self.fresh().queue_declare(queue, durable=True, arguments=args)
-        except pex.ChannelClosedByBroker as exc:
-            if _is_classic_refusal(exc):
-                return False
-            raise
-        return True
+        return done_unless_refused(lambda: self.fresh().queue_declare(queue, durable=True, arguments=args),
+                                   *_CLASSIC_REFUSAL)
 
     def ready(self, queue: str) -> int | None:
         """Ready messages of *queue* (None: it does not exist)."""
@@ -118,13 +113,7 @@ class _Session:
         A classic queue is asked with ``if-empty``; a quorum queue refuses that flag (RabbitMQ 3.10), so
         its count is checked just before."""
         if classic:
-            try:
-                self.fresh().queue_delete(queue, if_empty=True)
-            except pex.ChannelClosedByBroker as exc:
-                if exc.reply_code == 406:
-                    return False
-                raise
-            return True
+            return done_unless_refused(lambda: self.fresh().queue_delete(queue, if_empty=True), 406)
         ready = self.ready(queue)
         if ready:
             return False

@@ -13,7 +13,7 @@ from contextlib import suppress
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..amqp.consumer import ConsumerIO
 from ..model.deliveries import ObserverFactory
@@ -94,27 +94,35 @@ def _stop_worker(parent_end: Connection, process: BaseProcess, stop: _StopSignal
     (it closes its database; nothing was received, nothing is acked) and wait for it;
     DatabaseError when it failed."""
     log.info("%s received before consuming: stopping", stop.name())
-    failed: Failed | None = None
+    failed: list[Failed] = []
     with suppress(OSError):
         parent_end.send(Stop())
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            if not parent_end.poll(0.1):
-                if not process.is_alive() and not parent_end.poll(0):
-                    break
-                continue
-            message = parent_end.recv()
-        except (EOFError, OSError):
-            break
-        if isinstance(message, Failed):
-            failed = message
+    _read_to_the_end(parent_end, process, lambda: time.monotonic() < deadline,
+                     Dispatch[ToConnection](default=lambda _m: None).on(Failed, failed.append))
     process.join(5)
     if process.is_alive():
         process.kill()
         process.join()
-    if failed is not None:
-        raise (StoreOutage if failed.outage else DatabaseError)(failed.message)
+    if failed:
+        raise (StoreOutage if failed[-1].outage else DatabaseError)(failed[-1].message)
+
+
+def _read_to_the_end(parent_end: Connection, process: BaseProcess, reading: Callable[[], bool],
+                     handle: Callable[[Any], None]) -> None:
+    """Hand *handle* each message the worker still sends while *reading()* holds, until the pipe
+    breaks or the worker is gone and its pipe empty: what it sent before it ended is in the pipe
+    by then (a Failed may come between a poll and the look at the process, so look once more)."""
+    while reading():
+        try:
+            if not parent_end.poll(0.1):
+                if not process.is_alive() and not parent_end.poll(0):
+                    return
+                continue
+            message = parent_end.recv()
+        except (EOFError, OSError):
+            return
+        handle(message)
 
 
 def _refuse_a_second_layout(config: RunConfig, topology: Topology, stop: _StopSignal) -> bool:
@@ -273,18 +281,7 @@ def _run(config: RunConfig, observer_factory: ObserverFactory | None,
     # acks are moot: the connection is closed and the broker will redeliver
     # those messages).
     last_words: Dispatch[ToConnection] = Dispatch(default=lambda _m: None).on(Failed, link.failure)
-    while not link.closed:
-        try:
-            if not parent_end.poll(0.1):
-                # Gone: what it sent before it ended is in the pipe now (its Failed may
-                # have come between the poll and this check), so look once more.
-                if not process.is_alive() and not parent_end.poll(0):
-                    break
-                continue
-            message = parent_end.recv()
-        except (EOFError, OSError):
-            break
-        last_words(message)
+    _read_to_the_end(parent_end, process, lambda: not link.closed, last_words)
     process.join(30)
     if process.is_alive():
         process.terminate()
