@@ -25,7 +25,7 @@ from ..partitions import Identity, identity_from_meta
 from ..placement import default_db
 from ..sqlite import DEFAULT_BUSY_TIMEOUT_MS, now_iso
 from ..version import __version__
-from .apply import Transaction
+from .apply import Transaction, UnsyncedTransaction
 
 #: Pages of WAL after which a commit runs a checkpoint (SQLite's default: 1000).
 WAL_AUTOCHECKPOINT_PAGES = 10_000
@@ -529,6 +529,12 @@ class ConsumerDB:
         if self.readonly:
             raise DatabaseError(f"{self.path}: opened read-only")
         return Transaction(self)
+
+    def unsynced_transaction(self) -> Transaction:
+        """A write transaction whose COMMIT is not synced (:class:`~.apply.UnsyncedTransaction`)."""
+        if self.readonly:
+            raise DatabaseError(f"{self.path}: opened read-only")
+        return UnsyncedTransaction(self)
 
     def check_file(self) -> None:
         """Raise DatabaseLost when the path no longer names the file this

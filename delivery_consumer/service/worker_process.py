@@ -18,7 +18,6 @@ from .. import faults, liveness, tracing
 from ..dbfile import LOCK_POLL_S, Holder, WriterLock, frozen_inside, holder_states, read_note
 from ..deliveries import ObserverFactory, OutMessage
 from ..errors import BrokerUnavailable, DeliveryError, StoreOutage
-from ..inbox import forget_in_flight
 from ..inbox.database import IntegrityCheck
 from .config import RunConfig
 from .messages import (
@@ -309,7 +308,7 @@ def worker_main(config: RunConfig, conn: Connection, parent_end: Connection,
         elif deadline is not None and time.monotonic() > deadline and worker.is_alive():
             log.error("the worker did not stop within %.0fs of the connection process; exiting now", ORPHAN_GRACE_S)
             if worker.in_flight is not None:  # leaving on purpose: not a crash of what is under way
-                forget_in_flight(worker.in_flight.db.path, worker.in_flight.owner)
+                worker.in_flight.forget()
             os._exit(1)  # like a crash: SQLite rolls back what was not committed
     if worker.live_generation or worker.stats.acked:  # never connected: the error alone says it
         log.info("exiting: %s", worker.stats.line())
