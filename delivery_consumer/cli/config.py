@@ -68,7 +68,8 @@ def config_check(as_json: bool) -> None:
                 run.append(f"--{key.replace('_', '-')}={value}")
             runs.append({"partition": partition, "database": str(path), "queue": topo.queue,
                          "deadQueue": topo.dead_queue, "run": shlex.join(run)})
-        consumers.append({"consumer": name, "db": str(entry.db), "exists": entry.db.exists(),
+        exists = not isinstance(entry.db, str) and entry.db.exists()  # a PostgreSQL URL: not a file
+        consumers.append({"consumer": name, "db": str(entry.db), "exists": exists,
                           "partitions": count, "databases": [r["database"] for r in runs],
                           "queue": runs[0]["queue"] if count is None else None,
                           "deadQueue": runs[0]["deadQueue"] if count is None else None, "options": entry.options,

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import suppress
 from functools import lru_cache
 from typing import Any, Final
@@ -30,14 +31,14 @@ from typing import Any, Final
 import orjson
 
 from ..contract import ConsumerSpec, Outcome
-from ..dbfile import ContentTags
+from ..dbfile import ContentTags, FileGuard
 from ..envelope import Envelope
 from ..errors import ConfigError, DatabaseError, DeliveryError, Rejection, StoreUnavailable, WrongDatabase
 from ..partitions import Identity, identity_from_meta
 from ..sqlite import now_iso
 from ..version import __version__
 from .apply import Transaction
-from .database import CONSUMER_VERSION_KEY, DATABASE_ID, SCHEMA_BY_KEY, SEAL_KEY, SpecLookup
+from .database import CONSUMER_VERSION_KEY, DATABASE_ID, SCHEMA_BY_KEY, SEAL_KEY, IntegrityCheck, SpecLookup
 
 #: The dialect an effect reads from ``conn.dialect`` (``contract.dialect``).
 DIALECT: Final = "postgres"
@@ -183,34 +184,57 @@ class PgConnection:
     """What an effect is handed on PostgreSQL (``contract.Connection``): the
     consumer's psycopg connection, inside the store's transaction, spoken to
     in SQLite's parameter style. ``raw`` is psycopg's own connection, for
-    what an effect does in PostgreSQL's own way (``%s`` parameters)."""
+    what an effect does in PostgreSQL's own way (``%s`` parameters).
+
+    Inside the store's transaction psycopg's errors go on as they are (the
+    applier tells an event's from the transaction's); outside it (a read
+    between batches) a lost connection is opened again first, and an error
+    leaves as the project's (StoreUnavailable: run waits)."""
 
     dialect: Final = DIALECT
-    __slots__ = ("_raw",)
+    __slots__ = ("_db", "_raw", "in_transaction")
 
-    def __init__(self, raw: Any) -> None:
-        self._raw = raw
+    def __init__(self, db: PgInboxDB) -> None:
+        self._db = db
+        self._raw: Any = None
+        #: Set by the store's transaction between its BEGIN and its end.
+        self.in_transaction = False
 
     @property
     def raw(self) -> Any:
         return self._raw
 
     def execute(self, sql: str, parameters: Any = (), /) -> Any:
-        if not parameters:  # psycopg reads no placeholder (nor %) in a statement without parameters
-            return self._raw.execute(sql)
-        text, order = rewrite(sql)
-        return self._raw.execute(text, _bind(parameters, order))
+        if self.in_transaction:
+            return _execute(self._raw, sql, parameters)
+        return self._outside(lambda raw: _execute(raw, sql, parameters))
 
     def executemany(self, sql: str, parameters: Iterable[Any], /) -> Any:
-        text, order = rewrite(sql)
-        cur = self._raw.cursor()
-        rows = parameters if order is None else (_bind(row, order) for row in parameters)
-        cur.executemany(text, rows)
-        return cur
+        if self.in_transaction:
+            return _executemany(self._raw, sql, parameters)
+        return self._outside(lambda raw: _executemany(raw, sql, parameters))
 
-    def script(self, sql: str) -> None:
-        """Several statements without parameters (a migration)."""
-        self._raw.execute(sql)
+    def _outside(self, work: Callable[[Any], Any]) -> Any:
+        psycopg = psycopg_module()
+        raw = self._db.connected()
+        try:
+            return work(raw)
+        except psycopg.Error as exc:
+            raise translate(exc, self._db.label) from None
+
+
+def _execute(raw: Any, sql: str, parameters: Any) -> Any:
+    if not parameters:  # psycopg reads no placeholder (nor %) in a statement without parameters
+        return raw.execute(sql)
+    text, order = rewrite(sql)
+    return raw.execute(text, _bind(parameters, order))
+
+
+def _executemany(raw: Any, sql: str, parameters: Iterable[Any]) -> Any:
+    text, order = rewrite(sql)
+    cur = raw.cursor()
+    cur.executemany(text, parameters if order is None else (_bind(row, order) for row in parameters))
+    return cur
 
 
 _IDENT: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
@@ -316,6 +340,7 @@ class PgTransaction(Transaction):
         try:
             raw = db.connected()
             raw.execute("BEGIN")
+            self.conn.in_transaction = True
             if self._ids == "":  # an unsynced transaction: nothing is acknowledged on it
                 raw.execute("SET LOCAL synchronous_commit = off")
                 self._ids = None
@@ -330,9 +355,10 @@ class PgTransaction(Transaction):
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         db: PgInboxDB = self.db  # type: ignore[assignment]
+        self.conn.in_transaction = False
         if exc is None:
             try:
-                db.raw().execute("COMMIT")
+                db.raw_in_transaction().execute("COMMIT")
                 return
             except BaseException as error:
                 db.rollback()
@@ -356,7 +382,7 @@ class PgTransaction(Transaction):
     def _restart(self) -> None:
         db: PgInboxDB = self.db  # type: ignore[assignment]
         try:
-            raw = db.raw()
+            raw = db.raw_in_transaction()
             raw.execute("ROLLBACK")
             raw.execute("BEGIN")
             if self._ids:
@@ -387,11 +413,8 @@ class PgInboxDB:
     autocommit with explicit transactions, opened again at the next
     transaction once it was lost (the batch then waits: StoreUnavailable)."""
 
-    #: The SQLite guards' counterparts: none needed (see docs/postgres-inbox.md).
-    guard = None
-    integrity = None
-    superseded = None
-    taken_over = None
+    #: The SQLite file's guard: none (no file can be replaced under a PostgreSQL database).
+    guard: FileGuard | None = None
 
     def __init__(self, url: str, schema: str, spec: ConsumerSpec, readonly: bool) -> None:
         self.url = url
@@ -405,8 +428,12 @@ class PgInboxDB:
         self.count_due = 0.0
         self.clock_base = time.time() - time.monotonic()
         self.tags: ContentTags | None = None
+        # The SQLite guards' counterparts: none needed (docs/postgres-inbox.md).
+        self.integrity: IntegrityCheck | None = None
+        self.superseded: threading.Event | None = None
+        self.taken_over: Callable[[], bool] | None = None
         self._raw: Any = None
-        self._conn = PgConnection(None)
+        self._conn = PgConnection(self)
 
     # -- the connection --
 
@@ -429,8 +456,13 @@ class PgInboxDB:
 
     def raw(self) -> Any:
         """The psycopg connection (opened again when it was lost)."""
-        if self._raw is None or self._raw.closed or self._raw.broken:
-            self.connected()
+        return self.connected()
+
+    def raw_in_transaction(self) -> Any:
+        """The psycopg connection of the open transaction, as it is (never opened again:
+        a transaction does not go on on another connection)."""
+        if self._raw is None:
+            raise StoreUnavailable(f"{self.label}: the connection was lost", code="database-unavailable")
         return self._raw
 
     def connected(self) -> Any:
@@ -460,6 +492,7 @@ class PgInboxDB:
 
     def rollback(self) -> None:
         """Roll back the open transaction, if any; quietly (the connection may be gone)."""
+        self._conn.in_transaction = False
         raw = self._raw
         if raw is None or raw.closed:
             return
@@ -575,7 +608,7 @@ class PgInboxDB:
                 applied = int(row[0]) if row else 0
                 scripts = consumer_migrations(spec)
                 for ddl in scripts[applied:]:
-                    self._conn.script(ddl)
+                    raw.execute(ddl)  # several statements: no parameters
                 if len(scripts) > applied or version != STORE_VERSION:
                     raw.execute(put, (CONSUMER_VERSION_KEY, str(max(applied, len(scripts)))))
                     raw.execute(put, (SCHEMA_BY_KEY, f"delivery-consumer {__version__}"))

@@ -13,8 +13,8 @@ from ..contract import Outcome
 from ..deliveries import Delivery, OutMessage
 from ..envelope import Envelope
 from ..errors import RETRIES_EXHAUSTED, Rejection, TransientError
-from ..inbox import ConsumerDB
 from ..inbox.database import SEAL_KEY
+from ..inbox.seam import InboxDB
 from ..retry import GiveUp, RetryPolicy, retry_after_tier, seal_attempts, sealed_attempts
 from ..sqlite import now_iso
 from ..topology import (
@@ -32,7 +32,7 @@ from ..topology import (
 )
 
 
-def seal_key(db: ConsumerDB) -> bytes | None:
+def seal_key(db: InboxDB) -> bytes | None:
     """The key that seals the attempt counts of *db*'s consumer (None in a
     database no writable open has given one yet)."""
     value = db.meta().get(SEAL_KEY)
