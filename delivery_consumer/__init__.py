@@ -23,7 +23,7 @@ from .version import __version__
 if TYPE_CHECKING:
     from . import outbox, testing
     from .consumers import register
-    from .contract import ApplyFn, ApplyManyFn, ConsumerSpec, View
+    from .contract import ApplyFn, ApplyManyFn, Connection, ConsumerSpec, View, dialect
     from .errors import (
         ConfigError,
         DatabaseError,
@@ -48,6 +48,8 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "View": ("delivery_consumer.contract", "View"),
     "ApplyFn": ("delivery_consumer.contract", "ApplyFn"),
     "ApplyManyFn": ("delivery_consumer.contract", "ApplyManyFn"),
+    "Connection": ("delivery_consumer.contract", "Connection"),
+    "dialect": ("delivery_consumer.contract", "dialect"),
     "Consumer": ("delivery_consumer.typed", "Consumer"),
     "Event": ("delivery_consumer.typed", "Event"),
     "event_type": ("delivery_consumer.typed", "event_type"),
@@ -103,6 +105,7 @@ __all__ = [
     "ApplyFn",
     "ApplyManyFn",
     "ConfigError",
+    "Connection",
     "Consumer",
     "ConsumerHarness",
     "ConsumerSpec",
@@ -121,6 +124,7 @@ __all__ = [
     "__version__",
     "declare",
     "default_types",
+    "dialect",
     "event_type",
     "make_envelope",
     "new_event_id",

@@ -339,11 +339,12 @@ class PgTransaction(Transaction):
         db: PgInboxDB = self.db  # type: ignore[assignment]
         try:
             raw = db.connected()
-            raw.execute("BEGIN")
-            self.conn.in_transaction = True
-            if self._ids == "":  # an unsynced transaction: nothing is acknowledged on it
-                raw.execute("SET LOCAL synchronous_commit = off")
+            if self._ids == "":  # an unsynced transaction (nothing is acknowledged on it): one round trip
+                raw.execute("BEGIN; SET LOCAL synchronous_commit = off")
                 self._ids = None
+            else:
+                raw.execute("BEGIN")
+            self.conn.in_transaction = True
             self.now = now_iso()
         except Exception as exc:
             db.rollback()
