@@ -34,9 +34,9 @@ def receipts(url: str) -> int:
     import psycopg
 
     with psycopg.connect(url, autocommit=True, connect_timeout=5) as conn:
-        if conn.execute("SELECT to_regclass('dc_counter.inbox')").fetchone()[0] is None:  # type: ignore[index]
+        if conn.execute("SELECT to_regclass('dc_counter.inbox')").fetchone()[0] is None:
             return 0
-        return int(conn.execute("SELECT count(*) FROM dc_counter.inbox").fetchone()[0])  # type: ignore[index]
+        return int(conn.execute("SELECT count(*) FROM dc_counter.inbox").fetchone()[0])
 
 
 def ledger(url: str) -> tuple[int, int, int, int, int]:
