@@ -192,13 +192,19 @@ class PgConnection:
     leaves as the project's (StoreUnavailable: run waits)."""
 
     dialect: Final = DIALECT
-    __slots__ = ("_db", "_raw", "in_transaction")
+    __slots__ = ("_db", "_raw", "begin", "commit_pending", "in_transaction")
 
     def __init__(self, db: PgInboxDB) -> None:
         self._db = db
         self._raw: Any = None
-        #: Set by the store's transaction between its BEGIN and its end.
+        #: Set by the store's transaction from its start to its end.
         self.in_transaction = False
+        #: The transaction's opening statements not sent yet (BEGIN, the eventId locks) with
+        #: their parameters: they go with its first statement, in one round trip (a pipeline).
+        self.begin: list[tuple[str, Any]] | None = None
+        #: An unsynced transaction's COMMIT not sent yet: it goes first with the next
+        #: statement (nothing is acknowledged on such a transaction; see PgTransaction).
+        self.commit_pending = False
 
     @property
     def raw(self) -> Any:
@@ -206,13 +212,29 @@ class PgConnection:
 
     def execute(self, sql: str, parameters: Any = (), /) -> Any:
         if self.in_transaction:
+            if self.begin is not None:
+                return self._first(lambda raw: _execute(raw, sql, parameters))
             return _execute(self._raw, sql, parameters)
         return self._outside(lambda raw: _execute(raw, sql, parameters))
 
     def executemany(self, sql: str, parameters: Iterable[Any], /) -> Any:
         if self.in_transaction:
+            if self.begin is not None:
+                return self._first(lambda raw: _executemany(raw, sql, parameters))
             return _executemany(self._raw, sql, parameters)
         return self._outside(lambda raw: _executemany(raw, sql, parameters))
+
+    def _first(self, work: Callable[[Any], Any]) -> Any:
+        """The transaction's opening statements and its first one, in one round trip."""
+        raw, begin = self._raw, self.begin or []
+        if self.commit_pending:
+            begin = [("COMMIT", ()), *begin]
+            self.commit_pending = False
+        self.begin = None
+        with raw.pipeline():
+            for statement, parameters in begin:
+                _execute(raw, statement, parameters)
+            return work(raw)
 
     def _outside(self, work: Callable[[Any], Any]) -> Any:
         psycopg = psycopg_module()
@@ -306,7 +328,7 @@ class PgTransaction(Transaction):
     for the first's commit and then reads its receipt (each statement of READ
     COMMITTED sees what committed before it began)."""
 
-    __slots__ = ("_ids",)
+    __slots__ = ("_ids", "_unsynced")
     CHECKS_FILE = False
     RECEIPTS_SELECT = f"SELECT event_id, fingerprint, result FROM inbox WHERE event_id IN ({_IDS})"
     SOURCE_INSERT = "INSERT INTO ce_sources (source, first_at) VALUES (?, ?) ON CONFLICT (source) DO NOTHING"
@@ -333,17 +355,18 @@ class PgTransaction(Transaction):
         spec = db.spec
         if spec.postgres_apply is not None:
             self.effect, self.apply_many_fn = spec.postgres_apply, None
-        self._ids: str | None = "" if unsynced else None
+        self._ids: str | None = None
+        self._unsynced = unsynced
 
     def __enter__(self) -> Transaction:
         db: PgInboxDB = self.db  # type: ignore[assignment]
         try:
-            raw = db.connected()
-            if self._ids == "":  # an unsynced transaction (nothing is acknowledged on it): one round trip
-                raw.execute("BEGIN; SET LOCAL synchronous_commit = off")
-                self._ids = None
+            db.connected(flush=False)
+            # Sent with the transaction's first statement (PgConnection.begin).
+            if self._unsynced:  # nothing is acknowledged on it
+                self.conn.begin = [("BEGIN", ()), ("SET LOCAL synchronous_commit = off", ())]
             else:
-                raw.execute("BEGIN")
+                self.conn.begin = [("BEGIN", ())]
             self.conn.in_transaction = True
             self.now = now_iso()
         except Exception as exc:
@@ -357,7 +380,16 @@ class PgTransaction(Transaction):
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         db: PgInboxDB = self.db  # type: ignore[assignment]
         self.conn.in_transaction = False
-        if exc is None:
+        if self.conn.begin is not None:  # not begun: no statement was sent
+            self.conn.begin = None
+            if exc is None:
+                return
+        elif exc is None and self._unsynced:
+            # Its COMMIT goes first with the connection's next statement (the batch's locks
+            # and receipts read: one round trip less), so before anything the batch does.
+            self.conn.commit_pending = True
+            return
+        elif exc is None:
             try:
                 db.raw_in_transaction().execute("COMMIT")
                 return
@@ -377,17 +409,25 @@ class PgTransaction(Transaction):
         ids = [item.event_id for item in items if isinstance(item, Envelope)]
         if ids:
             self._ids = orjson.dumps(ids).decode()
-            self.conn.execute(self.LOCK_IDS, (self._ids,))
+            self._lock()
         return super().apply_many(items)
+
+    def _lock(self) -> None:
+        """Lock the batch's eventIds: with the receipts' read that follows when the transaction has
+        sent nothing yet (one round trip; the read's snapshot is taken after the locks, as the
+        server runs a pipeline's statements in order), else now."""
+        if self.conn.begin is not None:
+            self.conn.begin.append((self.LOCK_IDS, (self._ids,)))
+        else:
+            self.conn.execute(self.LOCK_IDS, (self._ids,))
 
     def _restart(self) -> None:
         db: PgInboxDB = self.db  # type: ignore[assignment]
         try:
-            raw = db.raw_in_transaction()
-            raw.execute("ROLLBACK")
-            raw.execute("BEGIN")
+            db.raw_in_transaction().execute("ROLLBACK")
+            self.conn.begin = [("BEGIN", ())]  # with the next statement
             if self._ids:
-                self.conn.execute(self.LOCK_IDS, (self._ids,))
+                self._lock()
         except Exception as exc:
             raise self._translated(exc) from None
         self._known = None
@@ -466,11 +506,16 @@ class PgInboxDB:
             raise StoreUnavailable(f"{self.label}: the connection was lost", code="database-unavailable")
         return self._raw
 
-    def connected(self) -> Any:
-        """The psycopg connection, opened now when there is none or it was lost."""
+    def connected(self, *, flush: bool = True) -> Any:
+        """The psycopg connection, opened now when there is none or it was lost; with
+        *flush*, an unsynced transaction's COMMIT still to send is sent first."""
         raw = self._raw
         if raw is not None and not raw.closed and not raw.broken:
+            if flush and self._conn.commit_pending:
+                self._conn.commit_pending = False
+                raw.execute("COMMIT")
             return raw
+        self._conn.commit_pending = False  # lost with the connection: as if it had not been
         with suppress(Exception):
             if raw is not None:
                 raw.close()
@@ -492,13 +537,17 @@ class PgInboxDB:
         return raw
 
     def rollback(self) -> None:
-        """Roll back the open transaction, if any; quietly (the connection may be gone)."""
+        """Roll back the open transaction, if any; quietly (the connection may be gone). The one
+        open may be an unsynced transaction whose COMMIT is still to send: it is committed."""
+        pending = self._conn.commit_pending
         self._conn.in_transaction = False
+        self._conn.begin = None
+        self._conn.commit_pending = False
         raw = self._raw
         if raw is None or raw.closed:
             return
         with suppress(Exception):
-            raw.execute("ROLLBACK")
+            raw.execute("COMMIT" if pending else "ROLLBACK")
 
     # -- opening ---------------------------------------------------------------------
 
