@@ -104,7 +104,9 @@ class InFlight:
 
     def clear(self, tx: Transaction) -> None:
         """Nothing is under way any more once *tx* commits (the batch's own transaction)."""
-        tx.conn.execute("DELETE FROM in_flight WHERE owner = ?", (self.owner,))
+        # PostgreSQL's connection sends it with the COMMIT, in one round trip (inbox/pg.py).
+        at_commit = getattr(tx.conn, "at_commit", None)
+        (at_commit or tx.conn.execute)("DELETE FROM in_flight WHERE owner = ?", (self.owner,))
 
     def reap(self) -> int:
         """Settle the notes of processes that are gone; how many there were.

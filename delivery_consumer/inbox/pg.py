@@ -192,7 +192,7 @@ class PgConnection:
     leaves as the project's (StoreUnavailable: run waits)."""
 
     dialect: Final = DIALECT
-    __slots__ = ("_db", "_raw", "begin", "commit_pending", "in_transaction")
+    __slots__ = ("_db", "_raw", "begin", "commit_pending", "in_transaction", "last")
 
     def __init__(self, db: PgInboxDB) -> None:
         self._db = db
@@ -205,6 +205,8 @@ class PgConnection:
         #: An unsynced transaction's COMMIT not sent yet: it goes first with the next
         #: statement (nothing is acknowledged on such a transaction; see PgTransaction).
         self.commit_pending = False
+        #: Statements whose result nobody reads, sent with the transaction's COMMIT (:meth:`at_commit`).
+        self.last: list[tuple[str, Any]] = []
 
     @property
     def raw(self) -> Any:
@@ -224,6 +226,15 @@ class PgConnection:
             return _executemany(self._raw, sql, parameters)
         return self._outside(lambda raw: _executemany(raw, sql, parameters))
 
+    def at_commit(self, sql: str, parameters: Any = (), /) -> None:
+        """Run *sql* at the end of the store's transaction, in one round trip with its COMMIT
+        (a write whose result nobody reads: its failure fails the commit). Outside a
+        transaction, at once."""
+        if self.in_transaction:
+            self.last.append((sql, parameters))
+        else:
+            self.execute(sql, parameters)
+
     def _first(self, work: Callable[[Any], Any]) -> Any:
         """The transaction's opening statements and its first one, in one round trip."""
         raw, begin = self._raw, self.begin or []
@@ -235,6 +246,17 @@ class PgConnection:
             for statement, parameters in begin:
                 _execute(raw, statement, parameters)
             return work(raw)
+
+    def execute_all(self, statements: Sequence[tuple[str, Any]]) -> None:
+        """*statements* (text, parameters) in the store's transaction, in one round trip."""
+        if self.begin is not None:  # nothing sent yet: they go with the opening statements
+            self.begin.extend(statements[:-1])
+            sql, parameters = statements[-1]
+            self.execute(sql, parameters)
+            return
+        with self._raw.pipeline():
+            for sql, parameters in statements:
+                _execute(self._raw, sql, parameters)
 
     def _outside(self, work: Callable[[Any], Any]) -> Any:
         psycopg = psycopg_module()
@@ -379,9 +401,21 @@ class PgTransaction(Transaction):
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         db: PgInboxDB = self.db  # type: ignore[assignment]
-        self.conn.in_transaction = False
-        if self.conn.begin is not None:  # not begun: no statement was sent
-            self.conn.begin = None
+        conn = self.conn
+        last, conn.last = conn.last, []
+        if exc is None and last:  # the statements left for the end, then the COMMIT: one round trip
+            try:
+                conn.execute_all([*last, ("COMMIT", ())])
+                conn.in_transaction = False
+                return
+            except BaseException as error:
+                db.rollback()
+                if isinstance(error, Exception):
+                    raise self._translated(error) from None
+                raise
+        conn.in_transaction = False
+        if conn.begin is not None:  # not begun: no statement was sent
+            conn.begin = None
             if exc is None:
                 return
         elif exc is None and self._unsynced:
@@ -543,6 +577,7 @@ class PgInboxDB:
         self._conn.in_transaction = False
         self._conn.begin = None
         self._conn.commit_pending = False
+        self._conn.last = []
         raw = self._raw
         if raw is None or raw.closed:
             return
