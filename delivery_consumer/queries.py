@@ -104,7 +104,7 @@ def _pg(db: object) -> PgInboxDB | None:
     return db if isinstance(db, PgInboxDB) else None
 
 
-def _snapshot(db: ConsumerDB) -> AbstractContextManager[Any]:
+def snapshot(db: ConsumerDB) -> AbstractContextManager[Any]:
     """One read transaction on *db*'s connection, SQLite's or PostgreSQL's."""
     if (pg := _pg(db)) is not None:
         from .inbox import pg_queries
@@ -236,7 +236,7 @@ def inbox_show(db: ConsumerDB, event_id: str) -> Row:
     the eventId appears nowhere (receipt, rejections, deliveries).
     """
     conn = db.conn
-    with _snapshot(db):
+    with snapshot(db):
         receipt = receipt_row(conn, event_id)
         rejected = dict_rows(conn.execute("SELECT * FROM rejected WHERE event_id = ? ORDER BY id", (event_id,)))
         for row in rejected:
@@ -469,5 +469,6 @@ __all__ = [
     "reads",
     "receipt_row",
     "rejected_list",
+    "snapshot",
     "sql_limit",
 ]

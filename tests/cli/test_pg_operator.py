@@ -93,3 +93,17 @@ def test_a_url_needs_the_consumer_and_never_shows_its_password(filled: tuple[str
     wrong = url.replace("postgres@", "postgres:s3cret@", 1).rsplit("/", 1)[0] + "/no_such_db"
     failed = cli(["catalog", "list", "--db", wrong])
     assert 2 == failed.exit_code and "s3cret" not in failed.output and "no_such_db" in failed.output
+
+
+def test_trace_follows_an_event_through_a_postgresql_inbox(filled: tuple[str, list[Envelope]]) -> None:
+    """``trace EVENT_ID`` of an applied event and of a rejected one: the receipt, the rejection, the effect's
+    row and the current row of the event's key, from the consumer's schema."""
+    url, events = filled
+    applied = json_of(["trace", events[0].event_id, "--consumer", "catalog", "--db", url])
+    assert ("applied", "updated") == (applied["status"], applied["receipt"]["result"])
+    assert [events[0].event_id] == [row["eventId"] for row in applied["effects"]["catalog"]]
+    assert ("articleId", "a0") == (applied["key"]["field"], applied["key"]["value"])
+    refused = json_of(["trace", events[-1].event_id, "--consumer", "catalog", "--db", url])
+    assert ("rejected", ["revision-conflict"]) == (refused["status"], [r["code"] for r in refused["rejections"]])
+    assert "a1" == refused["key"]["value"]
+    assert 1 == cli(["trace", "01938b10-0000-7000-8000-00000000dead", "--consumer", "catalog", "--db", url]).exit_code
