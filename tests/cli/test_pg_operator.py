@@ -5,6 +5,7 @@ statement, a timeout)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import orjson
 import pytest
@@ -107,3 +108,18 @@ def test_trace_follows_an_event_through_a_postgresql_inbox(filled: tuple[str, li
     assert ("rejected", ["revision-conflict"]) == (refused["status"], [r["code"] for r in refused["rejections"]])
     assert "a1" == refused["key"]["value"]
     assert 1 == cli(["trace", "01938b10-0000-7000-8000-00000000dead", "--consumer", "catalog", "--db", url]).exit_code
+
+
+def test_the_deployment_file_names_a_postgresql_inbox(filled: tuple[str, list[Envelope]], tmp_path: Path) -> None:
+    """``db = "postgresql://..."`` for a consumer in the deployment file: its commands read that inbox, and
+    ``config check`` shows the URL (not a file under the file's directory) in the run line it prints."""
+    url, _ = filled
+    config = tmp_path / "delivery.toml"
+    config.write_text(f'[consumers.catalog]\ndb = "{url}"\n', "utf-8")
+    listed = cli(["--config", str(config), "catalog", "list", "--json"])
+    assert 0 == listed.exit_code, listed.output
+    assert ["a0", "a1", "a2"] == [row["articleId"] for row in orjson.loads(listed.output)]
+    shown = cli(["--config", str(config), "config", "check", "--json"])
+    assert 0 == shown.exit_code, shown.output
+    (entry,) = orjson.loads(shown.output)["consumers"]
+    assert (url, f"delivery-consumer run --consumer catalog --db {url}") == (entry["db"], entry["run"])
