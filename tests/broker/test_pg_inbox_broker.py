@@ -1,6 +1,7 @@
 """``run --db postgresql://...``: a consumer's inbox in PostgreSQL, fed by a real queue. The ledger stays
-exact under kill -9 of run's main PID, with two runs of one consumer sharing the database, and across a
-restart of the PostgreSQL server (a private one: the shared server is never touched)."""
+exact under kill -9 of run's main PID, with two runs of one consumer sharing the database, across a
+restart of the PostgreSQL server (a private one: the shared server is never touched), and with a
+partitioned consumer whose partitions each keep their inbox in a schema of one database."""
 
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ import counter_consumer  # noqa: F401  (registers the counter consumer in this p
 import orjson
 import pytest
 from brokerkit import Namespace, kill
+from partitionkit import Cluster, make_events, model
 from pgkit import PrivatePostgres, admin, with_database
 from support import new_event, wait_until
+
+from delivery_consumer.partitions import partition_of
 
 pytestmark = [pytest.mark.broker, pytest.mark.postgres]
 
@@ -135,3 +139,42 @@ def test_a_postgresql_restart_loses_nothing_and_spends_no_attempt(ns: Namespace,
     assert "database unusable" in done.stderr  # it did meet the restart
     assert (len(events), len(events), 0, 0, 0) == ledger(private_url)
     assert 0 == drained(ns)
+
+
+#: The partitioned consumer's partitions (the ``cluster`` fixture of tests/partitionkit.py reads it).
+PARTITIONS = 2
+
+
+def test_partitions_on_postgresql_keep_each_key_in_order_in_its_own_schema(cluster: Cluster, pg_url: str) -> None:
+    """The catalog in two partitions, each run's inbox a schema of one PostgreSQL database: each event is
+    applied once, in the partition of its article (its own schema), in its article's order (every receipt
+    ``updated``, none stale), and the merged catalog is the model's."""
+    import psycopg
+
+    events = make_events(3000, 300)
+    for k in range(PARTITIONS):
+        cluster.start(k, "--db", pg_url)
+
+    def receipts_pg() -> int:
+        with psycopg.connect(pg_url, autocommit=True) as conn:
+            return sum(int(conn.execute(f"SELECT count(*) FROM dc_catalog_p{k}of{PARTITIONS}.inbox").fetchone()[0])
+                       for k in range(PARTITIONS)
+                       if conn.execute(f"SELECT to_regclass('dc_catalog_p{k}of{PARTITIONS}.inbox')").fetchone()[0])
+
+    cluster.publish(events)
+    wait_until("every receipt", lambda: receipts_pg() >= len(events), 300, cluster.procs)
+    cluster.stop()
+    seen: dict[str, int] = {}
+    catalog: dict[str, tuple[int, str, int]] = {}
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        for k in range(PARTITIONS):
+            schema = f"dc_catalog_p{k}of{PARTITIONS}"
+            for event_id, result, key in conn.execute(f"SELECT event_id, result, partition_key FROM {schema}.inbox"):
+                assert (event_id not in seen, "updated", k) == (True, result, partition_of(key, PARTITIONS))
+                seen[event_id] = k
+            for article, revision, title, published in conn.execute(
+                    f"SELECT article_id, revision, title, published FROM {schema}.catalog"):
+                assert article not in catalog and partition_of(article, PARTITIONS) == k
+                catalog[article] = (revision, title, published)
+    assert {e["eventId"] for e in events} == set(seen)
+    assert model(events) == catalog
