@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import re
+import secrets
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -313,3 +314,33 @@ def test_the_password_is_never_in_the_label(pg_url: str) -> None:
     secret = pg_url.replace("postgres@", "postgres:s3cret@", 1)
     with PgInboxDB.open(secret, catalog.SPEC, create=True) as db:
         assert "s3cret" not in str(db.path)
+
+
+@pytest.mark.postgres
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 4), st.booleans(), st.integers(0, 1)), min_size=1,
+                max_size=25),
+       st.integers(1, 6), st.randoms(use_true_random=False))
+def test_postgresql_answers_as_sqlite_does(pg_url: str, tmp_path_factory: pytest.TempPathFactory,
+                                          facts: list[tuple[int, int, bool, int]], batch: int, rng: Any) -> None:
+    """Any stream of catalog events (keys, revisions, withdrawals, two titles per revision: conflicts), with
+    redeliveries, in any batches: PostgreSQL gives every event the outcome SQLite gives it, and keeps the
+    same catalog, receipts and rejections."""
+    events = [from_mapping(new_event(article_id=f"k{key}", revision=revision, title=f"t{title}",
+                                     type="material.withdrawn" if withdrawn else "material.published"))
+              for key, revision, withdrawn, title in facts]
+    stream = events + rng.sample(events, len(events) // 2)
+    rng.shuffle(stream)
+    batches = [stream[i:i + batch] for i in range(0, len(stream), batch)]
+    schema = f"h{secrets.token_hex(6)}"  # a fresh inbox for each example
+    seen = {}
+    with closed_at_exit() as keep:
+        for kind, db in (("sqlite", keep(ConsumerDB.open(tmp_path_factory.mktemp("h") / "c.db", catalog.SPEC,
+                                                         create=True))),
+                         ("postgres", keep(PgInboxDB.open(pg_url, catalog.SPEC, create=True, schema=schema)))):
+            outcomes = [status for chunk in batches for status in statuses(apply_batch(db, chunk))]
+            tables = [sorted(tuple(r) for r in db.conn.execute(sql).fetchall()) for sql in (
+                "SELECT article_id, revision, title, published, event_id FROM catalog",
+                "SELECT event_id, result FROM inbox", "SELECT code, event_id FROM rejected")]
+            seen[kind] = (outcomes, tables)
+    assert seen["sqlite"] == seen["postgres"]
