@@ -344,3 +344,24 @@ def test_postgresql_answers_as_sqlite_does(pg_url: str, tmp_path_factory: pytest
                 "SELECT event_id, result FROM inbox", "SELECT code, event_id FROM rejected")]
             seen[kind] = (outcomes, tables)
     assert seen["sqlite"] == seen["postgres"]
+
+
+@pytest.mark.postgres
+def test_a_consumer_may_give_postgresql_its_own_effect_and_migrations(pg_url: str) -> None:
+    """``postgres_migrations`` and ``postgres_apply`` replace the SQLite ones on PostgreSQL (and
+    ``apply_many`` is not used there); SQLite keeps its own."""
+
+    def sqlite_only(conn: Connection, env: Envelope) -> str:
+        raise AssertionError("the SQLite effect ran on PostgreSQL")
+
+    def on_postgres(conn: Connection, env: Envelope) -> str:
+        conn.execute("INSERT INTO seen (event_id, at) VALUES (?, now())", (env.event_id,))
+        return "seen"
+
+    spec = ConsumerSpec("own", sqlite_only, ("CREATE TABLE seen (event_id TEXT PRIMARY KEY) STRICT;",),
+                        apply_many=lambda conn, envs: [sqlite_only(conn, env) for env in envs],
+                        postgres_migrations=("CREATE TABLE seen (event_id text PRIMARY KEY, at timestamptz NOT NULL)",),
+                        postgres_apply=on_postgres)
+    with PgInboxDB.open(pg_url, spec, create=True) as db:
+        assert ["seen", "seen"] == statuses(apply_batch(db, [env(), from_mapping(new_event())]))
+        assert [(2,)] == db.conn.execute("SELECT count(at) FROM seen").fetchall()
