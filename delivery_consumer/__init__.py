@@ -23,7 +23,7 @@ from .version import __version__
 if TYPE_CHECKING:
     from . import outbox, testing
     from .consumers import register
-    from .model.contract import ApplyFn, ApplyManyFn, ConsumerSpec, View
+    from .model.contract import ApplyFn, ApplyManyFn, Connection, ConsumerSpec, View, dialect
     from .model.errors import (
         ConfigError,
         DatabaseError,
@@ -48,6 +48,8 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "View": ("delivery_consumer.model.contract", "View"),
     "ApplyFn": ("delivery_consumer.model.contract", "ApplyFn"),
     "ApplyManyFn": ("delivery_consumer.model.contract", "ApplyManyFn"),
+    "Connection": ("delivery_consumer.model.contract", "Connection"),
+    "dialect": ("delivery_consumer.model.contract", "dialect"),
     "Consumer": ("delivery_consumer.model.typed", "Consumer"),
     "Event": ("delivery_consumer.model.typed", "Event"),
     "event_type": ("delivery_consumer.model.typed", "event_type"),
@@ -103,6 +105,7 @@ __all__ = [
     "ApplyFn",
     "ApplyManyFn",
     "ConfigError",
+    "Connection",
     "Consumer",
     "ConsumerHarness",
     "ConsumerSpec",
@@ -121,6 +124,7 @@ __all__ = [
     "__version__",
     "declare",
     "default_types",
+    "dialect",
     "event_type",
     "make_envelope",
     "new_event_id",

@@ -8,14 +8,14 @@ another process (with ``tests/`` on ``PYTHONPATH``); its view gives it
 
 Counting is the kind of effect that is *not* idempotent by itself (unlike the
 catalog's revision check), so it shows the inbox absorbing every duplicate.
+Its SQL is portable (the upsert names the stored row by its table), so it
+runs on a PostgreSQL inbox too.
 """
 
 from __future__ import annotations
 
-import sqlite3
-
 from delivery_consumer.consumers import register
-from delivery_consumer.model.contract import ConsumerSpec, View
+from delivery_consumer.model.contract import Connection, ConsumerSpec, View
 from delivery_consumer.model.envelope import Envelope
 
 RESULT = "counted"
@@ -31,11 +31,11 @@ MIGRATIONS = (
 )
 
 
-def apply(conn: sqlite3.Connection, env: Envelope) -> str:
+def apply(conn: Connection, env: Envelope) -> str:
     """Add one to the article's count."""
     conn.execute(
         "INSERT INTO counter (article_id, events, last_event_id) VALUES (?, 1, ?)"
-        " ON CONFLICT (article_id) DO UPDATE SET events = events + 1,"
+        " ON CONFLICT (article_id) DO UPDATE SET events = counter.events + 1,"
         " last_event_id = excluded.last_event_id",
         (env.key, env.event_id),
     )

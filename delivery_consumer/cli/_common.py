@@ -96,6 +96,17 @@ def consumer_option(required: bool = False, default: str | None = None) -> Calla
     )
 
 
+class DatabaseParam(click.ParamType["Path | str"]):
+    """A database file (a Path), or a PostgreSQL URL (``postgresql://...``, kept as a str)."""
+
+    name = "path|url"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path | str:
+        if isinstance(value, str) and value.startswith(("postgresql://", "postgres://")):
+            return value
+        return Path(value)
+
+
 def db_option(fn: F, *, help: str = "Database file (default: state/<consumer>/inbox.db).",
               envvar: str = "DELIVERY_DB", callback: Callable[[click.Context, click.Parameter, Any], Any] | None = None,
               ) -> F:
@@ -108,7 +119,7 @@ def db_option(fn: F, *, help: str = "Database file (default: state/<consumer>/in
         "db_path",
         envvar=envvar,
         show_envvar=True,
-        type=click.Path(path_type=Path),
+        type=DatabaseParam(),
         callback=callback or from_deployment("db"),
         help=help + (" The deployment file's [consumers.<consumer>] db when not given." if callback is None else ""),
     )(fn)
@@ -249,7 +260,8 @@ def from_deployment(key: str) -> Callable[[click.Context, click.Parameter, Any],
             return value
         if key == "db":
             ctx.meta.setdefault(_FROM_FILE, {})[str(entry.db)] = found.key(f"consumers.{entry.name}.db")
-            _check_owner(found, entry.name, entry.db)
+            if isinstance(entry.db, Path):  # a PostgreSQL URL: run checks whose inbox it is when it opens it
+                _check_owner(found, entry.name, entry.db)
             return entry.db
         return entry.options.get(key, value)
 

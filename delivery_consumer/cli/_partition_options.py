@@ -66,7 +66,8 @@ def one_partition(consumer: str | None, db_path: Path | None, partition: int | N
     if db_path is not None and not db_path.is_dir():
         return db_path
     try:  # the deployment file's directory, else --db's, else state/<consumer>/ of the working directory
-        paths = resolve(consumer, db_path if db_path is not None else entry.db if entry else None).checked()
+        file = entry.db if entry is not None and isinstance(entry.db, Path) else None
+        paths = resolve(consumer, db_path if db_path is not None else file).checked()
     except DeliveryError as exc:
         raise Fatal(str(exc)) from None
     if paths is not None:

@@ -45,6 +45,7 @@ def config_check(as_json: bool) -> None:
     """
     from .. import outbox
     from ..amqp.connection import redact
+    from ..inbox.pg import redact as redact_url
     from ..ops import deployment as config_lib
 
     dep = checked_deployment(owners=False)  # every problem below, not only the first
@@ -55,9 +56,10 @@ def config_check(as_json: bool) -> None:
         where = dep.placement(name)
         count = where.count()
         runs = []
+        url = redact_url(entry.db) if isinstance(entry.db, str) else None  # a PostgreSQL inbox: one schema each
         for partition, path, topo in where.topologies():
             # without the file, each line alone must still name the database, queues and options
-            run = ["delivery-consumer", "run", "--consumer", name, "--db", str(path)]
+            run = ["delivery-consumer", "run", "--consumer", name, "--db", url or str(path)]
             if partition is not None and count is not None:
                 run += ["--partition", partition[1:], "--partitions", str(count)]
             run += [f"--exchange={dep.exchange}"] if dep.exchange != DEFAULT_EXCHANGE else []
@@ -66,9 +68,10 @@ def config_check(as_json: bool) -> None:
                 if key == "metrics_port" and partition is not None:
                     value += int(partition[1:])  # one port per partition, as run takes it from the file
                 run.append(f"--{key.replace('_', '-')}={value}")
-            runs.append({"partition": partition, "database": str(path), "queue": topo.queue,
+            runs.append({"partition": partition, "database": url or str(path), "queue": topo.queue,
                          "deadQueue": topo.dead_queue, "run": shlex.join(run)})
-        consumers.append({"consumer": name, "db": str(entry.db), "exists": entry.db.exists(),
+        exists = None if isinstance(entry.db, str) else entry.db.exists()  # a PostgreSQL URL: not looked at
+        consumers.append({"consumer": name, "db": url or str(entry.db), "exists": exists,
                           "partitions": count, "databases": [r["database"] for r in runs],
                           "queue": runs[0]["queue"] if count is None else None,
                           "deadQueue": runs[0]["deadQueue"] if count is None else None, "options": entry.options,
@@ -96,7 +99,8 @@ def config_check(as_json: bool) -> None:
                      ("queue prefix", dep.queue_prefix + _from_env("queue_prefix")),
                      ("outbox max age", durations.format(dep.outbox_max_age_s))])
         for c in consumers:
-            click.echo(f"consumer {c['consumer']}: {c['db']}" + ("" if c["exists"] else " (not created yet)")
+            click.echo(f"consumer {c['consumer']}: {c['db']}" + ("" if c["exists"] in (True, None) else
+                                                                 " (not created yet)")
                        + (f", {c['partitions']} partitions" if c["partitions"] else ""))
             if c["partitions"] is None:
                 click.echo(f"  queues {c['queue']}, {c['deadQueue']}; run: {c['run']}")

@@ -93,8 +93,8 @@ def read_options(consumer: str | None = None) -> Callable[[F], F]:
 
 def partition_paths(consumer: str | None, db_path: Path | None) -> list[Path] | None:
     """The partition databases read as one consumer (they agree on their count), or None."""
-    if consumer is None and db_path is None:
-        return None  # opening the database says what to give
+    if (consumer is None and db_path is None) or isinstance(db_path, str):
+        return None  # opening the database says what to give; a PostgreSQL URL: one schema
     try:
         return resolve(consumer, db_path).checked()
     except DeliveryError as exc:
@@ -108,6 +108,8 @@ def limit_option(fn: F, default: int = 50) -> F:
 
 
 def _open_readonly(consumer: str | None, db_path: Path | None) -> ConsumerDB:
+    if isinstance(db_path, str):  # postgresql://...: the consumer's schema there (docs/postgres-inbox.md)
+        return _open_pg(consumer, db_path)
     paths = partition_paths(consumer, db_path)
     if paths is not None:
         raise Fatal(f"{consumer or 'the consumer'} is partitioned here ({len(paths)} partitions under "
@@ -130,6 +132,20 @@ def _open_readonly(consumer: str | None, db_path: Path | None) -> ConsumerDB:
             f"{path}: cannot read it here: reading a WAL database needs the file {shm.name} beside it, "
             f"and the directory {directory} is not writable; copy the database to a writable directory"
         ) from None
+
+
+def _open_pg(consumer: str | None, url: str) -> ConsumerDB:
+    """The consumer's inbox in PostgreSQL, read-only (every read a READ ONLY transaction)."""
+    from .. import consumers
+    from ..inbox.pg import PgInboxDB, redact
+
+    if consumer is None:
+        raise Fatal(f"{redact(url)}: give --consumer NAME (its inbox is the schema of that name)")
+    try:
+        db = PgInboxDB.open(url, consumers.get(consumer), readonly=True)
+    except DeliveryError as exc:
+        raise Fatal(str(exc)) from None
+    return db  # type: ignore[return-value]  # the read commands use what both backends have (inbox/seam.py)
 
 
 @contextmanager

@@ -159,7 +159,7 @@ def _metrics_server(consumer: str, port: int, host: str, queues: tuple[str, Topo
 @partition_options
 @external_options
 @handle_errors
-def run(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue_prefix: str, prefetch: int,
+def run(consumer: str, db_path: Path | str | None, amqp_url: str, exchange: str, queue_prefix: str, prefetch: int,
         batch: int, batch_wait_ms: int, max_attempts: int, retry_delays: tuple[int, ...], delivery_limit: int,
         max_crashes: int, exit_when_idle: float | None, store_outage_limit_s: float, max_bytes: int,
         accept_loss: bool, integrity_check_s: float, take_over_after_s: float, log_level: str, log_format: str,
@@ -181,13 +181,16 @@ def run(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue
 
     setup_logging(log_level, log_format, consumer)
     checked_spec(consumer, consumer_options)  # unknown consumer, no --webhook-url...: one line, exit 2
-    db_path, partitions, metrics_port = _file_partition(consumer, db_path, partition, partitions, metrics_port)
+    db_url = db_path if isinstance(db_path, str) else None  # postgresql://...: docs/postgres-inbox.md
+    db_path = None if isinstance(db_path, str) else db_path
+    if db_url is None:
+        db_path, partitions, metrics_port = _file_partition(consumer, db_path, partition, partitions, metrics_port)
     if batch > prefetch:
         raise click.BadParameter(f"--batch {batch} cannot fill with --prefetch {prefetch}; raise --prefetch",
                                  param_hint="--batch")
     config = RunConfig(
         consumer=consumer, url=amqp_url, exchange=exchange, prefix=queue_prefix,
-        db_path=database(consumer, partition, db_path) if partition is not None else db_path,
+        db_path=database(consumer, partition, db_path) if partition is not None else db_path, db_url=db_url,
         prefetch=prefetch, batch=batch, batch_wait_ms=batch_wait_ms, max_attempts=max_attempts,
         retry_delays_ms=retry_delays, delivery_limit=delivery_limit, max_crashes=max_crashes,
         exit_when_idle_s=exit_when_idle, max_bytes=max_bytes, log_each_event=log_format == "json",
@@ -200,7 +203,7 @@ def run(consumer: str, db_path: Path | None, amqp_url: str, exchange: str, queue
     if metrics_port is not None:
         observer_factory = _metrics_factory(consumer, partition)
         serve = _metrics_server(consumer, metrics_port, metrics_host, (amqp_url, config.topology()), partition,
-                                config.database_path())
+                                None if db_url is not None else config.database_path())
     try:
         code = run_consumer(config, observer_factory, serve)
     except BrokerError as exc:

@@ -8,11 +8,9 @@ rejected ``event-id-reused`` when the body differs).
 
 from __future__ import annotations
 
-import sqlite3
-
 import orjson
 
-from ..model.contract import ConsumerSpec, View
+from ..model.contract import Connection, ConsumerSpec, View
 from ..model.envelope import Envelope
 from ..model.errors import EVENT_ID_REUSED, Rejection
 
@@ -37,7 +35,7 @@ ON CONFLICT (event_id) DO NOTHING
 """
 
 
-def apply(conn: sqlite3.Connection, env: Envelope) -> str:
+def apply(conn: Connection, env: Envelope) -> str:
     """Store the canonical envelope once; see the module docstring."""
     cur = conn.execute(
         _INSERT,

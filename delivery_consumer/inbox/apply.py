@@ -17,12 +17,12 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from time import monotonic
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 import orjson
 
 from ..amqp.partitions import Identity, misplaced
-from ..model.contract import ApplyFn, ConsumerSpec, DeliveryCount, Outcome
+from ..model.contract import ApplyFn, Connection, ConsumerSpec, DeliveryCount, Outcome
 from ..model.envelope import Envelope
 from ..model.errors import (
     EVENT_ID_REUSED,
@@ -41,13 +41,24 @@ from . import counters
 
 
 class Store(Protocol):
-    """What the applier needs of a consumer's database: :class:`~.database.ConsumerDB`,
-    which hands out this module's :class:`Transaction`."""
+    """What the applier needs of a consumer's database, whichever holds it: SQLite
+    (:class:`~.database.ConsumerDB`, which hands out this module's :class:`Transaction`)
+    or PostgreSQL (``inbox/pg.py``, whose transaction overrides the dialect's steps only)."""
 
-    conn: sqlite3.Connection
-    #: A cursor of *conn* for the transaction's own statements.
-    cursor: sqlite3.Cursor
-    path: Path
+    @property
+    def conn(self) -> Connection:
+        """The connection effects are handed (a ``sqlite3.Connection`` on SQLite)."""
+        ...
+
+    @property
+    def cursor(self) -> Any:
+        """A cursor of *conn* for the transaction's own statements."""
+        ...
+
+    @property
+    def path(self) -> Path | str:
+        """The database for messages: a file, or a URL without its password."""
+        ...
     spec: ConsumerSpec
     readonly: bool
     #: The partition the database serves (None: an unpartitioned consumer).
@@ -62,7 +73,11 @@ class Store(Protocol):
     tags: ContentTags | None
 
     def transaction(self) -> Transaction:
-        """One write transaction (``BEGIN IMMEDIATE`` ... ``COMMIT``)."""
+        """One write transaction (``BEGIN IMMEDIATE`` ... ``COMMIT`` on SQLite)."""
+        ...
+
+    def unsynced_transaction(self) -> Transaction:
+        """A write transaction whose commit is not made durable at once (:class:`UnsyncedTransaction`)."""
         ...
 
     def check_file(self) -> None:
@@ -140,6 +155,24 @@ _RECEIPT_INSERT = (
     " VALUES (?, ?, ?, ?, ?, ?, NULLIF(?, ''), NULLIF(?, ''))"
 )
 _SOURCE_INSERT = "INSERT OR IGNORE INTO ce_sources (source, first_at) VALUES (?, ?)"
+_REJECTION_INSERT = (
+    "INSERT INTO rejected (code, reason, event_id, fingerprint, body_sha256, source,"
+    " attempts, dead_letter, rejected_at, partition_key, origin) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    " RETURNING id"
+)
+_DELIVERY_UPSERT = (
+    "INSERT INTO deliveries (key, event_id, deliveries, redeliveries, attempts, crashes,"
+    " first_at, last_at, last_outcome) VALUES (?1, ?2, max(1, ?3), ?4, ?5, 0,"
+    " CASE WHEN ?3 > 1 THEN coalesce((SELECT min(received_at, ?6) FROM inbox WHERE event_id = ?2), ?6)"
+    " ELSE ?6 END, ?6, ?7)"
+    " ON CONFLICT (key) DO UPDATE SET"
+    " deliveries = max(deliveries + ?8, ?3),"
+    " redeliveries = redeliveries + ?4 * ?8,"
+    " attempts = max(attempts, excluded.attempts),"
+    " event_id = coalesce(excluded.event_id, event_id),"
+    " last_at = excluded.last_at, last_outcome = excluded.last_outcome"
+    " RETURNING deliveries, attempts, crashes"
+)
 #: SQLite's extended result code of a value a STRICT column's type refuses
 #: ("cannot store REAL value in INTEGER column"), and SQLITE_MISMATCH.
 _DATATYPE_CODES = frozenset({3091, 20})
@@ -243,14 +276,6 @@ def _raise_if_whole_transaction(exc: Exception) -> None:
         raise exc
 
 
-def _receipts_failed(exc: Exception) -> _Fallback:
-    """The optimistic batch's receipt writes raised *exc* (an effect's bad
-    result, such as None): go event by event, where the per-event path says
-    whose it is. Raises *exc* itself when it concerns the whole transaction."""
-    _raise_if_whole_transaction(exc)
-    return _Fallback()
-
-
 class Transaction:
     """The write transaction of a :meth:`ConsumerDB.transaction` block.
 
@@ -262,10 +287,19 @@ class Transaction:
     __slots__ = ("_cursor", "_known", "apply_many_fn", "conn", "db", "effect", "now", "spec")
     #: Whether a commit checks that the file is still the database (ConsumerDB.check_file).
     CHECKS_FILE: ClassVar[bool] = True
+    #: The store's own statements, in the backend's SQL (``?`` parameters on both):
+    #: a backend's transaction gives its own where its dialect differs.
+    RECEIPT_SELECT: ClassVar[str] = _RECEIPT_SELECT
+    RECEIPTS_SELECT: ClassVar[str] = _RECEIPTS_SELECT
+    RECEIPT_INSERT: ClassVar[str] = _RECEIPT_INSERT
+    SOURCE_INSERT: ClassVar[str] = _SOURCE_INSERT
+    REJECTION_INSERT: ClassVar[str] = _REJECTION_INSERT
+    DELIVERY_UPSERT: ClassVar[str] = _DELIVERY_UPSERT
 
     def __init__(self, db: Store, now: str = ""):
         self.db = db
-        self.conn = db.conn
+        #: The connection of the store (sqlite3 on SQLite: its own statements rely on it).
+        self.conn: Any = db.conn
         self._cursor = db.cursor
         self.spec = db.spec
         self.now = now
@@ -348,13 +382,32 @@ class Transaction:
         # failing on the event's own writes (IntegrityError) aborted only that
         # statement: it is this event's bug. Other sqlite3 errors (busy, disk
         # full, I/O) concern the transaction.
-        _raise_if_whole_transaction(exc)
-        if unstorable(exc):  # retrying the same bytes cannot help
+        self._raise_if_whole(exc)
+        if self._unstorable(exc):  # retrying the same bytes cannot help
             return Outcome(env.event_id, rejection=Rejection(
                 UNSTORABLE_VALUE, f"{self.spec.name} cannot store a value of this event: {exc}",
                 event_id=env.event_id, fingerprint=env.fingerprint, key=env.key, origin=env.cloudevent))
         reason = f"{type(exc).__name__} in {self.spec.name} effect: {exc}"
         return Outcome(env.event_id, transient=TransientError(reason, code="handler-error"))
+
+    # -- what a backend's transaction words in its own way --
+
+    @staticmethod
+    def _raise_if_whole(exc: Exception) -> None:
+        """Raise *exc* again when it concerns the whole transaction, not the event."""
+        _raise_if_whole_transaction(exc)
+
+    @staticmethod
+    def _unstorable(exc: BaseException) -> bool:
+        """Whether a value of the event can never be stored (:func:`unstorable`)."""
+        return unstorable(exc)
+
+    def _receipts_failed(self, exc: Exception) -> _Fallback:
+        """The optimistic batch's receipt writes raised *exc* (an effect's bad
+        result, such as None): go event by event, where the per-event path says
+        whose it is. Raises *exc* itself when it concerns the whole transaction."""
+        self._raise_if_whole(exc)
+        return _Fallback()
 
     def _undo(self) -> None:
         self.conn.execute("ROLLBACK TO event")
@@ -400,11 +453,11 @@ class Transaction:
         conn = self.conn
         envs = [item for item in items if not isinstance(item, Rejection)]
         if len(envs) == 1:
-            row = conn.execute(_RECEIPT_SELECT, (envs[0].event_id,)).fetchone()
+            row = conn.execute(self.RECEIPT_SELECT, (envs[0].event_id,)).fetchone()
             known = {} if row is None else {envs[0].event_id: row}
         else:
             ids = orjson.dumps([env.event_id for env in envs]).decode()
-            known = {row[0]: row[1:] for row in conn.execute(_RECEIPTS_SELECT, (ids,))}
+            known = {row[0]: row[1:] for row in conn.execute(self.RECEIPTS_SELECT, (ids,))}
         # Each item is answered now (a receipt, a parse rejection) or by the
         # effect: index of its fresh event, the first with its eventId.
         outcomes: list[Outcome | int] = []
@@ -450,7 +503,7 @@ class Transaction:
             # Inside the try: an effect's bad result (None) fails here, as
             # the per-event path's receipt INSERT does.
             # _meta_column and the origin's JSON, inline: no call per event.
-            conn.executemany(_RECEIPT_INSERT, [
+            conn.executemany(self.RECEIPT_INSERT, [
                 (env.event_id, env.fingerprint, result, env.type, now, env.key,
                  "" if (meta := env.fields.get("meta")) is None else _meta_json(meta),
                  "" if (ce := env.cloudevent) is None else ce.to_json())
@@ -459,10 +512,10 @@ class Transaction:
         except _Fallback:
             raise
         except Exception as exc:
-            raise _receipts_failed(exc) from None
+            raise self._receipts_failed(exc) from None
         sources = {ce.source for env in fresh if (ce := env.cloudevent) is not None}
         if sources:
-            conn.executemany(_SOURCE_INSERT, [(source, now) for source in sources])
+            conn.executemany(self.SOURCE_INSERT, [(source, now) for source in sources])
         # Outcome's arguments by position: called by keyword from C
         # (type.__call__), its __init__ takes the slower path that matches names.
         fresh_ids = [env.event_id for env in fresh]
@@ -480,7 +533,7 @@ class Transaction:
         ``apply_many`` would."""
         cursor = self._cursor
         event_id = env.event_id
-        row = cursor.execute(_RECEIPT_SELECT, (event_id,)).fetchone()
+        row = cursor.execute(self.RECEIPT_SELECT, (event_id,)).fetchone()
         if row is not None:
             try:
                 return Outcome(event_id, result=duplicate(row, env))
@@ -495,12 +548,12 @@ class Transaction:
             raise _Fallback(env, self._failure(env, exc)) from None
         ce = env.cloudevent
         try:
-            cursor.execute(_RECEIPT_INSERT, (event_id, env.fingerprint, result, env.type, self.now, env.key,
+            cursor.execute(self.RECEIPT_INSERT, (event_id, env.fingerprint, result, env.type, self.now, env.key,
                                            _meta_column(env), "" if ce is None else ce.to_json()))
         except Exception as exc:  # an effect's bad result (None) fails here, as in the per-event path
-            raise _receipts_failed(exc) from None
+            raise self._receipts_failed(exc) from None
         if ce is not None:
-            cursor.execute(_SOURCE_INSERT, (ce.source, self.now))
+            cursor.execute(self.SOURCE_INSERT, (ce.source, self.now))
         return Outcome(event_id, result=result)
 
     def _restart(self) -> None:
@@ -523,14 +576,14 @@ class Transaction:
         ids = orjson.dumps([env.event_id for env in envs]).decode()
         self._known = {
             event_id: (fingerprint, result)
-            for event_id, fingerprint, result in self.conn.execute(_RECEIPTS_SELECT, (ids,))
+            for event_id, fingerprint, result in self.conn.execute(self.RECEIPTS_SELECT, (ids,))
         }
 
     def _apply(self, env: Envelope) -> str:
         conn = self.conn
         known = self._known
         if known is None:
-            row = conn.execute(_RECEIPT_SELECT, (env.event_id,)).fetchone()
+            row = conn.execute(self.RECEIPT_SELECT, (env.event_id,)).fetchone()
         else:
             row = known.get(env.event_id)
         if row is not None:
@@ -541,10 +594,10 @@ class Transaction:
                             origin=env.cloudevent)
         result = self.effect(conn, env)
         ce = env.cloudevent
-        conn.execute(_RECEIPT_INSERT, (env.event_id, env.fingerprint, result, env.type, self.now, env.key,
+        conn.execute(self.RECEIPT_INSERT, (env.event_id, env.fingerprint, result, env.type, self.now, env.key,
                                        _meta_column(env), "" if ce is None else ce.to_json()))
         if ce is not None:
-            conn.execute(_SOURCE_INSERT, (ce.source, self.now))
+            conn.execute(self.SOURCE_INSERT, (ce.source, self.now))
         if known is not None:
             known[env.event_id] = (env.fingerprint, result)
         return result
@@ -561,9 +614,8 @@ class Transaction:
         """Write one row to ``rejected``; returns its id. A CloudEvent's source
         is listed in ``ce_sources`` too, so that trace finds it by its id."""
         origin = rejection.origin
-        cur = self.conn.execute(
-            "INSERT INTO rejected (code, reason, event_id, fingerprint, body_sha256, source,"
-            " attempts, dead_letter, rejected_at, partition_key, origin) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        row = self.conn.execute(
+            self.REJECTION_INSERT,
             (
                 rejection.code,
                 rejection.reason,
@@ -577,11 +629,10 @@ class Transaction:
                 rejection.key,
                 None if origin is None else CloudEventId(*origin).to_json(),
             ),
-        )
+        ).fetchone()
         if origin is not None:
-            self.conn.execute(_SOURCE_INSERT, (origin[0], self.now))
-        assert cur.lastrowid is not None
-        return cur.lastrowid
+            self.conn.execute(self.SOURCE_INSERT, (origin[0], self.now))
+        return int(row[0])
 
     def record_delivery(
         self,
@@ -607,24 +658,14 @@ class Transaction:
         receipt's time, that first delivery's, when there is one.
         """
         row = self.conn.execute(
-            "INSERT INTO deliveries (key, event_id, deliveries, redeliveries, attempts, crashes,"
-            " first_at, last_at, last_outcome) VALUES (?1, ?2, max(1, ?3), ?4, ?5, 0,"
-            " CASE WHEN ?3 > 1 THEN coalesce((SELECT min(received_at, ?6) FROM inbox WHERE event_id = ?2), ?6)"
-            " ELSE ?6 END, ?6, ?7)"
-            " ON CONFLICT (key) DO UPDATE SET"
-            " deliveries = max(deliveries + ?8, ?3),"
-            " redeliveries = redeliveries + ?4 * ?8,"
-            " attempts = max(attempts, excluded.attempts),"
-            " event_id = coalesce(excluded.event_id, event_id),"
-            " last_at = excluded.last_at, last_outcome = excluded.last_outcome"
-            " RETURNING deliveries, attempts, crashes",
+            self.DELIVERY_UPSERT,
             (key, event_id, delivered_hint, int(redelivered), attempt, self.now, outcome, int(count)),
         ).fetchone()
         return DeliveryCount(int(row[0]), int(row[1]), int(row[2]))
 
 
 
-def receipt(conn: sqlite3.Connection, event_id: str) -> tuple[str, str] | None:
+def receipt(conn: Any, event_id: str) -> tuple[str, str] | None:
     """The receipt of *event_id*: (fingerprint, result); None when it has none."""
     row = conn.execute(_RECEIPT_SELECT, (event_id,)).fetchone()
     return None if row is None else (str(row[0]), str(row[1]))
@@ -687,11 +728,10 @@ class UnsyncedTransaction(Transaction):
             raise DatabaseError(f"{self.db.path}: cannot restore PRAGMA synchronous: {exc}") from None
 
 
-def unsynced_transaction(db: Store) -> UnsyncedTransaction:
-    """``with unsynced_transaction(db) as tx:`` -- see :class:`UnsyncedTransaction`."""
-    if db.readonly:
-        raise DatabaseError(f"{db.path}: opened read-only")
-    return UnsyncedTransaction(db)
+def unsynced_transaction(db: Store) -> Transaction:
+    """``with unsynced_transaction(db) as tx:`` -- see :class:`UnsyncedTransaction`
+    (the store's own kind: :meth:`Store.unsynced_transaction`)."""
+    return db.unsynced_transaction()
 
 
 __all__ = [

@@ -33,7 +33,7 @@ from ..store.dbfile import ContentTags, FileGuard, SerialLock, check_one_name, o
 from ..store.placement import default_db
 from ..store.sqlite import DEFAULT_BUSY_TIMEOUT_MS, now_iso
 from ..version import __version__
-from .apply import Transaction
+from .apply import Transaction, UnsyncedTransaction
 
 #: Pages of WAL after which a commit runs a checkpoint (SQLite's default: 1000).
 WAL_AUTOCHECKPOINT_PAGES = 10_000
@@ -537,6 +537,12 @@ class ConsumerDB:
         if self.readonly:
             raise DatabaseError(f"{self.path}: opened read-only")
         return Transaction(self)
+
+    def unsynced_transaction(self) -> Transaction:
+        """A write transaction whose COMMIT is not synced (:class:`~.apply.UnsyncedTransaction`)."""
+        if self.readonly:
+            raise DatabaseError(f"{self.path}: opened read-only")
+        return UnsyncedTransaction(self)
 
     def check_file(self) -> None:
         """Raise DatabaseLost when the path no longer names the file this

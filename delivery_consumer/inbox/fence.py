@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import sqlite3
 import time
 from collections.abc import Callable, Sequence
 from contextlib import suppress
@@ -22,7 +21,7 @@ from functools import partial
 from typing import Any, Protocol, TypeVar
 
 from ..amqp.partitions import delivery_outcome, forwarded_to, misplaced
-from ..model.contract import DeliveryMark, Outcome, WorkHooks
+from ..model.contract import Connection, DeliveryMark, Outcome, WorkHooks
 from ..model.envelope import Envelope
 from ..model.errors import OUTCOME_UNKNOWN, REVISION_CONFLICT, FenceError, Rejection, StoreUnavailable, TransientError
 from ..model.faults import crashpoint
@@ -367,7 +366,7 @@ def _mark_call(db: ConsumerDB, where: tuple[str, str, int], in_flight: InFlight 
         )
         if cur.rowcount == 1 and in_flight is not None:
             in_flight.mark_in(tx, [delivery])
-        return cur.rowcount == 1
+        return bool(cur.rowcount == 1)
 
 
 class _Completion:
@@ -384,7 +383,7 @@ class _Completion:
         self.step = step
         self.hooks = hooks
 
-    def effect(self, conn: sqlite3.Connection, env: Envelope) -> str:
+    def effect(self, conn: Connection, env: Envelope) -> str:
         """The result of *env*'s step, or its failure raised (the applier rolls its
         savepoint back; the fence rows are written in :meth:`before_commit`)."""
         answer = self.answers.get(id(env))
@@ -406,7 +405,7 @@ class _Completion:
             raise Rejection(verdict.code, verdict.reason, event_id=env.event_id, fingerprint=env.fingerprint)
         raise verdict
 
-    def _verdict(self, conn: sqlite3.Connection, plan: _Plan) -> str | Rejection | TransientError:
+    def _verdict(self, conn: Connection, plan: _Plan) -> str | Rejection | TransientError:
         """What the call of *plan*'s key comes to: the step's result or its failure."""
         env, step = plan.env, self.step
         if plan.not_called is not None:
@@ -503,14 +502,14 @@ def _row(row: Sequence[Any]) -> dict[str, Any]:
     }
 
 
-def has_fence(conn: sqlite3.Connection) -> bool:
+def has_fence(conn: Connection) -> bool:
     """Whether the database has a fence table (only consumers with an external effect do)."""
     found = conn.execute("SELECT 1 FROM sqlite_schema WHERE type = 'table' AND name = 'fence'").fetchall()
     return bool(found)
 
 
 def fence_list(
-    conn: sqlite3.Connection, *, state: str | None = None, in_doubt: bool | None = None, limit: int | None = 50
+    conn: Connection, *, state: str | None = None, in_doubt: bool | None = None, limit: int | None = 50
 ) -> list[dict[str, Any]]:
     """Fence rows, newest claim first; optionally of one state, or only those in doubt."""
     if not has_fence(conn):
@@ -527,7 +526,7 @@ def fence_list(
     return [_row(r) for r in rows]
 
 
-def fence_show(conn: sqlite3.Connection, key: str) -> dict[str, Any] | None:
+def fence_show(conn: Connection, key: str) -> dict[str, Any] | None:
     """The fence row of *key*, or None."""
     where = key_parts(key)
     if where is None or not has_fence(conn):

@@ -19,12 +19,11 @@ from __future__ import annotations
 from typing import Any
 
 from ..model.cloudevents import event_id_for
-from ..model.contract import ConsumerSpec
+from ..model.contract import ConsumerSpec, dialect
 from ..model.errors import FORWARDED, REJECTIONS, NotFound
 from ..model.plural import count
-from ..store.sqlite import read_snapshot
 from . import ConsumerDB
-from .reports import deliveries_summary, dict_rows, origin_of, reads, receipt_row
+from .reports import deliveries_summary, dict_rows, origin_of, reads, receipt_row, snapshot
 from .views import key_row
 
 Row = dict[str, Any]
@@ -38,8 +37,12 @@ def _event_id_tables(db: ConsumerDB) -> dict[str, str]:
     column, else ``event_id`` where a table has one."""
     view = db.spec.view
     tables = {view.table: view.event} if view is not None and view.event is not None else {}
+    postgres = dialect(db.conn) == "postgres"
     for table in db.spec.tables:
-        columns = {row[1] for row in db.conn.execute(f'PRAGMA table_info("{table}")').fetchall()}
+        columns = ({row[0] for row in db.conn.execute(
+            "SELECT column_name FROM information_schema.columns WHERE table_schema = current_schema()"
+            " AND table_name = ?", (table,)).fetchall()} if postgres
+            else {row[1] for row in db.conn.execute(f'PRAGMA table_info("{table}")').fetchall()})
         if "event_id" in columns:
             tables.setdefault(table, "event_id")
     return tables
@@ -118,7 +121,7 @@ def cloudevent_matches(db: ConsumerDB, ce_id: str) -> list[tuple[str, str]]:
 def trace(db: ConsumerDB, event_id: str, *, key: str | None = None) -> Row:
     """Receipt, deliveries, rejections and effect rows of *event_id*; NotFound if none."""
     conn = db.conn
-    with read_snapshot(conn):
+    with snapshot(db):
         receipt = receipt_row(conn, event_id)
         rejections = dict_rows(conn.execute(
             "SELECT id, code, reason, rejected_at, source, attempts, dead_letter, resolved_at, fingerprint,"

@@ -22,10 +22,14 @@ from pathlib import Path
 
 import orjson
 
+from ..model.contract import dialect
 from ..model.errors import DatabaseError, DeliveryError
 from ..store import liveness, sqlite
-from .apply import Transaction, unsynced_transaction
-from .database import ConsumerDB
+from .apply import Store, Transaction, unsynced_transaction
+
+#: The values of a JSON array given as one parameter, per dialect.
+_EACH = {"sqlite": "SELECT value FROM json_each(?)",
+         "postgres": "SELECT value FROM json_array_elements_text(CAST(? AS json))"}
 
 #: The last outcome of a delivery whose process died while handling it, as
 #: older versions wrote it (now: CRASHED or INTERRUPTED).
@@ -83,7 +87,7 @@ def owner_alive(owner: str) -> bool:
 class InFlight:
     """This process's durable note of the deliveries it is handling now."""
 
-    def __init__(self, db: ConsumerDB, owner: str | None = None) -> None:
+    def __init__(self, db: Store, owner: str | None = None) -> None:
         self.db = db
         self.owner = owner or process_owner()
 
@@ -94,12 +98,15 @@ class InFlight:
 
     def mark_in(self, tx: Transaction, keys: Sequence[str]) -> None:
         """Note *keys* as under way in *tx* (committed with it)."""
-        tx.conn.execute("INSERT OR REPLACE INTO in_flight (owner, keys, started_at) VALUES (?, ?, ?)",
+        tx.conn.execute("INSERT INTO in_flight (owner, keys, started_at) VALUES (?, ?, ?) ON CONFLICT (owner)"
+                        " DO UPDATE SET keys = excluded.keys, started_at = excluded.started_at",
                         (self.owner, orjson.dumps(list(keys)).decode(), tx.now))
 
     def clear(self, tx: Transaction) -> None:
         """Nothing is under way any more once *tx* commits (the batch's own transaction)."""
-        tx.conn.execute("DELETE FROM in_flight WHERE owner = ?", (self.owner,))
+        # PostgreSQL's connection sends it with the COMMIT, in one round trip (inbox/pg.py).
+        at_commit = getattr(tx.conn, "at_commit", None)
+        (at_commit or tx.conn.execute)("DELETE FROM in_flight WHERE owner = ?", (self.owner,))
 
     def reap(self) -> int:
         """Settle the notes of processes that are gone; how many there were.
@@ -129,9 +136,9 @@ class InFlight:
         and leave the key open (:data:`OPEN_OUTCOMES`), a crash if it was
         handled alone (*crashed*), else one suspect of a batch."""
         tx.conn.execute(
-            "INSERT INTO deliveries (key, event_id, deliveries, redeliveries, attempts, crashes, first_at, last_at,"
-            " last_outcome) VALUES (?1, NULL, 1, 0, 1, ?2, ?3, ?3, ?4)"
-            " ON CONFLICT (key) DO UPDATE SET deliveries = deliveries + 1, crashes = crashes + ?2,"
+            "INSERT INTO deliveries AS d (key, event_id, deliveries, redeliveries, attempts, crashes, first_at,"
+            " last_at, last_outcome) VALUES (?1, NULL, 1, 0, 1, ?2, ?3, ?3, ?4)"
+            " ON CONFLICT (key) DO UPDATE SET deliveries = d.deliveries + 1, crashes = d.crashes + ?2,"
             " last_at = ?3, last_outcome = ?4",
             (key, int(crashed), tx.now, CRASHED if crashed else INTERRUPTED),
         )
@@ -142,13 +149,23 @@ class InFlight:
         if not keys:
             return {}
         placeholders = ", ".join("?" * len(OPEN_OUTCOMES))
+        conn = self.db.conn
+        each = _EACH[dialect(conn)]
         return {
-            str(key): int(crashes) for key, crashes in self.db.conn.execute(
-                "SELECT key, crashes FROM deliveries WHERE key IN (SELECT value FROM json_each(?))"
-                f" AND last_outcome IN ({placeholders})",
+            str(key): int(crashes) for key, crashes in conn.execute(
+                f"SELECT key, crashes FROM deliveries WHERE key IN ({each}) AND last_outcome IN ({placeholders})",
                 (orjson.dumps(list(keys)).decode(), *OPEN_OUTCOMES),
             )
         }
+
+    def forget(self) -> None:
+        """Delete this process's note from another thread than the one that owns the
+        database connection (a process leaving on purpose); best effort, quick."""
+        own = getattr(self.db, "forget_in_flight", None)  # a backend with its own way (PostgreSQL)
+        if own is not None:
+            own(self.owner)
+        else:
+            forget_in_flight(Path(self.db.path), self.owner)
 
     def release(self) -> None:
         """Delete this process's note at a clean exit (best effort: a note

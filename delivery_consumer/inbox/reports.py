@@ -22,7 +22,8 @@ import functools
 import sqlite3
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, Final, ParamSpec, TypeVar
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Final, ParamSpec, TypeVar
 
 import orjson
 
@@ -30,6 +31,9 @@ from ..model.durations import format as format_duration
 from ..model.errors import NotFound, QueryError
 from ..store.sqlite import age_s, now_iso, read_snapshot, translate
 from . import ConsumerDB, counters
+
+if TYPE_CHECKING:
+    from .pg import PgInboxDB
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -91,6 +95,24 @@ def reads(fn: Callable[P, T]) -> Callable[P, T]:
     return wrapper
 
 
+def _pg(db: object) -> PgInboxDB | None:
+    """*db* when it is a PostgreSQL inbox (whose reads are ``inbox/pg_queries.py``), else None."""
+    if getattr(getattr(db, "conn", None), "dialect", "sqlite") != "postgres":
+        return None
+    from .pg import PgInboxDB
+
+    return db if isinstance(db, PgInboxDB) else None
+
+
+def snapshot(db: ConsumerDB) -> AbstractContextManager[Any]:
+    """One read transaction on *db*'s connection, SQLite's or PostgreSQL's."""
+    if (pg := _pg(db)) is not None:
+        from . import pg_queries
+
+        return pg_queries.snapshot(pg)
+    return read_snapshot(db.conn)
+
+
 def sql_limit(limit: int | None) -> int:
     """SQLite's LIMIT value: None or 0 mean no limit."""
     return limit if limit else -1
@@ -119,6 +141,10 @@ def inbox_list(db: ConsumerDB, *, result: str | None = None, limit: int | None =
     received (the rowid), which reads from the end of the table without an
     index on ``receivedAt``. ``limit`` None or 0 lists them all.
     """
+    if (pg := _pg(db)) is not None:
+        from . import pg_queries
+
+        return pg_queries.inbox_list(pg, result=result, limit=limit)
     where, params = ("WHERE result = ?", [result]) if result is not None else ("", [])
     rows = db.conn.execute(
         f"{_RECEIPT} {where} ORDER BY rowid DESC LIMIT ?",
@@ -210,7 +236,7 @@ def inbox_show(db: ConsumerDB, event_id: str) -> Row:
     the eventId appears nowhere (receipt, rejections, deliveries).
     """
     conn = db.conn
-    with read_snapshot(conn):
+    with snapshot(db):
         receipt = receipt_row(conn, event_id)
         rejected = dict_rows(conn.execute("SELECT * FROM rejected WHERE event_id = ? ORDER BY id", (event_id,)))
         for row in rejected:
@@ -238,6 +264,10 @@ def inbox_stats(db: ConsumerDB, *, now: float | None = None) -> Row:
 
     *now* (a Unix time) fixes the clock for the windows and the age.
     """
+    if (pg := _pg(db)) is not None:
+        from . import pg_queries
+
+        return pg_queries.inbox_stats(pg, now=now)
     now = time.time() if now is None else now
     conn = db.conn
     with read_snapshot(conn):
@@ -276,6 +306,10 @@ def inbox_stats(db: ConsumerDB, *, now: float | None = None) -> Row:
 @reads
 def rejected_list(db: ConsumerDB, *, code: str | None = None, limit: int | None = 50) -> list[Row]:
     """Rejections, newest first, optionally only those with *code*."""
+    if (pg := _pg(db)) is not None:
+        from . import pg_queries
+
+        return pg_queries.rejected_list(pg, code=code, limit=limit)
     where, params = ("WHERE code = ?", [code]) if code is not None else ("", [])
     return dict_rows(
         db.conn.execute(f"SELECT * FROM rejected {where} ORDER BY id DESC LIMIT ?", [*params, sql_limit(limit)])
@@ -370,6 +404,10 @@ def query(db: ConsumerDB, sql: str, *, timeout_s: float = QUERY_TIMEOUT_S, max_b
     """
     if not db.readonly:
         raise QueryError("query needs a database opened read-only")
+    if (pg := _pg(db)) is not None:
+        from . import pg_queries
+
+        return pg_queries.query(pg, sql, timeout_s=timeout_s, max_bytes=max_bytes)
     if not sql.strip():
         raise QueryError("query refused: the SQL is empty")
     conn = db.conn
@@ -431,5 +469,6 @@ __all__ = [
     "reads",
     "receipt_row",
     "rejected_list",
+    "snapshot",
     "sql_limit",
 ]

@@ -45,6 +45,11 @@ def _terms(view: View) -> list[tuple[str, bool]]:
 def _select(db: ConsumerDB, view: View, where: Mapping[str, Any], limit: int) -> list[tuple[tuple[Any, ...], Row]]:
     """(sort key, row) of one database, in the view's order."""
     _require(db, view)
+    width = len(view.columns)
+    if getattr(db.conn, "dialect", "sqlite") == "postgres":  # inbox/pg_queries.py words it
+        from .pg_queries import view_select
+
+        return [(tuple(row[width:]), _row(view, row[:width])) for row in view_select(db, view, where, limit)]  # type: ignore[arg-type]
     terms = _terms(view)
     picks = [*view.columns, *(c for c, _ in terms)]
     conds = " AND ".join(f"{column} = ?" for column in where)
@@ -52,7 +57,6 @@ def _select(db: ConsumerDB, view: View, where: Mapping[str, Any], limit: int) ->
     sql = (f"SELECT {', '.join(picks)} FROM {view.table}" + (f" WHERE {conds}" if conds else "")
            + (f" ORDER BY {order}" if order else "") + " LIMIT ?")
     rows = db.conn.execute(sql, [*where.values(), sql_limit(limit)]).fetchall()
-    width = len(view.columns)
     return [(tuple(row[width:]), _row(view, row[:width])) for row in rows]
 
 

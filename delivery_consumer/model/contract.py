@@ -9,8 +9,7 @@ delivery with its :class:`DeliveryMark`. How a consumer is written: docs/adding-
 
 from __future__ import annotations
 
-import sqlite3
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -18,15 +17,44 @@ from .envelope import Envelope
 from .errors import Rejection, StoreUnavailable, TransientError
 from .event_types import MATERIAL, EventTypes
 
+
+class Cursor(Protocol):
+    """What an effect reads of a statement's cursor (sqlite3's, and the PostgreSQL wrapper's)."""
+
+    @property
+    def rowcount(self) -> int: ...
+
+    def fetchone(self) -> Any: ...
+
+    def fetchall(self) -> list[Any]: ...
+
+    def __iter__(self) -> Iterator[Any]: ...
+
+
+class Connection(Protocol):
+    """What an effect is handed: a ``sqlite3.Connection`` on SQLite, on PostgreSQL a small
+    wrapper of the same shape (``?`` parameters, ``dialect == "postgres"``;
+    ``inbox/pg.py``). An effect written with these calls and portable SQL runs on both."""
+
+    def execute(self, sql: str, parameters: Any = (), /) -> Cursor: ...
+
+    def executemany(self, sql: str, parameters: Iterable[Any], /) -> Cursor: ...
+
+
+def dialect(conn: Connection) -> str:
+    """``sqlite`` or ``postgres``: the database behind an effect's *conn*."""
+    return getattr(conn, "dialect", "sqlite")
+
+
 #: A consumer's effect: receives the open connection *inside* the store's
 #: transaction and the validated envelope, changes its own tables and returns
 #: a result string (``updated``, ``recorded``, ...). It never commits, rolls
 #: back or opens a transaction: the store owns the boundary. It raises
 #: :class:`~delivery_consumer.model.errors.Rejection` for a permanent refusal and
 #: :class:`~delivery_consumer.model.errors.TransientError` to ask for a retry.
-ApplyFn = Callable[[sqlite3.Connection, Envelope], str]
+ApplyFn = Callable[[Connection, Envelope], str]
 #: Applies several events at once (see ``ConsumerSpec.apply_many``).
-ApplyManyFn = Callable[[sqlite3.Connection, Sequence[Envelope]], list[str]]
+ApplyManyFn = Callable[[Connection, Sequence[Envelope]], list[str]]
 #: Applies a batch whose effect lives outside the database (the fence,
 #: ``inbox/fence.py``): the consumer's database (an ``inbox.ConsumerDB``: the
 #: inbox imports this module, so it is not named here), the parsed deliveries
@@ -113,7 +141,13 @@ class ConsumerSpec:
     #: raises ConfigError for tables the consumer cannot work with, so that a
     #: wrong table stops the start-up rather than the first event
     #: (``state.RevisionTable.check``).
-    checks: Sequence[Callable[[sqlite3.Connection], None]] = ()
+    checks: Sequence[Callable[[Connection], None]] = ()
+    #: Optional: the migrations of the effect tables on PostgreSQL, when the SQLite ones
+    #: (``migrations``, translated: ``inbox/pg.py``'s ``portable_ddl``) do not fit.
+    postgres_migrations: Sequence[str] | None = None
+    #: Optional: the effect on PostgreSQL, when ``apply`` (and ``apply_many``) are
+    #: SQLite's own; an ``apply_many`` is then not used there.
+    postgres_apply: ApplyFn | None = None
 
 
 @dataclass(slots=True)
@@ -195,7 +229,9 @@ class WorkHooks:
 __all__ = [
     "ApplyFn",
     "ApplyManyFn",
+    "Connection",
     "ConsumerSpec",
+    "Cursor",
     "DeliveryCount",
     "DeliveryMark",
     "DeliveryRecorder",
@@ -204,4 +240,5 @@ __all__ = [
     "Outcome",
     "View",
     "WorkHooks",
+    "dialect",
 ]

@@ -24,13 +24,12 @@ a table that lacks one of them.
 from __future__ import annotations
 
 import re
-import sqlite3
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import orjson
 
-from .contract import ApplyFn, ApplyManyFn
+from .contract import ApplyFn, ApplyManyFn, Connection, dialect
 from .envelope import Envelope
 from .errors import REVISION_CONFLICT, ConfigError, Rejection, safe_reason
 
@@ -79,15 +78,30 @@ class RevisionTable:
         )
         selected = ", ".join([revision, *state])
         self._select = f"SELECT {selected} FROM {table} WHERE {key} = ?"
-        self._select_many = (
-            f"SELECT {key}, {selected} FROM {table} WHERE {key} IN (SELECT value FROM json_each(?))"
-        )
+        #: The keys of a batch as one JSON parameter, per dialect (``contract.dialect``).
+        self._select_many = {
+            "sqlite": f"SELECT {key}, {selected} FROM {table} WHERE {key} IN (SELECT value FROM json_each(?))",
+            "postgres": f"SELECT {key}, {selected} FROM {table} WHERE {key} IN"
+                        " (SELECT value FROM json_array_elements_text(CAST(? AS json)))",
+        }
 
-    def check(self, conn: sqlite3.Connection) -> None:
+    def check(self, conn: Connection) -> None:
         """ConfigError, in one line, unless *conn*'s database has this table with its
         columns and a key column that is unique (its PRIMARY KEY or a UNIQUE index):
         what :meth:`apply` needs, checked when the database opens (``ConsumerSpec.checks``)."""
+        if dialect(conn) == "postgres":
+            return self._check_columns(*_pg_columns(conn, self.table, self.key))
         columns = {row[1]: row for row in conn.execute(f'PRAGMA table_info("{self.table}")')}
+        keyed = columns[self.key][5] == 1 and sum(1 for row in columns.values() if row[5]) == 1 if (
+            self.key in columns) else False
+        if columns and not keyed:
+            for index in conn.execute(f'PRAGMA index_list("{self.table}")').fetchall():
+                names = [row[2] for row in conn.execute(f'PRAGMA index_info("{index[1]}")')]
+                keyed = keyed or (bool(index[2]) and names == [self.key])
+        self._check_columns(set(columns), keyed)
+
+    def _check_columns(self, columns: set[str], keyed: bool) -> None:
+        """ConfigError unless the table has *columns* as :meth:`check` says and its key is *keyed*."""
         if not columns:
             raise ConfigError(f"RevisionTable {self.table}: no such table (create it in the consumer's migrations)")
         wanted = [self.key, self.revision, *self.state, *self._extra]
@@ -95,11 +109,6 @@ class RevisionTable:
         if missing:
             raise ConfigError(f"RevisionTable {self.table}: no column {', '.join(missing)} (it needs "
                               f"{', '.join(wanted)})")
-        keyed = columns[self.key][5] == 1 and sum(1 for row in columns.values() if row[5]) == 1
-        if not keyed:
-            for index in conn.execute(f'PRAGMA index_list("{self.table}")').fetchall():
-                names = [row[2] for row in conn.execute(f'PRAGMA index_info("{index[1]}")')]
-                keyed = keyed or (bool(index[2]) and names == [self.key])
         if not keyed:
             raise ConfigError(f"RevisionTable {self.table}: {self.key} must be its PRIMARY KEY or UNIQUE "
                               "(one row per key)")
@@ -124,7 +133,7 @@ class RevisionTable:
             fingerprint=env.fingerprint,
         )
 
-    def apply(self, conn: sqlite3.Connection, env: Envelope, state: Sequence[Any]) -> str:
+    def apply(self, conn: Connection, env: Envelope, state: Sequence[Any]) -> str:
         """Apply *env* with *state* (the state columns' values) to the table;
         returns ``updated``, ``stale`` or ``same-state``, raises the conflict."""
         revision = env.revision
@@ -139,7 +148,7 @@ class RevisionTable:
             return "same-state"
         raise self.conflict(env)
 
-    def apply_many(self, conn: sqlite3.Connection, envs: Sequence[Envelope], state_of: StateOf) -> list[str]:
+    def apply_many(self, conn: Connection, envs: Sequence[Envelope], state_of: StateOf) -> list[str]:
         """:meth:`apply` for a batch (a consumer's ``apply_many``): one SELECT
         of the batch's keys, the results worked out in memory in delivery
         order, one upsert per key (its highest revision). Raises the first
@@ -147,7 +156,7 @@ class RevisionTable:
         if len(envs) == 1:
             return [self.apply(conn, envs[0], state_of(envs[0]))]
         keys = orjson.dumps(list({env.key: None for env in envs})).decode()
-        rows = conn.execute(self._select_many, (keys,))
+        rows = conn.execute(self._select_many[dialect(conn)], (keys,))
         stored: dict[str, tuple[Any, ...]] = {row[0]: tuple(row[1:]) for row in rows}
         # key -> the row to write; a dict keeps the order of first writes, so
         # new keys get their rowids in the order apply() would give them.
@@ -178,13 +187,25 @@ class RevisionTable:
         """A consumer's ``apply`` and ``apply_many`` on this table, *state_of*
         giving an event's state columns: :meth:`apply` and :meth:`apply_many`."""
 
-        def apply(conn: sqlite3.Connection, env: Envelope) -> str:
+        def apply(conn: Connection, env: Envelope) -> str:
             return self.apply(conn, env, state_of(env))
 
-        def apply_many(conn: sqlite3.Connection, envs: Sequence[Envelope]) -> list[str]:
+        def apply_many(conn: Connection, envs: Sequence[Envelope]) -> list[str]:
             return self.apply_many(conn, envs, state_of)
 
         return apply, apply_many
+
+
+def _pg_columns(conn: Connection, table: str, key: str) -> tuple[set[str], bool]:
+    """The columns of *table* in the connection's schema, and whether *key* alone is unique (PostgreSQL)."""
+    columns = {str(row[0]) for row in conn.execute(
+        "SELECT column_name FROM information_schema.columns WHERE table_schema = current_schema()"
+        " AND table_name = ?", (table,))}
+    keyed = conn.execute(
+        "SELECT count(*) FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]"
+        " WHERE i.indrelid = to_regclass(?) AND i.indisunique AND i.indnatts = 1 AND a.attname = ?",
+        (f'"{table}"', key)).fetchone()[0]
+    return columns, bool(keyed)
 
 
 __all__ = ["RevisionTable", "StateOf"]

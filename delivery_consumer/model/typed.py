@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import sqlite3
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -30,7 +29,7 @@ from dataclasses import dataclass
 from datetime import UTC, date, datetime
 from typing import Any, Generic, TypeVar
 
-from .contract import ConsumerSpec, View
+from .contract import Connection, ConsumerSpec, View
 from .envelope import Envelope
 from .errors import INVALID_ENVELOPE, ConfigError, Rejection, safe_reason
 from .event_ids import new_event_id
@@ -39,7 +38,7 @@ from .event_types import EventType, EventTypes
 T = TypeVar("T")
 
 #: A per-type handler: the store's connection and the typed event in, the result out.
-Handler = Callable[[sqlite3.Connection, "Event[Any]"], str]
+Handler = Callable[[Connection, "Event[Any]"], str]
 #: Field metadata key naming a dataclass field's JSON name (``field(metadata={"alias": "amountCents"})``).
 ALIAS = "alias"
 #: Field metadata key of JSON Schema keywords added to a field's schema (``{"schema": {"minimum": 1}}``).
@@ -317,7 +316,7 @@ class Consumer:
 
     def __init__(self, name: str, *, types: EventTypes | Iterable[EventType], migrations: Sequence[str],
                  tables: Sequence[str] = (), view: View | None = None, binding_keys: Sequence[str] | None = None,
-                 description: str = "", checks: Sequence[Callable[[sqlite3.Connection], None]] = ()) -> None:
+                 description: str = "", checks: Sequence[Callable[[Connection], None]] = ()) -> None:
         self.name = name
         self.checks = tuple(checks)
         self.types = types if isinstance(types, EventTypes) else EventTypes(types)
@@ -352,7 +351,7 @@ class Consumer:
 
         return register
 
-    def apply(self, conn: sqlite3.Connection, env: Envelope) -> str:
+    def apply(self, conn: Connection, env: Envelope) -> str:
         """The consumer's effect: the handler of the event's type, given the typed event."""
         handler, decode = self._handlers[env.type]  # parsing admitted only the declared types
         return handler(conn, Event(decode(env.data), env))

@@ -34,7 +34,7 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from ..amqp.partitions import SLOT_COUNT
 from ..amqp.topology import AMQP_ORDERS, DEFAULT_EXCHANGE, DEFAULT_PREFIX, DEFAULT_URL, AddressError, addresses
@@ -64,10 +64,11 @@ _STATUS_KEYS = ("outbox_max_age", "backlog_max", "receipt_max_age")
 
 @dataclass(frozen=True)
 class ConsumerEntry:
-    """``[consumers.NAME]``: the consumer's database (file or partition directory) and its options."""
+    """``[consumers.NAME]``: the consumer's database (file or partition directory, or a
+    PostgreSQL URL as a str: docs/postgres-inbox.md) and its options."""
 
     name: str
-    db: Path
+    db: Path | str
     options: dict[str, Any] = field(default_factory=dict)
     #: The partition count the file gives (``partitions = N``): *db* is then the
     #: directory of ``p<k>/inbox.db``, whether they exist yet or not.
@@ -114,7 +115,8 @@ class Deployment:
         from ..consumers import topology  # the registry imports the store, which imports the config's placement
 
         entry = self.consumers[name]
-        return resolve(name, entry.db, declared=entry.partitions, base=topology(name, self.exchange, self.queue_prefix))
+        db = entry.db if isinstance(entry.db, Path) else None  # a PostgreSQL inbox: one schema per partition
+        return resolve(name, db, declared=entry.partitions, base=topology(name, self.exchange, self.queue_prefix))
 
     def single_producer(self) -> ProducerEntry | None:
         """The producer, when the file names exactly one (the producer commands' default)."""
@@ -194,6 +196,11 @@ def _string(table: Mapping[str, Any], key: str, path: Path, where: str) -> str |
     return value
 
 
+def _is_pg(value: object) -> TypeGuard[str]:
+    """Whether a ``db`` value is a PostgreSQL URL rather than a file."""
+    return isinstance(value, str) and value.startswith(("postgresql://", "postgres://"))
+
+
 def _db(table: Mapping[str, Any], base: Path, path: Path, where: str) -> Path:
     text = _string(table, "db", path, f"{where}.db")
     if text is None:
@@ -248,14 +255,16 @@ def parse(raw: Mapping[str, Any], path: Path) -> Deployment:
         if partitions is not None and (not isinstance(partitions, int) or isinstance(partitions, bool)
                                        or not 1 <= partitions <= SLOT_COUNT):
             raise ConfigError(f"{path}: {where}.partitions: must be a partition count (1-{SLOT_COUNT})")
-        found[name] = ConsumerEntry(name, _db(table, base, path, where), options, partitions)
+        url = table.get("db")
+        db: Path | str = url if _is_pg(url) else _db(table, base, path, where)
+        found[name] = ConsumerEntry(name, db, options, partitions)
     producers: dict[str, ProducerEntry] = {}
     for name, table in _table(raw.get("producers", {}), path, "producers").items():
         where = f"producers.{name}"
         table = _table(table, path, where)
         _known(table, _PRODUCER_KEYS, path, where)
         url = table.get("db")
-        if isinstance(url, str) and url.startswith(("postgresql://", "postgres://")):
+        if _is_pg(url):
             producers[name] = ProducerEntry(name, url)
         else:
             producers[name] = ProducerEntry(name, _db(table, base, path, where))

@@ -23,8 +23,8 @@ from ..amqp.topology import (
     H_ROUTING_KEY,
     Topology,
 )
-from ..inbox import ConsumerDB
 from ..inbox.database import SEAL_KEY
+from ..inbox.seam import InboxDB
 from ..model.contract import Outcome
 from ..model.deliveries import Delivery, OutMessage
 from ..model.envelope import Envelope
@@ -32,7 +32,7 @@ from ..model.errors import RETRIES_EXHAUSTED, Rejection, TransientError
 from ..store.sqlite import now_iso
 
 
-def seal_key(db: ConsumerDB) -> bytes | None:
+def seal_key(db: InboxDB) -> bytes | None:
     """The key that seals the attempt counts of *db*'s consumer (None in a
     database no writable open has given one yet)."""
     value = db.meta().get(SEAL_KEY)

@@ -114,7 +114,8 @@ def run_consumer(consumer: str, url: str = DEFAULT_URL, db: str | Path | None = 
     """Run *consumer* until SIGTERM/SIGINT (or ``exit_when_idle_s``) and return ``run``'s exit code.
 
     *url*: the broker (``amqp://...``); *db*: its database (default
-    ``state/<consumer>/inbox.db`` of the working directory); *partition* /
+    ``state/<consumer>/inbox.db`` of the working directory), or a PostgreSQL
+    URL (``postgresql://...``: docs/postgres-inbox.md); *partition* /
     *partitions*: serve one partition of a partitioned consumer. *options*:
     the other fields of :class:`~delivery_consumer.service.settings.RunConfig`
     (``exchange``, ``prefix``, ``batch``, ``prefetch``, ``exit_when_idle_s``,
@@ -141,7 +142,10 @@ def run_consumer(consumer: str, url: str = DEFAULT_URL, db: str | Path | None = 
         batch, prefetch = options.get("batch", RunConfig.batch), options.get("prefetch", RunConfig.prefetch)
         if batch > prefetch:
             raise ConfigError(f"batch {batch} cannot fill with prefetch {prefetch}; raise prefetch")
-        db_path = Path(db) if db is not None else None
+        # postgresql://...: the consumer's inbox in PostgreSQL (docs/postgres-inbox.md)
+        db_url = db if isinstance(db, str) and db.startswith(("postgresql://", "postgres://")) else None
+        db_path = Path(db) if db is not None and db_url is None else None
+        options.setdefault("db_url", db_url)
         config = RunConfig(
             consumer=consumer, url=url,
             db_path=database(consumer, partition, db_path) if partition is not None else db_path, **options,

@@ -10,8 +10,8 @@ from typing import Any
 from .. import consumers
 from ..amqp.partitions import Identity
 from ..amqp.topology import DEFAULT_DELIVERY_LIMIT, DEFAULT_EXCHANGE, DEFAULT_PREFIX, DEFAULT_RETRY_DELAYS_MS, Topology
-from ..inbox import ConsumerDB
 from ..inbox.database import IntegrityCheck
+from ..inbox.seam import InboxDB
 from ..model.envelope import MAX_BODY_BYTES
 from ..model.errors import ConfigError
 from ..ops.partition_databases import PENDING_KEY, pending_words
@@ -57,6 +57,8 @@ class RunConfig:
     #: Open a database older than what was acknowledged from it (a restored
     #: backup), or a new one where receipts were acknowledged: the loss is logged.
     accept_loss: bool = False
+    #: The consumer's inbox in PostgreSQL (``postgresql://...``) instead of a file: db_path is then unused.
+    db_url: str | None = None
 
     def topology(self) -> Topology:
         return consumers.topology(
@@ -73,13 +75,23 @@ class RunConfig:
             return self.db_path
         return database(self.consumer, self.partition.partition if self.partition else None, None)
 
-    def open_db(self, *, made_now: bool = False, check: bool | IntegrityCheck = True) -> ConsumerDB:
+    def database_label(self) -> str:
+        """The run's database for logs: its file, or its URL without the password."""
+        if self.db_url is not None:
+            from ..inbox.pg import redact
+
+            return redact(self.db_url)
+        return str(self.database_path())
+
+    def open_db(self, *, made_now: bool = False, check: bool | IntegrityCheck = True) -> InboxDB:
         """The run's database, checked to be this consumer's (and partition's), not older
         than what was acknowledged from it (acked.py), and (*check*) not damaged: within
         ``integrity_check_s``, or else by the whole check in the background
         (``db.integrity``), before the first ack. *check* may be a standby's check of the
         file it watched while it waited: taken over as it is. *made_now*: the writer lock
         made the file just now (an empty file is ours)."""
+        if self.db_url is not None:
+            return self._open_pg(self.db_url)
         path = self.database_path()
         db = consumers.open_db(path, self.consumer, create=True, partition=self.partition,
                                unpartitioned=self.partition is None, empty_ok=made_now)
@@ -111,4 +123,24 @@ class RunConfig:
         except BaseException:
             db.close()
             raise
+        return db
+
+    def _open_pg(self, url: str) -> InboxDB:
+        """The run's inbox in PostgreSQL: made or migrated, checked to be this consumer's (and
+        partition's). No file guards: nothing can be copied over a database, and several runs of
+        one consumer share it safely (docs/postgres-inbox.md)."""
+        from ..inbox.pg import PgInboxDB
+
+        spec = consumers.get(self.consumer)
+        if spec.external is not None:
+            raise ConfigError(f"{self.consumer}: an effect outside the database (the fence) needs an inbox on SQLite"
+                              " for now; give --db a file")
+        db = PgInboxDB.open(url, spec, create=True, partition=self.partition, unpartitioned=self.partition is None)
+        pending = db.meta().get(PENDING_KEY)
+        if pending is not None:
+            db.close()
+            raise ConfigError(f"{db.path}: a repartition of {self.consumer} has not finished")
+        if db.created:
+            logging.getLogger("delivery_consumer.run").warning("%s: no inbox was there; created a new, empty one "
+                                                               "for %s", db.path, self.consumer)
         return db

@@ -23,8 +23,9 @@ from ..amqp.backoff import Backoff
 from ..amqp.partitions import delivery_outcome, forwarded_to
 from ..amqp.retry import RetryPolicy, reconnect_delay_s
 from ..amqp.topology import H_ATTEMPTS, H_DELIVERY_COUNT, H_PRODUCED_MS
-from ..inbox import ConsumerDB, InFlight, Transaction, apply_batch, has_receipt
+from ..inbox import InFlight, Transaction, apply_batch, has_receipt
 from ..inbox.database import IntegrityCheck
+from ..inbox.seam import InboxDB
 from ..model.cloudevents import parse_message
 from ..model.contract import DeliveryMark, Outcome, WorkHooks
 from ..model.deliveries import Delivery, Observer, OutMessage, delivery_key
@@ -180,7 +181,7 @@ class Worker(threading.Thread):
         self.live_generation = 0
         self._given_up: set[int] = set()
         self._last_activity = time.monotonic()
-        self.db: ConsumerDB | None = None
+        self.db: InboxDB | None = None
         self.in_flight: InFlight | None = None
         #: monotonic() when the database stopped working as a whole (None: it works).
         self._outage = Backoff(base_s=0.2, cap_s=10.0)  # the database being waited out
@@ -259,7 +260,7 @@ class Worker(threading.Thread):
         self.observer.store_health(True)
         return True
 
-    def _open_db(self) -> ConsumerDB:
+    def _open_db(self) -> InboxDB:
         made_now = self.lock is not None and self.lock.created
         db = self.config.open_db(made_now=made_now, check=self.watched or True)
         try:
@@ -288,7 +289,7 @@ class Worker(threading.Thread):
         if self.lock is not None:
             self.lock.close()
         log.warning("%s: closed after an I/O error, so that the disk can be mounted again; opened again when "
-                    "it works", self.config.database_path())
+                    "it works", self.config.database_label())
 
     def _open_again(self) -> None:
         """After an I/O error or a "malformed" read: open the database again, as a new

@@ -14,7 +14,6 @@ from contextlib import suppress
 from multiprocessing.connection import Connection
 from types import FrameType
 
-from ..inbox import forget_in_flight
 from ..inbox.database import IntegrityCheck
 from ..model import faults
 from ..model.deliveries import ObserverFactory, OutMessage
@@ -234,37 +233,40 @@ def worker_main(config: RunConfig, conn: Connection, parent_end: Connection,
     parent_gone = die_with_parent(parent)
     faults.also_kill(parent)  # a crash point kills the whole of run
     proxy = ConnectionProxy(conn)
-    lock = WriterLock(config.database_path())
-    try:
-        active = _take_the_lock(config, lock, parent)
-    except DeliveryError as exc:
-        conn.send(Failed(str(exc)))
-        return
+    lock: WriterLock | None = None
     watched: IntegrityCheck | None = None
-    if not active:
-        with suppress(DeliveryError, OSError):  # checked whole while waiting: a takeover does not wait for it
-            watched = IntegrityCheck(config.database_path(), on_done=lambda check: log.info(
-                "standby: %s checked whole in %.1fs: %s", check.path, check.seconds,
-                "damaged" if check.problem else "sound" if check.unavailable is None else check.unavailable))
-        told: list[str] = []
-        frozen: list[Holder] = []
+    # A file has one writer (its lock); a PostgreSQL inbox is shared by its runs safely (eventId locks).
+    if config.db_url is None:
+        lock = WriterLock(config.database_path())
+        try:
+            active = _take_the_lock(config, lock, parent)
+        except DeliveryError as exc:
+            conn.send(Failed(str(exc)))
+            return
+        if not active:
+            with suppress(DeliveryError, OSError):  # checked whole while waiting: a takeover does not wait for it
+                watched = IntegrityCheck(config.database_path(), on_done=lambda check: log.info(
+                    "standby: %s checked whole in %.1fs: %s", check.path, check.seconds,
+                    "damaged" if check.problem else "sound" if check.unavailable is None else check.unavailable))
+            told: list[str] = []
+            frozen: list[Holder] = []
 
-        def take_over(holder: Holder) -> bool:
-            if _frozen(config, lock, holder, told):
-                frozen.append(holder)
-                return True
-            return False
+            def take_over(holder: Holder) -> bool:
+                if _frozen(config, lock, holder, told):
+                    frozen.append(holder)
+                    return True
+                return False
 
-        if not lock.wait(parent, "run", give_up=parent_gone, on_wait=lambda holder: log.info(
-                "standby: waiting for %s held by %s", config.database_path(), holder), take_over=take_over):
-            return  # stopped (the connection process is gone) before taking over
-        if frozen:
-            log.warning("taking over: %s is ours now; its holder %s is frozen (it cannot write: "
-                        "docs/failures.md, \"A frozen active\")", config.database_path(), frozen[-1])
-        else:
-            log.warning("taking over: %s is ours now", config.database_path())
-        faults.pausepoint("standby-took-over")  # the lock is ours, the database not open yet
-    lock.beat(alive=lambda: not parent_stopped(parent))
+            if not lock.wait(parent, "run", give_up=parent_gone, on_wait=lambda holder: log.info(
+                    "standby: waiting for %s held by %s", config.database_path(), holder), take_over=take_over):
+                return  # stopped (the connection process is gone) before taking over
+            if frozen:
+                log.warning("taking over: %s is ours now; its holder %s is frozen (it cannot write: "
+                            "docs/failures.md, \"A frozen active\")", config.database_path(), frozen[-1])
+            else:
+                log.warning("taking over: %s is ours now", config.database_path())
+            faults.pausepoint("standby-took-over")  # the lock is ours, the database not open yet
+        lock.beat(alive=lambda: not parent_stopped(parent))
     try:
         observer = observer_factory() if observer_factory is not None else None
     except DeliveryError as exc:
@@ -311,7 +313,7 @@ def worker_main(config: RunConfig, conn: Connection, parent_end: Connection,
         elif deadline is not None and time.monotonic() > deadline and worker.is_alive():
             log.error("the worker did not stop within %.0fs of the connection process; exiting now", ORPHAN_GRACE_S)
             if worker.in_flight is not None:  # leaving on purpose: not a crash of what is under way
-                forget_in_flight(worker.in_flight.db.path, worker.in_flight.owner)
+                worker.in_flight.forget()
             os._exit(1)  # like a crash: SQLite rolls back what was not committed
     if worker.live_generation or worker.stats.acked:  # never connected: the error alone says it
         log.info("exiting: %s", worker.stats.line())
