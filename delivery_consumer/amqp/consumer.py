@@ -38,6 +38,7 @@ from .declare import Missing, Steps, declare_steps
 from .publisher import confirm_mode, properties, take_confirmed
 from .retry import RECONNECT_CAP_S
 from .topology import Topology, upgrade_hint
+from .wakeup import Wakeup
 
 log = logging.getLogger("delivery_consumer.broker")
 #: How often a run waits to look again at a handover queue another consumer is applying.
@@ -79,6 +80,7 @@ class ConsumerIO:
         self._on_channel_cb = on_channel
         self._on_lost = on_lost
         self.ioloop = IOLoop()
+        self._wakeup = Wakeup(self.ioloop)
         self._conn: pika.SelectConnection | None = None
         self._channel: Any = None  # consuming channel (acks go here)
         self._pub: Any = None  # confirm-mode channel for retry / dead copies
@@ -117,6 +119,7 @@ class ConsumerIO:
         """Connect and consume until :meth:`shutdown_now`; raises BrokerFatal."""
         self._connect()
         self.ioloop.start()
+        self._wakeup.close()
         self.ioloop.close()
         if self.fatal is not None:
             raise self.fatal
@@ -400,7 +403,7 @@ class ConsumerIO:
     # -- from another thread or a signal handler --
     def cancel(self) -> None:
         """Stop receiving new deliveries (the connection stays for acks)."""
-        self.ioloop.add_callback_threadsafe(self._cancel)
+        self._wakeup.request(self._cancel)
 
     # -- loop-thread API (for code already running in the loop, e.g. a watched pipe) --
     def soon(self, callback: Callable[[], None]) -> None:

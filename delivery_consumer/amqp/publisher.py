@@ -25,6 +25,7 @@ from ..model.errors import BrokerError, BrokerFatal, BrokerUnavailable, safe_rea
 from .connection import Addresses, Opening, classify, open_select
 from .declare import Missing, Steps, declare_steps
 from .topology import DEFAULT_URL, Route, Topology
+from .wakeup import Wakeup
 
 PERSISTENT = 2
 _V = TypeVar("_V")
@@ -87,6 +88,7 @@ class Publisher:
         self._timeout_s = timeout_s
         self.window = window
         self._ioloop = IOLoop()
+        self._wakeup = Wakeup(self._ioloop)
         self._conn: pika.SelectConnection | None = None
         self._channel: Any = None
         self._ready = False
@@ -255,7 +257,7 @@ class Publisher:
         """End a :meth:`connect` waiting for the broker now (BrokerUnavailable);
         safe from a signal handler. Confirms already awaited are not cut short.
         Close the publisher afterwards."""
-        self._ioloop.add_callback_threadsafe(self._on_interrupt)
+        self._wakeup.request(self._on_interrupt)
 
     def _on_interrupt(self) -> None:
         opening = self._opening is not None and self._opening.pending
@@ -368,6 +370,7 @@ class Publisher:
         try:
             self._abort()
         finally:
+            self._wakeup.close()
             self._ioloop.close()
 
     def __enter__(self) -> Publisher:
