@@ -3,22 +3,15 @@ database holds the outbox (SQLite: :mod:`.db`; PostgreSQL: :mod:`.pg`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
+from ..model import contract
 
-class Cursor(Protocol):
-    """What the shared code reads of a cursor (sqlite3's and psycopg's both have it)."""
 
-    @property
-    def rowcount(self) -> int: ...
-
-    def fetchone(self) -> Any: ...
-
-    def fetchall(self) -> list[Any]: ...
-
-    def __iter__(self) -> Iterator[Any]: ...
+class Cursor(contract.Cursor, Protocol):
+    """What the shared code reads of a cursor (sqlite3's and psycopg's both have it): an effect's, and close."""
 
     def close(self) -> None: ...
 
