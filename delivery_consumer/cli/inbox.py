@@ -33,6 +33,7 @@ import click
 
 from ..amqp.partitions import SLOT_COUNT
 from ..inbox import ConsumerDB, reports
+from ..inbox.seam import InboxDB
 from ..model.durations import age as _age
 from ..model.errors import DeliveryError, NotFound, PruneRefused
 from ..store.placement import beside, database, default_db, resolve
@@ -146,6 +147,26 @@ def _open_pg(consumer: str | None, url: str) -> ConsumerDB:
     except DeliveryError as exc:
         raise Fatal(str(exc)) from None
     return db  # type: ignore[return-value]  # the read commands use what both backends have (inbox/seam.py)
+
+
+def open_writable(consumer: str | None, db_path: Path | str | None, partition: int | None, what: str) -> InboxDB:
+    """The one database a writing command (``inbox prune``, ``rejected resolve``) changes: a
+    file (one partition's of a partitioned consumer), or the consumer's schema of a PostgreSQL
+    URL (a partition's is named by ``?schema=`` there)."""
+    if isinstance(db_path, str):
+        from .. import consumers
+        from ..inbox.pg import PgInboxDB, redact
+
+        if consumer is None:
+            raise Fatal(f"{redact(db_path)}: give --consumer NAME (its inbox is the schema of that name)")
+        if partition is not None:
+            raise Fatal(f"{redact(db_path)}: --partition names a file; name a partition's schema in the URL "
+                        f"(?schema=dc_{consumer}_p<K>of<N>) to {what}")
+        try:
+            return PgInboxDB.open(db_path, consumers.get(consumer))
+        except DeliveryError as exc:
+            raise Fatal(str(exc)) from None
+    return open_db(consumer, one_partition(consumer, db_path, partition, what))
 
 
 @contextmanager
@@ -358,12 +379,12 @@ def inbox_prune(consumer: str | None, db_path: Path | None, amqp_url: str, excha
         retention.check_older_than(older_than, horizon)
     except PruneRefused as exc:
         raise Fatal(f"refused: {exc}") from None
-    db_path = one_partition(consumer, db_path, partition, "prune it")
     with ExitStack() as stack:
-        db = stack.enter_context(open_db(consumer, db_path))
+        db = open_writable(consumer, db_path, partition, "prune it")
+        stack.callback(db.close)
         if partition is None:  # a partition's database names its queues
             partition = _stored_partition(db)
-        topology = topology_for(db.consumer, exchange, queue_prefix, partition=partition)
+        topology = topology_for(db.spec.name, exchange, queue_prefix, partition=partition)
         keep: set[str] | None = None
         refresh: Any = lambda: ()  # noqa: E731
         try:
@@ -468,18 +489,20 @@ def rejected_resolve(consumer: str | None, db_path: Path | None, partition: int 
     """
     import time
 
-    from ..ops import deadletters
+    from ..inbox import resolutions
     from ..store.sqlite import now_iso
 
     if bool(ids) == (older_than is not None):
         raise click.UsageError("give the rejection IDS, or --older-than DURATION")
     if code is not None and older_than is None:
         raise click.UsageError("--code goes with --older-than")
-    db_path = one_partition(consumer, db_path, partition, "resolve its rejections")
-    with open_db(consumer, db_path) as db:
+    db = open_writable(consumer, db_path, partition, "resolve its rejections")
+    try:
         before = None if older_than is None else now_iso(time.time() - older_than)
-        done = deadletters.resolve_by_hand(db, ids=ids, before=before, code=code, dry_run=dry_run)
+        done = resolutions.resolve_by_hand(db, ids=ids, before=before, code=code, dry_run=dry_run)
         where = str(db.path)
+    finally:
+        db.close()
     if as_json:
         emit_json(done.to_json())
     else:

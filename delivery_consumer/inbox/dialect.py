@@ -1,0 +1,95 @@
+"""The few words the inbox's operator statements say differently on each backend.
+
+``inbox prune``, ``rejected resolve`` and the dead queue's bookkeeping
+(:mod:`.resolutions`) are written once, in SQL both backends run through the
+store's connection (``?`` and ``?N`` parameters, translated on PostgreSQL);
+what differs is here, chosen by the connection's dialect (:func:`words_for`):
+the receipts' own order (SQLite's rowid, PostgreSQL's ``seq``), the temporary
+table, a list of ids as a table, the system clock a prune compares its own
+with, and the receipt counters SQLite keeps beside the receipts.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Final
+
+from . import counters
+from .database import keep_high_water
+
+
+class SqliteWords:
+    """SQLite's words (a consumer's file)."""
+
+    #: The receipts' own order: the order they were written in.
+    order: str = "rowid"
+    #: The prune's temporary table of eventIds to keep, as statements name it.
+    keep_table: str = "temp.prune_keep"
+    keep_create: str = "CREATE TEMP TABLE IF NOT EXISTS prune_keep (event_id TEXT PRIMARY KEY) WITHOUT ROWID"
+    keep_insert: str = "INSERT OR IGNORE INTO temp.prune_keep (event_id) VALUES (?)"
+    #: A JSON array of integers (one parameter) as a one-column table of them.
+    ids_table: str = "SELECT value FROM json_each(?)"
+    #: Whose clock a prune compares its own with.
+    system_clock: str = "the system's (a new file's time)"
+
+    def system_now(self, db: Any) -> float | None:
+        """The system's time by a clock of its own: a new file's in the database's directory."""
+        from .retention import filesystem_now
+
+        return filesystem_now(Path(db.path).parent)
+
+    def prefix_bound(self, conn: Any, cutoff: str) -> int:
+        """A bound of the order column: the receipts at or below it are older than *cutoff*
+        (found without an index on ``received_at``: counters.inbox_rowid_before)."""
+        return counters.inbox_rowid_before(conn, cutoff)
+
+    def before_receipts_deleted(self, conn: sqlite3.Connection) -> None:
+        """In the delete's transaction, first: every receipt deleted is then a counted one, and the
+        newest's rowid stays known (SQLite numbers from 1 again once the table is empty)."""
+        counters.catch_up(conn)
+        keep_high_water(conn)
+
+    def after_receipts_deleted(self, conn: sqlite3.Connection, gone: Sequence[Any]) -> None:
+        """The counters lose what was deleted (``gone``: its received_at and result)."""
+        counters.subtract(conn, gone)
+
+
+class PostgresWords(SqliteWords):
+    """PostgreSQL's words (a consumer's schema): ``seq`` is the receipts' order, the database
+    server's clock is the system's, and no receipt counters are kept."""
+
+    order = "seq"
+    keep_table = "pg_temp.prune_keep"
+    keep_create = "CREATE TEMP TABLE IF NOT EXISTS prune_keep (event_id text PRIMARY KEY)"
+    keep_insert = "INSERT INTO pg_temp.prune_keep (event_id) VALUES (?) ON CONFLICT (event_id) DO NOTHING"
+    ids_table = "SELECT CAST(value AS bigint) FROM json_array_elements_text(CAST(? AS json))"
+    system_clock = "the database server's"
+
+    def system_now(self, db: Any) -> float | None:
+        row = db.conn.execute("SELECT CAST(extract(epoch FROM clock_timestamp()) AS double precision)").fetchone()
+        return float(row[0])
+
+    def prefix_bound(self, conn: Any, cutoff: str) -> int:
+        # The receipts' received_at index: the newest seq received before the cutoff.
+        (last,) = conn.execute("SELECT coalesce(max(seq), 0) FROM inbox WHERE received_at < ?", (cutoff,)).fetchone()
+        return int(last)
+
+    def before_receipts_deleted(self, conn: Any) -> None:
+        """Nothing: no counters (``inbox stats`` counts over the index), and ``seq`` never goes back."""
+
+    def after_receipts_deleted(self, conn: Any, gone: Sequence[Any]) -> None:
+        """Nothing: no counters."""
+
+
+SQLITE: Final = SqliteWords()
+POSTGRES: Final = PostgresWords()
+
+
+def words_for(db: Any) -> SqliteWords:
+    """The words of *db*'s backend (its connection's ``dialect``)."""
+    return POSTGRES if getattr(db.conn, "dialect", "sqlite") == "postgres" else SQLITE
+
+
+__all__ = ["POSTGRES", "SQLITE", "PostgresWords", "SqliteWords", "words_for"]
