@@ -31,8 +31,25 @@ class SqliteWords:
     keep_insert: str = "INSERT OR IGNORE INTO temp.prune_keep (event_id) VALUES (?)"
     #: A JSON array of integers (one parameter) as a one-column table of them.
     ids_table: str = "SELECT value FROM json_each(?)"
+    #: A JSON array of strings (one parameter) as a one-column table of them.
+    texts_table: str = "SELECT value FROM json_each(?)"
     #: Whose clock a prune compares its own with.
     system_clock: str = "the system's (a new file's time)"
+
+    def columns(self, conn: Any, table: str) -> set[str]:
+        """The column names of *table* (none: no such table)."""
+        return {row[1] for row in conn.execute(f'PRAGMA table_info("{table}")').fetchall()}
+
+    def receipts_since(self, conn: Any, since: str) -> int:
+        """How many receipts were written since *since* (ISO time): the counters the writers keep
+        (inbox/counters.py), not a scan of the receipts."""
+        return sum(counters.since(conn, since).values())
+
+    def newest_received(self, conn: Any) -> str | None:
+        """The newest receipt's time: among the last written (receipts are appended in time order)."""
+        (newest,) = conn.execute(
+            "SELECT max(received_at) FROM (SELECT received_at FROM inbox ORDER BY rowid DESC LIMIT 1000)").fetchone()
+        return str(newest) if newest is not None else None
 
     def system_now(self, db: Any) -> float | None:
         """The system's time by a clock of its own: a new file's in the database's directory."""
@@ -65,7 +82,21 @@ class PostgresWords(SqliteWords):
     keep_create = "CREATE TEMP TABLE IF NOT EXISTS prune_keep (event_id text PRIMARY KEY)"
     keep_insert = "INSERT INTO pg_temp.prune_keep (event_id) VALUES (?) ON CONFLICT (event_id) DO NOTHING"
     ids_table = "SELECT CAST(value AS bigint) FROM json_array_elements_text(CAST(? AS json))"
+    texts_table = "SELECT value FROM json_array_elements_text(CAST(? AS json))"
     system_clock = "the database server's"
+
+    def columns(self, conn: Any, table: str) -> set[str]:
+        return {row[0] for row in conn.execute(
+            "SELECT column_name FROM information_schema.columns WHERE table_schema = current_schema()"
+            " AND table_name = ?", (table,)).fetchall()}
+
+    def receipts_since(self, conn: Any, since: str) -> int:
+        # No counters: the receipts' received_at index.
+        return int(conn.execute("SELECT count(*) FROM inbox WHERE received_at >= ?", (since,)).fetchone()[0])
+
+    def newest_received(self, conn: Any) -> str | None:
+        (newest,) = conn.execute("SELECT max(received_at) FROM inbox").fetchone()
+        return str(newest) if newest is not None else None
 
     def system_now(self, db: Any) -> float | None:
         row = db.conn.execute("SELECT CAST(extract(epoch FROM clock_timestamp()) AS double precision)").fetchone()

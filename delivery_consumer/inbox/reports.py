@@ -28,9 +28,10 @@ from typing import TYPE_CHECKING, Any, Final, ParamSpec, TypeVar
 import orjson
 
 from ..model.durations import format as format_duration
-from ..model.errors import NotFound, QueryError
+from ..model.errors import FORWARDED, NotFound, QueryError
 from ..store.sqlite import age_s, now_iso, read_snapshot, translate
 from . import ConsumerDB, counters
+from .dialect import words_for
 
 if TYPE_CHECKING:
     from .pg import PgInboxDB
@@ -316,6 +317,70 @@ def rejected_list(db: ConsumerDB, *, code: str | None = None, limit: int | None 
     )
 
 
+# -- across a deployment (status, trace of a key) ---------------------------------
+
+#: Receipt windows of ``status``, in seconds.
+MINUTE_S = 60
+
+
+def status_figures(db: Any, now: float) -> Row:
+    """What ``status`` shows of one inbox, on either backend (one read snapshot): receipts in the
+    last minute and hour, the newest receipt, the last progress (a receipt or a rejection),
+    unresolved rejections by code, and the events of other partitions sent on in the last hour."""
+    words = words_for(db)
+    with snapshot(db):
+        conn = db.conn
+        last_minute = words.receipts_since(conn, now_iso(now - MINUTE_S))
+        last_hour = words.receipts_since(conn, now_iso(now - HOUR_S))
+        newest = words.newest_received(conn)
+        (rejected,) = conn.execute("SELECT rejected_at FROM rejected ORDER BY id DESC LIMIT 1").fetchone() or (None,)
+        unresolved = conn.execute(
+            "SELECT code, count(*) FROM rejected WHERE resolved_at IS NULL GROUP BY code ORDER BY code").fetchall()
+        # Events of other partitions this one's run sent on to theirs (misplaced: run records forwarded:p<k>).
+        forwarded, last_forwarded = conn.execute(
+            "SELECT count(*), max(last_at) FROM deliveries WHERE last_at >= ? AND last_outcome LIKE ?",
+            (now_iso(now - HOUR_S), f"{FORWARDED}:%")).fetchone()
+    progress = max((t for t in (newest, rejected) if t), default=None)
+    return {"receiptsLastMinute": last_minute, "receiptsLastHour": last_hour, "newestReceivedAt": newest,
+            "newestAgeSeconds": age_s(newest, now), "lastProgressAgeSeconds": age_s(progress, now),
+            "unresolvedRejections": {str(code): int(n) for code, n in unresolved},
+            "forwardedLastHour": int(forwarded), "lastForwardedAt": last_forwarded}
+
+
+def key_rows(db: Any, key: str) -> dict[str, Row]:
+    """eventId -> {revision, type} from every effect table with a key column (the
+    view's ``key_column``, else ``entity_key`` (the fence) or ``article_id``) and an ``event_id`` column."""
+    out: dict[str, Row] = {}
+    words = words_for(db)
+    view = db.spec.view
+    with snapshot(db):
+        for table in dict.fromkeys([*db.spec.tables, *([view.table] if view is not None else [])]):
+            columns = words.columns(db.conn, table)
+            key_column = (view.key_column if view is not None and view.table == table and view.key_column
+                          else "entity_key" if "entity_key" in columns else "article_id")
+            if not {key_column, "event_id"} <= columns:
+                continue
+            picks = ["event_id", "revision" if "revision" in columns else "NULL",
+                     "event_type" if "event_type" in columns else "NULL"]
+            for event_id, revision, event_type in db.conn.execute(
+                    f'SELECT {", ".join(picks)} FROM "{table}" WHERE "{key_column}" = ?', (key,)).fetchall():
+                seen = out.setdefault(event_id, {})
+                seen.setdefault("revision", revision)
+                if event_type:
+                    seen["type"] = event_type
+    return out
+
+
+def receipts_by_id(db: Any, event_ids: list[str]) -> dict[str, Row]:
+    """eventId -> {result, receivedAt} of each of *event_ids* that has a receipt."""
+    if not event_ids:
+        return {}
+    rows = db.conn.execute(
+        f"SELECT event_id, result, received_at FROM inbox WHERE event_id IN ({words_for(db).texts_table})",
+        (orjson.dumps(event_ids).decode(),)).fetchall()
+    return {r[0]: {"result": r[1], "receivedAt": r[2]} for r in rows}
+
+
 # -- ad-hoc SQL ----------------------------------------------------------------
 
 
@@ -464,11 +529,14 @@ __all__ = [
     "inbox_list",
     "inbox_show",
     "inbox_stats",
+    "key_rows",
     "origin_of",
     "query",
     "reads",
     "receipt_row",
+    "receipts_by_id",
     "rejected_list",
     "snapshot",
     "sql_limit",
+    "status_figures",
 ]
