@@ -45,6 +45,11 @@ class SqliteWords:
         (inbox/counters.py), not a scan of the receipts."""
         return sum(counters.since(conn, since).values())
 
+    def per_minute(self, conn: Any, first: str, until: str | None) -> list[tuple[str, str, int]]:
+        """(minute, result, n) of the receipts of the whole minutes from *first* up to (not
+        including) *until* (``YYYY-MM-DDTHH:MM``): the writers' counters per minute."""
+        return counters.per_minute(conn, first, until)
+
     def newest_received(self, conn: Any) -> str | None:
         """The newest receipt's time: among the last written (receipts are appended in time order)."""
         (newest,) = conn.execute(
@@ -93,6 +98,12 @@ class PostgresWords(SqliteWords):
     def receipts_since(self, conn: Any, since: str) -> int:
         # No counters: the receipts' received_at index.
         return int(conn.execute("SELECT count(*) FROM inbox WHERE received_at >= ?", (since,)).fetchone()[0])
+
+    def per_minute(self, conn: Any, first: str, until: str | None) -> list[tuple[str, str, int]]:
+        rows = conn.execute(
+            "SELECT substr(received_at, 1, 16), result, count(*) FROM inbox WHERE received_at >= ?"
+            " AND received_at < ? GROUP BY 1, 2", (counters.minute_of(first), until or "9999")).fetchall()
+        return [(str(minute), str(result), int(n)) for minute, result, n in rows]
 
     def newest_received(self, conn: Any) -> str | None:
         (newest,) = conn.execute("SELECT max(received_at) FROM inbox").fetchone()

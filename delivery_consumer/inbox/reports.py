@@ -347,6 +347,19 @@ def status_figures(db: Any, now: float) -> Row:
             "forwardedLastHour": int(forwarded), "lastForwardedAt": last_forwarded}
 
 
+def outcomes_per_minute(db: Any, since: str, until: str | None = None,
+                        ) -> tuple[list[tuple[str, str, int]], list[tuple[str, int]]]:
+    """(minute, result, n) of the receipts and (minute, n) of the rejections of the minutes in
+    [*since*, *until*) (``YYYY-MM-DDTHH:MM``; None: up to now): on SQLite from the writers'
+    counters per minute (inbox/counters.py), on PostgreSQL over the receipts' index."""
+    with snapshot(db):
+        out = words_for(db).per_minute(db.conn, since, until)
+        rows = db.conn.execute(
+            "SELECT substr(rejected_at, 1, 16), count(*) FROM rejected"
+            " WHERE rejected_at >= ? AND rejected_at < ? GROUP BY 1", (since, until or "9999")).fetchall()
+    return out, [(str(minute), int(n)) for minute, n in rows]
+
+
 def key_rows(db: Any, key: str) -> dict[str, Row]:
     """eventId -> {revision, type} from every effect table with a key column (the
     view's ``key_column``, else ``entity_key`` (the fence) or ``article_id``) and an ``event_id`` column."""
@@ -531,6 +544,7 @@ __all__ = [
     "inbox_stats",
     "key_rows",
     "origin_of",
+    "outcomes_per_minute",
     "query",
     "reads",
     "receipt_row",

@@ -70,10 +70,10 @@ class PgInbox:
             return True
         return row is not None and row[0] is not None
 
-    def open(self) -> Any:
+    def open(self, *, readonly: bool = True) -> Any:
         from ..inbox.pg import PgInboxDB
 
-        return PgInboxDB.open(self.url, registry.get(self.consumer), readonly=True, partition=self.partition)
+        return PgInboxDB.open(self.url, registry.get(self.consumer), readonly=readonly, partition=self.partition)
 
     def __str__(self) -> str:
         from ..inbox.pg import redact, schema_for, split_url
@@ -105,16 +105,18 @@ def _files(found: Sequence[tuple[str | None, Location, Topology]]) -> list[Path]
 
 
 @contextmanager
-def _consumer_db(where: Location, consumer: str) -> Iterator[Any]:
+def open_inbox(where: Location, consumer: str, *, readonly: bool = True) -> Iterator[Any]:
+    """The inbox at *where* (a file, or a schema in PostgreSQL) open for the block."""
     if isinstance(where, PgInbox):
-        db = where.open()
+        db = where.open(readonly=readonly)
         try:
             yield db
         finally:
             db.close()
         return
-    with registry.open_db(where, consumer, readonly=True) as db:
+    with registry.open_db(where, consumer, readonly=readonly) as db:
         yield db
+
 
 
 def _label(entry: ConsumerEntry, partition: str | None) -> str:
@@ -290,7 +292,7 @@ def trace_event(dep: Deployment, event_id: str, *, key: str | None = None,
                 item["note"] = "no database yet"
             else:
                 try:
-                    with _consumer_db(path, name) as db:
+                    with open_inbox(path, name) as db:
                         item["trace"] = trace_one(db, event_id, key=key)
                 except NotFound:
                     pass
@@ -336,7 +338,7 @@ def cloudevent_matches(dep: Deployment, ce_id: str) -> list[Row]:
             if not path.exists():
                 continue
             try:
-                with _consumer_db(path, name) as db:
+                with open_inbox(path, name) as db:
                     pairs = matches_in(db, ce_id)
             except DeliveryError:
                 continue
@@ -370,7 +372,7 @@ def trace_key(dep: Deployment, key: str) -> Row:
            for partition, path, _topo in locations(dep, name) if path.exists()]
     for _, name, path in dbs:  # first every eventId of the key, from every database
         try:
-            with _consumer_db(path, name) as db:
+            with open_inbox(path, name) as db:
                 for event_id, seen in reports.key_rows(db, key).items():
                     known = events.setdefault(event_id, {"revision": seen.get("revision")})
                     known.setdefault("type", seen.get("type"))
@@ -381,7 +383,7 @@ def trace_key(dep: Deployment, key: str) -> Row:
     per_consumer: dict[str, dict[str, Row]] = {}
     for label, name, path in dbs:  # then each database's receipts of them
         try:
-            with _consumer_db(path, name) as db:
+            with open_inbox(path, name) as db:
                 per_consumer.setdefault(label, {}).update(reports.receipts_by_id(db, list(events)))
         except DeliveryError:
             continue
@@ -715,7 +717,7 @@ def status(dep: Deployment, *, now: float | None = None, broker: bool = True, sh
                 db_item["note"] = "no database yet"
             else:
                 try:
-                    with _consumer_db(path, name) as db:
+                    with open_inbox(path, name) as db:
                         db_item.update(_consumer_db_status(db, now))
                 except DeliveryError as exc:
                     db_item["error"] = str(exc)
@@ -796,11 +798,15 @@ def _redacted(url: str) -> str:
 
 
 __all__ = [
+    "Location",
+    "PgInbox",
     "cloudevent_matches",
     "dead_letters",
     "group_dead_letters",
+    "locations",
     "notes",
     "online_text",
+    "open_inbox",
     "outbox_history",
     "queue_rows",
     "queue_word",
