@@ -32,8 +32,8 @@ from typing import Any
 import click
 
 from ..amqp.partitions import SLOT_COUNT
-from ..inbox import ConsumerDB, reports
-from ..inbox.seam import InboxDB
+from ..inbox import reports
+from ..inbox.seam import InboxDB, InboxReader
 from ..model.durations import age as _age
 from ..model.errors import DeliveryError, NotFound, PruneRefused
 from ..store.placement import beside, database, default_db, resolve
@@ -108,7 +108,7 @@ def limit_option(fn: F, default: int = 50) -> F:
     )(fn)
 
 
-def _open_readonly(consumer: str | None, db_path: Path | None) -> ConsumerDB:
+def _open_readonly(consumer: str | None, db_path: Path | None) -> InboxReader:
     if isinstance(db_path, str):  # postgresql://...: the consumer's schema there (docs/postgres-inbox.md)
         return _open_pg(consumer, db_path)
     paths = partition_paths(consumer, db_path)
@@ -135,7 +135,7 @@ def _open_readonly(consumer: str | None, db_path: Path | None) -> ConsumerDB:
         ) from None
 
 
-def _open_pg(consumer: str | None, url: str) -> ConsumerDB:
+def _open_pg(consumer: str | None, url: str) -> InboxReader:
     """The consumer's inbox in PostgreSQL, read-only (every read a READ ONLY transaction)."""
     from .. import consumers
     from ..inbox.pg import PgInboxDB, redact
@@ -146,7 +146,7 @@ def _open_pg(consumer: str | None, url: str) -> ConsumerDB:
         db = PgInboxDB.open(url, consumers.get(consumer), readonly=True)
     except DeliveryError as exc:
         raise Fatal(str(exc)) from None
-    return db  # type: ignore[return-value]  # the read commands use what both backends have (inbox/seam.py)
+    return db
 
 
 def open_writable(consumer: str | None, db_path: Path | str | None, partition: int | None, what: str) -> InboxDB:
@@ -170,19 +170,21 @@ def open_writable(consumer: str | None, db_path: Path | str | None, partition: i
 
 
 @contextmanager
-def reading(consumer: str | None, db_path: Path | None) -> Iterator[ConsumerDB]:
+def reading(consumer: str | None, db_path: Path | None) -> Iterator[InboxReader]:
     """The database opened read-only for the block; a NotFound exits 1."""
-    with _open_readonly(consumer, db_path) as db:
+    db = _open_readonly(consumer, db_path)
+    try:
         if db.note is not None:
             click.echo(f"note: {db.note}", err=True)
-        try:
-            yield db
-        except NotFound as exc:
-            raise Missing(str(exc)) from None
+        yield db
+    except NotFound as exc:
+        raise Missing(str(exc)) from None
+    finally:
+        db.close()
 
 
 @contextmanager
-def reading_all(consumer: str | None, db_path: Path | None) -> Iterator[list[tuple[int | None, ConsumerDB]]]:
+def reading_all(consumer: str | None, db_path: Path | None) -> Iterator[list[tuple[int | None, InboxReader]]]:
     """Every partition's database (partition, db) of a partitioned consumer,
     or the one database as [(None, db)]; a NotFound exits 1."""
     paths = partition_paths(consumer, db_path)
@@ -194,7 +196,7 @@ def reading_all(consumer: str | None, db_path: Path | None) -> Iterator[list[tup
             yield [(None, db)]
         return
     with ExitStack() as stack:
-        dbs: list[tuple[int | None, ConsumerDB]] = [(k, stack.enter_context(reading(consumer, path)))
+        dbs: list[tuple[int | None, InboxReader]] = [(k, stack.enter_context(reading(consumer, path)))
                                                     for k, path in enumerate(paths)]
         try:
             yield dbs
@@ -203,7 +205,7 @@ def reading_all(consumer: str | None, db_path: Path | None) -> Iterator[list[tup
 
 
 def list_newest(consumer: str | None, db_path: Path | None, as_json: bool, limit: int,
-                read: Callable[[ConsumerDB], list[dict[str, Any]]], order: Callable[[dict[str, Any]], Any],
+                read: Callable[[InboxReader], list[dict[str, Any]]], order: Callable[[dict[str, Any]], Any],
                 keys: list[str], empty: str) -> None:
     """Print what *read* finds in every partition's database (each row tagged with its partition when
     there are several), newest first by *order*, at most *limit* (0: all)."""
@@ -217,8 +219,8 @@ def list_newest(consumer: str | None, db_path: Path | None, as_json: bool, limit
         echo_table(keys, _columns(rows, keys), empty=empty)
 
 
-def find_first(dbs: list[tuple[int | None, ConsumerDB]],
-               look: Callable[[ConsumerDB], dict[str, Any]]) -> dict[str, Any]:
+def find_first(dbs: list[tuple[int | None, InboxReader]],
+               look: Callable[[InboxReader], dict[str, Any]]) -> dict[str, Any]:
     """The first partition's answer to *look* (NotFound in all of them: NotFound)."""
     missing: NotFound | None = None
     for k, db in dbs:

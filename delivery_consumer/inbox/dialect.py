@@ -11,13 +11,25 @@ with, and the receipt counters SQLite keeps beside the receipts.
 
 from __future__ import annotations
 
+import os
 import sqlite3
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
 from . import counters
 from .database import keep_high_water
+
+
+def filesystem_now(directory: Path) -> float | None:
+    """The system's time as the kernel stamps a new file in *directory* (None: cannot write there):
+    a clock of its own, which a process's faked or skewed clock does not change."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".prune-clock-") as probe:
+            return os.fstat(probe.fileno()).st_mtime
+    except OSError:
+        return None
 
 
 class SqliteWords:
@@ -58,8 +70,6 @@ class SqliteWords:
 
     def system_now(self, db: Any) -> float | None:
         """The system's time by a clock of its own: a new file's in the database's directory."""
-        from .retention import filesystem_now
-
         return filesystem_now(Path(db.path).parent)
 
     def prefix_bound(self, conn: Any, cutoff: str) -> int:
@@ -134,4 +144,4 @@ def words_for(db: Any) -> SqliteWords:
     return POSTGRES if getattr(db.conn, "dialect", "sqlite") == "postgres" else SQLITE
 
 
-__all__ = ["POSTGRES", "SQLITE", "PostgresWords", "SqliteWords", "words_for"]
+__all__ = ["POSTGRES", "SQLITE", "PostgresWords", "SqliteWords", "filesystem_now", "words_for"]

@@ -34,7 +34,9 @@ from . import ConsumerDB, counters
 from .dialect import words_for
 
 if TYPE_CHECKING:
+    from ..model.contract import Connection
     from .pg import PgInboxDB
+    from .seam import InboxReader
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -96,7 +98,7 @@ def reads(fn: Callable[P, T]) -> Callable[P, T]:
     return wrapper
 
 
-def _pg(db: object) -> PgInboxDB | None:
+def pg_inbox(db: object) -> PgInboxDB | None:
     """*db* when it is a PostgreSQL inbox (whose reads are ``inbox/pg_queries.py``), else None."""
     if getattr(getattr(db, "conn", None), "dialect", "sqlite") != "postgres":
         return None
@@ -105,13 +107,20 @@ def _pg(db: object) -> PgInboxDB | None:
     return db if isinstance(db, PgInboxDB) else None
 
 
-def snapshot(db: ConsumerDB) -> AbstractContextManager[Any]:
+def snapshot(db: InboxReader) -> AbstractContextManager[Any]:
     """One read transaction on *db*'s connection, SQLite's or PostgreSQL's."""
-    if (pg := _pg(db)) is not None:
+    if (pg := pg_inbox(db)) is not None:
         from . import pg_queries
 
         return pg_queries.snapshot(pg)
-    return read_snapshot(db.conn)
+    return read_snapshot(sqlite_db(db).conn)
+
+
+def sqlite_db(db: InboxReader) -> ConsumerDB:
+    """*db* as the SQLite inbox it is, where a read words SQLite's own (pragmas, its counters)."""
+    if not isinstance(db, ConsumerDB):
+        raise TypeError(f"{db.path}: not a SQLite inbox")
+    return db
 
 
 def sql_limit(limit: int | None) -> int:
@@ -135,14 +144,14 @@ def _receipt(row: tuple[Any, ...]) -> Row:
 
 
 @reads
-def inbox_list(db: ConsumerDB, *, result: str | None = None, limit: int | None = 50) -> list[Row]:
+def inbox_list(db: InboxReader, *, result: str | None = None, limit: int | None = 50) -> list[Row]:
     """Receipts, newest first, optionally only those with *result*.
 
     Newest is the last written: receipts are appended in the order they were
     received (the rowid), which reads from the end of the table without an
     index on ``receivedAt``. ``limit`` None or 0 lists them all.
     """
-    if (pg := _pg(db)) is not None:
+    if (pg := pg_inbox(db)) is not None:
         from . import pg_queries
 
         return pg_queries.inbox_list(pg, result=result, limit=limit)
@@ -154,7 +163,7 @@ def inbox_list(db: ConsumerDB, *, result: str | None = None, limit: int | None =
     return [_receipt(row) for row in rows]
 
 
-def receipt_row(conn: sqlite3.Connection, event_id: str) -> Row | None:
+def receipt_row(conn: Connection, event_id: str) -> Row | None:
     """The receipt of *event_id* with its key, the envelope's ``meta`` (a dict, or None)
     and, for an event that came as a CloudEvent, its ``cloudEvent`` (``{"id", "source"}``)."""
     rows = conn.execute(f"{_RECEIPT.replace(' FROM', ', partition_key, meta, origin FROM')} WHERE event_id = ?",
@@ -182,7 +191,7 @@ def camel(column: str) -> str:
     return head + "".join(part.capitalize() for part in rest)
 
 
-def dict_rows(cursor: sqlite3.Cursor) -> list[Row]:
+def dict_rows(cursor: Any) -> list[Row]:
     """All rows of *cursor* as dicts keyed by camelCase column names.
 
     For the store's bookkeeping tables (``rejected``, ``deliveries``), whose
@@ -230,7 +239,7 @@ def deliveries_summary(records: list[Row], receipt: Row | None) -> Row:
 
 
 @reads
-def inbox_show(db: ConsumerDB, event_id: str) -> Row:
+def inbox_show(db: InboxReader, event_id: str) -> Row:
     """Everything the database knows about one eventId.
 
     ``receipt`` is None when the event was only ever rejected; NotFound when
@@ -260,17 +269,17 @@ def inbox_show(db: ConsumerDB, event_id: str) -> Row:
 
 
 @reads
-def inbox_stats(db: ConsumerDB, *, now: float | None = None) -> Row:
+def inbox_stats(db: InboxReader, *, now: float | None = None) -> Row:
     """Receipts by result (overall, last hour, last day), their age, rejections by code.
 
     *now* (a Unix time) fixes the clock for the windows and the age.
     """
-    if (pg := _pg(db)) is not None:
+    if (pg := pg_inbox(db)) is not None:
         from . import pg_queries
 
         return pg_queries.inbox_stats(pg, now=now)
     now = time.time() if now is None else now
-    conn = db.conn
+    conn = sqlite_db(db).conn
     with read_snapshot(conn):
         # The counters kept by the writers (inbox/counters.py), not a scan of the receipts.
         totals = counters.totals(conn)
@@ -305,9 +314,9 @@ def inbox_stats(db: ConsumerDB, *, now: float | None = None) -> Row:
 
 
 @reads
-def rejected_list(db: ConsumerDB, *, code: str | None = None, limit: int | None = 50) -> list[Row]:
+def rejected_list(db: InboxReader, *, code: str | None = None, limit: int | None = 50) -> list[Row]:
     """Rejections, newest first, optionally only those with *code*."""
-    if (pg := _pg(db)) is not None:
+    if (pg := pg_inbox(db)) is not None:
         from . import pg_queries
 
         return pg_queries.rejected_list(pg, code=code, limit=limit)
@@ -471,7 +480,7 @@ class _Deadline:
 
 
 @reads
-def query(db: ConsumerDB, sql: str, *, timeout_s: float = QUERY_TIMEOUT_S, max_bytes: int = QUERY_MAX_BYTES) -> Row:
+def query(db: InboxReader, sql: str, *, timeout_s: float = QUERY_TIMEOUT_S, max_bytes: int = QUERY_MAX_BYTES) -> Row:
     """Run one read-only SQL statement; ``{"columns": [...], "rows": [[...], ...]}``.
 
     Needs a database opened read-only. Refuses several statements, writes,
@@ -482,13 +491,13 @@ def query(db: ConsumerDB, sql: str, *, timeout_s: float = QUERY_TIMEOUT_S, max_b
     """
     if not db.readonly:
         raise QueryError("query needs a database opened read-only")
-    if (pg := _pg(db)) is not None:
+    if (pg := pg_inbox(db)) is not None:
         from . import pg_queries
 
         return pg_queries.query(pg, sql, timeout_s=timeout_s, max_bytes=max_bytes)
     if not sql.strip():
         raise QueryError("query refused: the SQL is empty")
-    conn = db.conn
+    conn = sqlite_db(db).conn
     conn.execute("PRAGMA query_only = ON")
     auth = _ReadOnlyAuthorizer()
     conn.set_authorizer(auth)
@@ -545,6 +554,7 @@ __all__ = [
     "key_rows",
     "origin_of",
     "outcomes_per_minute",
+    "pg_inbox",
     "query",
     "reads",
     "receipt_row",
@@ -552,5 +562,6 @@ __all__ = [
     "rejected_list",
     "snapshot",
     "sql_limit",
+    "sqlite_db",
     "status_figures",
 ]

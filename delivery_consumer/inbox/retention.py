@@ -40,36 +40,23 @@ backends: what their SQL words differently is :mod:`.dialect`.
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ..model.durations import format as format_duration
 from ..model.errors import PruneRefused
 from ..store.sqlite import age_s, now_iso
 from .apply import CLOCK_JUMP, Store
-from .dialect import SqliteWords, words_for
+from .dialect import SqliteWords, filesystem_now, words_for
 
 DAY_S = 86400
 #: Default redelivery horizon: receipts younger than this are never pruned.
 DEFAULT_HORIZON_S = 7 * DAY_S
 #: Rows per delete transaction.
 DEFAULT_BATCH = 500
-
-
-def filesystem_now(directory: Path) -> float | None:
-    """The system's time as the kernel stamps a new file in *directory* (None: cannot write there):
-    a clock of its own, which a process's faked or skewed clock does not change."""
-    try:
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".prune-clock-") as probe:
-            return os.fstat(probe.fileno()).st_mtime
-    except OSError:
-        return None
 
 
 def check_clock(db: Store, now: float, horizon_s: float, *, own_clock: bool = True) -> None:
@@ -294,6 +281,7 @@ __all__ = [
     "PruneReport",
     "check_clock",
     "check_older_than",
+    "filesystem_now",
     "format_duration",
     "prune",
 ]

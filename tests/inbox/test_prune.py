@@ -28,7 +28,7 @@ from delivery_consumer import consumers
 from delivery_consumer.amqp.admin import declare
 from delivery_consumer.amqp.dead_queue import DeadQueue
 from delivery_consumer.amqp.publisher import Publisher
-from delivery_consumer.inbox import apply_batch, apply_event, inbox_rowid_before, retention
+from delivery_consumer.inbox import apply_batch, apply_event, dialect, inbox_rowid_before, retention
 from delivery_consumer.model.deliveries import OutMessage
 from delivery_consumer.model.errors import PruneRefused, Rejection
 from delivery_consumer.store.sqlite import now_iso
@@ -432,7 +432,7 @@ def test_a_jump_of_the_writer_s_clock_stops_prune_from_aging_the_receipts_before
     db.count_due = 0.0  # the writer looks at its clock at its next catch-up
     apply_batch(db, [envelope(event_id=str(uuid.uuid4()), article_id="b", revision=1)])
     assert db.meta()["clock_jump"].split()[0] == "20"
-    monkeypatch.setattr(retention, "filesystem_now", lambda _directory: time.time())  # the whole system jumped
+    monkeypatch.setattr(dialect, "filesystem_now", lambda _directory: time.time())  # the whole system jumped
     with pytest.raises(PruneRefused, match="jumped 400d ahead") as refused:
         retention.prune(db, older_than_s=30 * DAY, keep_event_ids=set())
     assert "\n" not in str(refused.value)
