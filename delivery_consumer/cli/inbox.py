@@ -108,7 +108,7 @@ def limit_option(fn: F, default: int = 50) -> F:
     )(fn)
 
 
-def _open_readonly(consumer: str | None, db_path: Path | None) -> InboxReader:
+def open_readonly(consumer: str | None, db_path: Path | None) -> InboxReader:
     if isinstance(db_path, str):  # postgresql://...: the consumer's schema there (docs/postgres-inbox.md)
         return _open_pg(consumer, db_path)
     paths = partition_paths(consumer, db_path)
@@ -149,30 +149,28 @@ def _open_pg(consumer: str | None, url: str) -> InboxReader:
     return db
 
 
-def open_writable(consumer: str | None, db_path: Path | str | None, partition: int | None, what: str) -> InboxDB:
+def open_writable(consumer: str | None, db_path: Path | None, partition: int | None, what: str) -> InboxDB:
     """The one database a writing command (``inbox prune``, ``rejected resolve``) changes: a
     file (one partition's of a partitioned consumer), or the consumer's schema of a PostgreSQL
     URL (a partition's is named by ``?schema=`` there)."""
+    db_path = one_partition(consumer, db_path, partition, what)
     if isinstance(db_path, str):
         from .. import consumers
         from ..inbox.pg import PgInboxDB, redact
 
         if consumer is None:
             raise Fatal(f"{redact(db_path)}: give --consumer NAME (its inbox is the schema of that name)")
-        if partition is not None:
-            raise Fatal(f"{redact(db_path)}: --partition names a file; name a partition's schema in the URL "
-                        f"(?schema=dc_{consumer}_p<K>of<N>) to {what}")
         try:
             return PgInboxDB.open(db_path, consumers.get(consumer))
         except DeliveryError as exc:
             raise Fatal(str(exc)) from None
-    return open_db(consumer, one_partition(consumer, db_path, partition, what))
+    return open_db(consumer, db_path)
 
 
 @contextmanager
 def reading(consumer: str | None, db_path: Path | None) -> Iterator[InboxReader]:
     """The database opened read-only for the block; a NotFound exits 1."""
-    db = _open_readonly(consumer, db_path)
+    db = open_readonly(consumer, db_path)
     try:
         if db.note is not None:
             click.echo(f"note: {db.note}", err=True)
