@@ -75,6 +75,8 @@ def _partition_option(fn: F) -> F:
         if partition is not None:
             if kwargs.get("consumer") is None and kwargs.get("db_path") is None:
                 raise Fatal("--partition needs --consumer NAME")
+            if isinstance(kwargs.get("db_path"), str):  # a URL: refused in one line, naming ?schema=
+                one_partition(kwargs.get("consumer"), kwargs.get("db_path"), partition, "read it")
             kwargs["db_path"] = database(kwargs.get("consumer") or "", partition, kwargs.get("db_path"))
         return fn(*args, **kwargs)
 

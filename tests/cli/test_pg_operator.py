@@ -165,4 +165,7 @@ def test_inbox_prune_deletes_old_receipts_of_a_postgresql_inbox(filled: tuple[st
     assert (2, 0) == (report["receipts"], report["keptUnresolved"])
     assert [events[2].event_id] == [r["eventId"] for r in json_of(["inbox", "list", "--consumer", "catalog",
                                                                     "--db", url])]
-    assert 2 == cli(["inbox", "prune", *where, "--older-than", "30d", "--partition", "1"]).exit_code
+    for args in (["inbox", "prune", *where, "--older-than", "30d"], ["inbox", "list", "--consumer", "catalog",
+                                                                     "--db", url]):
+        refused = cli([*args, "--partition", "1"])
+        assert 2 == refused.exit_code and "?schema=dc_catalog_p<K>of<N>" in refused.output, refused.output
