@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from support import OpenDB, closed_at_exit
@@ -64,6 +65,28 @@ def open_db(tmp_path: Path) -> Iterator[OpenDB]:
             kwargs.setdefault("create", True)
             return keep(consumers.open_db(path, consumer, **kwargs))  # type: ignore[arg-type]
 
+        yield _open
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def open_inbox(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[[str], Any]]:
+    """Open (creating) a consumer's inbox on each backend in turn: a file in tmp_path, then a schema of
+    the test's own PostgreSQL database (tests/pgkit.py); closed at teardown. ``open_inbox.kind`` is
+    the backend's name."""
+    with closed_at_exit() as keep:
+        if request.param == "sqlite":
+
+            def _open(consumer: str = "catalog") -> Any:
+                return keep(consumers.open_db(tmp_path / f"{consumer}.db", consumer, create=True))
+        else:
+            from delivery_consumer.inbox.pg import PgInboxDB
+
+            url = request.getfixturevalue("pg_url")
+
+            def _open(consumer: str = "catalog") -> Any:
+                return keep(PgInboxDB.open(url, consumers.get(consumer), create=True))
+
+        _open.kind = request.param  # type: ignore[attr-defined]
         yield _open
 
 

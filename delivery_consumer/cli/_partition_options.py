@@ -53,7 +53,15 @@ def one_partition_option(fn: F) -> F:
 
 def one_partition(consumer: str | None, db_path: Path | None, partition: int | None, what: str) -> Path | None:
     """The database a one-partition command uses; a partitioned consumer
-    without --partition (or --db) is refused in one line."""
+    without --partition (or --db) is refused in one line. A PostgreSQL URL is its own
+    answer: a partition's inbox there is the schema its ``?schema=`` names."""
+    if isinstance(db_path, str):  # postgresql://... (docs/postgres-inbox.md)
+        if partition is not None:
+            from ..inbox.pg import redact
+
+            raise Fatal(f"{redact(db_path)}: --partition names a file; name a partition's schema in the URL "
+                        f"(?schema=dc_{consumer or '<consumer>'}_p<K>of<N>) to {what}")
+        return db_path
     if partition is not None:
         return database(consumer or "", partition, db_path)
     if consumer is None:

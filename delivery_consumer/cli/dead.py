@@ -32,6 +32,7 @@ from ._common import (
 )
 from ._output import count, echo_table
 from ._partition_options import one_partition, one_partition_option
+from .inbox import open_writable
 
 
 @click.group()
@@ -82,6 +83,10 @@ def _applied(consumer: str, db_path: Path | None, given: bool) -> Any:
     (*given*), else its own when it exists (None: not looked up)."""
     from ..store.placement import default_db
 
+    if isinstance(db_path, str):  # postgresql://...: the consumer's schema there
+        from .inbox import open_readonly
+
+        return open_readonly(consumer, db_path)
     if not given and not (db_path or default_db(consumer)).exists():
         return None
     return open_db(consumer, db_path, readonly=True)
@@ -195,10 +200,10 @@ def dead_requeue(consumer: str, db_path: Path | None, amqp_url: str, exchange: s
     from ..ops import deadletters
 
     selection = _selection(event_ids, code, select_all)
-    db_path = one_partition(consumer, db_path, partition, "requeue its dead letters")
     topology = topology_for(consumer, exchange, queue_prefix, partition=partition)
     with ExitStack() as stack:
-        db = stack.enter_context(open_db(consumer, db_path))
+        db = open_writable(consumer, db_path, partition, "requeue its dead letters")
+        stack.callback(db.close)
         dq, snapshot = broker_call(stack.enter_context, deadletters.reading(amqp_url, topology, on_busy=_waiting))
         report = broker_call(deadletters.requeue, db, dq, snapshot, topology, selection,
                               drop_applied=drop_applied, dry_run=dry_run)
@@ -227,14 +232,15 @@ def dead_purge(consumer: str, db_path: Path | None, amqp_url: str, exchange: str
     from ..ops import deadletters
 
     selection = _selection(event_ids, code, select_all)
-    db_path = one_partition(consumer, db_path, partition, "purge its dead letters")
+    named = db_path is not None or partition is not None
     topology = topology_for(consumer, exchange, queue_prefix, partition=partition)
     with ExitStack() as stack:
         db = None
         try:
-            db = stack.enter_context(open_db(consumer, db_path))
+            db = open_writable(consumer, db_path, partition, "purge its dead letters")
+            stack.callback(db.close)
         except Fatal as exc:
-            if db_path is not None or "no such database" not in exc.message:
+            if named or "no such database" not in exc.message:
                 raise
             click.echo(f"delivery-consumer: {exc.message}; the rejections will not be marked resolved", err=True)
         dq, snapshot = broker_call(stack.enter_context, deadletters.reading(amqp_url, topology, on_busy=_waiting))

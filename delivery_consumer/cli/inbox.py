@@ -32,7 +32,8 @@ from typing import Any
 import click
 
 from ..amqp.partitions import SLOT_COUNT
-from ..inbox import ConsumerDB, reports
+from ..inbox import reports
+from ..inbox.seam import InboxDB, InboxReader
 from ..model.durations import age as _age
 from ..model.errors import DeliveryError, NotFound, PruneRefused
 from ..store.placement import beside, database, default_db, resolve
@@ -74,6 +75,8 @@ def _partition_option(fn: F) -> F:
         if partition is not None:
             if kwargs.get("consumer") is None and kwargs.get("db_path") is None:
                 raise Fatal("--partition needs --consumer NAME")
+            if isinstance(kwargs.get("db_path"), str):  # a URL: refused in one line, naming ?schema=
+                one_partition(kwargs.get("consumer"), kwargs.get("db_path"), partition, "read it")
             kwargs["db_path"] = database(kwargs.get("consumer") or "", partition, kwargs.get("db_path"))
         return fn(*args, **kwargs)
 
@@ -107,7 +110,7 @@ def limit_option(fn: F, default: int = 50) -> F:
     )(fn)
 
 
-def _open_readonly(consumer: str | None, db_path: Path | None) -> ConsumerDB:
+def open_readonly(consumer: str | None, db_path: Path | None) -> InboxReader:
     if isinstance(db_path, str):  # postgresql://...: the consumer's schema there (docs/postgres-inbox.md)
         return _open_pg(consumer, db_path)
     paths = partition_paths(consumer, db_path)
@@ -134,7 +137,7 @@ def _open_readonly(consumer: str | None, db_path: Path | None) -> ConsumerDB:
         ) from None
 
 
-def _open_pg(consumer: str | None, url: str) -> ConsumerDB:
+def _open_pg(consumer: str | None, url: str) -> InboxReader:
     """The consumer's inbox in PostgreSQL, read-only (every read a READ ONLY transaction)."""
     from .. import consumers
     from ..inbox.pg import PgInboxDB, redact
@@ -145,23 +148,43 @@ def _open_pg(consumer: str | None, url: str) -> ConsumerDB:
         db = PgInboxDB.open(url, consumers.get(consumer), readonly=True)
     except DeliveryError as exc:
         raise Fatal(str(exc)) from None
-    return db  # type: ignore[return-value]  # the read commands use what both backends have (inbox/seam.py)
+    return db
+
+
+def open_writable(consumer: str | None, db_path: Path | None, partition: int | None, what: str) -> InboxDB:
+    """The one database a writing command (``inbox prune``, ``rejected resolve``) changes: a
+    file (one partition's of a partitioned consumer), or the consumer's schema of a PostgreSQL
+    URL (a partition's is named by ``?schema=`` there)."""
+    db_path = one_partition(consumer, db_path, partition, what)
+    if isinstance(db_path, str):
+        from .. import consumers
+        from ..inbox.pg import PgInboxDB, redact
+
+        if consumer is None:
+            raise Fatal(f"{redact(db_path)}: give --consumer NAME (its inbox is the schema of that name)")
+        try:
+            return PgInboxDB.open(db_path, consumers.get(consumer))
+        except DeliveryError as exc:
+            raise Fatal(str(exc)) from None
+    return open_db(consumer, db_path)
 
 
 @contextmanager
-def reading(consumer: str | None, db_path: Path | None) -> Iterator[ConsumerDB]:
+def reading(consumer: str | None, db_path: Path | None) -> Iterator[InboxReader]:
     """The database opened read-only for the block; a NotFound exits 1."""
-    with _open_readonly(consumer, db_path) as db:
+    db = open_readonly(consumer, db_path)
+    try:
         if db.note is not None:
             click.echo(f"note: {db.note}", err=True)
-        try:
-            yield db
-        except NotFound as exc:
-            raise Missing(str(exc)) from None
+        yield db
+    except NotFound as exc:
+        raise Missing(str(exc)) from None
+    finally:
+        db.close()
 
 
 @contextmanager
-def reading_all(consumer: str | None, db_path: Path | None) -> Iterator[list[tuple[int | None, ConsumerDB]]]:
+def reading_all(consumer: str | None, db_path: Path | None) -> Iterator[list[tuple[int | None, InboxReader]]]:
     """Every partition's database (partition, db) of a partitioned consumer,
     or the one database as [(None, db)]; a NotFound exits 1."""
     paths = partition_paths(consumer, db_path)
@@ -173,7 +196,7 @@ def reading_all(consumer: str | None, db_path: Path | None) -> Iterator[list[tup
             yield [(None, db)]
         return
     with ExitStack() as stack:
-        dbs: list[tuple[int | None, ConsumerDB]] = [(k, stack.enter_context(reading(consumer, path)))
+        dbs: list[tuple[int | None, InboxReader]] = [(k, stack.enter_context(reading(consumer, path)))
                                                     for k, path in enumerate(paths)]
         try:
             yield dbs
@@ -182,7 +205,7 @@ def reading_all(consumer: str | None, db_path: Path | None) -> Iterator[list[tup
 
 
 def list_newest(consumer: str | None, db_path: Path | None, as_json: bool, limit: int,
-                read: Callable[[ConsumerDB], list[dict[str, Any]]], order: Callable[[dict[str, Any]], Any],
+                read: Callable[[InboxReader], list[dict[str, Any]]], order: Callable[[dict[str, Any]], Any],
                 keys: list[str], empty: str) -> None:
     """Print what *read* finds in every partition's database (each row tagged with its partition when
     there are several), newest first by *order*, at most *limit* (0: all)."""
@@ -196,8 +219,8 @@ def list_newest(consumer: str | None, db_path: Path | None, as_json: bool, limit
         echo_table(keys, _columns(rows, keys), empty=empty)
 
 
-def find_first(dbs: list[tuple[int | None, ConsumerDB]],
-               look: Callable[[ConsumerDB], dict[str, Any]]) -> dict[str, Any]:
+def find_first(dbs: list[tuple[int | None, InboxReader]],
+               look: Callable[[InboxReader], dict[str, Any]]) -> dict[str, Any]:
     """The first partition's answer to *look* (NotFound in all of them: NotFound)."""
     missing: NotFound | None = None
     for k, db in dbs:
@@ -358,12 +381,12 @@ def inbox_prune(consumer: str | None, db_path: Path | None, amqp_url: str, excha
         retention.check_older_than(older_than, horizon)
     except PruneRefused as exc:
         raise Fatal(f"refused: {exc}") from None
-    db_path = one_partition(consumer, db_path, partition, "prune it")
     with ExitStack() as stack:
-        db = stack.enter_context(open_db(consumer, db_path))
+        db = open_writable(consumer, db_path, partition, "prune it")
+        stack.callback(db.close)
         if partition is None:  # a partition's database names its queues
             partition = _stored_partition(db)
-        topology = topology_for(db.consumer, exchange, queue_prefix, partition=partition)
+        topology = topology_for(db.spec.name, exchange, queue_prefix, partition=partition)
         keep: set[str] | None = None
         refresh: Any = lambda: ()  # noqa: E731
         try:
@@ -468,18 +491,20 @@ def rejected_resolve(consumer: str | None, db_path: Path | None, partition: int 
     """
     import time
 
-    from ..ops import deadletters
+    from ..inbox import resolutions
     from ..store.sqlite import now_iso
 
     if bool(ids) == (older_than is not None):
         raise click.UsageError("give the rejection IDS, or --older-than DURATION")
     if code is not None and older_than is None:
         raise click.UsageError("--code goes with --older-than")
-    db_path = one_partition(consumer, db_path, partition, "resolve its rejections")
-    with open_db(consumer, db_path) as db:
+    db = open_writable(consumer, db_path, partition, "resolve its rejections")
+    try:
         before = None if older_than is None else now_iso(time.time() - older_than)
-        done = deadletters.resolve_by_hand(db, ids=ids, before=before, code=code, dry_run=dry_run)
+        done = resolutions.resolve_by_hand(db, ids=ids, before=before, code=code, dry_run=dry_run)
         where = str(db.path)
+    finally:
+        db.close()
     if as_json:
         emit_json(done.to_json())
     else:

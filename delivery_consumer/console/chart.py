@@ -14,7 +14,7 @@ from collections import Counter
 from html import escape
 from typing import Any
 
-from ..inbox import ConsumerDB, counters
+from ..inbox import ConsumerDB, reports
 from ..store.sqlite import now_iso
 
 #: Outcome categories, in drawing order, with their colour.
@@ -38,16 +38,13 @@ def read_minutes(db: ConsumerDB, since: str, until: str | None = None) -> Minute
     """``{"YYYY-MM-DDTHH:MM": Counter(category -> n)}`` of receipts and rejections in [since, until).
 
     *since* and *until* are minutes (``YYYY-MM-DDTHH:MM``): the receipts come
-    from the per-minute counters (inbox/counters.py).
+    from the per-minute counters (inbox/counters.py; on PostgreSQL the receipts' index).
     """
-    upper = until or "9999"
     out: Minutes = {}
-    for minute, result, n in counters.per_minute(db.conn, since, until):
+    receipts, rejections = reports.outcomes_per_minute(db, since, until)
+    for minute, result, n in receipts:
         out.setdefault(minute, Counter())[category(result)] += n
-    rows = db.conn.execute(
-        "SELECT substr(rejected_at, 1, 16), count(*) FROM rejected"
-        " WHERE rejected_at >= ? AND rejected_at < ? GROUP BY 1", (since, upper)).fetchall()
-    for minute, n in rows:
+    for minute, n in rejections:
         out.setdefault(minute, Counter())["rejected"] += n
     return out
 

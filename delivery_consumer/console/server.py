@@ -28,12 +28,10 @@ from contextlib import ExitStack, suppress
 from html import escape
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, HTTPServer
-from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlencode, urlsplit
 
 from ..amqp.topology import Topology
-from ..consumers import open_db
 from ..model import durations
 from ..model.envelope import is_event_id
 from ..model.errors import DeliveryError, NotFound
@@ -172,9 +170,9 @@ class Console:
         """Read the settled minutes of every database once (a background thread at start-up),
         so that the first page is as fast as the next ones."""
         for name in self.dep.consumers:
-            for _partition, path in self.dep.placement(name).databases:
+            for _partition, path, _topo in system_view.locations(self.dep, name):
                 try:
-                    with open_db(path, name, readonly=True) as db:
+                    with system_view.open_inbox(path, name) as db:
                         self.minutes.minutes(db, self.window_s)
                 except DeliveryError:
                     continue  # the page says what is wrong with it
@@ -252,13 +250,13 @@ class Console:
         parts = [f"<section><h2>Outcomes per minute, last {window}</h2><p>{chart.legend()}</p>"]
         now = time.time()
         for name in self.dep.consumers:
-            for partition, path in self.dep.placement(name).databases:
+            for partition, path, _topo in system_view.locations(self.dep, name):
                 label = name + (f"/{partition}" if partition else "")
                 if not path.exists():
                     parts.append(f"<h3>{_e(label)}</h3><p>no database yet</p>")
                     continue
                 try:
-                    with open_db(path, name, readonly=True) as db:
+                    with system_view.open_inbox(path, name) as db:
                         minutes = self.minutes.minutes(db, self.window_s, now)
                 except DeliveryError as exc:
                     parts.append(f"<h3>{_e(label)}</h3><p class=bad>{_e(exc)}</p>")
@@ -381,13 +379,13 @@ class Console:
 
     # -- actions ------------------------------------------------------------------------------
 
-    def _place(self, form: dict[str, str]) -> tuple[str, Path, Topology]:
+    def _place(self, form: dict[str, str]) -> tuple[str, system_view.Location, Topology]:
         """The consumer's database and queues the form names (a partition's, with ``partition``)."""
         consumer = form.get("consumer", "")
         if consumer not in self.dep.consumers:
             raise ValueError(f"unknown consumer {consumer!r}")
         partition = form.get("partition") or None
-        for found, path, topo in self.dep.placement(consumer).topologies():
+        for found, path, topo in system_view.locations(self.dep, consumer):
             if found == partition:
                 return consumer, path, topo
         if partition is None:
@@ -438,7 +436,8 @@ class Console:
             consumer, selection = self._selection(form)
             _, path, topo = self._place(form)
             with ExitStack() as stack:
-                db = stack.enter_context(open_db(path, consumer)) if path.exists() else None
+                db = (stack.enter_context(system_view.open_inbox(path, consumer, readonly=False))
+                      if path.exists() else None)
                 dq, snapshot = stack.enter_context(deadletters.reading(self.dep.amqp_url, topo))
                 if action == "requeue":
                     if db is None:

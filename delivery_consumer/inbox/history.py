@@ -16,15 +16,18 @@ receipts kept the key -- the row this event wrote last (``View.event``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..model.cloudevents import event_id_for
-from ..model.contract import ConsumerSpec, dialect
+from ..model.contract import ConsumerSpec
 from ..model.errors import FORWARDED, REJECTIONS, NotFound
 from ..model.plural import count
-from . import ConsumerDB
+from .dialect import words_for
 from .reports import deliveries_summary, dict_rows, origin_of, reads, receipt_row, snapshot
 from .views import key_row
+
+if TYPE_CHECKING:
+    from .seam import InboxReader
 
 Row = dict[str, Any]
 
@@ -32,18 +35,14 @@ Row = dict[str, Any]
 APPLIED, REJECTED, RESOLVED, PENDING = "applied", "rejected", "resolved", "pending"
 
 
-def _event_id_tables(db: ConsumerDB) -> dict[str, str]:
+def _event_id_tables(db: InboxReader) -> dict[str, str]:
     """Effect table -> its column holding an eventId: the view's ``event``
     column, else ``event_id`` where a table has one."""
     view = db.spec.view
     tables = {view.table: view.event} if view is not None and view.event is not None else {}
-    postgres = dialect(db.conn) == "postgres"
+    words = words_for(db)
     for table in db.spec.tables:
-        columns = ({row[0] for row in db.conn.execute(
-            "SELECT column_name FROM information_schema.columns WHERE table_schema = current_schema()"
-            " AND table_name = ?", (table,)).fetchall()} if postgres
-            else {row[1] for row in db.conn.execute(f'PRAGMA table_info("{table}")').fetchall()})
-        if "event_id" in columns:
+        if "event_id" in words.columns(db.conn, table):
             tables.setdefault(table, "event_id")
     return tables
 
@@ -102,7 +101,7 @@ def key_field(spec: ConsumerSpec, event_type: str | None) -> str:
 
 
 @reads
-def cloudevent_matches(db: ConsumerDB, ce_id: str) -> list[tuple[str, str]]:
+def cloudevent_matches(db: InboxReader, ce_id: str) -> list[tuple[str, str]]:
     """(source, eventId) of each event *db* knows (a receipt, a rejection, a
     delivery) that came as a CloudEvent with the id *ce_id* its producer gave
     it: the eventId is derived from source and id, so it is tried with each
@@ -118,7 +117,7 @@ def cloudevent_matches(db: ConsumerDB, ce_id: str) -> list[tuple[str, str]]:
 
 
 @reads
-def trace(db: ConsumerDB, event_id: str, *, key: str | None = None) -> Row:
+def trace(db: InboxReader, event_id: str, *, key: str | None = None) -> Row:
     """Receipt, deliveries, rejections and effect rows of *event_id*; NotFound if none."""
     conn = db.conn
     with snapshot(db):

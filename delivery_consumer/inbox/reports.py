@@ -28,12 +28,15 @@ from typing import TYPE_CHECKING, Any, Final, ParamSpec, TypeVar
 import orjson
 
 from ..model.durations import format as format_duration
-from ..model.errors import NotFound, QueryError
+from ..model.errors import FORWARDED, NotFound, QueryError
 from ..store.sqlite import age_s, now_iso, read_snapshot, translate
 from . import ConsumerDB, counters
+from .dialect import words_for
 
 if TYPE_CHECKING:
+    from ..model.contract import Connection
     from .pg import PgInboxDB
+    from .seam import InboxReader
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -95,7 +98,7 @@ def reads(fn: Callable[P, T]) -> Callable[P, T]:
     return wrapper
 
 
-def _pg(db: object) -> PgInboxDB | None:
+def pg_inbox(db: object) -> PgInboxDB | None:
     """*db* when it is a PostgreSQL inbox (whose reads are ``inbox/pg_queries.py``), else None."""
     if getattr(getattr(db, "conn", None), "dialect", "sqlite") != "postgres":
         return None
@@ -104,13 +107,20 @@ def _pg(db: object) -> PgInboxDB | None:
     return db if isinstance(db, PgInboxDB) else None
 
 
-def snapshot(db: ConsumerDB) -> AbstractContextManager[Any]:
+def snapshot(db: InboxReader) -> AbstractContextManager[Any]:
     """One read transaction on *db*'s connection, SQLite's or PostgreSQL's."""
-    if (pg := _pg(db)) is not None:
+    if (pg := pg_inbox(db)) is not None:
         from . import pg_queries
 
         return pg_queries.snapshot(pg)
-    return read_snapshot(db.conn)
+    return read_snapshot(sqlite_db(db).conn)
+
+
+def sqlite_db(db: InboxReader) -> ConsumerDB:
+    """*db* as the SQLite inbox it is, where a read words SQLite's own (pragmas, its counters)."""
+    if not isinstance(db, ConsumerDB):
+        raise TypeError(f"{db.path}: not a SQLite inbox")
+    return db
 
 
 def sql_limit(limit: int | None) -> int:
@@ -134,14 +144,14 @@ def _receipt(row: tuple[Any, ...]) -> Row:
 
 
 @reads
-def inbox_list(db: ConsumerDB, *, result: str | None = None, limit: int | None = 50) -> list[Row]:
+def inbox_list(db: InboxReader, *, result: str | None = None, limit: int | None = 50) -> list[Row]:
     """Receipts, newest first, optionally only those with *result*.
 
     Newest is the last written: receipts are appended in the order they were
     received (the rowid), which reads from the end of the table without an
     index on ``receivedAt``. ``limit`` None or 0 lists them all.
     """
-    if (pg := _pg(db)) is not None:
+    if (pg := pg_inbox(db)) is not None:
         from . import pg_queries
 
         return pg_queries.inbox_list(pg, result=result, limit=limit)
@@ -153,7 +163,7 @@ def inbox_list(db: ConsumerDB, *, result: str | None = None, limit: int | None =
     return [_receipt(row) for row in rows]
 
 
-def receipt_row(conn: sqlite3.Connection, event_id: str) -> Row | None:
+def receipt_row(conn: Connection, event_id: str) -> Row | None:
     """The receipt of *event_id* with its key, the envelope's ``meta`` (a dict, or None)
     and, for an event that came as a CloudEvent, its ``cloudEvent`` (``{"id", "source"}``)."""
     rows = conn.execute(f"{_RECEIPT.replace(' FROM', ', partition_key, meta, origin FROM')} WHERE event_id = ?",
@@ -181,7 +191,7 @@ def camel(column: str) -> str:
     return head + "".join(part.capitalize() for part in rest)
 
 
-def dict_rows(cursor: sqlite3.Cursor) -> list[Row]:
+def dict_rows(cursor: Any) -> list[Row]:
     """All rows of *cursor* as dicts keyed by camelCase column names.
 
     For the store's bookkeeping tables (``rejected``, ``deliveries``), whose
@@ -229,7 +239,7 @@ def deliveries_summary(records: list[Row], receipt: Row | None) -> Row:
 
 
 @reads
-def inbox_show(db: ConsumerDB, event_id: str) -> Row:
+def inbox_show(db: InboxReader, event_id: str) -> Row:
     """Everything the database knows about one eventId.
 
     ``receipt`` is None when the event was only ever rejected; NotFound when
@@ -259,17 +269,17 @@ def inbox_show(db: ConsumerDB, event_id: str) -> Row:
 
 
 @reads
-def inbox_stats(db: ConsumerDB, *, now: float | None = None) -> Row:
+def inbox_stats(db: InboxReader, *, now: float | None = None) -> Row:
     """Receipts by result (overall, last hour, last day), their age, rejections by code.
 
     *now* (a Unix time) fixes the clock for the windows and the age.
     """
-    if (pg := _pg(db)) is not None:
+    if (pg := pg_inbox(db)) is not None:
         from . import pg_queries
 
         return pg_queries.inbox_stats(pg, now=now)
     now = time.time() if now is None else now
-    conn = db.conn
+    conn = sqlite_db(db).conn
     with read_snapshot(conn):
         # The counters kept by the writers (inbox/counters.py), not a scan of the receipts.
         totals = counters.totals(conn)
@@ -304,9 +314,9 @@ def inbox_stats(db: ConsumerDB, *, now: float | None = None) -> Row:
 
 
 @reads
-def rejected_list(db: ConsumerDB, *, code: str | None = None, limit: int | None = 50) -> list[Row]:
+def rejected_list(db: InboxReader, *, code: str | None = None, limit: int | None = 50) -> list[Row]:
     """Rejections, newest first, optionally only those with *code*."""
-    if (pg := _pg(db)) is not None:
+    if (pg := pg_inbox(db)) is not None:
         from . import pg_queries
 
         return pg_queries.rejected_list(pg, code=code, limit=limit)
@@ -314,6 +324,83 @@ def rejected_list(db: ConsumerDB, *, code: str | None = None, limit: int | None 
     return dict_rows(
         db.conn.execute(f"SELECT * FROM rejected {where} ORDER BY id DESC LIMIT ?", [*params, sql_limit(limit)])
     )
+
+
+# -- across a deployment (status, trace of a key) ---------------------------------
+
+#: Receipt windows of ``status``, in seconds.
+MINUTE_S = 60
+
+
+def status_figures(db: Any, now: float) -> Row:
+    """What ``status`` shows of one inbox, on either backend (one read snapshot): receipts in the
+    last minute and hour, the newest receipt, the last progress (a receipt or a rejection),
+    unresolved rejections by code, and the events of other partitions sent on in the last hour."""
+    words = words_for(db)
+    with snapshot(db):
+        conn = db.conn
+        last_minute = words.receipts_since(conn, now_iso(now - MINUTE_S))
+        last_hour = words.receipts_since(conn, now_iso(now - HOUR_S))
+        newest = words.newest_received(conn)
+        (rejected,) = conn.execute("SELECT rejected_at FROM rejected ORDER BY id DESC LIMIT 1").fetchone() or (None,)
+        unresolved = conn.execute(
+            "SELECT code, count(*) FROM rejected WHERE resolved_at IS NULL GROUP BY code ORDER BY code").fetchall()
+        # Events of other partitions this one's run sent on to theirs (misplaced: run records forwarded:p<k>).
+        forwarded, last_forwarded = conn.execute(
+            "SELECT count(*), max(last_at) FROM deliveries WHERE last_at >= ? AND last_outcome LIKE ?",
+            (now_iso(now - HOUR_S), f"{FORWARDED}:%")).fetchone()
+    progress = max((t for t in (newest, rejected) if t), default=None)
+    return {"receiptsLastMinute": last_minute, "receiptsLastHour": last_hour, "newestReceivedAt": newest,
+            "newestAgeSeconds": age_s(newest, now), "lastProgressAgeSeconds": age_s(progress, now),
+            "unresolvedRejections": {str(code): int(n) for code, n in unresolved},
+            "forwardedLastHour": int(forwarded), "lastForwardedAt": last_forwarded}
+
+
+def outcomes_per_minute(db: Any, since: str, until: str | None = None,
+                        ) -> tuple[list[tuple[str, str, int]], list[tuple[str, int]]]:
+    """(minute, result, n) of the receipts and (minute, n) of the rejections of the minutes in
+    [*since*, *until*) (``YYYY-MM-DDTHH:MM``; None: up to now): on SQLite from the writers'
+    counters per minute (inbox/counters.py), on PostgreSQL over the receipts' index."""
+    with snapshot(db):
+        out = words_for(db).per_minute(db.conn, since, until)
+        rows = db.conn.execute(
+            "SELECT substr(rejected_at, 1, 16), count(*) FROM rejected"
+            " WHERE rejected_at >= ? AND rejected_at < ? GROUP BY 1", (since, until or "9999")).fetchall()
+    return out, [(str(minute), int(n)) for minute, n in rows]
+
+
+def key_rows(db: Any, key: str) -> dict[str, Row]:
+    """eventId -> {revision, type} from every effect table with a key column (the
+    view's ``key_column``, else ``entity_key`` (the fence) or ``article_id``) and an ``event_id`` column."""
+    out: dict[str, Row] = {}
+    words = words_for(db)
+    view = db.spec.view
+    with snapshot(db):
+        for table in dict.fromkeys([*db.spec.tables, *([view.table] if view is not None else [])]):
+            columns = words.columns(db.conn, table)
+            key_column = (view.key_column if view is not None and view.table == table and view.key_column
+                          else "entity_key" if "entity_key" in columns else "article_id")
+            if not {key_column, "event_id"} <= columns:
+                continue
+            picks = ["event_id", "revision" if "revision" in columns else "NULL",
+                     "event_type" if "event_type" in columns else "NULL"]
+            for event_id, revision, event_type in db.conn.execute(
+                    f'SELECT {", ".join(picks)} FROM "{table}" WHERE "{key_column}" = ?', (key,)).fetchall():
+                seen = out.setdefault(event_id, {})
+                seen.setdefault("revision", revision)
+                if event_type:
+                    seen["type"] = event_type
+    return out
+
+
+def receipts_by_id(db: Any, event_ids: list[str]) -> dict[str, Row]:
+    """eventId -> {result, receivedAt} of each of *event_ids* that has a receipt."""
+    if not event_ids:
+        return {}
+    rows = db.conn.execute(
+        f"SELECT event_id, result, received_at FROM inbox WHERE event_id IN ({words_for(db).texts_table})",
+        (orjson.dumps(event_ids).decode(),)).fetchall()
+    return {r[0]: {"result": r[1], "receivedAt": r[2]} for r in rows}
 
 
 # -- ad-hoc SQL ----------------------------------------------------------------
@@ -393,7 +480,7 @@ class _Deadline:
 
 
 @reads
-def query(db: ConsumerDB, sql: str, *, timeout_s: float = QUERY_TIMEOUT_S, max_bytes: int = QUERY_MAX_BYTES) -> Row:
+def query(db: InboxReader, sql: str, *, timeout_s: float = QUERY_TIMEOUT_S, max_bytes: int = QUERY_MAX_BYTES) -> Row:
     """Run one read-only SQL statement; ``{"columns": [...], "rows": [[...], ...]}``.
 
     Needs a database opened read-only. Refuses several statements, writes,
@@ -404,13 +491,13 @@ def query(db: ConsumerDB, sql: str, *, timeout_s: float = QUERY_TIMEOUT_S, max_b
     """
     if not db.readonly:
         raise QueryError("query needs a database opened read-only")
-    if (pg := _pg(db)) is not None:
+    if (pg := pg_inbox(db)) is not None:
         from . import pg_queries
 
         return pg_queries.query(pg, sql, timeout_s=timeout_s, max_bytes=max_bytes)
     if not sql.strip():
         raise QueryError("query refused: the SQL is empty")
-    conn = db.conn
+    conn = sqlite_db(db).conn
     conn.execute("PRAGMA query_only = ON")
     auth = _ReadOnlyAuthorizer()
     conn.set_authorizer(auth)
@@ -464,11 +551,17 @@ __all__ = [
     "inbox_list",
     "inbox_show",
     "inbox_stats",
+    "key_rows",
     "origin_of",
+    "outcomes_per_minute",
+    "pg_inbox",
     "query",
     "reads",
     "receipt_row",
+    "receipts_by_id",
     "rejected_list",
     "snapshot",
     "sql_limit",
+    "sqlite_db",
+    "status_figures",
 ]

@@ -16,9 +16,10 @@ event can still arrive:
   decision; ``dead requeue`` and ``dead purge`` resolve it.
 
 Ages are judged by the receipts' own order as much as by a clock: only a
-prefix of the receipts in their order (the rowid) is deleted, never one
-written after a younger one (a clock that went back). When this process's
-clock and the system's disagree by more than the horizon (a faked clock), when the newest receipt is in
+prefix of the receipts in their order (SQLite's rowid, PostgreSQL's ``seq``) is
+deleted, never one written after a younger one (a clock that went back). When this
+process's clock and the system's (a new file's time; on PostgreSQL the database
+server's) disagree by more than the horizon (a faked clock), when the newest receipt is in
 this clock's future by more than the horizon, or the writer recorded that
 its clock jumped by more than the horizon after receipts still there
 (``meta.clock_jump``: the receipts before the jump would look aged), the
@@ -32,23 +33,24 @@ rejections are never pruned.
 Deletes run in short transactions of ``batch`` rows (default 500, a few
 milliseconds each) with a pause after each one as long as the batch took, so a
 running consumer -- whose ``BEGIN IMMEDIATE`` waits in SQLite's busy handler --
-gets the write lock between batches and keeps committing.
+gets the write lock between batches and keeps committing (on PostgreSQL it
+waits only for the rows a batch deletes). One implementation for both
+backends: what their SQL words differently is :mod:`.dialect`.
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
+import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ..model.durations import format as format_duration
 from ..model.errors import PruneRefused
 from ..store.sqlite import age_s, now_iso
-from . import CLOCK_JUMP, ConsumerDB, counters, inbox_rowid_before, keep_high_water
+from .apply import CLOCK_JUMP, Store
+from .dialect import SqliteWords, filesystem_now, words_for
 
 DAY_S = 86400
 #: Default redelivery horizon: receipts younger than this are never pruned.
@@ -57,30 +59,22 @@ DEFAULT_HORIZON_S = 7 * DAY_S
 DEFAULT_BATCH = 500
 
 
-def filesystem_now(directory: Path) -> float | None:
-    """The system's time as the kernel stamps a new file in *directory* (None: cannot write there):
-    a clock of its own, which a process's faked or skewed clock does not change."""
-    try:
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".prune-clock-") as probe:
-            return os.fstat(probe.fileno()).st_mtime
-    except OSError:
-        return None
-
-
-def check_clock(db: ConsumerDB, now: float, horizon_s: float, *, own_clock: bool = True) -> None:
+def check_clock(db: Store, now: float, horizon_s: float, *, own_clock: bool = True) -> None:
     """Refuse (PruneRefused, one line) when ages cannot be judged: this process's clock and
-    the system's (a new file's time) disagree by more than the horizon; the newest receipt is
-    in this clock's future by more than the horizon (this clock is behind, or the consumer's
-    was ahead); or the writer recorded a jump of its clock by more than the horizon after
-    receipts that are still there (their times are off by it: ``meta.clock_jump``).
+    the system's (SQLite: a new file's time; PostgreSQL: the database server's) disagree by more
+    than the horizon; the newest receipt (last in the receipts' own order) is in this clock's
+    future by more than the horizon (this clock is behind, or the consumer's was ahead); or the
+    writer recorded a jump of its clock by more than the horizon after receipts that are still
+    there (their times are off by it: ``meta.clock_jump``).
     *own_clock* False: *now* was given by the caller, not read from this process's clock."""
-    system = filesystem_now(Path(db.path).parent) if own_clock else None
+    words = words_for(db)
+    system = words.system_now(db) if own_clock else None
     if system is not None and abs(now - system) > horizon_s:
         raise PruneRefused(
-            f"this process's clock ({now_iso(now)}) and the system's ({now_iso(system)}, a new file's time) disagree "
+            f"this process's clock ({now_iso(now)}) and {words.system_clock} ({now_iso(system)}) disagree "
             f"by {format_duration(round(abs(now - system)))}, more than the redelivery horizon "
             f"{format_duration(horizon_s)}: ages cannot be judged, nothing deleted (a faked or skewed clock?)")
-    row = db.conn.execute("SELECT received_at FROM inbox ORDER BY rowid DESC LIMIT 1").fetchone()
+    row = db.conn.execute(f"SELECT received_at FROM inbox ORDER BY {words.order} DESC LIMIT 1").fetchone()
     if row is not None and -age_s(str(row[0]), now) > horizon_s:
         raise PruneRefused(
             f"this clock ({now_iso(now)}) and the receipts' disagree by {format_duration(round(-age_s(row[0], now)))}"
@@ -90,7 +84,7 @@ def check_clock(db: ConsumerDB, now: float, horizon_s: float, *, own_clock: bool
     jump = db.conn.execute("SELECT value FROM meta WHERE key = ?", (CLOCK_JUMP,)).fetchone()
     if jump is not None:
         rowid, moved, at = str(jump[0]).split()
-        oldest = db.conn.execute("SELECT min(rowid) FROM inbox").fetchone()[0]
+        oldest = db.conn.execute(f"SELECT min({words.order}) FROM inbox").fetchone()[0]
         if abs(float(moved)) > horizon_s and oldest is not None and oldest <= int(rowid):
             raise PruneRefused(
                 f"the consumer's clock jumped {format_duration(round(abs(float(moved))))} "
@@ -144,60 +138,76 @@ class PruneReport:
 
 
 _UNRESOLVED = "EXISTS (SELECT 1 FROM rejected r WHERE r.event_id = {col} AND r.resolved_at IS NULL)"
-_KEPT = "{col} IN (SELECT event_id FROM temp.prune_keep)"
+_KEPT = "{col} IN (SELECT event_id FROM {keep})"
 
-# ``rowid <= :last`` (see inbox.inbox_rowid_before) lets SQLite read the inbox
-# from its start instead of scanning it all; ``received_at < :cutoff`` stays
-# the exact rule.
+# Parameters: ?1 the cutoff, ?2 the batch, ?3 the last of the receipts' prefix in their own order
+# (``{order} <= ?3`` lets SQLite read the inbox from its start instead of scanning it all;
+# ``received_at < ?1`` stays the exact rule).
 _RECEIPTS = (
-    "SELECT event_id FROM inbox WHERE rowid <= :last AND received_at < :cutoff"
-    f" AND NOT {_KEPT.format(col='inbox.event_id')} AND NOT {_UNRESOLVED.format(col='inbox.event_id')}"
+    "SELECT event_id FROM inbox WHERE {order} <= ?3 AND received_at < ?1"
+    f" AND NOT {_KEPT.format(col='inbox.event_id', keep='{keep}')}"
+    f" AND NOT {_UNRESOLVED.format(col='inbox.event_id')}"
 )
 _DELIVERIES = (
-    "SELECT key FROM deliveries WHERE last_at < :cutoff AND (deliveries.event_id IS NULL OR ("
-    f"NOT {_KEPT.format(col='deliveries.event_id')} AND NOT {_UNRESOLVED.format(col='deliveries.event_id')}))"
+    "SELECT key FROM deliveries WHERE last_at < ?1 AND (deliveries.event_id IS NULL OR ("
+    f"NOT {_KEPT.format(col='deliveries.event_id', keep='{keep}')}"
+    f" AND NOT {_UNRESOLVED.format(col='deliveries.event_id')}))"
 )
-_REJECTIONS = "SELECT id FROM rejected WHERE resolved_at IS NOT NULL AND resolved_at < :cutoff"
+_REJECTIONS = "SELECT id FROM rejected WHERE resolved_at IS NOT NULL AND resolved_at < ?1"
 
 _DELETES = (
-    ("receipts", f"DELETE FROM inbox WHERE event_id IN ({_RECEIPTS} ORDER BY rowid LIMIT :batch)"
+    ("receipts", f"DELETE FROM inbox WHERE event_id IN ({_RECEIPTS} ORDER BY {{order}} LIMIT ?2)"
                  " RETURNING received_at, result"),
-    ("deliveries", f"DELETE FROM deliveries WHERE key IN ({_DELIVERIES} ORDER BY last_at LIMIT :batch)"),
-    ("rejections", f"DELETE FROM rejected WHERE id IN ({_REJECTIONS} ORDER BY id LIMIT :batch)"),
+    ("deliveries", f"DELETE FROM deliveries WHERE key IN ({_DELIVERIES} ORDER BY last_at LIMIT ?2)"),
+    ("rejections", f"DELETE FROM rejected WHERE id IN ({_REJECTIONS} ORDER BY id LIMIT ?2)"),
 )
+_NUMBERED = re.compile(r"\?(\d+)")
 
 
-def _set_keep(db: ConsumerDB, event_ids: Iterable[str]) -> None:
-    conn = db.conn
-    conn.execute("CREATE TEMP TABLE IF NOT EXISTS prune_keep (event_id TEXT PRIMARY KEY) WITHOUT ROWID")
-    conn.executemany("INSERT OR IGNORE INTO temp.prune_keep (event_id) VALUES (?)", ((e,) for e in event_ids))
+def _statement(words: SqliteWords, template: str) -> str:
+    return template.format(order=words.order, keep=words.keep_table)
 
 
-def _count(db: ConsumerDB, report: PruneReport, params: dict[str, Any]) -> None:
-    conn = db.conn
-    ((old, kept_dead, kept_unresolved),) = conn.execute(
-        f"SELECT count(*), coalesce(sum({_KEPT.format(col='event_id')}), 0),"
-        f" coalesce(sum(NOT {_KEPT.format(col='event_id')} AND {_UNRESOLVED.format(col='inbox.event_id')}), 0)"
-        " FROM inbox WHERE rowid <= :last AND received_at < :cutoff", params).fetchall()
-    report.kept_in_dead_queue, report.kept_unresolved = kept_dead, kept_unresolved
+def _bound(sql: str, params: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The parameters *sql* numbers (SQLite wants as many as its highest ``?N``)."""
+    return params[:max(int(n) for n in _NUMBERED.findall(sql))]
+
+
+def _set_keep(db: Store, event_ids: Iterable[str]) -> None:
+    words = words_for(db)
+    db.conn.execute(words.keep_create)
+    db.conn.executemany(words.keep_insert, [(e,) for e in event_ids])
+
+
+def _count(db: Store, report: PruneReport, params: tuple[Any, ...]) -> None:
+    words, conn = words_for(db), db.conn
+    kept = _KEPT.format(col="event_id", keep=words.keep_table)
+    sql = (f"SELECT count(*), coalesce(sum(CASE WHEN {kept} THEN 1 ELSE 0 END), 0),"
+           f" coalesce(sum(CASE WHEN NOT {kept} AND {_UNRESOLVED.format(col='inbox.event_id')} THEN 1 ELSE 0 END),"
+           f" 0) FROM inbox WHERE {words.order} <= ?3 AND received_at < ?1")
+    ((old, kept_dead, kept_unresolved),) = conn.execute(sql, params).fetchall()
+    report.kept_in_dead_queue, report.kept_unresolved = int(kept_dead), int(kept_unresolved)
     if report.dry_run:
-        report.receipts = old - kept_dead - kept_unresolved
-        report.deliveries = conn.execute(f"SELECT count(*) FROM ({_DELIVERIES})", params).fetchall()[0][0]
-        report.rejections = conn.execute(f"SELECT count(*) FROM ({_REJECTIONS})", params).fetchall()[0][0]
+        report.receipts = int(old) - report.kept_in_dead_queue - report.kept_unresolved
+        deliveries = f"SELECT count(*) FROM ({_statement(words, _DELIVERIES)}) AS d"
+        report.deliveries = conn.execute(deliveries, params[:1]).fetchall()[0][0]
+        report.rejections = conn.execute(f"SELECT count(*) FROM ({_REJECTIONS}) AS r", params[:1]).fetchall()[0][0]
 
 
-def _prefix(db: ConsumerDB, cutoff: str) -> int:
-    """The last rowid of the receipts' prefix received before *cutoff*, in their own order:
-    the binary search's bound, cut at the first receipt in rowid order that is not older
-    (a receipt written after a younger one is never deleted, whatever its time says)."""
-    last = inbox_rowid_before(db.conn, cutoff)
-    (first_young,) = db.conn.execute("SELECT min(rowid) FROM inbox WHERE rowid <= ? AND received_at >= ?",
-                                     (last, cutoff)).fetchone()
+def _prefix(db: Store, cutoff: str) -> int:
+    """The last of the receipts' prefix received before *cutoff*, in their own order (rowid,
+    seq): the backend's bound, cut at the first receipt in that order that is not older (a
+    receipt written after a younger one is never deleted, whatever its time says)."""
+    words = words_for(db)
+    last = words.prefix_bound(db.conn, cutoff)
+    (first_young,) = db.conn.execute(
+        f"SELECT min({words.order}) FROM inbox WHERE {words.order} <= ? AND received_at >= ?",
+        (last, cutoff)).fetchone()
     return last if first_young is None else int(first_young) - 1
 
 
 def prune(
-    db: ConsumerDB,
+    db: Store,
     *,
     older_than_s: float,
     horizon_s: float = DEFAULT_HORIZON_S,
@@ -228,29 +238,31 @@ def prune(
     if not trust_clock:
         check_clock(db, now, horizon_s, own_clock=own_clock)
     cutoff = now_iso(now - older_than_s)
-    report = PruneReport(db.consumer, str(db.path), cutoff, older_than_s, horizon_s, dry_run, dead_queue)
+    report = PruneReport(db.spec.name, str(db.path), cutoff, older_than_s, horizon_s, dry_run, dead_queue)
     if keep_event_ids is None:
         report.notes.append("the dead queue was not read: receipts of its events are protected only by "
                             "their unresolved rejections (broker-side delivery-limit dead letters have none)")
+    words = words_for(db)
     _set_keep(db, keep_event_ids or ())
-    params: dict[str, Any] = {"cutoff": cutoff, "batch": batch, "last": _prefix(db, cutoff)}
+    params = (cutoff, batch, _prefix(db, cutoff))
     try:
         _count(db, report, params)
         if dry_run:
             return report
-        for name, statement in _DELETES:
+        for name, template in _DELETES:
+            statement = _statement(words, template)
+            bound = _bound(statement, params)
             while True:
                 _set_keep(db, refresh_keep())
                 began = time.monotonic()
                 with db.transaction() as tx:
-                    if name == "receipts":  # the counters lose what is deleted (inbox/counters.py)
-                        counters.catch_up(tx.conn)  # first: every receipt deleted is then a counted one
-                        keep_high_water(tx.conn)  # the newest may go: its rowid must stay known
-                        gone = tx.conn.execute(statement, params).fetchall()
-                        counters.subtract(tx.conn, gone)
+                    if name == "receipts":  # SQLite's counters lose what is deleted (inbox/counters.py)
+                        words.before_receipts_deleted(tx.conn)
+                        gone = tx.conn.execute(statement, bound).fetchall()
+                        words.after_receipts_deleted(tx.conn, gone)
                         deleted = len(gone)
                     else:
-                        deleted = tx.conn.execute(statement, params).rowcount
+                        deleted = tx.conn.execute(statement, bound).rowcount
                 report.batches += 1
                 setattr(report, name, getattr(report, name) + deleted)
                 if deleted < batch:
@@ -259,7 +271,7 @@ def prune(
                 sleep(max(0.005, time.monotonic() - began))
         return report
     finally:
-        db.conn.execute("DROP TABLE IF EXISTS temp.prune_keep")
+        db.conn.execute(f"DROP TABLE IF EXISTS {words.keep_table}")
         report.seconds = time.monotonic() - started
 
 
@@ -269,6 +281,7 @@ __all__ = [
     "PruneReport",
     "check_clock",
     "check_older_than",
+    "filesystem_now",
     "format_duration",
     "prune",
 ]

@@ -16,8 +16,34 @@ from typing import TYPE_CHECKING, Protocol
 from .apply import Store
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
+    from ..model.contract import Connection, ConsumerSpec
     from ..store.dbfile import ContentTags, FileGuard
     from .database import IntegrityCheck
+
+
+class InboxReader(Protocol):
+    """What the operator's reads (``inbox/reports.py``, ``history.py``, ``views.py``) ask of an
+    open inbox, on either backend: each read words its SQL for the connection's dialect."""
+
+    spec: ConsumerSpec
+    readonly: bool
+    #: A note for the operator about how the inbox was opened (None: nothing to say).
+    note: str | None
+
+    @property
+    def conn(self) -> Connection: ...
+
+    @property
+    def path(self) -> Path | str: ...
+
+    @property
+    def consumer(self) -> str: ...
+
+    def meta(self) -> dict[str, str]: ...
+
+    def close(self) -> None: ...
 
 
 class InboxDB(Store, Protocol):
@@ -49,4 +75,4 @@ class InboxDB(Store, Protocol):
     def close(self) -> None: ...
 
 
-__all__ = ["InboxDB", "Store"]
+__all__ = ["InboxDB", "InboxReader", "Store"]

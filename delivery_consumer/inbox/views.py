@@ -9,15 +9,17 @@ read as one.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..model.contract import View
 from ..model.errors import DatabaseError, NotFound
-from . import ConsumerDB
-from .reports import Row, camel, reads, sql_limit
+from .reports import Row, camel, pg_inbox, reads, sql_limit
+
+if TYPE_CHECKING:
+    from .seam import InboxReader
 
 #: (partition, database); partition None for an unpartitioned consumer.
-Part = tuple[int | None, ConsumerDB]
+Part = tuple[int | None, "InboxReader"]
 
 
 def name(view: View, column: str) -> str:
@@ -25,7 +27,7 @@ def name(view: View, column: str) -> str:
     return view.rename.get(column) or camel(column)
 
 
-def _require(db: ConsumerDB, view: View) -> None:
+def _require(db: InboxReader, view: View) -> None:
     spec = db.spec
     if view.table not in spec.tables and (spec.view is None or spec.view.table != view.table):
         raise DatabaseError(f"{db.path}: consumer {db.consumer!r} has no {view.table} table")
@@ -42,14 +44,14 @@ def _terms(view: View) -> list[tuple[str, bool]]:
 
 
 @reads
-def _select(db: ConsumerDB, view: View, where: Mapping[str, Any], limit: int) -> list[tuple[tuple[Any, ...], Row]]:
+def _select(db: InboxReader, view: View, where: Mapping[str, Any], limit: int) -> list[tuple[tuple[Any, ...], Row]]:
     """(sort key, row) of one database, in the view's order."""
     _require(db, view)
     width = len(view.columns)
-    if getattr(db.conn, "dialect", "sqlite") == "postgres":  # inbox/pg_queries.py words it
+    if (pg := pg_inbox(db)) is not None:  # inbox/pg_queries.py words it
         from .pg_queries import view_select
 
-        return [(tuple(row[width:]), _row(view, row[:width])) for row in view_select(db, view, where, limit)]  # type: ignore[arg-type]
+        return [(tuple(row[width:]), _row(view, row[:width])) for row in view_select(pg, view, where, limit)]
     terms = _terms(view)
     picks = [*view.columns, *(c for c, _ in terms)]
     conds = " AND ".join(f"{column} = ?" for column in where)
@@ -77,7 +79,7 @@ def list_rows(parts: Sequence[Part], view: View, *, filters: Mapping[str, Any] |
 
 
 @reads
-def find(db: ConsumerDB, view: View, column: str, value: Any) -> Row:
+def find(db: InboxReader, view: View, column: str, value: Any) -> Row:
     """The view's row whose *column* equals *value*, or NotFound."""
     _require(db, view)
     found = db.conn.execute(f"SELECT {', '.join(view.columns)} FROM {view.table} WHERE {column} = ? LIMIT 1",
@@ -87,14 +89,14 @@ def find(db: ConsumerDB, view: View, column: str, value: Any) -> Row:
     return _row(view, found[0])
 
 
-def show(db: ConsumerDB, view: View, key: str) -> Row:
+def show(db: InboxReader, view: View, key: str) -> Row:
     """The view's row of *key* (``show KEY``), or NotFound."""
     if view.key is None:
         raise NotFound(f"consumer {db.consumer!r} has no show: its view declares no key")
     return find(db, view, view.key, key)
 
 
-def key_row(db: ConsumerDB, event_id: str, key: str | None,
+def key_row(db: InboxReader, event_id: str, key: str | None,
             field: str = "key") -> tuple[str | None, Row | None, str | None]:
     """For ``trace``: (the key, its row in the consumer's view or None, why not).
     The key is *key* when given (the one named, or the receipt's), else the

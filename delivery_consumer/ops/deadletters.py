@@ -1,5 +1,8 @@
 """The dead queue of a consumer: list it, requeue from it, purge from it.
 
+What these do to the consumer's inbox (receipts read, rejections resolved, delivery counts
+reset) is the inbox's own SQL, on either backend: :mod:`delivery_consumer.inbox.resolutions`.
+
 Every command holds the queue through an exclusive
 :class:`~delivery_consumer.amqp.dead_queue.DeadQueue`, so nothing is lost or
 reordered. A reader that finds the queue held by another waits for it a
@@ -22,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from .. import consumers, inbox
+from .. import consumers
 from ..amqp.dead_queue import DeadQueue, HeldMessage, QueueBusy
 from ..amqp.topology import (
     BROKER_HEADERS,
@@ -35,7 +38,8 @@ from ..amqp.topology import (
     H_ROUTING_KEY,
     Topology,
 )
-from ..inbox import ConsumerDB
+from ..inbox import resolutions
+from ..inbox.apply import Store
 from ..model.cloudevents import binary_attributes, parse_message
 from ..model.deliveries import Delivery, OutMessage, PublishResult, delivery_key
 from ..model.envelope import KOMBU_COMPRESSION_HEADER, MAX_BODY_BYTES, body_digest
@@ -55,8 +59,8 @@ DROPPED_HEADERS = frozenset({*FAILURE_HEADERS, *BROKER_HEADERS})
 #: Code of a dead letter that carries neither our headers nor ``x-death``.
 UNKNOWN_CODE = "unknown"
 
-#: Rows of ``rejected`` resolved per transaction.
-RESOLVE_BATCH = 200
+#: Dead letters settled between two writes of their rejections.
+RESOLVE_BATCH = resolutions.RESOLVE_BATCH
 
 
 def _text(value: Any) -> str | None:
@@ -368,16 +372,14 @@ def event_ids(letters: Iterable[DeadLetter]) -> set[str]:
     return {x for letter in letters for x in (letter.event_id, letter.message_id) if x}
 
 
-def receipts(db: ConsumerDB, letters: Iterable[DeadLetter]) -> dict[int, dict[str, Any]]:
+def receipts(db: Store, letters: Iterable[DeadLetter]) -> dict[int, dict[str, Any]]:
     """Position -> ``{"result", "sameBody"}`` of each dead letter whose eventId the
     consumer applied anyway: another copy of the same body (requeued, it would be a
     duplicate), or another body under its eventId (it would be event-id-reused again)."""
-    found: dict[int, dict[str, Any]] = {}
-    for letter in letters:
-        receipt = None if letter.event_id is None else inbox.receipt(db.conn, letter.event_id)
-        if receipt is not None:
-            found[letter.position] = {"result": receipt[1], "sameBody": letter.same_body(receipt[0])}
-    return found
+    letters = list(letters)
+    found = resolutions.receipts_of(db, {letter.event_id for letter in letters if letter.event_id is not None})
+    return {letter.position: {"result": receipt[1], "sameBody": letter.same_body(receipt[0])}
+            for letter in letters if letter.event_id is not None and (receipt := found.get(letter.event_id))}
 
 
 # -- requeue and purge -----------------------------------------------------------------
@@ -427,11 +429,12 @@ class Report:
                 "items": [i.to_json() for i in self.items]}
 
 
-def plan_requeue(db: ConsumerDB, chosen: Sequence[tuple[DeadLetter, HeldMessage]]) -> list[Item]:
+def plan_requeue(db: Store, chosen: Sequence[tuple[DeadLetter, HeldMessage]]) -> list[Item]:
     """Sort selected dead letters into already applied, conflicting, and to requeue."""
+    found = resolutions.receipts_of(db, {letter.event_id for letter, _msg in chosen if letter.event_id is not None})
     items = []
     for letter, msg in chosen:
-        receipt = None if letter.event_id is None else inbox.receipt(db.conn, letter.event_id)
+        receipt = None if letter.event_id is None else found.get(letter.event_id)
         if receipt is None:
             items.append(Item(letter, msg, REQUEUE))
         elif letter.same_body(receipt[0]):
@@ -459,106 +462,19 @@ def _delivery_key(msg: HeldMessage) -> str:
     return delivery_key(Delivery(0, msg.tag, msg.body, msg.routing_key, msg.redelivered, msg.message_id, {}))
 
 
-def _reset_counts(db: ConsumerDB, items: Iterable[Item]) -> None:
+def _reset_counts(db: Store, items: Iterable[Item]) -> None:
     """A fresh poison budget for messages about to be requeued (step 1 of a requeue: docs/amqp.md)."""
-    keys = [(_delivery_key(item.message),) for item in items]
-    if not keys:
-        return
-    with db.transaction() as tx:
-        tx.conn.executemany("UPDATE deliveries SET crashes = 0, last_outcome = 'requeued' WHERE key = ?", keys)
+    resolutions.reset_counts(db, [_delivery_key(item.message) for item in items])
 
 
-def resolve(db: ConsumerDB, queue: str, letters: Sequence[DeadLetter]) -> int:
-    """Mark one unresolved ``rejected`` row per dead letter resolved; returns the count.
-
-    A row belongs to a dead letter when it names this dead queue and has the
-    same body digest (or, for an older row without one, the same eventId).
-    Broker dead letters (delivery limit) have no row: nothing to resolve.
-    A row written without an eventId (the body was refused before it was
-    read, e.g. over ``--max-bytes``) gets the one read from the body now, so
-    that ``trace`` finds it.
-    """
-    done = 0
-    for start in range(0, len(letters), RESOLVE_BATCH):
-        with db.transaction() as tx:
-            for letter in letters[start:start + RESOLVE_BATCH]:
-                cur = tx.conn.execute(
-                    "UPDATE rejected SET resolved_at = ?, event_id = coalesce(event_id, ?)"
-                    " WHERE id = (SELECT id FROM rejected"
-                    " WHERE dead_letter = ? AND resolved_at IS NULL"
-                    " AND (body_sha256 = ? OR (body_sha256 IS NULL AND event_id = ?)) ORDER BY id LIMIT 1)",
-                    (tx.now, letter.event_id if letter.event_id_from_body else None, queue, letter.body_sha256,
-                     letter.event_id),
-                )
-                done += cur.rowcount
-    return done
+def resolve(db: Store, queue: str, letters: Sequence[DeadLetter]) -> int:
+    """Mark one unresolved ``rejected`` row per dead letter resolved; returns the count
+    (:func:`~delivery_consumer.inbox.resolutions.resolve_letters` says which row is a letter's)."""
+    return resolutions.resolve_letters(db, queue, [
+        resolutions.Letter(letter.body_sha256, letter.event_id, letter.event_id_from_body) for letter in letters])
 
 
-@dataclass
-class Resolved:
-    """What :func:`resolve_by_hand` did: rows resolved, rows left (with why), ids not found."""
-
-    resolved: list[int] = field(default_factory=list)
-    left: list[tuple[int, str]] = field(default_factory=list)
-    missing: list[int] = field(default_factory=list)
-    dry_run: bool = False
-
-    def to_json(self) -> dict[str, Any]:
-        return {"resolved": self.resolved, "left": [{"id": i, "why": why} for i, why in self.left],
-                "missing": self.missing, "dryRun": self.dry_run}
-
-
-def resolve_by_hand(db: ConsumerDB, *, ids: Sequence[int] = (), before: str | None = None, code: str | None = None,
-                    dry_run: bool = False) -> Resolved:
-    """Mark unresolved rejections resolved: those of *ids*, or those rejected before *before* (ISO
-    time; with *code*, only that code). A person looked at them: ``status`` stops counting them and
-    ``inbox prune`` may remove them in due time.
-
-    A rejection whose copy went to a dead queue is left: its dead letter may still be requeued, and
-    ``dead requeue`` or ``dead purge`` resolves it (a copy already gone is reconciled by them).
-    Rejections recorded without a copy -- ``replay``'s, or a consumer's with dead-lettering off --
-    have nothing else that could resolve them.
-    """
-    if bool(ids) == (before is not None):
-        raise ValueError("choose the rejections by id, or by time (before)")
-    where, params = (("id IN (SELECT value FROM json_each(?))", [_json_ids(ids)]) if ids
-                     else ("rejected_at < ?", [before]))
-    if code is not None:
-        where, params = f"{where} AND code = ?", [*params, code]
-    rows = db.conn.execute(f"SELECT id, dead_letter, resolved_at FROM rejected WHERE {where} ORDER BY id",
-                           params).fetchall()
-    out = Resolved(dry_run=dry_run)
-    out.missing = sorted(set(ids) - {row[0] for row in rows})
-    chosen = []
-    for row_id, dead_letter, resolved_at in rows:
-        if resolved_at is not None:
-            if ids:
-                out.left.append((row_id, f"already resolved at {resolved_at}"))
-        elif dead_letter is not None:
-            out.left.append((row_id, f"its copy went to {dead_letter}: dead requeue or dead purge resolves it"))
-        else:
-            chosen.append(row_id)
-    if not dry_run:
-        for start in range(0, len(chosen), RESOLVE_BATCH):
-            with db.transaction() as tx:
-                tx.conn.executemany("UPDATE rejected SET resolved_at = ? WHERE id = ? AND resolved_at IS NULL",
-                                    [(tx.now, row_id) for row_id in chosen[start:start + RESOLVE_BATCH]])
-    out.resolved = chosen
-    return out
-
-
-def _json_ids(ids: Sequence[int]) -> str:
-    return "[" + ",".join(str(int(i)) for i in ids) + "]"
-
-
-#: A rejection must be this much older than the dead-queue read for
-#: :func:`reconcile` to consider it. ``run`` stamps the row after the copy's
-#: confirm, on the same host (the database is local), so any margin above the
-#: clock's resolution would do; one second also absorbs a clock step.
-RECONCILE_MARGIN_S = 1.0
-
-
-def reconcile(db: ConsumerDB, snapshot: Snapshot) -> int:
+def reconcile(db: Store, snapshot: Snapshot) -> int:
     """Resolve unresolved rejections of this dead queue whose copy is no longer in it.
 
     ``run`` records a rejection only after the broker confirmed its dead copy,
@@ -570,22 +486,12 @@ def reconcile(db: ConsumerDB, snapshot: Snapshot) -> int:
     """
     if not snapshot.complete:
         return 0
-    present = {letter.body_sha256 for letter in snapshot.letters}
-    before = now_iso(snapshot.opened_at - RECONCILE_MARGIN_S)
-    rows = db.conn.execute(
-        "SELECT id, body_sha256 FROM rejected WHERE dead_letter = ? AND resolved_at IS NULL"
-        " AND body_sha256 IS NOT NULL AND rejected_at < ?", (snapshot.queue, before)).fetchall()
-    gone = [(row[0],) for row in rows if row[1] not in present]
-    for start in range(0, len(gone), RESOLVE_BATCH):
-        with db.transaction() as tx:
-            tx.conn.executemany(
-                "UPDATE rejected SET resolved_at = ? WHERE id = ? AND resolved_at IS NULL",
-                [(tx.now, row_id) for (row_id,) in gone[start:start + RESOLVE_BATCH]])
-    return len(gone)
+    return resolutions.resolve_gone(db, snapshot.queue, {letter.body_sha256 for letter in snapshot.letters},
+                                    now_iso(snapshot.opened_at - resolutions.RECONCILE_MARGIN_S))
 
 
 def requeue(
-    db: ConsumerDB,
+    db: Store,
     dq: DeadQueue,
     snapshot: Snapshot,
     topology: Topology,
@@ -646,7 +552,7 @@ def requeue(
 
 
 def purge(
-    db: ConsumerDB | None,
+    db: Store | None,
     dq: DeadQueue,
     snapshot: Snapshot,
     selection: Selection,
@@ -693,7 +599,6 @@ __all__ = [
     "DeadLetter",
     "Item",
     "Report",
-    "Resolved",
     "Selection",
     "SharedReads",
     "Snapshot",
@@ -708,5 +613,4 @@ __all__ = [
     "requeue",
     "requeue_copy",
     "resolve",
-    "resolve_by_hand",
 ]

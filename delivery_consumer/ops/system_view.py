@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import closing, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -22,16 +23,16 @@ from urllib.parse import quote
 import orjson
 
 from .. import consumers as registry
-from ..amqp.partitions import partition_of, partition_topology, unrouted_name
+from ..amqp.partitions import Identity, partition_of, partition_topology, unrouted_name
 from ..amqp.topology import Topology, topic_matches
-from ..inbox import ConsumerDB, counters
+from ..inbox import reports
 from ..inbox.history import trace as trace_one
-from ..inbox.reports import dict_rows
+from ..model.contract import dialect
 from ..model.durations import age as age_text
 from ..model.durations import format as format_duration
-from ..model.errors import FORWARDED, DeliveryError, NotFound
+from ..model.errors import DeliveryError, NotFound
 from ..model.plural import count as _count
-from ..store.sqlite import age_s, now_iso, read_snapshot
+from ..store.sqlite import now_iso
 from .deployment import ConsumerEntry, Deployment
 
 Row = dict[str, Any]
@@ -44,10 +45,78 @@ MINUTE_S, HOUR_S = 60, 3600
 
 
 
+@dataclass(frozen=True)
+class PgInbox:
+    """A consumer's inbox (or one partition's) in PostgreSQL, where the deployment file's ``db``
+    is a ``postgresql://`` URL: the schema of the consumer (of the partition) there. Shown
+    without the URL's password."""
+
+    url: str
+    consumer: str
+    partition: Identity | None = None
+
+    def exists(self) -> bool:
+        """Whether the schema holds an inbox yet (True when the server cannot be asked: opening
+        the inbox then says why)."""
+        from ..inbox.pg import psycopg_module, schema_for, split_url
+
+        psycopg = psycopg_module()
+        base, named = split_url(self.url)
+        schema = named or schema_for(self.consumer, self.partition)
+        try:
+            with psycopg.connect(base, connect_timeout=5) as conn:
+                row = conn.execute("SELECT to_regclass(%s)", (f'"{schema}".meta',)).fetchone()
+        except psycopg.Error:
+            return True
+        return row is not None and row[0] is not None
+
+    def open(self, *, readonly: bool = True) -> Any:
+        from ..inbox.pg import PgInboxDB
+
+        return PgInboxDB.open(self.url, registry.get(self.consumer), readonly=readonly, partition=self.partition)
+
+    def __str__(self) -> str:
+        from ..inbox.pg import redact, schema_for, split_url
+
+        base, named = split_url(self.url)
+        return f"{redact(base)} (schema {named or schema_for(self.consumer, self.partition)})"
+
+
+#: Where one database of a consumer is: a file, or a schema of a PostgreSQL database.
+Location = Path | PgInbox
+
+
+def locations(dep: Deployment, name: str) -> list[tuple[str | None, Location, Topology]]:
+    """``(partition, database, queues)`` of each database of consumer *name*: its files, or when the
+    deployment file's ``db`` is a PostgreSQL URL, the schema of each (``dc_<name>_p<K>of<N>``)."""
+    placement = dep.placement(name)
+    found = placement.topologies()
+    url = dep.consumers[name].db
+    if isinstance(url, Path):
+        return list(found)
+    count = placement.count()
+    return [(partition, PgInbox(url, name, None if partition is None or count is None
+                                else Identity(int(partition[1:]), count)), topo)
+            for partition, _path, topo in found]
+
+
+def _files(found: Sequence[tuple[str | None, Location, Topology]]) -> list[Path]:
+    return [where for _partition, where, _topo in found if isinstance(where, Path)]
+
+
 @contextmanager
-def _consumer_db(path: Any, consumer: str) -> Iterator[ConsumerDB]:
-    with registry.open_db(path, consumer, readonly=True) as db:
+def open_inbox(where: Location, consumer: str, *, readonly: bool = True) -> Iterator[Any]:
+    """The inbox at *where* (a file, or a schema in PostgreSQL) open for the block."""
+    if isinstance(where, PgInbox):
+        db = where.open(readonly=readonly)
+        try:
+            yield db
+        finally:
+            db.close()
+        return
+    with registry.open_db(where, consumer, readonly=readonly) as db:
         yield db
+
 
 
 def _label(entry: ConsumerEntry, partition: str | None) -> str:
@@ -206,11 +275,10 @@ def trace_event(dep: Deployment, event_id: str, *, key: str | None = None,
     for name in dep.consumers:
         spec = registry.get(name)
         routed = routing_key is None or any(topic_matches(k, routing_key) for k in spec.binding_keys)
-        where = dep.placement(name)
-        count = where.count()
+        count = dep.placement(name).count()
         home = f"p{partition_of(article, count)}" if article is not None and count else None
         items: list[Row] = []
-        for partition, path, topo in where.topologies():
+        for partition, path, topo in locations(dep, name):
             item: Row = {"consumer": name, "partition": partition, "database": str(path), "trace": None}
             letters: list[Row] = []
             if broker:
@@ -224,7 +292,7 @@ def trace_event(dep: Deployment, event_id: str, *, key: str | None = None,
                 item["note"] = "no database yet"
             else:
                 try:
-                    with _consumer_db(path, name) as db:
+                    with open_inbox(path, name) as db:
                         item["trace"] = trace_one(db, event_id, key=key)
                 except NotFound:
                     pass
@@ -266,11 +334,11 @@ def cloudevent_matches(dep: Deployment, ce_id: str) -> list[Row]:
 
     found: dict[tuple[str, str], Row] = {}
     for name in dep.consumers:
-        for partition, path in dep.placement(name).databases:
+        for partition, path, _topo in locations(dep, name):
             if not path.exists():
                 continue
             try:
-                with _consumer_db(path, name) as db:
+                with open_inbox(path, name) as db:
                     pairs = matches_in(db, ce_id)
             except DeliveryError:
                 continue
@@ -278,37 +346,6 @@ def cloudevent_matches(dep: Deployment, ce_id: str) -> list[Row]:
                 row = found.setdefault((source, event_id), {"source": source, "eventId": event_id, "consumers": []})
                 row["consumers"].append(f"{name}/{partition}" if partition else name)
     return list(found.values())
-
-
-def _key_rows(db: ConsumerDB, key: str) -> dict[str, Row]:
-    """eventId -> {revision, type} from every effect table with a key column (the
-    view's ``key_column``, else ``entity_key`` (the fence) or ``article_id``) and an ``event_id`` column."""
-    out: dict[str, Row] = {}
-    view = db.spec.view
-    for table in dict.fromkeys([*db.spec.tables, *([view.table] if view is not None else [])]):
-        columns = {row[1] for row in db.conn.execute(f'PRAGMA table_info("{table}")').fetchall()}
-        key_column = (view.key_column if view is not None and view.table == table and view.key_column
-                      else "entity_key" if "entity_key" in columns else "article_id")
-        if not {key_column, "event_id"} <= columns:
-            continue
-        picks = ["event_id", "revision" if "revision" in columns else "NULL",
-                 "event_type" if "event_type" in columns else "NULL"]
-        for event_id, revision, event_type in db.conn.execute(
-                f'SELECT {", ".join(picks)} FROM "{table}" WHERE "{key_column}" = ?', (key,)).fetchall():
-            seen = out.setdefault(event_id, {})
-            seen.setdefault("revision", revision)
-            if event_type:
-                seen["type"] = event_type
-    return out
-
-
-def _receipts(db: ConsumerDB, event_ids: list[str]) -> dict[str, Row]:
-    if not event_ids:
-        return {}
-    rows = db.conn.execute(
-        "SELECT event_id, result, received_at FROM inbox WHERE event_id IN (SELECT value FROM json_each(?))",
-        (orjson.dumps(event_ids).decode(),)).fetchall()
-    return {r[0]: {"result": r[1], "receivedAt": r[2]} for r in rows}
 
 
 def trace_key(dep: Deployment, key: str) -> Row:
@@ -332,11 +369,11 @@ def trace_key(dep: Deployment, key: str) -> Row:
                 "producer": name, "createdAt": created, "publishedAt": published, "attempts": attempts,
                 "lastError": error}
     dbs = [(_label(entry, partition), name, path) for name, entry in dep.consumers.items()
-           for partition, path in dep.placement(name).databases if path.exists()]
+           for partition, path, _topo in locations(dep, name) if path.exists()]
     for _, name, path in dbs:  # first every eventId of the key, from every database
         try:
-            with _consumer_db(path, name) as db, read_snapshot(db.conn):
-                for event_id, seen in _key_rows(db, key).items():
+            with open_inbox(path, name) as db:
+                for event_id, seen in reports.key_rows(db, key).items():
                     known = events.setdefault(event_id, {"revision": seen.get("revision")})
                     known.setdefault("type", seen.get("type"))
                     if known.get("revision") is None:
@@ -346,8 +383,8 @@ def trace_key(dep: Deployment, key: str) -> Row:
     per_consumer: dict[str, dict[str, Row]] = {}
     for label, name, path in dbs:  # then each database's receipts of them
         try:
-            with _consumer_db(path, name) as db:
-                per_consumer.setdefault(label, {}).update(_receipts(db, list(events)))
+            with open_inbox(path, name) as db:
+                per_consumer.setdefault(label, {}).update(reports.receipts_by_id(db, list(events)))
         except DeliveryError:
             continue
     if not events:
@@ -367,40 +404,22 @@ def trace_key(dep: Deployment, key: str) -> Row:
 # -- status ------------------------------------------------------------------------------
 
 
-def _consumer_db_status(db: ConsumerDB, now: float) -> Row:
-    conn = db.conn
-    with read_snapshot(conn):
-        # The counters kept by the writers (inbox/counters.py), not a scan of the receipts.
-        last_minute = sum(counters.since(conn, now_iso(now - MINUTE_S)).values())
-        last_hour = sum(counters.since(conn, now_iso(now - HOUR_S)).values())
-        # The newest receipt is among the last written (appended in time order).
-        (newest,) = conn.execute(
-            "SELECT max(received_at) FROM (SELECT received_at FROM inbox ORDER BY rowid DESC LIMIT 1000)").fetchone()
-        (rejected,) = conn.execute("SELECT rejected_at FROM rejected ORDER BY id DESC LIMIT 1").fetchone() or (None,)
-        unresolved = dict_rows(conn.execute(
-            "SELECT code, count(*) AS n FROM rejected WHERE resolved_at IS NULL GROUP BY code ORDER BY code"))
-        # Events of other partitions this one's run sent on to theirs (misplaced: run records forwarded:p<k>).
-        forwarded, last_forwarded = conn.execute(
-            "SELECT count(*), max(last_at) FROM deliveries WHERE last_at >= ? AND last_outcome LIKE ?",
-            (now_iso(now - HOUR_S), f"{FORWARDED}:%")).fetchone()
-    progress = max((t for t in (newest, rejected) if t), default=None)
-    return {"receiptsLastMinute": last_minute, "receiptsLastHour": last_hour, "newestReceivedAt": newest,
-            "newestAgeSeconds": age_s(newest, now), "lastProgressAgeSeconds": age_s(progress, now),
-            "unresolvedRejections": {r["code"]: r["n"] for r in unresolved},
-            "forwardedLastHour": forwarded, "lastForwardedAt": last_forwarded,
-            **_writer(db)}
+def _consumer_db_status(db: Any, now: float) -> Row:
+    return {**reports.status_figures(db, now), **_writer(db)}
 
 
 #: A writer whose note was not touched for this long is named in status (it beats every second).
 WRITER_SILENT_S = 10.0
 
 
-def _writer(db: ConsumerDB) -> Row:
+def _writer(db: Any) -> Row:
     """Who holds the database as its note says (dbfile.WriterLock), and a note when that
     process is stopped or has not heartbeated for WRITER_SILENT_S: a frozen active."""
     from ..store import liveness
     from ..store.dbfile import read_note
 
+    if dialect(db.conn) == "postgres":  # no writer lock there: several runs may share the inbox
+        return {}
     pid, what, silent = read_note(db.path)
     if pid is None or silent is None:
         return {}
@@ -519,7 +538,7 @@ def _queue_figures(dep: Deployment, label: str, topo: Topology, counts: dict[str
     return item
 
 
-def _ghosts(dep: Deployment, label: str, item: Row, path: Path, problems: list[str]) -> None:
+def _ghosts(dep: Deployment, label: str, item: Row, path: Location, problems: list[str]) -> None:
     """A backlog with consumers listed but no receipt for longer than ``receipt_max_age``:
     consumers the broker still lists (a channel on a lost node, a stuck run) that do not
     consume. With no receipt yet, the database's last write stands for the newest receipt;
@@ -542,15 +561,18 @@ def _ghosts(dep: Deployment, label: str, item: Row, path: Path, problems: list[s
                     "or a stuck run")
 
 
-def _last_write_age(path: Path) -> float | None:
-    """Seconds since the database (or its write-ahead log) was last written; None without one.
-    An empty log is a reader's (opening a database creates it), not a write."""
+def _last_write_age(path: Location) -> float | None:
+    """Seconds since the database (or its write-ahead log) was last written; None without one
+    (or in PostgreSQL, which tells no file's time). An empty log is a reader's (opening a
+    database creates it), not a write."""
+    if not isinstance(path, Path):
+        return None
     wal = Path(f"{path}-wal")
     times = [p.stat().st_mtime for p in (path, wal) if p.exists() and (p != wal or p.stat().st_size)]
     return max(0.0, time.time() - max(times)) if times else None
 
 
-def _former_queues(dep: Deployment, name: str, found: list[tuple[str | None, Path, Topology]]) -> dict[str, str]:
+def _former_queues(dep: Deployment, name: str, found: list[tuple[str | None, Location, Topology]]) -> dict[str, str]:
     """Queue -> what it served, of the layout a consumer had before its last repartition (stranded
     there: nothing consumes them): the unpartitioned queues of a partitioned consumer, those of the
     partitions its databases' former count had beyond the current one (every partition's, and the
@@ -563,7 +585,7 @@ def _former_queues(dep: Deployment, name: str, found: list[tuple[str | None, Pat
     if partitioned:
         out.update({q: "the unpartitioned consumer" for q in _queues_of(base)})
     try:
-        former = next((repartitioned_from(path) for _, path, _ in found if path.exists()), None)
+        former = next((repartitioned_from(path) for path in _files(found) if path.exists()), None)
     except DeliveryError:
         former = None
     if former is not None and former.isdigit():
@@ -578,7 +600,7 @@ def _queues_of(topo: Topology) -> list[str]:
     return [*(q for q, _ in topo.queues()), topo.handover_queue]
 
 
-def _layout_problems(dep: Deployment, name: str, found: list[tuple[str | None, Path, Topology]],
+def _layout_problems(dep: Deployment, name: str, found: list[tuple[str | None, Location, Topology]],
                      former: dict[str, str], counts: dict[str, Any], problems: list[str]) -> None:
     """Messages a repartition strands or misplaces: in a queue of the former layout, nothing consumes
     them; while one has not finished, the queues it shares with the former layout hold messages routed
@@ -590,7 +612,7 @@ def _layout_problems(dep: Deployment, name: str, found: list[tuple[str | None, P
     now = f"its {now}" if partitioned else "the unpartitioned consumer"
     again = f"delivery-consumer repartition --consumer {name} {option}"
     try:
-        pending = next((p for _, path, _ in found if path.exists() and (p := pending_layout(path))), None)
+        pending = next((p for path in _files(found) if path.exists() and (p := pending_layout(path))), None)
     except DeliveryError:
         pending = None
     if pending is not None:
@@ -660,7 +682,7 @@ def status(dep: Deployment, *, now: float | None = None, broker: bool = True, sh
     broker_error = None
     infos: dict[str, Any] | None = None
     management: Row | None = None
-    layout = {name: dep.placement(name).topologies() for name in dep.consumers}
+    layout = {name: locations(dep, name) for name in dep.consumers}
     partitioned = {name for name, found in layout.items() if any(partition for partition, _, _ in found)}
     former = {name: _former_queues(dep, name, layout[name]) for name in dep.consumers}
     if broker and dep.consumers:
@@ -695,7 +717,7 @@ def status(dep: Deployment, *, now: float | None = None, broker: bool = True, sh
                 db_item["note"] = "no database yet"
             else:
                 try:
-                    with _consumer_db(path, name) as db:
+                    with open_inbox(path, name) as db:
                         db_item.update(_consumer_db_status(db, now))
                 except DeliveryError as exc:
                     db_item["error"] = str(exc)
@@ -776,11 +798,15 @@ def _redacted(url: str) -> str:
 
 
 __all__ = [
+    "Location",
+    "PgInbox",
     "cloudevent_matches",
     "dead_letters",
     "group_dead_letters",
+    "locations",
     "notes",
     "online_text",
+    "open_inbox",
     "outbox_history",
     "queue_rows",
     "queue_word",

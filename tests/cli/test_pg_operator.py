@@ -123,3 +123,49 @@ def test_the_deployment_file_names_a_postgresql_inbox(filled: tuple[str, list[En
     assert 0 == shown.exit_code, shown.output
     (entry,) = orjson.loads(shown.output)["consumers"]
     assert (url, f"delivery-consumer run --consumer catalog --db {url}") == (entry["db"], entry["run"])
+
+
+def test_rejected_resolve_writes_to_a_postgresql_inbox(filled: tuple[str, list[Envelope]]) -> None:
+    """``rejected resolve ID`` resolves a rejection recorded without a dead-letter copy, leaves one whose
+    copy went to a dead queue (exit 1, naming dead requeue/purge) and names an id that is not there;
+    ``--older-than 0s --dry-run`` changes nothing, then ``--older-than 0s`` resolves the rest."""
+    url, _ = filled
+    with PgInboxDB.open(url, catalog.SPEC) as db:
+        db.conn.execute("INSERT INTO rejected (code, reason, rejected_at, dead_letter) VALUES"
+                        " ('malformed-json', 'x', '2026-01-01T00:00:00.000Z', 'q.catalog.dead')")
+        db.conn.execute("INSERT INTO rejected (code, reason, rejected_at) VALUES"
+                        " ('malformed-json', 'y', '2026-01-01T00:00:00.000Z')")
+        (first, dead, other) = [row[0] for row in db.conn.execute("SELECT id FROM rejected ORDER BY id")]
+    where = ["--consumer", "catalog", "--db", url]
+    done = cli(["rejected", "resolve", *where, str(first), str(dead), "999"])
+    assert 1 == done.exit_code, done.output
+    assert f"left {dead}: its copy went to q.catalog.dead" in done.output and "not found: 999" in done.output
+    dry = json_of(["rejected", "resolve", *where, "--older-than", "0s", "--dry-run"])
+    assert ([other], True) == (dry["resolved"], dry["dryRun"])
+    assert [other] == json_of(["rejected", "resolve", *where, "--older-than", "0s"])["resolved"]
+    unresolved = {r["id"] for r in json_of(["rejected", "list", *where]) if r["resolvedAt"] is None}
+    assert {dead} == unresolved
+    assert done.output.startswith("resolved 1 rejection in ") and "(schema dc_catalog)" in done.output
+
+
+def test_inbox_prune_deletes_old_receipts_of_a_postgresql_inbox(filled: tuple[str, list[Envelope]]) -> None:
+    """``inbox prune --db postgresql://...`` (the broker unreachable, so --without-dead-queue): the receipts
+    older than --older-than go, the young stay, the unresolved rejection's receipt stays; without the flag
+    it is refused and deletes nothing."""
+    url, events = filled
+    with PgInboxDB.open(url, catalog.SPEC) as db:
+        db.conn.execute("UPDATE inbox SET received_at = '2020-01-01T00:00:00.000Z' WHERE event_id <> ?",
+                        (events[2].event_id,))
+    where = ["--consumer", "catalog", "--db", url, "--amqp-url", "amqp://guest:guest@127.0.0.1:1/%2F"]
+    refused = cli(["inbox", "prune", *where, "--older-than", "30d"])
+    assert 2 == refused.exit_code and "--without-dead-queue" in refused.output
+    forced = cli(["inbox", "prune", *where, "--older-than", "30d", "--without-dead-queue", "--json"])
+    assert 0 == forced.exit_code and "dead queue not read" in forced.stderr, forced.output
+    report = orjson.loads(forced.stdout)
+    assert (2, 0) == (report["receipts"], report["keptUnresolved"])
+    assert [events[2].event_id] == [r["eventId"] for r in json_of(["inbox", "list", "--consumer", "catalog",
+                                                                    "--db", url])]
+    for args in (["inbox", "prune", *where, "--older-than", "30d"], ["inbox", "list", "--consumer", "catalog",
+                                                                     "--db", url]):
+        refused = cli([*args, "--partition", "1"])
+        assert 2 == refused.exit_code and "?schema=dc_catalog_p<K>of<N>" in refused.output, refused.output

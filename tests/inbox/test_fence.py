@@ -532,9 +532,9 @@ def test_trace_by_key_finds_the_fence_row_under_its_generic_column(
 ) -> None:
     """The fence keeps an event's key in ``entity_key``: a trace by key still finds its row
     (the webhook has no view naming a key column)."""
-    from delivery_consumer.ops import system_view as system
+    from delivery_consumer.inbox import reports
 
     event = env(event_id=E1, article_id="a-9", revision=2)
     assert ["notified"] == statuses(apply(db, step(), event))
-    assert {E1: {"revision": 2}} == {k: {"revision": v.get("revision")} for k, v in system._key_rows(db, "a-9").items()}
-    assert {} == system._key_rows(db, "a-8")
+    assert {E1: {"revision": 2}} == {k: {"revision": v.get("revision")} for k, v in reports.key_rows(db, "a-9").items()}
+    assert {} == reports.key_rows(db, "a-8")

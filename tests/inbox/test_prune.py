@@ -28,7 +28,7 @@ from delivery_consumer import consumers
 from delivery_consumer.amqp.admin import declare
 from delivery_consumer.amqp.dead_queue import DeadQueue
 from delivery_consumer.amqp.publisher import Publisher
-from delivery_consumer.inbox import apply_batch, apply_event, inbox_rowid_before, retention
+from delivery_consumer.inbox import apply_batch, apply_event, dialect, inbox_rowid_before, retention
 from delivery_consumer.model.deliveries import OutMessage
 from delivery_consumer.model.errors import PruneRefused, Rejection
 from delivery_consumer.store.sqlite import now_iso
@@ -265,11 +265,11 @@ def test_prune_while_run_commits(ns: Namespace) -> None:
     assert max(gaps) < 1.0, f"run stalled {max(gaps):.2f}s during the prune"
 
 
-def test_redelivery_after_the_receipt_was_pruned_changes_no_effect(open_db: Any) -> None:
-    """Past the horizon, without its receipt: catalog's revision check answers stale or
-    same-state and the row stays; audit's primary key answers recorded with still one
+def test_redelivery_after_the_receipt_was_pruned_changes_no_effect(open_inbox: Any) -> None:
+    """Past the horizon, without its receipt (on either backend): catalog's revision check answers
+    stale or same-state and the row stays; audit's primary key answers recorded with still one
     row, and a reused eventId is still refused."""
-    catalog, audit = open_db("catalog"), open_db("audit")
+    catalog, audit = open_inbox("catalog"), open_inbox("audit")
     r1, r2 = envelope(event_id=str(uuid.uuid4())), envelope(event_id=str(uuid.uuid4()), revision=2, title="v2")
     for db in (catalog, audit):
         for env in (r1, r2):
@@ -308,11 +308,11 @@ def test_the_rowid_bound_ends_the_prefix_received_before_the_cutoff(
             db.close()
 
 
-def test_prune_after_the_clock_went_back_never_deletes_a_young_receipt(open_db: Any) -> None:
-    """Receipts written after the clock stepped back are out of time order: prune deletes
-    the old prefix and keeps every receipt younger than the cutoff (an old one that lies
-    beyond a younger one may stay until a later prune)."""
-    db = open_db("catalog")
+def test_prune_after_the_clock_went_back_never_deletes_a_young_receipt(open_inbox: Any) -> None:
+    """Receipts written after the clock stepped back are out of time order (their own order: the
+    rowid, PostgreSQL's seq): prune deletes the old prefix and keeps every receipt younger than the
+    cutoff (an old one that lies beyond a younger one may stay until a later prune)."""
+    db = open_inbox("catalog")
     old, young, late_old, more_young = ids(10), ids(3), ids(2), ids(2)
     add = "INSERT INTO inbox (event_id, fingerprint, result, event_type, received_at) VALUES (?, ?, ?, ?, ?)"
     for group, days in ((old, 40), (young, 1), (late_old, 40), (more_young, 1)):
@@ -322,6 +322,36 @@ def test_prune_after_the_clock_went_back_never_deletes_a_young_receipt(open_db: 
     assert not left & set(old)
     assert {*young, *more_young} <= left
     assert 17 - len(left) == report.receipts
+    assert set(late_old) <= left  # beyond a younger receipt in the receipts' own order
+
+
+def test_prune_keeps_what_a_redelivery_still_needs_on_either_backend(open_inbox: Any) -> None:
+    """Through the library on SQLite and PostgreSQL alike: old receipts, delivery records and resolved
+    rejections go in batches; the young receipts, those of events kept (the dead queue's) and those with
+    an unresolved rejection stay; a dry run counts the same and deletes nothing."""
+    db = open_inbox("catalog")
+    old, young = ids(23), ids(3)
+    (kept,), (unresolved,), (resolved,) = ids(1), ids(1), ids(1)
+    add = "INSERT INTO inbox (event_id, fingerprint, result, event_type, received_at) VALUES (?, ?, ?, ?, ?)"
+    db.conn.executemany(add, [(e, "f" * 64, "updated", "t", ago(40)) for e in [*old, kept, unresolved, resolved]])
+    db.conn.executemany(add, [(e, "f" * 64, "updated", "t", ago(1)) for e in young])
+    db.conn.executemany("INSERT INTO deliveries (key, event_id, deliveries, redeliveries, attempts, crashes,"
+                        " first_at, last_at, last_outcome) VALUES (?, ?, 1, 0, 1, 0, ?, ?, 'updated')",
+                        [(e, e, ago(40), ago(40)) for e in [*old[:9], kept, unresolved]])
+    reject = ("INSERT INTO rejected (code, reason, event_id, attempts, rejected_at, resolved_at)"
+              " VALUES ('event-id-reused', 'test', ?, 1, ?, ?)")
+    db.conn.execute(reject, (unresolved, ago(40), None))
+    db.conn.execute(reject, (resolved, ago(40), ago(35)))
+    dry = retention.prune(db, older_than_s=30 * DAY, keep_event_ids={kept}, dry_run=True, batch=5)
+    assert (24, 1, 1, 9, 1) == (dry.receipts, dry.kept_in_dead_queue, dry.kept_unresolved, dry.deliveries,
+                                dry.rejections)
+    assert 29 == db.conn.execute("SELECT count(*) FROM inbox").fetchone()[0]
+    done = retention.prune(db, older_than_s=30 * DAY, keep_event_ids={kept}, batch=5, sleep=lambda _s: None)
+    assert (24, 9, 1) == (done.receipts, done.deliveries, done.rejections)
+    assert done.batches >= 5 + 2 + 1
+    assert {kept, unresolved, *young} == {row[0] for row in db.conn.execute("SELECT event_id FROM inbox")}
+    assert {kept, unresolved} == {row[0] for row in db.conn.execute("SELECT event_id FROM deliveries")}
+    assert [(unresolved,)] == db.conn.execute("SELECT event_id FROM rejected").fetchall()
 
 
 # -- clocks ---------------------------------------------------------------------------------------
@@ -357,11 +387,11 @@ def test_prune_under_a_skewed_clock_is_refused_and_redeliveries_stay_duplicates(
     assert {e["eventId"] for e in events} == {w[0] for w in answered if w[1:] == ["duplicate:updated"]}, again.stdout
 
 
-def test_prune_refuses_receipts_stamped_in_its_future(tmp_path: Path) -> None:
+def test_prune_refuses_receipts_stamped_in_its_future(open_inbox: Any) -> None:
     """Receipts stamped 400 days ahead of the system's clock (the consumer's clock was ahead, or
-    this one was set back): prune refuses in one line naming the newest receipt; --trust-clock
-    prunes what its own clock calls old."""
-    db = consumers.open_db(tmp_path / "c.db", "catalog", create=True)
+    this one was set back), on either backend: prune refuses in one line naming the newest receipt;
+    --trust-clock prunes what its own clock calls old."""
+    db = open_inbox("catalog")
     for i in range(3):
         apply_event(db, envelope(event_id=str(uuid.uuid4()), article_id=f"a{i}", revision=1))
     db.conn.execute("UPDATE inbox SET received_at = ?", (ago(-400),))
@@ -370,7 +400,23 @@ def test_prune_refuses_receipts_stamped_in_its_future(tmp_path: Path) -> None:
     assert "\n" not in str(refused.value)
     assert 3 == db.conn.execute("SELECT count(*) FROM inbox").fetchone()[0]
     assert 0 == retention.prune(db, older_than_s=30 * DAY, keep_event_ids=set(), trust_clock=True).receipts
-    db.close()
+
+
+def test_prune_refuses_when_this_clock_and_the_system_s_disagree(open_inbox: Any,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process's clock 400 days ahead of the system's (SQLite: a new file's time; PostgreSQL: the
+    database server's clock), receipts 40 days old by the true clock: prune refuses in one line and
+    keeps them all, though by its own clock they are 440 days old."""
+    db = open_inbox("catalog")
+    add = "INSERT INTO inbox (event_id, fingerprint, result, event_type, received_at) VALUES (?, ?, ?, ?, ?)"
+    db.conn.executemany(add, [(e, "f" * 64, "updated", "t", ago(40)) for e in ids(3)])
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 400 * DAY)
+    with pytest.raises(PruneRefused, match="disagree by 400d") as refused:
+        retention.prune(db, older_than_s=30 * DAY, keep_event_ids=set())
+    said = str(refused.value)
+    assert "\n" not in said and ("database server's" if open_inbox.kind == "postgres" else "new file's") in said
+    assert 3 == db.conn.execute("SELECT count(*) FROM inbox").fetchone()[0]
 
 
 def test_a_jump_of_the_writer_s_clock_stops_prune_from_aging_the_receipts_before_it(
@@ -386,7 +432,7 @@ def test_a_jump_of_the_writer_s_clock_stops_prune_from_aging_the_receipts_before
     db.count_due = 0.0  # the writer looks at its clock at its next catch-up
     apply_batch(db, [envelope(event_id=str(uuid.uuid4()), article_id="b", revision=1)])
     assert db.meta()["clock_jump"].split()[0] == "20"
-    monkeypatch.setattr(retention, "filesystem_now", lambda _directory: time.time())  # the whole system jumped
+    monkeypatch.setattr(dialect, "filesystem_now", lambda _directory: time.time())  # the whole system jumped
     with pytest.raises(PruneRefused, match="jumped 400d ahead") as refused:
         retention.prune(db, older_than_s=30 * DAY, keep_event_ids=set())
     assert "\n" not in str(refused.value)

@@ -308,3 +308,42 @@ def test_the_page_shows_a_queue_that_cannot_be_read(
 
     wait_until("the page healthy again", healthy, timeout=60, interval=0.5)
     assert "ok" == page.locator("#consumers tr", has_text="catalog").locator(".queue-state").inner_text()
+
+
+@pytest.mark.postgres
+def test_the_page_shows_and_traces_a_consumer_whose_inbox_is_in_postgresql(
+        ns: Namespace, tmp_path: Path, browser: Any, start_console: Any, pg_url: str) -> None:
+    """catalog's ``db`` a postgresql:// URL with a password: the page shows its row, its outcomes per
+    minute and its database without the password, and a trace by eventId and by articleId reads its
+    receipts from its schema."""
+    from support import new_event
+
+    from delivery_consumer.consumers import catalog
+    from delivery_consumer.inbox import apply_batch
+    from delivery_consumer.inbox.pg import PgInboxDB
+    from delivery_consumer.model.envelope import from_mapping
+
+    events = [from_mapping(new_event(article_id=f"a-{i}", revision=1)) for i in range(3)]
+    with PgInboxDB.open(pg_url, catalog.SPEC, create=True) as db:
+        apply_batch(db, events)
+    config = write_deployment(tmp_path, ns=ns, consumers=("catalog",))
+    secret = pg_url.replace("postgres@", "postgres:s3cret@", 1)
+    config.write_text(config.read_text("utf-8").replace('"state/catalog/inbox.db"', f'"{secret}"'), "utf-8")
+    assert 0 == dc(config, "topology", "declare", "--consumer", "catalog").returncode
+    console = start_console(config)
+    page = browser
+    page.goto(console.url)
+    assert "healthy" == page.inner_text("#verdict"), page.inner_text("main")
+    assert "s3cret" not in page.content()
+    row = page.locator("#consumers tr", has_text="catalog").inner_text()
+    assert re.search(r"catalog\s+0\s+-\s+0\s+0\s+3\s+3", row), row  # receipts of the last minute and hour
+    assert "catalog (3 applied)" in page.inner_text("main")
+    page.fill("#q", events[1].event_id)
+    page.click("#search")
+    assert re.search(r"catalog\s+applied updated", page.inner_text("#verdicts")), page.inner_text("main")
+    assert "s3cret" not in page.content()
+    page.fill("#q", "a-2")
+    page.click("#search")
+    assert "articleId a-2" == page.inner_text("main h1")
+    assert 1 == page.locator("main tr", has_text=events[2].event_id).count(), page.inner_text("main")
+    page.screenshot(path=str(tmp_path / "postgres-consumer.png"), full_page=True)
