@@ -330,8 +330,8 @@ def test_an_unreachable_endpoint_stops_the_batch_and_undoes_the_marks(db: Store,
 
     assert ["transient:endpoint-unreachable"] * 3 == statuses(outcomes)
     assert [False, True, True] == ["not called" in (o.transient.reason if o.transient else "") for o in outcomes]
-    assert [("a-0:1:notify", 1, 0), ("a-1:1:notify", 0, 0), ("a-2:1:notify", 0, 0)] == read(db, "fence", "key, calls, in_doubt"
-    )
+    assert [("a-0:1:notify", 1, 0), ("a-1:1:notify", 0, 0), ("a-2:1:notify", 0, 0)] == read(
+        db, "fence", "key, calls, in_doubt")
 
 
 def test_a_throttled_answer_carries_retry_after_and_stops_the_batch(
@@ -378,7 +378,8 @@ def test_only_the_delivery_being_called_is_under_way_and_a_crash_there_is_its_ow
     again = [DeliveryMark("m-1", redelivered=True, attempt=1), DeliveryMark("m-2", redelivered=True, attempt=1)]
     outcomes = fence.apply_fenced(db, [first, second], again, step(), WorkHooks(InFlight(db)))
     assert ["notified", "notified"] == statuses(outcomes)
-    assert [("m-1", 2, 1, "notified"), ("m-2", 1, 0, "notified")] == read(db, "deliveries", "key, deliveries, crashes, last_outcome")
+    assert [("m-1", 2, 1, "notified"), ("m-2", 1, 0, "notified")] == read(
+        db, "deliveries", "key, deliveries, crashes, last_outcome")
     assert [] == read(db, "in_flight")
     assert {} == InFlight(db).open_keys(["m-1", "m-2"])
 
