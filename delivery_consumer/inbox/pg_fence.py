@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import orjson
 
-from .pg import psycopg_module
+from .pg import psycopg_module, translate
 
 if TYPE_CHECKING:
     from .pg import PgInboxDB
@@ -54,12 +54,13 @@ class AdvisorySerial:
         if not self._names:
             return self
         psycopg = psycopg_module()
-        raw = self._db.raw()  # a pending COMMIT goes first: nothing is left open while waiting
+        try:
+            raw = self._db.raw()  # a pending COMMIT goes first: nothing is left open while waiting
+        except psycopg.Error as exc:
+            raise translate(exc, self._db.label) from None
         try:
             raw.execute(LOCK, (orjson.dumps(self._names).decode(),))
         except psycopg.Error as exc:
-            from .pg import translate
-
             self._release(raw)
             raise translate(exc, self._db.label) from None
         self._raw = raw
@@ -72,7 +73,11 @@ class AdvisorySerial:
         return raw is not None and self._db.conn.raw is raw and not raw.closed and not raw.broken
 
     def committed(self) -> None:
-        self._db.connected()
+        psycopg = psycopg_module()
+        try:
+            self._db.connected()
+        except psycopg.Error as exc:
+            raise translate(exc, self._db.label) from None
 
     def __exit__(self, *exc: object) -> None:
         raw, self._raw = self._raw, None

@@ -587,3 +587,38 @@ def test_trace_by_key_finds_the_fence_row_under_its_generic_column(
     assert ["notified"] == statuses(apply(db, step(), event))
     assert {E1: {"revision": 2}} == {k: {"revision": v.get("revision")} for k, v in system._key_rows(db, "a-9").items()}
     assert {} == system._key_rows(db, "a-8")
+
+
+@pytest.mark.postgres
+def test_a_connection_lost_mid_batch_on_postgresql_calls_no_more_keys(pg_url: str, step: Step) -> None:
+    """The server ends the inbox's session after the batch's first call (its advisory lock with it):
+    the keys not yet called are not called by this batch (transient database-unavailable, their
+    marks undone, nothing in doubt); the first key completes; the next batch calls the others once."""
+    import psycopg
+
+    with closed_at_exit() as keep, WebhookServer(idempotent=False) as endpoint:
+        db = keep(PgInboxDB.open(pg_url, consumers.get("webhook"), create=True))
+        notifier = step(idempotent=False, url=endpoint.url)
+        call = notifier.call
+
+        def call_then_cut(made: Any) -> Any:
+            result = call(made)
+            if len(endpoint.requests) == 1:  # the server ends the session (as a restart would)
+                with psycopg.connect(pg_url, autocommit=True) as admin:
+                    admin.execute("SELECT pg_terminate_backend(%s)", (db.conn.raw.info.backend_pid,))
+            return result
+
+        notifier.call = call_then_cut  # type: ignore[method-assign]
+        batch = [env(event_id=e, article_id=f"a-{i}") for i, e in enumerate((E1, E2, E3))]
+        marks = [DeliveryMark(f"m-{i}", redelivered=False, attempt=1) for i in range(3)]
+        again = WorkHooks(wait_for_store=lambda exc: None)
+
+        outcomes = fence.apply_fenced(db, batch, marks, notifier, again)
+
+        assert ["notified", "transient:database-unavailable", "transient:database-unavailable"] == statuses(outcomes)
+        assert [("a-0:1:notify", 1, 0), ("a-1:1:notify", 0, 0), ("a-2:1:notify", 0, 0)] == read(
+            db, "fence", "key, calls, in_doubt")
+        notifier.call = call  # type: ignore[method-assign]
+        assert ["duplicate:notified", "notified", "notified"] == statuses(
+            fence.apply_fenced(db, batch, marks, notifier, again))
+        assert {"a-0:1:notify": 1, "a-1:1:notify": 1, "a-2:1:notify": 1} == endpoint.calls()
