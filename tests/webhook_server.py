@@ -16,7 +16,10 @@ What it answers depends on the notification's title:
 * anything else -- 200 ``{"id": ...}``.
 
 ``healed = True`` answers every title as "anything else" (the fix after
-which a dead letter is requeued).
+which a dead letter is requeued). ``hold_at = N`` holds the answer of the
+N-th request (its effect made) until ``release`` is set: ``holding`` is set
+once it arrived and ``held`` is its key -- a caller killed meanwhile dies
+between its call and its commit.
 
 The ledger counts effects per key, never throughput: ``effects()``.
 Run it alone for the benchmark: ``python tests/webhook_server.py [PORT [DELAY_S]]``
@@ -79,6 +82,13 @@ class WebhookServer:
         self.tries: Counter[str] = Counter()
         self.served = 0
         self.healed = False
+        #: The number of the request whose answer waits for ``release`` (None: none).
+        self.hold_at: int | None = None
+        self.holding = threading.Event()
+        self.release = threading.Event()
+        self.held: str | None = None
+        #: The client's port of the held request (which process made it).
+        self.held_port: int | None = None
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -96,6 +106,7 @@ class WebhookServer:
         return self
 
     def stop(self) -> None:
+        self.release.set()
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
@@ -150,6 +161,8 @@ class WebhookServer:
                     delay = float(arg)
             if self.record:
                 self.requests.append(Request(key, body, status, rid, effect))
+            if self.served == self.hold_at:
+                self.held, delay = key, -1.0
         payload = orjson.dumps({"id": rid}) if rid else orjson.dumps({"error": status})
         return status, headers, payload, delay
 
@@ -170,7 +183,11 @@ def _handler(server: WebhookServer) -> type[BaseHTTPRequestHandler]:
             except orjson.JSONDecodeError:
                 body = {}
             status, headers, payload, delay = server.answer(unquote(key) if key else None, body)
-            if delay:
+            if delay < 0:  # held: the effect is made, the answer waits
+                server.held_port = int(self.client_address[1])
+                server.holding.set()
+                server.release.wait(60)
+            elif delay:
                 time.sleep(delay)  # a deliberately slow endpoint: the slowness is what the caller tests
             try:
                 self.send_response(status)

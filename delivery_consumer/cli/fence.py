@@ -1,7 +1,8 @@
 """``fence list|show|resolve``: the fence rows of a consumer with an external effect.
 
 ``list`` and ``show`` are read-only like the inspect commands (``mode=ro``,
-no lock, no snapshot kept). ``resolve`` is a person's verdict on a call
+no lock, no snapshot kept). ``--db postgresql://...`` with ``--consumer``
+reads and resolves the consumer's fence in its schema there. ``resolve`` is a person's verdict on a call
 whose outcome is unknown (the dead letter ``outcome-unknown``): after it,
 ``dead requeue`` completes the event without calling (``--provider-id``) or
 calls again with the same key (``--not-sent``).
@@ -13,19 +14,42 @@ used or the fence cannot be resolved.
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import click
 
 from ..inbox import fence as fence_lib
-from ..model.errors import FenceError
+from ..inbox.apply import Store
+from ..model.errors import DeliveryError, FenceError
 from ..store.sqlite import translate
 from ._common import Fatal, emit_json, handle_errors, open_db
 from ._output import echo_record, echo_table
 from .inbox import Missing, limit_option, read_options, reading
 
 LIST_COLUMNS = ["claimedAt", "key", "state", "calls", "inDoubt", "providerId", "httpStatus", "lastError"]
+
+
+@contextmanager
+def _writable(consumer: str | None, db_path: Path | str | None) -> Iterator[Store]:
+    """The consumer's database opened for a write: a file, or its schema in PostgreSQL."""
+    if not isinstance(db_path, str):
+        with open_db(consumer, db_path) as db:
+            yield db
+        return
+    from .. import consumers
+    from ..inbox.pg import PgInboxDB, redact
+
+    if consumer is None:
+        raise Fatal(f"{redact(db_path)}: give --consumer NAME (its inbox is the schema of that name)")
+    try:
+        pg = PgInboxDB.open(db_path, consumers.get(consumer))
+    except DeliveryError as exc:
+        raise Fatal(str(exc)) from None
+    with pg:
+        yield pg
 
 
 @click.group()
@@ -81,7 +105,7 @@ def fence_show(consumer: str | None, db_path: Path | None, as_json: bool, key: s
 def fence_resolve(consumer: str | None, db_path: Path | None, as_json: bool, key: str, provider_id: str | None,
                   not_sent: bool) -> None:
     """Resolve a claimed fence by hand (after outcome-unknown), then requeue its dead letter."""
-    with open_db(consumer, db_path) as db:
+    with _writable(consumer, db_path) as db:
         try:
             row: dict[str, Any] = fence_lib.resolve(db, key, provider_id=provider_id, not_sent=not_sent)
         except FenceError as exc:

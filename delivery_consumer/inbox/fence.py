@@ -18,18 +18,21 @@ from collections.abc import Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from ..amqp.partitions import delivery_outcome, forwarded_to, misplaced
-from ..model.contract import Connection, DeliveryMark, Outcome, WorkHooks
+from ..model.contract import Connection, DeliveryMark, Outcome, WorkHooks, dialect
 from ..model.envelope import Envelope
 from ..model.errors import OUTCOME_UNKNOWN, REVISION_CONFLICT, FenceError, Rejection, StoreUnavailable, TransientError
 from ..model.faults import crashpoint
 from ..observability import tracing
 from ..store.sqlite import now_iso
-from .apply import Transaction, apply_batch, duplicate, receipt_of, unsynced_transaction
-from .database import ConsumerDB
+from .apply import Store, Transaction, apply_batch, duplicate, receipt_of, unsynced_transaction
 from .in_flight import InFlight
+
+if TYPE_CHECKING:
+    from .database import ConsumerDB
+    from .pg import PgInboxDB
 
 log = logging.getLogger("delivery_consumer.fence")
 
@@ -132,6 +135,59 @@ class ExternalStep(Protocol):
         ...
 
 
+# -- the serial lock ---------------------------------------------------------------
+
+
+class _Serial(Protocol):
+    """The lock the three steps of a batch run under (docs/fence.md, "One batch at a time")."""
+
+    def __enter__(self) -> Any: ...
+
+    def __exit__(self, *exc: object) -> Any: ...
+
+    def held(self) -> bool:
+        """Whether the lock is still this process's (False: lost with the database's connection)."""
+        ...
+
+    def committed(self) -> None:
+        """Make what was committed without waiting (the claim, a note) committed before a call."""
+        ...
+
+
+class _FileSerial:
+    """SQLite: one process at a time on the database file (:meth:`ConsumerDB.serial`, an OFD lock
+    held for as long as the process lives); every commit is made when its transaction ends."""
+
+    __slots__ = ("_db",)
+
+    def __init__(self, db: ConsumerDB) -> None:
+        self._db = db
+
+    def __enter__(self) -> _FileSerial:
+        self._db.serial().__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._db.serial().__exit__(*exc)
+
+    def held(self) -> bool:
+        return True
+
+    def committed(self) -> None:
+        pass
+
+
+def serial_lock(db: Store, parsed: Sequence[Envelope | Rejection], step_name: str) -> _Serial:
+    """The lock of a batch: the file on SQLite; on PostgreSQL, where several runs share the inbox,
+    an advisory lock per entity (``<entity key>:<step>``) of the batch (:mod:`.pg_fence`)."""
+    if dialect(db.conn) == "postgres":
+        from .pg_fence import AdvisorySerial
+
+        names = [f"{item.key}:{step_name}" for item in parsed if isinstance(item, Envelope)]
+        return AdvisorySerial(cast("PgInboxDB", db), names)
+    return _FileSerial(cast("ConsumerDB", db))
+
+
 # -- the protocol ------------------------------------------------------------------
 
 
@@ -158,7 +214,7 @@ _Answer = str | Rejection | TransientError | _Plan
 
 
 def apply_fenced(
-    db: ConsumerDB, parsed: Sequence[Envelope | Rejection], marks: Sequence[DeliveryMark], step: ExternalStep,
+    db: Store, parsed: Sequence[Envelope | Rejection], marks: Sequence[DeliveryMark], step: ExternalStep,
     hooks: WorkHooks = _NO_HOOKS,
 ) -> list[Outcome]:
     """Apply a batch with the fence protocol; one Outcome per delivery, in order.
@@ -171,25 +227,25 @@ def apply_fenced(
     completing transaction clears the note. Raises StoreUnavailable when the
     database as a whole failed before any call (the caller retries the
     batch); once calls were made, their answers are kept and the completion
-    waits for the database (``hooks.wait_for_store``). One process at a time
-    runs the three steps on a database (:meth:`ConsumerDB.serial`): two
-    processes that reach one database never call one key twice, nor an older
-    revision after a newer one.
+    waits for the database (``hooks.wait_for_store``). The three steps run under
+    :func:`serial_lock` (one process at a time on a SQLite file; on PostgreSQL,
+    one per entity of the batch): two processes that reach one database never
+    call one key twice, nor an older revision after a newer one.
     """
-    with db.serial():
-        return _apply_fenced(db, parsed, marks, step, hooks)
+    with serial_lock(db, parsed, step.name) as lock:
+        return _apply_fenced(db, parsed, marks, step, hooks, lock)
 
 
 def _apply_fenced(
-    db: ConsumerDB, parsed: Sequence[Envelope | Rejection], marks: Sequence[DeliveryMark], step: ExternalStep,
-    hooks: WorkHooks,
+    db: Store, parsed: Sequence[Envelope | Rejection], marks: Sequence[DeliveryMark], step: ExternalStep,
+    hooks: WorkHooks, lock: _Serial,
 ) -> list[Outcome]:
     answers = _claim_all(db, parsed, step)
     plans = [answer for answer in answers.values() if isinstance(answer, _Plan)]
     plans.sort(key=lambda plan: plan.index)
     if plans:
         crashpoint("webhook-after-claim")
-        _call_all(db, [p for p in plans if p.leader is None], step, hooks, [m.key for m in marks])
+        _call_all(db, [p for p in plans if p.leader is None], step, hooks, [m.key for m in marks], lock)
     completion = _Completion(parsed, answers, plans, marks, step, hooks)
     attempt = 0
     while True:  # (3) complete; always: its sync makes (1) durable
@@ -209,7 +265,7 @@ def _apply_fenced(
                 raise
 
 
-def _claim_all(db: ConsumerDB, parsed: Sequence[Envelope | Rejection], step: ExternalStep) -> dict[int, _Answer]:
+def _claim_all(db: Store, parsed: Sequence[Envelope | Rejection], step: ExternalStep) -> dict[int, _Answer]:
     """Step (1): claim the batch's keys in one transaction, not synced (docs/fence.md
     says why that is safe). The answers are keyed by ``id()`` of the parsed
     envelope, which is what the completion's effect receives; an event the
@@ -299,11 +355,12 @@ def _claim(
     return plan
 
 
-def _call_all(db: ConsumerDB, plans: list[_Plan], step: ExternalStep, hooks: WorkHooks,
-              delivery_keys: Sequence[str]) -> None:
+def _call_all(db: Store, plans: list[_Plan], step: ExternalStep, hooks: WorkHooks,
+              delivery_keys: Sequence[str], lock: _Serial) -> None:
     """Step (2): call each key in turn; after a failure of the endpoint as a
     whole (down, throttling) the rest are not called (no retry storm), nor
-    once the process is stopping for good (``hooks.abandoned``)."""
+    once the process is stopping for good (``hooks.abandoned``), nor once the
+    serial lock was lost with the database's connection (PostgreSQL)."""
     stopped: TransientError | None = None
     noted = False
     # A batch of one delivery (or of copies of one) is noted alone already.
@@ -327,6 +384,15 @@ def _call_all(db: ConsumerDB, plans: list[_Plan], step: ExternalStep, hooks: Wor
         elif note is not None:
             _until_stored(hooks, partial(note.mark, [delivery]))
         noted = note is not None
+        _until_stored(hooks, lock.committed)  # the claim and the marks are committed before the call
+        if not lock.held():
+            # Another run may hold the key now: not called by this one (a mark made on the new
+            # connection is undone at the completion: the call was never made).
+            stopped = TransientError("the connection to the database was lost, and the fence's lock with it",
+                                     code="database-unavailable")
+            plan.marked = True
+            plan.not_called = TransientError(f"not called: {stopped.reason}", code=stopped.code)
+            continue
         with tracing.external_call(step.name, plan.key, plan.env) as traced:
             plan.result = step.call(Call(plan.key, plan.payload, plan.env))
             traced(plan.result)
@@ -353,7 +419,7 @@ def _until_stored(hooks: WorkHooks, write: Callable[[], _T]) -> _T:
             hooks.wait_for_store(exc)
 
 
-def _mark_call(db: ConsumerDB, where: tuple[str, str, int], in_flight: InFlight | None = None,
+def _mark_call(db: Store, where: tuple[str, str, int], in_flight: InFlight | None = None,
                delivery: str = "") -> bool:
     """Record, durably, that a call with this key is about to be made (and
     note its delivery as under way); False when it is no longer ours to call
@@ -504,8 +570,11 @@ def _row(row: Sequence[Any]) -> dict[str, Any]:
 
 def has_fence(conn: Connection) -> bool:
     """Whether the database has a fence table (only consumers with an external effect do)."""
-    found = conn.execute("SELECT 1 FROM sqlite_schema WHERE type = 'table' AND name = 'fence'").fetchall()
-    return bool(found)
+    if dialect(conn) == "postgres":
+        sql = "SELECT 1 FROM pg_tables WHERE schemaname = current_schema() AND tablename = 'fence'"
+    else:
+        sql = "SELECT 1 FROM sqlite_schema WHERE type = 'table' AND name = 'fence'"
+    return bool(conn.execute(sql).fetchall())
 
 
 def fence_list(
@@ -514,15 +583,20 @@ def fence_list(
     """Fence rows, newest claim first; optionally of one state, or only those in doubt."""
     if not has_fence(conn):
         return []
-    where, params = [], []
+    where: list[str] = []
+    params: list[str | int] = []
     if state is not None:
         where.append("state = ?")
         params.append(state)
     if in_doubt is not None:
         where.append("in_doubt = ?")
-        params.append(str(int(in_doubt)))
+        params.append(int(in_doubt))
     sql = f"SELECT {_COLUMNS} FROM fence {'WHERE ' + ' AND '.join(where) if where else ''}"
-    rows = conn.execute(f"{sql} ORDER BY claimed_at DESC, key LIMIT ?", [*params, limit or -1]).fetchall()
+    sql += " ORDER BY claimed_at DESC, key"
+    if limit:
+        sql += " LIMIT ?"
+        params.append(limit)
+    rows = conn.execute(sql, params).fetchall()
     return [_row(r) for r in rows]
 
 
@@ -535,7 +609,7 @@ def fence_show(conn: Connection, key: str) -> dict[str, Any] | None:
     return _row(rows[0]) if rows else None
 
 
-def resolve(db: ConsumerDB, key: str, *, provider_id: str | None = None, not_sent: bool = False) -> dict[str, Any]:
+def resolve(db: Store, key: str, *, provider_id: str | None = None, not_sent: bool = False) -> dict[str, Any]:
     """A person's verdict on a claimed fence, typically after ``outcome-unknown``.
 
     ``provider_id``: the provider did it -- the fence becomes ``done`` and the
@@ -583,4 +657,5 @@ __all__ = [
     "has_fence",
     "key_parts",
     "resolve",
+    "serial_lock",
 ]

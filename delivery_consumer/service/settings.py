@@ -132,9 +132,6 @@ class RunConfig:
         from ..inbox.pg import PgInboxDB
 
         spec = consumers.get(self.consumer)
-        if spec.external is not None:
-            raise ConfigError(f"{self.consumer}: an effect outside the database (the fence) needs an inbox on SQLite"
-                              " for now; give --db a file")
         db = PgInboxDB.open(url, spec, create=True, partition=self.partition, unpartitioned=self.partition is None)
         pending = db.meta().get(PENDING_KEY)
         if pending is not None:

@@ -1,5 +1,6 @@
 """Two processes reach one webhook database (the writer lock bypassed: both call the
-library directly) and race through the same stream, against the local endpoint.
+library directly) and race through the same stream, against the local endpoint; on
+SQLite (one file) and on PostgreSQL (one schema, where several runs share the inbox).
 
 What must hold: one call per key, never an older revision of an article notified
 after a newer one (the last notification of each article is its latest revision),
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 from support import read_rows, subprocess_env
 from webhook_server import WebhookServer
 
@@ -31,11 +33,13 @@ from delivery_consumer.consumers.webhook import Notifier, WebhookConfig
 from delivery_consumer.model.contract import DeliveryMark
 from delivery_consumer.model.envelope import parse
 from delivery_consumer.inbox import fence
+from delivery_consumer.inbox.pg import PgInboxDB, is_url
 db_path, url, source, batch = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 with open(source, "rb") as f:
     envs = [parse(line) for line in f.read().splitlines()]
 notifier = Notifier(WebhookConfig(url, True, 2.0, 5.0))
-with consumers.open_db(db_path, "webhook") as db:
+opened = PgInboxDB.open(db_path, consumers.get("webhook")) if is_url(db_path) else consumers.open_db(db_path, "webhook")
+with opened as db:
     for start in range(0, len(envs), batch):
         part = envs[start:start + batch]
         marks = [DeliveryMark(e.event_id, redelivered=False, attempt=1) for e in part]
@@ -56,12 +60,30 @@ def _events() -> list[dict[str, Any]]:
     return out
 
 
-def test_two_processes_on_one_webhook_database_call_each_key_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def test_two_processes_on_one_webhook_database_call_each_key_once(
+    tmp_path: Path, backend: str, request: pytest.FixtureRequest
+) -> None:
     """Two processes apply the same stream (batches of 3 and 5) to one webhook database:
     every key is called once, no article's revision is notified after a newer one, each
     article's last notification is its latest revision, and every receipt agrees with its fence row."""
-    db = tmp_path / "webhook.db"
-    consumers.open_db(db, "webhook", create=True).close()
+    if backend == "sqlite":
+        db: str | Path = tmp_path / "webhook.db"
+        consumers.open_db(db, "webhook", create=True).close()
+
+        def table(name: str, columns: str) -> list[tuple[Any, ...]]:
+            return read_rows(Path(db), name, columns)
+    else:
+        from delivery_consumer.inbox.pg import PgInboxDB
+
+        db = str(request.getfixturevalue("pg_url"))
+        PgInboxDB.open(db, consumers.get("webhook"), create=True).close()
+
+        def table(name: str, columns: str) -> list[tuple[Any, ...]]:
+            import psycopg
+
+            with psycopg.connect(str(db)) as conn:
+                return [tuple(r) for r in conn.execute(f"SELECT {columns} FROM dc_webhook.{name}").fetchall()]
     events = _events()
     source = tmp_path / "events.ndjson"
     source.write_bytes(b"".join(orjson.dumps(e) + b"\n" for e in events))
@@ -80,10 +102,10 @@ def test_two_processes_on_one_webhook_database_call_each_key_once(tmp_path: Path
     for article, revisions in notified.items():
         assert revisions == sorted(revisions), (article, revisions)
         assert revisions[-1] == REVISIONS, (article, revisions)
-    fences = {row[0]: row for row in read_rows(db, "fence", "event_id, state, provider_id, entity_key, revision")}
+    fences = {row[0]: row for row in table("fence", "event_id, state, provider_id, entity_key, revision")}
     done = {(row[3], row[4]) for row in fences.values() if row[1] == "done"}
     revision_of = {str(e["eventId"]): (str(e["articleId"]), int(e["revision"])) for e in events}
-    receipts = dict(read_rows(db, "inbox", "event_id, result"))
+    receipts = dict(table("inbox", "event_id, result"))
     assert len(receipts) == len(events)
     for event_id, result in receipts.items():
         row = fences.get(event_id)
