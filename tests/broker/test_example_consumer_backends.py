@@ -204,7 +204,7 @@ def start_run(ns: Namespace, python: Path, backend: Backend, *args: str) -> RunP
     """``delivery-consumer run --consumer payments --db <backend>`` of the installed example, a real process
     (its own session), found by its entry point alone."""
     proc = RunProcess([str(python), "-m", "delivery_consumer", "run", "--consumer", CONSUMER, "--db", backend.db,
-                       "--batch", "1", "--prefetch", "4", *args], cwd=ns.workdir, env=ns.env())
+                       *args], cwd=ns.workdir, env=ns.env())
     ns.started.append(proc)
     return proc
 
@@ -215,20 +215,22 @@ def test_the_example_keeps_an_exact_ledger_through_kill_9_and_a_server_restart(
     run (meeting, on PostgreSQL, a restart of the server mid-stream) drains the queue. Every event the example
     accepts has one receipt, ``updated`` (each payment's order kept), and its effect once: the table is the
     model's, row by row, and so is the example's view. The refused events, and only they, are in ``rejected``
-    and the dead-letter queue with the example's codes, each copy published once (a copy in flight at the
-    kill or the restart may be refused twice: a refusal leaves no receipt); no delivery spent a second
+    and the dead-letter queue with the example's codes, each published copy refused once (a copy in flight
+    at the kill or the restart may be refused twice: a refusal leaves no receipt); no delivery spent a second
     attempt."""
     stream = payment_stream()
     applied = stream.applied
     space.publish(stream.bodies, declare=[CONSUMER])
 
-    first = start_run(space, installed, backend)
+    # The first run in batches (killed with deliveries in flight), the second one delivery per transaction: the rest of
+    # the stream then lasts seconds, long enough for the server's restart to land mid-stream.
+    first = start_run(space, installed, backend, "--batch", "8", "--prefetch", "16")
     wait_until("a tenth of the receipts", lambda: backend.receipts() >= len(applied) // 10, procs=[first])
     kill(first, main_only=True)
     at_kill = backend.receipts()
     assert at_kill < len(applied), "the kill came after the stream was consumed"
 
-    second = start_run(space, installed, backend, "--exit-when-idle", "2")
+    second = start_run(space, installed, backend, "--batch", "1", "--prefetch", "4", "--exit-when-idle", "2")
     if backend.restart is not None:
         wait_until("half of the receipts", lambda: backend.receipts() >= max(len(applied) // 2, at_kill + 1),
                    procs=[second])
