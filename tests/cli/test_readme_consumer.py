@@ -8,30 +8,19 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
-import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
+from examplekit import example_files, install_example, section
 from support import subprocess_env
 from test_asyncapi import errors, payload_schema
 
-REPO = Path(__file__).resolve().parents[2]
 FIRST = "01938b10-0000-7000-8000-000000000001"  # pay-1 authorized, with meta
 CONFLICT = "01938b10-0000-7000-8000-000000000004"  # pay-1 captured again at revision 2, another amount
 CLOUDEVENT = "pay-000002-auth"  # pay-2 authorized, a CloudEvent from /payments
-
-
-def section() -> str:
-    return (REPO / "docs" / "adding-a-consumer.md").read_text("utf-8")
-
-
-def example_files() -> dict[str, str]:
-    """File name -> content of each code block introduced by its name in backquotes."""
-    return dict(re.findall(r"`([\w.]+)`:?\n\n```\w+\n(.*?)```", section(), re.S))
 
 
 def transcript() -> list[tuple[str, str]]:
@@ -44,22 +33,7 @@ def transcript() -> list[tuple[str, str]]:
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path]]:
     """The example pip-installed (entry points included) into a fresh venv that sees the test venv; its files."""
-    root = tmp_path_factory.mktemp("readme_consumer")
-    package = root / "delivery-payments"
-    package.mkdir()
-    for name, content in example_files().items():
-        (package / name).write_text(content, "utf-8")
-    venv = root / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)],
-                   check=True, timeout=120)
-    python = venv / "bin" / "python"
-    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                             check=True, capture_output=True, text=True, timeout=60).stdout.strip()
-    # --system-site-packages of a venv made from a venv sees the base Python, not the test venv: add it.
-    Path(purelib, "_test_venv.pth").write_text(f"import site; site.addsitedir({sysconfig.get_path('purelib')!r})\n")
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", "--no-index",
-                    str(package)], check=True, timeout=300, env=subprocess_env())
-    yield python, package
+    yield install_example(tmp_path_factory.mktemp("readme_consumer"))
 
 
 def run(python: Path, cwd: Path, command: str, code: int = 0) -> str:
