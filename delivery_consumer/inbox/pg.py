@@ -35,6 +35,10 @@ from ..model.contract import ConsumerSpec, Outcome
 from ..model.envelope import Envelope
 from ..model.errors import ConfigError, DatabaseError, DeliveryError, Rejection, StoreUnavailable, WrongDatabase
 from ..store.dbfile import ContentTags, FileGuard
+from ..store.postgres import connect as _connect
+from ..store.postgres import is_url, redact
+from ..store.postgres import psycopg_module as _psycopg_module
+from ..store.postgres import translate as _translate
 from ..store.sqlite import now_iso
 from ..version import __version__
 from .apply import Transaction
@@ -99,57 +103,19 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
 STORE_VERSION: Final = len(MIGRATIONS)
 _STORE_VERSION_KEY: Final = "store_version"
 
-#: SQLSTATE classes that are the environment's fault (a lost connection, a
-#: serialization failure or deadlock, no resources, an operator's shutdown):
-#: the batch waits, no attempt is spent.
-_TRANSIENT_CLASSES: Final = ("08", "40", "53", "55", "57", "58")
-_AUTH: Final = ("28000", "28P01", "3D000", "42501")
-_READ_ONLY: Final = "25006"
-#: libpq's connection failures carry no SQLSTATE: these words mean a configuration error.
-_CONFIG_WORDS: Final = ("password authentication failed", "role", "does not exist", "no pg_hba.conf entry",
-                        "authentication", "invalid connection option", "invalid dsn", "missing \"=\"",
-                        "invalid integer value", "invalid sslmode")
+_USER: Final = "the inbox"
 
 
 def psycopg_module() -> Any:
     """psycopg, or DatabaseError naming the extra to install."""
-    try:
-        import psycopg
-    except ImportError:  # pragma: no cover - the extra is missing
-        raise DatabaseError("a consumer's inbox on PostgreSQL needs psycopg 3: "
-                            "pip install 'delivery-consumer[postgres]'") from None
-    return psycopg
-
-
-def is_url(db: object) -> bool:
-    """Whether *db* (a ``--db`` value) names a PostgreSQL database rather than a file."""
-    return isinstance(db, str) and db.startswith(("postgresql://", "postgres://"))
-
-
-def redact(url: str) -> str:
-    """*url* without its password, for messages and logs."""
-    return re.sub(r"(://[^:/@?]*):[^@/?]*@", r"\1@", url)
+    return _psycopg_module("a consumer's inbox on PostgreSQL")
 
 
 def translate(exc: BaseException, label: str) -> DeliveryError:
-    """A psycopg error as the project's: StoreUnavailable (an outage, a
-    serialization failure, a deadlock, a lost connection: wait, spend nothing)
-    or DatabaseError (bad credentials, a standby, no such database: exit 2)."""
-    state = getattr(exc, "sqlstate", None) or ""
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    if state == _READ_ONLY:
-        return DatabaseError(f"{label}: the database is read-only (a standby?): the inbox needs the primary")
-    if state in _AUTH:
-        return DatabaseError(f"{label}: {text}")
-    if state[:2] in _TRANSIENT_CLASSES:
-        return StoreUnavailable(f"{label}: {text}", code="database-unavailable")
-    psycopg = psycopg_module()
-    if not state and isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
-        lowered = text.lower()
-        if any(word in lowered for word in _CONFIG_WORDS) and "the database system" not in lowered:
-            return DatabaseError(f"{label}: {text}")
-        return StoreUnavailable(f"{label}: {text}", code="database-unavailable")
-    return DatabaseError(f"{label}: {text}")
+    """A psycopg error as the project's (:func:`..store.postgres.translate`): StoreUnavailable (an
+    outage, a serialization failure, a deadlock, a lost connection: wait, spend nothing) or
+    DatabaseError (bad credentials, a standby, no such database: exit 2)."""
+    return _translate(exc, label, user=_USER)
 
 
 _NUMBERED: Final = re.compile(r"\?(\d+)")
@@ -553,19 +519,8 @@ class PgInboxDB:
         with suppress(Exception):
             if raw is not None:
                 raw.close()
-        psycopg = psycopg_module()
-        try:
-            raw = psycopg.connect(self.url, autocommit=True, connect_timeout=10, prepare_threshold=1,
-                                  application_name=f"delivery-consumer {self.spec.name}")
-        except psycopg.Error as exc:
-            raise translate(exc, self.label) from None
-        try:
-            raw.execute(f'SET search_path TO "{self.schema}"')
-            if self.readonly:
-                raw.execute("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY")
-        except psycopg.Error as exc:
-            raw.close()
-            raise translate(exc, self.label) from None
+        raw = _connect(self.url, self.label, user=_USER, application_name=f"delivery-consumer {self.spec.name}",
+                       readonly=self.readonly, setup=(f'SET search_path TO "{self.schema}"',), prepare_threshold=1)
         self._raw = raw
         self._conn._raw = raw
         return raw

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from ..store.dbfile import FileGuard
+from ..store.postgres import SCHEMES, is_url, redact
 from ..store.sqlite import path_of, rollback
 from . import wake
 from .seam import Cursor, OutboxDb, WakeListener
@@ -93,12 +94,12 @@ class SqliteDb:
 
 
 #: URL schemes that name a PostgreSQL database instead of a SQLite file.
-PG_SCHEMES: Final = ("postgresql://", "postgres://")
+PG_SCHEMES: Final = SCHEMES
 
 
 def is_pg_url(target: object) -> bool:
     """Whether *target* (a ``--db`` value) is a PostgreSQL URL."""
-    return isinstance(target, str) and target.startswith(PG_SCHEMES)
+    return is_url(target)
 
 
 def exists(target: Path | str) -> bool:
@@ -109,8 +110,6 @@ def exists(target: Path | str) -> bool:
 def display(target: Path | str) -> str:
     """*target* for messages and views: a path, or a URL without its password."""
     if is_pg_url(target):
-        from .pg import redact
-
         return redact(str(target))
     return str(target)
 

@@ -28,7 +28,10 @@ from contextlib import contextmanager, nullcontext, suppress
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Final
 
-from ..model.errors import DatabaseError, DeliveryError, OutboxError, StoreUnavailable
+from ..model.errors import DatabaseError, DeliveryError, OutboxError
+from ..store.postgres import connect as _connect
+from ..store.postgres import psycopg_module, redact
+from ..store.postgres import translate as _translate
 from ..store.sqlite import now_iso
 
 if TYPE_CHECKING:
@@ -92,52 +95,17 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
 )
 VERSION: Final = len(MIGRATIONS)
 
-#: SQLSTATE classes and codes that are the environment's fault: wait, spend nothing.
-_TRANSIENT_CLASSES: Final = ("08", "40", "53", "57", "58", "55")
-_READ_ONLY: Final = "25006"
-_AUTH: Final = ("28000", "28P01", "3D000", "42501")
-#: libpq's connection failures carry no SQLSTATE: these words mean a configuration error.
-_CONFIG_WORDS: Final = ("password authentication failed", "role", "does not exist", "no pg_hba.conf entry",
-                        "authentication", "invalid connection option", "invalid dsn", "missing \"=\"",
-                        "invalid integer value", "invalid sslmode")
+_USER: Final = "the outbox"
 
 
 def _psycopg() -> Any:
-    try:
-        import psycopg
-    except ImportError:  # pragma: no cover - the extra is missing
-        raise DatabaseError("the outbox on PostgreSQL needs psycopg 3: pip install 'delivery-consumer[postgres]'"
-                            ) from None
-    return psycopg
-
-
-def redact(url: str) -> str:
-    """*url* without its password, for messages."""
-    return re.sub(r"(://[^:/@?]*):[^@/?]*@", r"\1@", url)
+    return psycopg_module("the outbox on PostgreSQL")
 
 
 def translate(exc: Exception, label: str) -> DeliveryError:
-    """A psycopg error as the project's: StoreUnavailable (an outage, a timeout,
-    a lost connection: wait) or DatabaseError (exit 2: a standby, bad
-    credentials, no outbox)."""
-    state = getattr(exc, "sqlstate", None) or ""
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    if state == _READ_ONLY:
-        return DatabaseError(f"{label}: the database is read-only (a standby, or default_transaction_read_only is"
-                             " on): the outbox needs the primary")
-    if state in _AUTH:
-        return DatabaseError(f"{label}: {text}")
-    if state == "42P01":
-        return DatabaseError(f"{label}: no outbox in this database ({text})")
-    if state[:2] in _TRANSIENT_CLASSES:
-        return StoreUnavailable(f"{label}: {text}", code="database-unavailable")
-    psycopg = _psycopg()
-    if not state and isinstance(exc, psycopg.OperationalError):
-        lowered = text.lower()
-        if any(word in lowered for word in _CONFIG_WORDS) and "the database system" not in lowered:
-            return DatabaseError(f"{label}: {text}")
-        return StoreUnavailable(f"{label}: {text}", code="database-unavailable")
-    return DatabaseError(f"{label}: {text}")
+    """A psycopg error as the project's (:func:`..store.postgres.translate`): StoreUnavailable
+    (wait) or DatabaseError (exit 2: a standby, bad credentials, no outbox)."""
+    return _translate(exc, label, user=_USER, missing_table="no outbox in this database")
 
 
 _NUMBERED = re.compile(r"\?(\d+)")
@@ -319,26 +287,21 @@ class PgDb:
     def raw(self) -> psycopg.Connection[Any]:
         """The open psycopg connection (reopened when it was lost)."""
         if self._conn is None or self._conn.closed:
-            psycopg = _psycopg()
-            try:
-                conn = psycopg.connect(self.url, autocommit=True, connect_timeout=10,
-                                       application_name="delivery-consumer outbox")
-            except psycopg.Error as exc:
-                raise translate(exc, self.label) from None
-            try:
-                if self.readonly:
-                    conn.execute("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY")
-                else:
+            conn = _connect(self.url, self.label, user=_USER, application_name="delivery-consumer outbox",
+                            readonly=self.readonly)
+            if not self.readonly:
+                psycopg = _psycopg()
+                try:
                     standby, read_only = conn.execute(
                         "SELECT pg_is_in_recovery(), current_setting('transaction_read_only')").fetchone()
-                    if standby or read_only == "on":
-                        conn.close()
-                        why = "a standby" if standby else "default_transaction_read_only is on"
-                        raise DatabaseError(f"{self.label}: the database is read-only ({why}):"
-                                            " the outbox needs a writable primary")
-            except psycopg.Error as exc:
-                conn.close()
-                raise translate(exc, self.label) from None
+                except psycopg.Error as exc:
+                    conn.close()
+                    raise translate(exc, self.label) from None
+                if standby or read_only == "on":
+                    conn.close()
+                    why = "a standby" if standby else "default_transaction_read_only is on"
+                    raise DatabaseError(f"{self.label}: the database is read-only ({why}):"
+                                        " the outbox needs a writable primary")
             self._conn = conn
         return self._conn  # type: ignore[no-any-return]
 
