@@ -409,6 +409,10 @@ class Transaction:
         self._raise_if_whole(exc)
         return _Fallback()
 
+    def _write_receipts(self, rows: list[tuple[Any, ...]]) -> None:
+        """The optimistic batch's receipts (RECEIPT_INSERT's parameters, a row each), in one call."""
+        self.conn.executemany(self.RECEIPT_INSERT, rows)
+
     def _undo(self) -> None:
         self.conn.execute("ROLLBACK TO event")
         self.conn.execute("RELEASE event")
@@ -503,7 +507,7 @@ class Transaction:
             # Inside the try: an effect's bad result (None) fails here, as
             # the per-event path's receipt INSERT does.
             # _meta_column and the origin's JSON, inline: no call per event.
-            conn.executemany(self.RECEIPT_INSERT, [
+            self._write_receipts([
                 (env.event_id, env.fingerprint, result, env.type, now, env.key,
                  "" if (meta := env.fields.get("meta")) is None else _meta_json(meta),
                  "" if (ce := env.cloudevent) is None else ce.to_json())

@@ -365,3 +365,20 @@ def test_a_consumer_may_give_postgresql_its_own_effect_and_migrations(pg_url: st
     with PgInboxDB.open(pg_url, spec, create=True) as db:
         assert ["seen", "seen"] == statuses(apply_batch(db, [env(), from_mapping(new_event())]))
         assert [(2,)] == db.conn.execute("SELECT count(at) FROM seen").fetchall()
+
+
+def test_a_batchs_receipts_keep_its_order_and_every_column(backend: Backend) -> None:
+    """The optimistic batch's receipts (one statement on PostgreSQL) hold, in the batch's order, each event's
+    eventId, fingerprint, result, type, key and meta (NULL without one), all received at one time."""
+    db = backend.open(catalog.SPEC)
+    batch = [env(event_id=None, article_id=f"article-{i}",
+                 **({"meta": {"correlationId": f"é \"q\" \\ {i}", "causationId": "c"}} if i % 2 else {}))
+             for i in range(7)]
+    assert ["updated"] * 7 == statuses(apply_batch(db, batch))
+    order = "rowid" if backend.kind == "sqlite" else "seq"
+    rows = db.conn.execute("SELECT event_id, fingerprint, result, event_type, partition_key, meta, origin,"
+                           f" received_at FROM inbox ORDER BY {order}").fetchall()
+    assert [(e.event_id, e.fingerprint, "updated", e.type, e.key,
+             None if "meta" not in e.fields else f'{{"causationId":"c","correlationId":"é \\"q\\" \\\\ {i}"}}', None)
+            for i, e in enumerate(batch)] == [tuple(row[:7]) for row in rows]
+    assert len({row[7] for row in rows}) == 1
