@@ -9,7 +9,6 @@ import random
 from collections.abc import Iterator
 from typing import Any
 
-import counter_consumer  # noqa: F401  (registers the counter consumer in this process: publish declares its queue)
 import orjson
 import pytest
 from brokerkit import Namespace, kill
@@ -18,10 +17,18 @@ from pgkit import PrivatePostgres, admin, with_database
 from support import new_event, wait_until
 
 from delivery_consumer.amqp.partitions import partition_of
+from delivery_consumer.model.contract import ConsumerSpec
 
 pytestmark = [pytest.mark.broker, pytest.mark.postgres]
 
 CONSUMER = "counter"
+
+
+@pytest.fixture(autouse=True)
+def registered(counter: ConsumerSpec) -> ConsumerSpec:
+    """The counter consumer registered in this process for each test (publish declares its queue by it);
+    importing its module registers it only once per session, and another test may have unregistered it."""
+    return counter
 
 
 def stream(n: int, seed: int = 7) -> tuple[list[dict[str, Any]], list[bytes]]:
