@@ -22,14 +22,10 @@ from pathlib import Path
 
 import orjson
 
-from ..model.contract import dialect
 from ..model.errors import DatabaseError, DeliveryError
 from ..store import liveness, sqlite
 from .apply import Store, Transaction, unsynced_transaction
-
-#: The values of a JSON array given as one parameter, per dialect.
-_EACH = {"sqlite": "SELECT value FROM json_each(?)",
-         "postgres": "SELECT value FROM json_array_elements_text(CAST(? AS json))"}
+from .dialect import words_for
 
 #: The last outcome of a delivery whose process died while handling it, as
 #: older versions wrote it (now: CRASHED or INTERRUPTED).
@@ -150,7 +146,7 @@ class InFlight:
             return {}
         placeholders = ", ".join("?" * len(OPEN_OUTCOMES))
         conn = self.db.conn
-        each = _EACH[dialect(conn)]
+        each = words_for(self.db).texts_table
         return {
             str(key): int(crashes) for key, crashes in conn.execute(
                 f"SELECT key, crashes FROM deliveries WHERE key IN ({each}) AND last_outcome IN ({placeholders})",

@@ -378,15 +378,9 @@ class PgTransaction(Transaction):
         conn = self.conn
         last, conn.last = conn.last, []
         if exc is None and last:  # the statements left for the end, then the COMMIT: one round trip
-            try:
-                conn.execute_all([*last, ("COMMIT", ())])
-                conn.in_transaction = False
-                return
-            except BaseException as error:
-                db.rollback()
-                if isinstance(error, Exception):
-                    raise self._translated(error) from None
-                raise
+            self._commit(db, lambda: conn.execute_all([*last, ("COMMIT", ())]))
+            conn.in_transaction = False
+            return
         conn.in_transaction = False
         if conn.begin is not None:  # not begun: no statement was sent
             conn.begin = None
@@ -398,17 +392,21 @@ class PgTransaction(Transaction):
             self.conn.commit_pending = True
             return
         elif exc is None:
-            try:
-                db.raw_in_transaction().execute("COMMIT")
-                return
-            except BaseException as error:
-                db.rollback()
-                if isinstance(error, Exception):
-                    raise self._translated(error) from None
-                raise
+            self._commit(db, lambda: db.raw_in_transaction().execute("COMMIT"))
+            return
         db.rollback()
         if isinstance(exc, psycopg_module().Error):
             raise self._translated(exc) from None
+
+    def _commit(self, db: PgInboxDB, send: Callable[[], object]) -> None:
+        """*send* the COMMIT; on any failure roll back and raise (a database error as the store's)."""
+        try:
+            send()
+        except BaseException as error:
+            db.rollback()
+            if isinstance(error, Exception):
+                raise self._translated(error) from None
+            raise
 
     def _translated(self, exc: Exception) -> Exception:
         return translate(exc, str(self.db.path)) if isinstance(exc, psycopg_module().Error) else exc
