@@ -146,7 +146,7 @@ class FailingDisk:
     def fail(self) -> None:
         fd = os.open(self.mount, os.O_RDONLY)
         try:
-            fcntl.ioctl(fd, EXT4_IOC_SHUTDOWN, struct.pack("I", EXT4_GOING_FLAGS_NOLOGFLUSH))
+            fcntl.ioctl(fd, EXT4_IOC_SHUTDOWN, struct.pack("I", EXT4_GOING_FLAGS_DEFAULT))
         finally:
             os.close(fd)
 
@@ -156,7 +156,11 @@ class FailingDisk:
 
 
 EXT4_IOC_SHUTDOWN = 0x8004587D  # _IOR('X', 125, __u32)
-EXT4_GOING_FLAGS_NOLOGFLUSH = 2  # shut down without flushing the journal: what was synced survives
+# Flush what was written, then shut down. Not NOLOGFLUSH (2): that shutdown races with an fdatasync
+# under way, which can return 0 for a write that is then not on the disk (a plain write+fdatasync
+# loop lost its last synced write in 7 of 100 shutdowns, LOGFLUSH (1) in 3 of 100, this one in 0 of
+# 100), so no program could keep an acknowledged commit through it; a real disk's EIO fails the fsync.
+EXT4_GOING_FLAGS_DEFAULT = 0
 
 
 @pytest.fixture
@@ -201,6 +205,11 @@ def test_a_disk_that_fails_with_eio_mid_stream_is_waited_out_and_every_event_app
         raise AssertionError(f"run did not finish after the disk came back:\n{proc.output()[1][-4000:]}") from None
     assert proc.returncode == 0, err[-3000:]
     assert "opened again after the disk failed" in err and "Traceback" not in err
-    assert len(events) == len(read_rows(db, "inbox", "DISTINCT event_id")) == count_rows(db, "audit")
+    applied = {row[0] for row in read_rows(db, "inbox", "DISTINCT event_id")}
+    missing = [e["eventId"] for e in events if e["eventId"] not in applied]
+    told = [line for line in err.splitlines()
+            if "WARNING" in line or "ERROR" in line or any(m in line for m in missing[:1])]
+    assert (len(events), 0) == (len(applied), len(missing)), "\n".join(told)
+    assert len(events) == count_rows(db, "audit")
     assert 0 == ns.count(ns.topology("audit").queue) + queues_besides_main(ns)
     assert 0 == count_rows(db, "rejected")
