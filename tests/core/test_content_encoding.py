@@ -124,11 +124,11 @@ def test_identity_encodings_read_the_bytes_as_they_are(encoding: str | None) -> 
 
 
 @pytest.mark.parametrize(("encoded", "encoding"), [
-    (gzip.compress(b'{"a": 1}')[:-12], "gzip"),  # cut short
+    (gzip.compress(b'{"a": 1}', mtime=0)[:-12], "gzip"),  # cut short
     (b"not compressed at all", "gzip"),
     (b"", "gzip"),
     (b"not compressed at all", "deflate"),
-    (gzip.compress(b"{}") + b"trailing garbage", "gzip"),
+    (gzip.compress(b"{}", mtime=0) + b"trailing garbage", "gzip"),
 ])
 def test_damaged_compressed_data_is_malformed(encoded: bytes, encoding: str) -> None:
     """Data that is not a whole stream of its encoding is malformed-json, saying which encoding."""
