@@ -270,10 +270,47 @@ class Namespace:
         return self.start_run(consumer, "--exit-when-idle", str(idle), *args, env=env).until_idle(timeout)
 
 
+@pytest.fixture(scope="session")
+def swept_prefixes(amqp_url: str) -> Iterator[set[str]]:
+    """The prefixes of this session's namespaces on the shared broker. A namespace deletes the
+    names it knows; whatever else a test declared under its prefix (a partition's queues, a
+    retry tier of its own) is found at the session's end by one ``rabbitmqctl list_queues``
+    on the local node and deleted, so that no run of the suite leaves queues behind."""
+    prefixes: set[str] = set()
+    yield prefixes
+    if prefixes:
+        sweep_queues(amqp_url, prefixes)
+
+
+def sweep_queues(url: str, prefixes: set[str]) -> list[str]:
+    """Delete the queues and exchanges under *prefixes* that the local node lists; their names."""
+    left: dict[str, list[str]] = {}
+    for kind in ("queue", "exchange"):
+        try:
+            listed = subprocess.run(["rabbitmqctl", f"list_{kind}s", "name", "--quiet"], capture_output=True,
+                                    text=True, timeout=60).stdout.split()
+        except (OSError, subprocess.TimeoutExpired):
+            return []
+        left[kind] = [name for name in listed if name.split(".", 1)[0] in prefixes]
+    if left["queue"] or left["exchange"]:
+        conn = pika.BlockingConnection(pika.URLParameters(url))
+        try:
+            ch = conn.channel()
+            for name in left["queue"]:
+                ch.queue_delete(name)
+            for name in left["exchange"]:
+                ch.exchange_delete(name)
+        finally:
+            if conn.is_open:
+                conn.close()
+    return left["queue"] + left["exchange"]
+
+
 @pytest.fixture
-def ns(amqp_url: str, tmp_path: Path) -> Iterator[Namespace]:
+def ns(amqp_url: str, tmp_path: Path, swept_prefixes: set[str]) -> Iterator[Namespace]:
     """A fresh broker namespace and working directory, deleted afterwards."""
     space = Namespace(amqp_url, f"t{uuid.uuid4().hex[:10]}", tmp_path)
+    swept_prefixes.add(space.prefix)
     yield space
     for proc in space.started:  # whatever a test left running, worker processes included
         if session_processes(proc.pid):
