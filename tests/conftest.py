@@ -42,9 +42,17 @@ BROKER_SUITE = Path(__file__).resolve().parent / "broker"
 CLUSTER_SUITE = Path(__file__).resolve().parent / "cluster"
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark every test of ``broker/``, and every other test that uses a broker fixture,
-    ``broker``, so that ``pytest -m "not broker"`` runs the rest without RabbitMQ."""
+    ``broker``, so that ``pytest -m "not broker"`` runs the rest without RabbitMQ; and
+    keep together on one xdist worker (``--dist loadgroup``) what shares a costly fixture."""
+    groups = {item.nodeid: _worker_group(item) for item in items}
+    for item in items:
+        if groups[item.nodeid]:
+            item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
+    # The cluster's scenarios are the longest group of one worker: started first, they run beside the rest.
+    items.sort(key=lambda item: groups[item.nodeid] != "cluster")
     for item in items:
         if BROKER_SUITE in Path(item.path).parents or BROKER_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.broker)
@@ -53,6 +61,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.cluster)
         if POSTGRES_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.postgres)
+
+
+def _worker_group(item: pytest.Item) -> str | None:
+    """The worker group of a test: the cluster's tests share its three nodes (one cluster per
+    run, not one per worker); a module's tests share its module-scoped fixture (one build)."""
+    if CLUSTER_SUITE in Path(item.path).parents or "rabbit_cluster" in getattr(item, "fixturenames", ()):
+        return "cluster"
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.values() if info is not None else ()
+    if any(d.scope in ("module", "package", "class") for chain in defs for d in chain):
+        return Path(item.path).stem
+    return None
 
 
 @pytest.fixture
