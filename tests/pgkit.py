@@ -112,6 +112,18 @@ class PrivatePostgres:
         self.stop()
         self.start()
 
+    def copy_of(self, primary: PrivatePostgres) -> None:
+        """Make this server a streaming standby of *primary* (``pg_basebackup -R``); start() starts it."""
+        self.base.mkdir(parents=True, exist_ok=True)
+        if os.geteuid() == 0:
+            shutil.chown(self.base, "postgres")
+        self._run(str(self.bin / "pg_basebackup"), "-D", str(self.data), "-R", "-X", "stream", "-h", "127.0.0.1",
+                  "-p", str(primary.port), "-U", "postgres")
+
+    def promote(self) -> None:
+        """A standby made the primary (a failover's last step), waiting until it takes writes."""
+        self._run(str(self.bin / "pg_ctl"), "-D", str(self.data), "-w", "promote")
+
 
 def free_port() -> int:
     with socket.socket() as sock:
