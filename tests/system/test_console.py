@@ -80,12 +80,18 @@ def browser() -> Iterator[Any]:
             launched.close()
 
 
-@pytest.fixture
-def deployment(ns: Namespace, tmp_path: Path) -> Iterator[tuple[Path, str, str]]:
+@pytest.fixture(params=["sqlite"])
+def deployment(request: pytest.FixtureRequest, ns: Namespace, tmp_path: Path) -> Iterator[tuple[Path, str, str]]:
     """catalog and webhook fed through the outbox; the eventIds of an applied event and
-    of one dead-lettered endpoint-rejected (the endpoint is healed afterwards)."""
+    of one dead-lettered endpoint-rejected (the endpoint is healed afterwards). With the
+    parameter ``postgres``, webhook's inbox (and its fence) is in a PostgreSQL database of its own."""
     with WebhookServer() as server:
         config = write_deployment(tmp_path, ns=ns, webhook_url=server.url, consumers=("catalog", "webhook"))
+        if request.param == "postgres":
+            url = request.getfixturevalue("pg_url")
+            text = config.read_text("utf-8")
+            assert '"state/webhook/inbox.db"' in text
+            config.write_text(text.replace('"state/webhook/inbox.db"', f'"{url}"'), "utf-8")
         ids = []
         for article, title in (("a-1", "Fine"), ("a-2", "reject")):
             done = dc(config, "produce", "--article", article, "--title", title, "--url", "https://x/y", "--json")
@@ -110,11 +116,14 @@ def start_console() -> Iterator[Any]:
         console.stop()
 
 
+@pytest.mark.parametrize("deployment", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)],
+                         indirect=True)
 def test_the_page_traces_and_requeues_with_actions_allowed(
         deployment: tuple[Path, str, str], browser: Any, start_console: Any, ns: Namespace, tmp_path: Path) -> None:
     """Status with the dead letter grouped by code, a trace by eventId, then requeue through
     the confirmation step: the dead queue is empty and the consumer applies the event, which
-    the trace by articleId then lists as applied by both consumers."""
+    the trace by articleId then lists as applied by both consumers -- with webhook's inbox in a
+    SQLite file and in PostgreSQL."""
     config, fine, refused = deployment
     shots = tmp_path / "screenshots"
     console = start_console(config, "--allow-actions")
