@@ -12,7 +12,7 @@ receipt, nothing left in the queues.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,24 +95,6 @@ def _sqlite_place(ns: Namespace, env: dict[str, str]) -> Place:
                  requeue)
 
 
-@pytest.fixture
-def webhook_queues(ns: Namespace) -> Iterator[None]:
-    """The webhook's queues of this test deleted afterwards: the partitioned topology, its retry
-    tiers and the marker are not among the names the namespace deletes by itself."""
-    yield
-    conn, ch = ns.channel()
-    try:
-        for base in (f"{ns.prefix}.webhook", f"{ns.prefix}.webhook.p0"):
-            for suffix in ("", ".dead", ".dead.reader", *(f".retry.{d}ms" for d in (1000, 5000, 6000, 10000, 60000))):
-                ch.queue_delete(base + suffix)
-        for extra in ("unrouted", "partitions"):
-            ch.queue_delete(f"{ns.prefix}.webhook.{extra}")
-    finally:
-        if conn.is_open:
-            conn.close()
-
-
-@pytest.mark.usefixtures("webhook_queues")
 @pytest.mark.parametrize("idempotent", [True, False], ids=["idempotent", "not-idempotent"])
 @pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def test_the_fence_with_two_runs_and_a_kill_9_mid_call(
