@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from collections import deque
 from concurrent.futures import Future
 from contextlib import suppress
 from functools import partial
@@ -52,6 +53,9 @@ class WorkerLink:
         self.io: ConsumerIO | None = None
         self.failed: Failed | None = None
         self.closed = False
+        #: A send is under way; what a signal handler sends meanwhile waits in _deferred.
+        self._sending = False
+        self._deferred: deque[ToWorker] = deque()
         self._pending: list[Packed] = []
         self._pending_generation = 0
         self._dispatch: Dispatch[ToConnection] = (
@@ -83,12 +87,22 @@ class WorkerLink:
             self._send(Deliveries(self._pending_generation, pending))
 
     def _send(self, message: ToWorker) -> None:
-        if self.closed:
+        """Send *message*; one that a signal handler's :meth:`stop` sends while another is half
+        written goes right after it (the pipe's bytes would interleave, and the worker read garbage)."""
+        if self._sending:
+            self._deferred.append(message)
             return
-        try:
-            self.conn.send(message)
-        except OSError:
-            self._worker_gone()
+        while not self.closed:
+            self._sending = True
+            try:
+                self.conn.send(message)
+            except OSError:
+                self._worker_gone()
+            finally:
+                self._sending = False
+            if not self._deferred:
+                return
+            message = self._deferred.popleft()
 
     def channel(self, generation: int) -> None:
         if self.exposition is not None:
